@@ -1,0 +1,3 @@
+from fp8kv.cli import main
+
+main()
