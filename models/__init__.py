@@ -2,5 +2,12 @@
 
 from pathlib import Path
 
-BUNDLED_MODEL_DIR = Path(__file__).parent / "bundled" / "model"
+BUNDLED_DIR = Path(__file__).parent / "bundled"
+BUNDLED_MODEL_DIR = BUNDLED_DIR / "model"
 """The bundled default model: a small Llama trained on Python's documentation (see models/train.py)."""
+BUNDLED_CALIBRATION_TEXT = BUNDLED_DIR / "data" / "calibration.jsonl"
+"""Calibration split of the bundled model's corpus: JSON lines with a "text" field."""
+BUNDLED_HELDOUT_TEXT = BUNDLED_DIR / "data" / "heldout.jsonl"
+"""Held-out split (never trained on, never calibrated on): JSON lines with a "text" field."""
+BUNDLED_MODEL_ALIAS = "bundled"
+"""The MODEL argument that names the bundled model on the command line."""
