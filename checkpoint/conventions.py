@@ -1,0 +1,177 @@
+"""Where each tool puts KV scales: tensor names, shapes and config fields (FACTS §4).
+
+Conventions: "compressed-tensors" (llm-compressor), "modelopt" (NVIDIA ModelOpt),
+"quark" (AMD Quark and AutoFP8, `k_proj.output_scale`), "vllm-json" (vLLM's legacy
+`--quantization-param-path` file) and, read only, "kv_scale" (one legacy scale for K and V).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+from fp8kv.checkpoint.kvscales import TORCH_DTYPE_NAME, KVScales
+from fp8kv.errors import Fp8kvError
+
+CONVENTIONS = ("compressed-tensors", "modelopt", "quark", "vllm-json")
+HF_QUANT_CONFIG = "hf_quant_config.json"
+SCALES_FILE = "kv_scales.safetensors"
+VLLM_JSON_FILE = "kv_cache_scales.json"
+
+# Suffix after `layers.N.self_attn.` -> (convention, which cache it scales).
+_SUFFIXES = {
+    "k_scale": ("compressed-tensors", "k"),
+    "v_scale": ("compressed-tensors", "v"),
+    "k_proj.k_scale": ("modelopt", "k"),
+    "v_proj.v_scale": ("modelopt", "v"),
+    "k_proj.output_scale": ("quark", "k"),
+    "v_proj.output_scale": ("quark", "v"),
+    "kv_scale": ("kv_scale", "kv"),
+}
+_NAME = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.self_attn\.(?P<suffix>" + "|".join(
+    re.escape(s) for s in _SUFFIXES) + r")$")
+_LAYER_PREFIX = re.compile(r"^(?P<prefix>.*?)layers\.\d+\.self_attn\.")
+
+_CT_BASE = {"quant_method": "compressed-tensors", "format": "dense", "quantization_status": "frozen",
+            "config_groups": {}, "ignore": []}
+_QUARK_GROUP = ["*k_proj", "*v_proj"]
+
+
+def parse_scale_name(name: str) -> tuple[int, str, str] | None:
+    """(layer, "k"|"v"|"kv", convention) for a KV-scale tensor name, the way vLLM maps it; else None."""
+    match = _NAME.match(name)
+    if match is None:
+        return None
+    convention, kind = _SUFFIXES[match["suffix"]]
+    return int(match["layer"]), kind, convention
+
+
+def layer_prefix(tensor_names: list[str]) -> str:
+    """The prefix in front of `layers.N.self_attn.` ("model.", "model.language_model.", ...)."""
+    for name in sorted(tensor_names):
+        match = _LAYER_PREFIX.match(name)
+        if match:
+            return match["prefix"]
+    return "model."
+
+
+def scale_names(convention: str, prefix: str, layer: int) -> tuple[str, str]:
+    """The K and V tensor names `convention` uses for `layer`."""
+    base = f"{prefix}layers.{layer}.self_attn."
+    k_suffix, v_suffix = {
+        "compressed-tensors": ("k_scale", "v_scale"),
+        "modelopt": ("k_proj.k_scale", "v_proj.v_scale"),
+        "quark": ("k_proj.output_scale", "v_proj.output_scale"),
+    }[convention]
+    return base + k_suffix, base + v_suffix
+
+
+def weight_method(config: dict[str, Any], hf_quant: dict[str, Any] | None) -> str | None:
+    """How the weights are quantized, or None when only the KV cache is (or nothing)."""
+    qc = config.get("quantization_config")
+    if hf_quant is not None or (isinstance(qc, dict) and qc.get("quant_method") == "modelopt"):
+        fields = (hf_quant or {}).get("quantization") or _modelopt_fields(qc or {})
+        return "modelopt" if fields.get("quant_algo") else None
+    if not isinstance(qc, dict):
+        return None
+    method = str(qc.get("quant_method") or "")
+    if method == "compressed-tensors":
+        return method if qc.get("config_groups") else None
+    if method == "quark":
+        layers = [qc.get("global_quant_config") or {}, *(qc.get("layer_quant_config") or {}).values()]
+        return method if any(isinstance(spec, dict) and spec.get("weight") for spec in layers) else None
+    return method or None
+
+
+def quant_configs(
+    convention: str, config: dict[str, Any], hf_quant: dict[str, Any] | None, scales: KVScales, version: str
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The new `quantization_config` (None: none) and `hf_quant_config.json` (None: none) to write."""
+    method = weight_method(config, hf_quant)
+    allowed = {
+        None: CONVENTIONS,
+        "compressed-tensors": ("compressed-tensors", "vllm-json"),
+        "fp8": ("quark", "vllm-json"),
+        "modelopt": ("modelopt", "vllm-json"),
+        "quark": ("quark", "vllm-json"),
+    }
+    if method not in allowed:
+        raise Fp8kvError(
+            f"config.json: the weights are quantized with quant_method {method!r}, which fp8kv cannot add "
+            "KV-cache scales to; supported: unquantized, compressed-tensors, fp8, modelopt, quark"
+        )
+    if convention not in allowed[method]:
+        raise Fp8kvError(
+            f"config.json: the weights are quantized with {method!r}, whose engines read KV scales only as "
+            f"{' or '.join(allowed[method])}; write with that format instead of {convention!r}"
+        )
+    _check_representable(convention, scales)
+    qc = copy.deepcopy(config.get("quantization_config")) if method else None
+    if convention == "vllm-json":
+        return qc, copy.deepcopy(hf_quant) if method else None
+    if convention == "compressed-tensors":
+        qc = qc or copy.deepcopy(_CT_BASE)
+        qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": scales.strategy,
+                                 "dynamic": False, "symmetric": True}
+        return qc, None
+    if convention == "modelopt":
+        return _modelopt_configs(qc, hf_quant if method else None, version)
+    if method == "fp8":
+        qc["kv_cache_scheme"] = "static"  # AutoFP8's field; vLLM's Fp8Config then loads output_scale
+        return qc, None
+    return _quark_config(qc, scales), None
+
+
+def _check_representable(convention: str, scales: KVScales) -> None:
+    if scales.strategy == "attn_head" and convention != "compressed-tensors":
+        raise Fp8kvError(f"per-head (attn_head) scales can only be written as compressed-tensors, not {convention}")
+    if scales.kv_dtype != "fp8_e4m3" and convention in ("compressed-tensors", "modelopt"):
+        raise Fp8kvError(f"{convention} stores fp8_e4m3 KV caches only; {scales.kv_dtype} needs quark or vllm-json")
+
+
+def _modelopt_fields(qc: dict[str, Any]) -> dict[str, Any]:
+    return qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
+
+
+def _modelopt_configs(qc: dict[str, Any] | None, hf_quant: dict[str, Any] | None, version: str):
+    hf_quant = copy.deepcopy(hf_quant) or {"producer": {"name": "fp8kv", "version": version},
+                                           "quantization": {"quant_algo": None}}
+    hf_quant.setdefault("quantization", {})["kv_cache_quant_algo"] = "FP8"
+    if qc is not None:
+        _modelopt_fields(qc)["kv_cache_quant_algo"] = "FP8"
+    return qc, hf_quant
+
+
+def quark_tensor_spec(kv_dtype: str) -> dict[str, Any]:
+    """Quark's description of a static per-tensor fp8 output quantizer."""
+    return {"dtype": kv_dtype, "qscheme": "per_tensor", "ch_axis": None, "group_size": None, "symmetric": True,
+            "round_method": "half_even", "scale_type": "float", "is_dynamic": False,
+            "observer_cls": "PerTensorMinMaxObserver"}
+
+
+def _quark_config(qc: dict[str, Any] | None, scales: KVScales) -> dict[str, Any]:
+    empty = {"weight": None, "input_tensors": None, "output_tensors": None, "bias": None, "target_device": None}
+    qc = qc or {"quant_method": "quark", "quant_mode": "eager_mode", "global_quant_config": dict(empty),
+                "layer_quant_config": {}, "layer_type_quant_config": {}, "exclude": [], "algo_config": None,
+                "export": {"weight_format": "real_quantized", "pack_method": "reorder", "min_kv_scale": 0.0}}
+    base = qc.get("global_quant_config") or empty
+    layers = qc.setdefault("layer_quant_config", {})
+    for group in _QUARK_GROUP:
+        layers[group] = {**base, **layers.get(group, {}), "output_tensors": quark_tensor_spec(scales.kv_dtype)}
+    qc.setdefault("export", {})["kv_cache_group"] = list(_QUARK_GROUP)
+    return qc
+
+
+def vllm_json(scales: KVScales, model_type: str) -> dict[str, Any]:
+    """The legacy vLLM file: one value per layer for K and V, so the larger (never-saturating) one.
+
+    The exact K and V scales ride along under "fp8kv" (engines ignore it), so reading back is lossless.
+    """
+    per_layer = {str(i): max(max(k), max(v)) for i in scales.layers for k, v in [scales.values(i)]}
+    return {
+        "model_type": model_type,
+        "kv_cache": {"dtype": TORCH_DTYPE_NAME[scales.kv_dtype], "scaling_factor": {"0": per_layer}},
+        "fp8kv": {"k_scale": {str(i): scales.values(i)[0][0] for i in scales.layers},
+                  "v_scale": {str(i): scales.values(i)[1][0] for i in scales.layers}},
+    }

@@ -1,0 +1,91 @@
+"""Per-layer K/V scales: the one value type every checkpoint convention reads into and writes from."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fp8kv.errors import Fp8kvError
+
+# Largest finite value of each fp8 storage dtype (FACTS §1).
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+# The torch dtype name engines print for each kv dtype (the vLLM JSON file stores it).
+TORCH_DTYPE_NAME = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """Dequantization scales for the K and V cache of every cache-owning layer.
+
+    `k[layer]` / `v[layer]` are float32 tensors of shape `[1]` (the "tensor" strategy) or
+    `[num_kv_heads, 1, 1]` (the "attn_head" strategy); `x ≈ float(fp8) * scale`.
+    """
+
+    k: dict[int, torch.Tensor]
+    v: dict[int, torch.Tensor]
+    kv_dtype: str = "fp8_e4m3"
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in FP8_MAX:
+            raise Fp8kvError(f"kv dtype {self.kv_dtype!r} is not supported; use one of {', '.join(FP8_MAX)}")
+        if sorted(self.k) != sorted(self.v):
+            raise Fp8kvError(
+                f"K scales cover layers {sorted(self.k)} but V scales cover {sorted(self.v)}; "
+                "every layer needs both"
+            )
+        if not self.k:
+            raise Fp8kvError("no K/V scales were given")
+        shapes = {tuple(t.shape) for t in (*self.k.values(), *self.v.values())}
+        if len(shapes) != 1:
+            raise Fp8kvError(f"K/V scales mix shapes {sorted(shapes)}; use one strategy for every layer")
+        (shape,) = shapes
+        if shape != (1,) and not (len(shape) == 3 and shape[1:] == (1, 1)):
+            raise Fp8kvError(f"K/V scale shape {list(shape)} is neither [1] nor [num_kv_heads, 1, 1]")
+        for name, table in (("K", self.k), ("V", self.v)):
+            for layer, tensor in table.items():
+                if tensor.dtype != torch.float32:
+                    raise Fp8kvError(f"layer {layer}: {name} scale has dtype {tensor.dtype}, expected float32")
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The layers that have scales, ascending."""
+        return tuple(sorted(self.k))
+
+    @property
+    def strategy(self) -> str:
+        """"tensor" for one scale per layer, "attn_head" for one per KV head."""
+        return "tensor" if next(iter(self.k.values())).shape == (1,) else "attn_head"
+
+    @property
+    def fp8_max(self) -> float:
+        """The largest finite value of the kv dtype (448 or 57344)."""
+        return FP8_MAX[self.kv_dtype]
+
+    def values(self, layer: int) -> tuple[list[float], list[float]]:
+        """K and V scales of `layer` as Python floats (one per head for attn_head)."""
+        return self.k[layer].flatten().tolist(), self.v[layer].flatten().tolist()
+
+    def problems(self) -> list[str]:
+        """Layers whose scales are zero, negative or not finite, one line each."""
+        lines = []
+        for layer in self.layers:
+            for name, vals in zip(("k_scale", "v_scale"), self.values(layer)):
+                bad = [x for x in vals if not (math.isfinite(x) and x > 0)]
+                if bad:
+                    lines.append(f"layer {layer}: {name} {bad[0]!r} is not a positive finite number")
+        return lines
+
+    @classmethod
+    def from_floats(
+        cls, k: dict[int, float | list[float]], v: dict[int, float | list[float]], kv_dtype: str = "fp8_e4m3"
+    ) -> KVScales:
+        """Build scales from plain numbers: a float per layer ("tensor") or a list per head ("attn_head")."""
+        return cls(k={i: _tensor(x) for i, x in k.items()}, v={i: _tensor(x) for i, x in v.items()}, kv_dtype=kv_dtype)
+
+
+def _tensor(value: float | list[float]) -> torch.Tensor:
+    if isinstance(value, (int, float)):
+        return torch.tensor([float(value)], dtype=torch.float32)
+    return torch.tensor([float(x) for x in value], dtype=torch.float32).reshape(-1, 1, 1)

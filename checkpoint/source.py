@@ -1,0 +1,202 @@
+"""Open and validate a source checkpoint folder without loading a single weight.
+
+Only `config.json`, the safetensors index and the safetensors headers are read. Pickle
+checkpoints (`*.bin`, `*.pt`, `*.pth`) are refused and never opened.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fp8kv.errors import Fp8kvError
+from fp8kv.geometry import AttentionGeometry, read_config
+
+INDEX_NAME = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+# A safetensors header larger than this is not a checkpoint we should trust (real ones are < 10 MB).
+MAX_HEADER_BYTES = 100 * 2**20
+_HASH_CHUNK = 2**20
+
+
+@dataclass(frozen=True)
+class SourceCheckpoint:
+    """A validated checkpoint folder: its config, geometry and safetensors layout.
+
+    `files` are all regular files (relative POSIX paths, hidden folders skipped);
+    `weight_files` the safetensors files the checkpoint loads; `headers[file]` maps
+    tensor name -> {"dtype", "shape", "data_offsets"} as stored in that file.
+    """
+
+    path: Path
+    config: dict[str, Any]
+    geometry: AttentionGeometry
+    files: tuple[str, ...]
+    weight_files: tuple[str, ...]
+    headers: dict[str, dict[str, dict[str, Any]]]
+
+    @classmethod
+    def open(cls, path: str | Path) -> SourceCheckpoint:
+        """Validate `path` and read its config and safetensors headers (never the weights)."""
+        root = Path(path)
+        if not root.exists():
+            raise Fp8kvError(f"{root}: no such checkpoint folder")
+        if not root.is_dir():
+            raise Fp8kvError(f"{root}: not a folder; pass the checkpoint folder holding config.json")
+        root = root.resolve()
+        files = _list_files(root)
+        if not files:
+            raise Fp8kvError(f"{root}: the folder is empty; expected config.json and *.safetensors")
+        config = read_config(root)
+        geometry = AttentionGeometry.from_config(config, source=str(root / "config.json"))
+        weight_files = _weight_files(root, files)
+        headers = {name: read_safetensors_header(root / name) for name in weight_files}
+        if INDEX_NAME in files:
+            _check_index_tensors(root, headers)
+        _check_unique_tensors(headers)
+        return cls(root, config, geometry, files, weight_files, headers)
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        """Tensor name -> the weight file that holds it."""
+        return {tensor: file for file, header in self.headers.items() for tensor in header}
+
+    def content_hash(self) -> str:
+        """sha256 over every file's relative path and bytes, in sorted order (streamed)."""
+        digest = hashlib.sha256()
+        for name in sorted(self.files):
+            encoded = name.encode()
+            digest.update(len(encoded).to_bytes(8, "little") + encoded)
+            path = self.path / name
+            digest.update(path.stat().st_size.to_bytes(8, "little"))
+            with open(path, "rb") as handle:
+                while chunk := handle.read(_HASH_CHUNK):
+                    digest.update(chunk)
+        return "sha256:" + digest.hexdigest()
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
+    """The tensor table of a safetensors file (without `__metadata__`), size-checked before reading."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise Fp8kvError(f"{path}: too short to be a safetensors file ({size} bytes)")
+        length = int.from_bytes(prefix, "little")
+        if length > size - 8 or length > MAX_HEADER_BYTES:
+            raise Fp8kvError(
+                f"{path}: safetensors header claims {length} bytes but the file has {size}; "
+                "the file is truncated or not safetensors"
+            )
+        raw = handle.read(length)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise Fp8kvError(f"{path}: safetensors header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise Fp8kvError(f"{path}: safetensors header must be a JSON object")
+    header.pop("__metadata__", None)
+    data_size = size - 8 - length
+    for name, entry in header.items():
+        _check_entry(path, name, entry, data_size)
+    return header
+
+
+def _check_entry(path: Path, name: str, entry: Any, data_size: int) -> None:
+    ok = (
+        isinstance(entry, dict)
+        and isinstance(entry.get("dtype"), str)
+        and isinstance(entry.get("shape"), list)
+        and isinstance(entry.get("data_offsets"), list)
+        and len(entry["data_offsets"]) == 2
+    )
+    if not ok:
+        raise Fp8kvError(f"{path}: tensor {name!r} has a malformed header entry")
+    begin, end = entry["data_offsets"]
+    if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_size):
+        raise Fp8kvError(f"{path}: tensor {name!r} points outside the file's data ({begin}..{end} of {data_size})")
+
+
+def _list_files(root: Path) -> tuple[str, ...]:
+    """Every regular file under `root` (hidden folders like .git or .cache skipped), symlinks checked."""
+    names = []
+    for path in sorted(root.rglob("*")):
+        relative = path.relative_to(root)
+        if any(part.startswith(".") for part in relative.parts[:-1]):
+            continue
+        if path.is_symlink():
+            _check_link(root, path)
+        if path.is_file():
+            names.append(relative.as_posix())
+    return tuple(names)
+
+
+def _check_link(root: Path, path: Path) -> None:
+    """Symlinks may point inside the folder, or into the blob store of a Hugging Face cache snapshot."""
+    target = path.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots":  # <cache>/models--org--name/snapshots/<rev> -> ../../blobs
+        allowed.append(root.parent.parent / "blobs")
+    if not any(target.is_relative_to(base) for base in allowed):
+        raise Fp8kvError(f"{path}: symlink points outside the checkpoint folder (to {target}); refusing it")
+
+
+def _weight_files(root: Path, files: tuple[str, ...]) -> tuple[str, ...]:
+    if INDEX_NAME in files:
+        return _index_files(root, files)
+    weights = tuple(name for name in files if name.endswith(".safetensors") and "/" not in name)
+    if weights:
+        return weights
+    pickles = [name for name in files if name.endswith(PICKLE_SUFFIXES)]
+    if pickles:
+        raise Fp8kvError(
+            f"{root}: only pickle weights found ({', '.join(pickles[:3])}); fp8kv never loads pickle files. "
+            "Convert the checkpoint to safetensors first (save_pretrained(..., safe_serialization=True))"
+        )
+    raise Fp8kvError(f"{root}: no *.safetensors weight files found")
+
+
+def _index_files(root: Path, files: tuple[str, ...]) -> tuple[str, ...]:
+    index = _read_index(root / INDEX_NAME)
+    names = sorted(set(index.values()))
+    for name in names:
+        if not isinstance(name, str) or name.startswith("/") or ".." in Path(name).parts or "\\" in name:
+            raise Fp8kvError(f"{root / INDEX_NAME}: weight file {name!r} escapes the checkpoint folder")
+        if name not in files:
+            raise Fp8kvError(f"{root / INDEX_NAME}: lists weight file {name!r}, which is missing")
+        if not name.endswith(".safetensors"):
+            raise Fp8kvError(f"{root / INDEX_NAME}: weight file {name!r} is not a .safetensors file")
+    return tuple(names)
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise Fp8kvError(f"{path}: cannot be read as JSON ({exc})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise Fp8kvError(f"{path}: needs a non-empty 'weight_map' object")
+    return weight_map
+
+
+def _check_index_tensors(root: Path, headers: dict[str, dict[str, Any]]) -> None:
+    index = _read_index(root / INDEX_NAME)
+    missing = sorted(t for t, file in index.items() if t not in headers[file])
+    if missing:
+        raise Fp8kvError(
+            f"{root / INDEX_NAME}: {len(missing)} tensor(s) are not in the file the index names, "
+            f"first {missing[0]!r}; the index does not match the weight files"
+        )
+
+
+def _check_unique_tensors(headers: dict[str, dict[str, Any]]) -> None:
+    seen: dict[str, str] = {}
+    for file, header in headers.items():
+        for tensor in header:
+            if tensor in seen:
+                raise Fp8kvError(f"tensor {tensor!r} is stored twice, in {seen[tensor]} and {file}")
+            seen[tensor] = file
