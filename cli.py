@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import click
 import typer
@@ -63,6 +64,45 @@ def _root(
     ),
 ) -> None:
     """Calibrate, verify and publish static FP8 KV-cache scales for Hugging Face checkpoints."""
+
+
+@app.command()
+def card(
+    out_dir: Path = typer.Argument(..., metavar="DIR", help="Folder written by `fp8kv calibrate`."),
+    repo_id: str | None = typer.Option(
+        None, "--repo-id", help="Hub id to name in the serve commands (default: the folder path)."
+    ),
+) -> None:
+    """Write DIR/README.md: Hub metadata, provenance, per-layer scales, verify results, serve commands."""
+    from fp8kv.hub.card import write_card
+
+    typer.echo(f"Wrote {write_card(out_dir, repo_id=repo_id)}")
+
+
+@app.command()
+def push(
+    out_dir: Path = typer.Argument(..., metavar="DIR", help="Folder written by `fp8kv calibrate`."),
+    repo_id: str = typer.Option(..., "--repo-id", help="Hub model repository, e.g. org/name-fp8kv."),
+    private: bool = typer.Option(False, "--private", help="Create the repository private if it is missing."),
+    revision: str | None = typer.Option(None, "--revision", help="Branch to commit to (created if missing)."),
+    commit_message: str | None = typer.Option(None, "--commit-message", help="Commit message."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List the files and sizes; upload nothing."),
+    force: bool = typer.Option(False, "--force", help="Upload even when verify failed or never ran."),
+) -> None:
+    """Upload DIR to the Hub in one commit (token from huggingface_hub: HF_TOKEN or `hf auth login`)."""
+    from fp8kv.hub.push import format_plan, human_size
+    from fp8kv.hub.push import push as push_folder
+
+    plan, url = push_folder(
+        out_dir, repo_id, private=private, revision=revision, commit_message=commit_message,
+        dry_run=dry_run, force=force,
+    )
+    if url is None:
+        typer.echo(format_plan(plan))
+        return
+    if plan.verdict not in ("PASS", "WARN"):
+        typer.echo(f"Warning: pushed with --force; last verify: {plan.verdict or 'none'}", err=True)
+    typer.echo(f"Uploaded {len(plan.files)} files ({human_size(plan.total_bytes)}) in one commit: {url}")
 
 
 def main() -> None:

@@ -1,0 +1,200 @@
+"""`fp8kv push`: a calibrated folder to a Hub model repository, in one commit.
+
+The token is huggingface_hub's business: `HfApi()` finds it in its standard places (`HF_TOKEN`,
+`hf auth login`). fp8kv never reads it except to blank it out of an error message.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fp8kv import __version__
+from fp8kv.errors import Fp8kvError
+from fp8kv.hub.card import CARD_FILE, REPORT_FILE, is_fp8kv_card, read_provenance, read_report, render_card, write_text_atomic
+
+PUSHABLE_VERDICTS = ("PASS", "WARN")
+
+
+@dataclass(frozen=True)
+class UploadFile:
+    """One file of the commit: where it goes in the repo, the file it is read from, its size in bytes."""
+
+    path_in_repo: str
+    local_path: Path
+    size: int
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """Everything `push` would do, decided before anything is uploaded or written."""
+
+    out_dir: Path
+    repo_id: str
+    revision: str | None
+    private: bool
+    commit_message: str
+    files: list[UploadFile]
+    verdict: str | None
+    card_text: str | None  # a new card to write first; None when DIR already has an fp8kv card
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def plan_push(
+    out_dir: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    force: bool = False,
+) -> PushPlan:
+    """Check the folder and the last verify, and list the files of the commit. Writes nothing.
+
+    Refuses (`Fp8kvError`) when there is no `verify/report.json` or its verdict is not PASS/WARN,
+    unless `force`. When DIR has no fp8kv card (none, or a README copied from the source), the
+    plan carries a new one, listed as README.md.
+    """
+    from huggingface_hub.utils import validate_repo_id
+
+    out = Path(out_dir)
+    try:
+        validate_repo_id(repo_id)
+    except Exception as exc:  # noqa: BLE001 - HFValidationError, one line
+        raise Fp8kvError(f"--repo-id {repo_id!r}: not a valid Hub repository id ({exc})") from exc
+    read_provenance(out)  # DIR must be an fp8kv calibrate output
+    verdict = _check_verify(out, force)
+    card_path = out / CARD_FILE
+    card_text = None if is_fp8kv_card(card_path) else render_card(out, repo_id=repo_id)
+    files = collect_files(out)
+    if card_text is not None:
+        files = [f for f in files if f.path_in_repo != CARD_FILE]
+        files.append(UploadFile(CARD_FILE, card_path, len(card_text.encode("utf-8"))))
+        files.sort(key=lambda f: f.path_in_repo)
+    message = commit_message or f"Add static FP8 KV-cache scales (fp8kv {__version__})"
+    return PushPlan(out, repo_id, revision, private, message, files, verdict, card_text)
+
+
+def push(
+    out_dir: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+    api: Any = None,
+) -> tuple[PushPlan, str | None]:
+    """Upload DIR to `repo_id` in one commit; returns the plan and the commit URL (None on a dry run).
+
+    Creates the repository (and the `revision` branch) when missing, writes the card when DIR
+    has none, then sends one `create_commit` with a `CommitOperationAdd` per file; links are
+    read through, so the Hub gets the files they point to. `api` is any object with HfApi's
+    `create_repo`, `create_branch` and `create_commit` (default: `huggingface_hub.HfApi()`).
+    """
+    plan = plan_push(out_dir, repo_id, private=private, revision=revision, commit_message=commit_message, force=force)
+    if dry_run:
+        return plan, None
+    if plan.card_text is not None:
+        write_text_atomic(plan.out_dir / CARD_FILE, plan.card_text)
+    return plan, _upload(plan, api)
+
+
+def collect_files(out_dir: Path) -> list[UploadFile]:
+    """Every file under DIR, links followed, hidden names (temp files, .cache) left out; sorted."""
+    out = Path(out_dir)
+    files = []
+    for root, dirs, names in os.walk(out, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in names:
+            if name.startswith("."):
+                continue
+            path = Path(root) / name
+            target = Path(os.path.realpath(path))
+            if not target.is_file():
+                raise Fp8kvError(f"{path}: a link to {target}, which is not a file; restore it or rerun `fp8kv calibrate`")
+            files.append(UploadFile(path.relative_to(out).as_posix(), target, target.stat().st_size))
+    return sorted(files, key=lambda f: f.path_in_repo)
+
+
+def format_plan(plan: PushPlan) -> str:
+    """The dry-run listing: destination, verify verdict, and every file with its size."""
+    where = f"{plan.repo_id}" + (f" (branch {plan.revision})" if plan.revision else "")
+    lines = [
+        f"Dry run: nothing uploaded. One commit to model repo {where}"
+        + (", created private if missing" if plan.private else ", created if missing")
+        + f": {plan.commit_message!r}",
+        f"Last verify: {plan.verdict or 'none'}",
+    ]
+    width = max((len(f"{f.size:,}") for f in plan.files), default=1)
+    for f in plan.files:
+        note = "  (new card, written before upload)" if f.path_in_repo == CARD_FILE and plan.card_text else ""
+        lines.append(f"  {human_size(f.size):>9}  {f.size:>{width},} B  {f.path_in_repo}{note}")
+    lines.append(f"{len(plan.files)} files, {human_size(plan.total_bytes)} ({plan.total_bytes:,} B)")
+    return "\n".join(lines)
+
+
+def human_size(size: int) -> str:
+    """Bytes as B, KiB, MiB, GiB or TiB with one decimal."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def _check_verify(out: Path, force: bool) -> str | None:
+    report = read_report(out)
+    verdict = report.get("verdict") if report else None
+    if force or verdict in PUSHABLE_VERDICTS:
+        return verdict
+    if report is None:
+        raise Fp8kvError(f"{out}: no {REPORT_FILE.as_posix()}; run `fp8kv verify {out}` first, or pass --force")
+    reasons = "; ".join(str(r.get("message")) for r in report.get("reasons") or [] if isinstance(r, dict))
+    detail = f" ({reasons})" if reasons else ""
+    raise Fp8kvError(
+        f"{out / REPORT_FILE}: the last verify says {verdict or 'nothing'}{detail}; "
+        "fix the checkpoint and verify again, or pass --force"
+    )
+
+
+def _upload(plan: PushPlan, api: Any) -> str:
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    api = api if api is not None else HfApi()
+    try:
+        # private=None lets the Hub's default (or the organisation's setting) apply.
+        api.create_repo(plan.repo_id, repo_type="model", private=True if plan.private else None, exist_ok=True)
+        if plan.revision and plan.revision != "main":
+            api.create_branch(plan.repo_id, repo_type="model", branch=plan.revision, exist_ok=True)
+        operations = [CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=str(f.local_path)) for f in plan.files]
+        info = api.create_commit(
+            plan.repo_id, operations, commit_message=plan.commit_message, repo_type="model", revision=plan.revision
+        )
+    except Exception as exc:  # noqa: BLE001 - every Hub failure becomes one line without the token
+        raise _push_error(plan.repo_id, exc) from exc
+    return str(getattr(info, "commit_url", None) or info)
+
+
+def _push_error(repo_id: str, exc: Exception) -> Fp8kvError:
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if status == 401:
+        return Fp8kvError(f"{repo_id}: the Hub refused the credentials; log in with `hf auth login` or set HF_TOKEN")
+    if status == 403:
+        return Fp8kvError(f"{repo_id}: the token has no write access to this repository or namespace")
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return Fp8kvError(f"{repo_id}: upload failed ({type(exc).__name__}: {_without_token(text)})")
+
+
+def _without_token(text: str) -> str:
+    from huggingface_hub import get_token
+
+    token = get_token()
+    return text.replace(token, "hf_***") if token else text

@@ -1,0 +1,109 @@
+"""A calibrated output folder, built by hand on a factory model, in the layout calibrate and verify write."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fp8kv.models.factory import make_checkpoint
+
+FAKE_TOKEN = "hf_fakeTokenForFp8kvTests0123456789"
+SOURCE_README = "---\nlicense: llama3.1\n---\n\n# The source model's own card\n"
+LAYERS = [
+    {"layer": 0, "k_amax": 1.25, "v_amax": 0.75, "k_scale": 0.00279018, "v_scale": 0.00167411,
+     "k_saturation": 0.0, "v_saturation": 0.0},
+    {"layer": 1, "k_amax": 3.5, "v_amax": 0.5, "k_scale": 0.0078125, "v_scale": 0.00111607,
+     "k_saturation": 0.00042, "v_saturation": 0.0},
+]
+REPORT = {
+    "verdict": "WARN", "reasons": [{"level": "WARN", "message": "layer 1 K saturation 0.042%"}],
+    "checkpoint": "DIR", "device": "cpu", "text_source": "bundled heldout", "num_samples": 16, "num_tokens": 4096,
+    "convention": "compressed-tensors", "kv_dtype": "fp8_e4m3",
+    "accuracy": {"ppl_bf16": 10.137, "ppl_fp8": 10.2461, "ppl_fp8_unit": 10.9133, "kl_mean": 0.00123,
+                 "kl_max": 0.0345, "top1_agreement": 0.9876},
+    "layers": [{"layer": 0, "k_saturation": 0.0, "v_saturation": 0.0, "k_max_ratio": 301.2, "v_max_ratio": 250.0,
+                "nan_without_clamp": 0},
+               {"layer": 1, "k_saturation": 0.00042, "v_saturation": 0.0, "k_max_ratio": 417.5, "v_max_ratio": 212.25,
+                "nan_without_clamp": 3}],
+    "generation": {"prefill_match": True, "decode_match": True, "prefix_match": False},
+}
+
+
+@pytest.fixture(scope="session")
+def source_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer llama with a README that carries a license, as a Hub model would."""
+    path = make_checkpoint("llama", tmp_path_factory.mktemp("source") / "llama")
+    (path / "README.md").write_text(SOURCE_README, encoding="utf-8")
+    return path
+
+
+def provenance(source: Path, **source_keys) -> dict:
+    return {
+        "tool": "fp8kv", "version": "0.1.0", "command": f"fp8kv calibrate {source} --out DIR --num-samples 512",
+        "source": {"path": str(source), "sha256": "9f2c" * 16, **source_keys},
+        "dataset": {"name": "HuggingFaceH4/ultrachat_200k", "split": "train_sft", "text_column": "messages",
+                    "num_samples": 512, "seq_len": 2048, "seed": 42},
+        "strategy": "amax", "headroom": 1.0, "kv_dtype": "fp8_e4m3", "per_head": False, "skipped_layers": [],
+        "layers": LAYERS,
+    }
+
+
+@pytest.fixture
+def calibrated_dir(tmp_path: Path, source_model: Path) -> Path:
+    """DIR as calibrate leaves it: hard-linked weights and README, scales file, index, config, fp8kv.json."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in os.listdir(source_model):
+        if name == "config.json":
+            continue
+        if name.endswith(".safetensors") or name == "README.md":
+            os.link(source_model / name, out / name)
+        else:
+            shutil.copy2(source_model / name, out / name)
+    scales = {f"model.layers.{row['layer']}.self_attn.{kv}_scale": torch.tensor([row[f"{kv}_scale"]])
+              for row in LAYERS for kv in "kv"}
+    save_file(scales, out / "kv_scales.safetensors")
+    weight_map = {name: "kv_scales.safetensors" for name in scales}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((source_model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "kv_cache_scheme": {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "fp8kv.json").write_text(json.dumps(provenance(source_model, base_model=None, license=None)))
+    return out
+
+
+@pytest.fixture
+def write_report():
+    """A function writing verify/report.json (and the plot) as verify does, with `changes` applied."""
+    return _write_report
+
+
+@pytest.fixture
+def verified_dir(calibrated_dir: Path) -> Path:
+    """The calibrated folder after a WARN verify."""
+    _write_report(calibrated_dir)
+    return calibrated_dir
+
+
+@pytest.fixture
+def fake_token(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A token in the environment, where huggingface_hub looks first."""
+    monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
+    return FAKE_TOKEN
+
+
+def _write_report(out: Path, **changes) -> Path:
+    (out / "verify").mkdir(exist_ok=True)
+    (out / "verify" / "scales.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
+    (out / "verify" / "report.md").write_text("# verify\n")
+    report = {**REPORT, "checkpoint": str(out), **changes}
+    path = out / "verify" / "report.json"
+    path.write_text(json.dumps(report))
+    return path

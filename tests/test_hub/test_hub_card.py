@@ -1,0 +1,130 @@
+"""`fp8kv card`: the README parses as a Hub model card and shows fp8kv.json's and the report's numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from huggingface_hub import ModelCard
+from typer.testing import CliRunner
+
+from fp8kv.cli import app
+from fp8kv.errors import Fp8kvError
+from fp8kv.hub.card import CARD_MARKER, TAGS, is_fp8kv_card, render_card, write_card
+
+runner = CliRunner()
+
+
+def _output(result) -> str:
+    return result.output + (str(result.exception) if result.exception else "")
+
+
+def test_card_metadata_parses_with_huggingface_hub(verified_dir: Path) -> None:
+    card = ModelCard.load(write_card(verified_dir))
+    data = card.data.to_dict()
+    assert data["tags"] == TAGS
+    assert data["pipeline_tag"] == "text-generation"
+    assert data["license"] == "llama3.1"  # from the README copied from the source
+    assert data["datasets"] == ["HuggingFaceH4/ultrachat_200k"]
+    # the source is a local folder, not a Hub id: no base_model, so no relation either
+    assert "base_model" not in data and "base_model_relation" not in data
+
+
+def test_card_names_the_hub_base_model(calibrated_dir: Path) -> None:
+    prov = json.loads((calibrated_dir / "fp8kv.json").read_text())
+    prov["source"].update(base_model="meta-llama/Llama-3.1-8B-Instruct", license="apache-2.0")
+    (calibrated_dir / "fp8kv.json").write_text(json.dumps(prov))
+    data = ModelCard(render_card(calibrated_dir)).data
+    assert data.base_model == "meta-llama/Llama-3.1-8B-Instruct"
+    assert data.to_dict()["base_model_relation"] == "quantized"
+    assert data.license == "apache-2.0"
+
+
+def test_card_finds_the_base_model_from_a_hub_cache_path(calibrated_dir: Path) -> None:
+    prov = json.loads((calibrated_dir / "fp8kv.json").read_text())
+    prov["source"]["path"] = "/cache/models--Qwen--Qwen3-8B/snapshots/" + "ab" * 20
+    (calibrated_dir / "fp8kv.json").write_text(json.dumps(prov))
+    assert ModelCard(render_card(calibrated_dir)).data.base_model == "Qwen/Qwen3-8B"
+
+
+def test_card_shows_provenance_scales_and_report_numbers(verified_dir: Path) -> None:
+    text = write_card(verified_dir).read_text()
+    prov = json.loads((verified_dir / "fp8kv.json").read_text())
+    report = json.loads((verified_dir / "verify" / "report.json").read_text())
+    assert f"```bash\n{prov['command']}\n```" in text
+    for row in prov["layers"]:
+        expected = [row["layer"], row["k_amax"], row["k_scale"], row["k_saturation"], row["v_amax"], row["v_scale"],
+                    row["v_saturation"]]
+        assert "| " + " | ".join(f"{v:.6g}" for v in expected) + " |" in text
+    for setting in ("| Samples | 512 |", "| Sequence length | 2048 |", "| Shuffle seed | 42 |", "| Split | `train_sft` |",
+                    "| Strategy | `amax` |", "| Tool | `fp8kv 0.1.0` |"):
+        assert setting in text
+    assert "**Verdict: WARN**" in text
+    assert "- WARN: layer 1 K saturation 0.042%" in text
+    accuracy = report["accuracy"]
+    assert f"| Perplexity, fp8 KV cache with these scales | {accuracy['ppl_fp8']:.4f} |" in text
+    assert f"| Perplexity, bf16 KV cache | {accuracy['ppl_bf16']:.4f} |" in text
+    assert f"| KL divergence to bf16, max | {accuracy['kl_max']:.6g} |" in text
+    assert "| Top-1 agreement with bf16 | 98.7600% |" in text
+    assert "| Generation: prefix match | no |" in text
+    assert "| 1 | 0.00042 | 0 | 417.5 | 212.25 | 3 |" in text
+    assert "![Per-layer KV-cache scales and verify results](verify/scales.png)" in text
+
+
+def test_card_serve_commands(verified_dir: Path) -> None:
+    text = render_card(verified_dir, repo_id="me/llama-fp8kv")
+    assert "vllm serve me/llama-fp8kv --kv-cache-dtype fp8\n" in text
+    assert text.count("vllm serve me/llama-fp8kv --kv-cache-dtype fp8\n") == 2  # GPU and TPU
+    assert "pip install vllm-tpu" in text
+    assert "python -m sglang.launch_server --model-path me/llama-fp8kv --kv-cache-dtype fp8_e4m3" in text
+    assert "## Limitations" in text
+
+
+def test_card_without_report_says_not_verified_and_has_no_plot(calibrated_dir: Path) -> None:
+    text = render_card(calibrated_dir)
+    assert f"Not verified. Run `fp8kv verify {calibrated_dir}`" in text
+    assert "Verdict" not in text and "scales.png" not in text
+
+
+def test_card_survives_missing_keys(calibrated_dir: Path, write_report) -> None:
+    (calibrated_dir / "fp8kv.json").write_text(json.dumps({"layers": [{"layer": 0, "k_scale": 0.5}]}))
+    write_report(calibrated_dir, accuracy={"ppl_fp8": 9.5}, layers=None, generation=None, reasons=None)
+    text = render_card(calibrated_dir)
+    assert "| Layer | k_scale |\n|---|---|\n| 0 | 0.5 |" in text
+    assert "| Perplexity, fp8 KV cache with these scales | 9.5000 |" in text
+    assert "bf16 KV cache |" not in text
+    ModelCard(text)
+
+
+def test_card_replaces_a_copied_source_readme_without_touching_the_source(
+    verified_dir: Path, source_model: Path
+) -> None:
+    source_readme = (source_model / "README.md").read_text()
+    assert (verified_dir / "README.md").samefile(source_model / "README.md")  # hard link, as calibrate leaves it
+    assert not is_fp8kv_card(verified_dir / "README.md")
+    write_card(verified_dir)
+    assert (source_model / "README.md").read_text() == source_readme
+    assert is_fp8kv_card(verified_dir / "README.md")
+    assert not (verified_dir / "README.md").samefile(source_model / "README.md")
+    assert [p.name for p in verified_dir.iterdir() if p.name.startswith(".")] == []  # no temp file left
+
+
+def test_card_refuses_a_folder_without_provenance(source_model: Path) -> None:
+    with pytest.raises(Fp8kvError, match=r"no fp8kv\.json; pass a folder written by `fp8kv calibrate`"):
+        render_card(source_model)
+
+
+def test_card_cli_writes_readme_without_printing_the_token(verified_dir: Path, fake_token: str) -> None:
+    result = runner.invoke(app, ["card", str(verified_dir), "--repo-id", "me/llama-fp8kv"])
+    assert result.exit_code == 0, _output(result)
+    assert result.output == f"Wrote {verified_dir / 'README.md'}\n"
+    text = (verified_dir / "README.md").read_text()
+    assert CARD_MARKER in text and "vllm serve me/llama-fp8kv" in text
+    assert fake_token not in text and fake_token not in result.output
+
+
+def test_card_cli_error_is_one_line(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["card", str(tmp_path)])
+    assert result.exit_code == 2
+    assert f"{tmp_path}: no fp8kv.json" in _output(result)
