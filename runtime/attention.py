@@ -1,0 +1,132 @@
+"""Ragged paged attention over the paged KV cache.
+
+The arguments mean what they mean in torch_xla's `ragged_paged_attention` (vLLM's TPU path):
+`q` `[tokens, q_heads, head_dim]` holds the new tokens of all sequences back to back; sequence `s`
+owns rows `cu_q_lens[s]:cu_q_lens[s+1]` and sees `kv_lens[s]` cached tokens (context + new ones),
+stored in pages `page_indices[s]`. Queries are aligned to the end of their KV (causal), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8kv.errors import Fp8kvError
+from fp8kv.runtime.cache import is_fp8
+from fp8kv.runtime.device import tpu_version
+
+BACKENDS = ("auto", "torch", "xla")
+Scale = float | torch.Tensor | None
+
+
+def ragged_paged_attention(
+    q: torch.Tensor,
+    kv_pages: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_indices: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    num_seqs: torch.Tensor,
+    *,
+    sm_scale: float = 1.0,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    backend: str = "auto",
+    max_q_len: int | None = None,
+) -> torch.Tensor:
+    """Attention of `q` `[T, q_heads, head_dim]` over `kv_pages` `[pages, page_size, 2*kv_heads, D]`.
+
+    `kv_lens` int32 `[max_seqs]`, `page_indices` int32 `[max_seqs, pages_per_seq]`, `cu_q_lens` int32
+    `[max_seqs+1]`, `num_seqs` int32 `[1]`. `k_scale`/`v_scale` dequantize an fp8 cache (a float, or a
+    `[kv_heads]` tensor on the torch backend). `head_dim` may be smaller than the cache's padded D.
+    Rows of `q` past `cu_q_lens[num_seqs]` are padding and come back as zeros.
+
+    backend: "xla" calls torch_xla's function (the Pallas kernel on TPU v5+, its reference
+    elsewhere); "torch" is a vectorized implementation for any device; "auto" picks "xla" on XLA
+    tensors and "torch" otherwise. `max_q_len` bounds the new tokens of one sequence (a static
+    bound keeps XLA shapes fixed; default: `tokens` on XLA, the exact maximum elsewhere).
+    """
+    if backend not in BACKENDS:
+        raise Fp8kvError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    head_dim = q.shape[-1]
+    q = torch.nn.functional.pad(q, (0, kv_pages.shape[-1] - head_dim))  # zeros leave q·k unchanged
+    if backend == "xla" or (backend == "auto" and q.device.type == "xla"):
+        out = _xla_attention(
+            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, sliding_window, soft_cap
+        )
+    else:
+        out = _torch_attention(
+            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, sliding_window,
+            soft_cap, max_q_len,
+        )
+    return out[..., :head_dim]
+
+
+def _xla_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, window, cap):
+    from torch_xla.experimental.custom_kernel import ragged_paged_attention as xla_rpa
+
+    if isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor):
+        raise Fp8kvError("per-head KV scales are not supported by torch_xla's attention; use per-layer scales")
+    if is_fp8(kv_pages.dtype):  # without scales torch_xla returns fp8 output
+        k_scale, v_scale = k_scale or 1.0, v_scale or 1.0
+    use_kernel = tpu_version() >= 5
+    out = xla_rpa(
+        q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, sliding_window=window, soft_cap=cap,
+        k_scale=k_scale, v_scale=v_scale, use_kernel=use_kernel,
+    )
+    # the reference returns only the real tokens; the kernel returns all rows
+    return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, q.shape[0] - out.shape[0]))
+
+
+def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, window,
+                     cap, max_q_len):
+    tokens, q_heads, dim = q.shape
+    num_slots = page_indices.shape[0]
+    kv_heads = kv_pages.shape[2] // 2
+    device = q.device
+    live = torch.arange(num_slots, device=device) < num_seqs.to(device)  # [S]
+    q_lens = torch.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0).long()  # [S]
+    kv_lens = torch.where(live, kv_lens, 0).long()
+    if max_q_len is None:
+        max_q_len = tokens if device.type == "xla" else max(int(q_lens.max()), 1)
+    j = torch.arange(max_q_len, device=device)
+    q_valid = j < q_lens[:, None]  # [S, Qm]
+    rows = torch.where(q_valid, cu_q_lens[:-1, None].long() + j, tokens)  # padding reads/writes row `tokens`
+    qs = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, 1))[rows].float()  # [S, Qm, q_heads, D]
+    qs = qs.unflatten(2, (kv_heads, q_heads // kv_heads))  # [S, Qm, kv_heads, group, D]
+    k, v = _gather_kv(kv_pages, page_indices, kv_lens, k_scale, v_scale)  # [S, L, kv_heads, D]
+    scores = torch.einsum("sqhgd,slhd->shgql", qs, k) * sm_scale
+    if cap:
+        scores = cap * torch.tanh(scores / cap)
+    positions = (kv_lens - q_lens)[:, None] + j  # [S, Qm] absolute position of each query
+    keys = torch.arange(k.shape[1], device=device)
+    allowed = keys <= positions[..., None]  # [S, Qm, L]
+    if window:
+        allowed &= keys > positions[..., None] - window
+    scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("shgql,slhd->sqhgd", probs, v).flatten(2, 3)  # [S, Qm, q_heads, D]
+    flat = torch.zeros(tokens + 1, q_heads, dim, dtype=torch.float32, device=device)
+    flat = flat.index_put((rows.flatten(),), out.flatten(0, 1))
+    return flat[:tokens].to(q.dtype)
+
+
+def _gather_kv(kv_pages, page_indices, kv_lens, k_scale, v_scale):
+    """Dequantized K and V `[S, pages_per_seq*page_size, kv_heads, D]`, zero past each kv_len."""
+    fp8 = is_fp8(kv_pages.dtype)
+    source = kv_pages.view(torch.uint8) if fp8 else kv_pages  # CPU torch 2.9 cannot gather fp8
+    pages = source[page_indices.long()]  # [S, pps, page_size, 2*kv_heads, D]
+    if fp8:
+        pages = pages.view(kv_pages.dtype)
+    pages = pages.flatten(1, 2).float()  # [S, L, 2*kv_heads, D]
+    # stale slots past kv_len may hold NaN from an earlier sequence: 0 * NaN would leak into the output
+    inside = torch.arange(pages.shape[1], device=pages.device) < kv_lens[:, None]
+    pages = torch.where(inside[..., None, None], pages, 0.0)
+    return pages[:, :, 0::2] * _head_scale(k_scale), pages[:, :, 1::2] * _head_scale(v_scale)
+
+
+def _head_scale(scale: Scale) -> float | torch.Tensor:
+    if scale is None:
+        return 1.0
+    return scale[:, None].float() if isinstance(scale, torch.Tensor) else scale

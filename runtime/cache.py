@@ -1,0 +1,244 @@
+"""The paged KV cache: page allocator, slot mapping and quantized writes.
+
+Layout per attention layer, as vLLM's TPU backend keeps it:
+`[num_pages, page_size, 2 * num_kv_heads, head_dim_padded]`, K and V interleaved on the head axis
+(combined head 2h is K of head h, 2h+1 is V of head h). A token's flat slot is
+`page * page_size + offset`. Page 0 is a scratch page: padding tokens of a fixed-shape step write
+there, and no sequence ever reads it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from fp8kv.errors import Fp8kvError
+
+CACHE_DTYPES = {
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+}
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+SCRATCH_PAGE = 0
+
+Scale = float | Sequence[float]
+
+
+def cache_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a cache dtype name ("fp8_e4m3", "fp8_e5m2", "bf16", "fp32")."""
+    if name not in CACHE_DTYPES:
+        raise Fp8kvError(f"unknown KV-cache dtype {name!r}; choose one of {', '.join(CACHE_DTYPES)}")
+    return CACHE_DTYPES[name]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_MAX
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, saturate: bool = True) -> torch.Tensor:
+    """`dtype(clamp(x / scale, -MAX, MAX))` for fp8; without `saturate` the raw cast (NaN/inf on overflow).
+
+    bf16/fp32 caches store `x` unscaled, as engines do.
+    """
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    y = x.float() / scale
+    if saturate:
+        limit = FP8_MAX[dtype]
+        y = y.clamp(-limit, limit)
+    return y.to(dtype)
+
+
+class PageAllocator:
+    """Hands out cache pages to sequences and keeps their page tables and lengths (host side).
+
+    Pages are reference counted so a sequence can share the full pages of another's prefix.
+    """
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 2:
+            raise Fp8kvError(f"the cache needs at least 2 pages (one is scratch), got {num_pages}")
+        self.page_size = page_size
+        self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))
+        self._refs = [0] * num_pages
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def add(self, seq_id: int, share_from: int | None = None, shared_tokens: int = 0) -> int:
+        """Register `seq_id`; optionally share the full pages holding `shared_tokens` of `share_from`.
+
+        Returns the number of tokens actually shared (rounded down to whole pages): the caller
+        computes the sequence from there on.
+        """
+        if seq_id in self.tables:
+            raise Fp8kvError(f"sequence {seq_id} already exists")
+        table: list[int] = []
+        if share_from is not None:
+            shared_tokens = min(shared_tokens, self.lengths[share_from])
+            table = self.tables[share_from][: shared_tokens // self.page_size]
+            for page in table:
+                self._refs[page] += 1
+        self.tables[seq_id] = table
+        self.lengths[seq_id] = len(table) * self.page_size
+        return self.lengths[seq_id]
+
+    def extend(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Reserve room for `num_tokens` more tokens of `seq_id`; returns their flat slots."""
+        start = self.lengths[seq_id]
+        end = start + num_tokens
+        table = self.tables[seq_id]
+        while len(table) * self.page_size < end:
+            if not self._free:
+                raise Fp8kvError("the KV cache is full; raise --num-pages or shorten the requests")
+            page = self._free.pop()
+            self._refs[page] = 1
+            table.append(page)
+        self.lengths[seq_id] = end
+        ps = self.page_size
+        return [table[pos // ps] * ps + pos % ps for pos in range(start, end)]
+
+    def free(self, seq_id: int) -> None:
+        """Release a sequence's pages (shared pages stay until their last user frees them)."""
+        for page in self.tables.pop(seq_id):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self._free.append(page)
+        del self.lengths[seq_id]
+
+
+class PagedKVCache:
+    """One preallocated cache tensor per KV layer, quantized writes, and overflow counters.
+
+    `k_scales`/`v_scales` map each KV layer index to a float or a per-KV-head list of floats
+    (dequantization multipliers); None means 1.0 everywhere. Scales only apply to fp8 caches.
+    Counters (int64 tensors on the cache device, `[num_kv_layers, 2]` for K and V):
+    `clamped` counts values with |x / scale| > MAX, `nonfinite` counts NaN/inf values stored.
+    """
+
+    def __init__(
+        self,
+        kv_layers: Sequence[int],
+        *,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        head_dim_multiple: int = 1,
+        k_scales: Mapping[int, Scale] | None = None,
+        v_scales: Mapping[int, Scale] | None = None,
+        saturate: bool = True,
+    ) -> None:
+        self.kv_layers = tuple(kv_layers)
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.head_dim_padded = math.ceil(head_dim / head_dim_multiple) * head_dim_multiple
+        self.dtype = dtype
+        self.saturate = saturate
+        self.k_scales = _layer_scales(k_scales, self.kv_layers, num_kv_heads, "k_scale")
+        self.v_scales = _layer_scales(v_scales, self.kv_layers, num_kv_heads, "v_scale")
+        shape = (num_pages, page_size, 2 * num_kv_heads, self.head_dim_padded)
+        self.pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.kv_layers]
+        self._row = {layer: i for i, layer in enumerate(self.kv_layers)}
+        # [2*kv_heads, 1] combined-head scales, interleaved like the cache
+        self._write_scales = [
+            torch.tensor(_interleave(self.k_scales[l], self.v_scales[l], num_kv_heads)).unsqueeze(-1).to(device)
+            for l in self.kv_layers
+        ]
+        self._attn_scales = {
+            l: (_scale_arg(self.k_scales[l], device), _scale_arg(self.v_scales[l], device)) for l in self.kv_layers
+        }
+        self.clamped = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
+        self.nonfinite = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
+        self.written = torch.zeros(len(self.kv_layers), dtype=torch.int64, device=device)
+
+    def layer_pages(self, layer: int) -> torch.Tensor:
+        """The `[num_pages, page_size, 2*kv_heads, head_dim_padded]` cache tensor of `layer`."""
+        return self.pages[self._row[layer]]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
+        """Quantize and store K/V of `[tokens, kv_heads, head_dim]` at flat `slots` `[tokens]`.
+
+        `valid` `[tokens]` (bool) marks real tokens; padding tokens go to the scratch page and are not counted.
+        """
+        row = self._row[layer]
+        kv = torch.stack([k, v], dim=2).flatten(1, 2)  # [T, 2*kv_heads, head_dim]
+        kv = torch.nn.functional.pad(kv, (0, self.head_dim_padded - self.head_dim))
+        stored = quantize(kv, self._write_scales[row], self.dtype, self.saturate)
+        self._count(row, kv, stored, valid)
+        flat = self.pages[row].flatten(0, 1)  # [num_pages*page_size, 2*kv_heads, head_dim_padded]
+        if is_fp8(self.dtype):  # CPU torch 2.9 has no fp8 index_copy_; bytes are bytes
+            flat.view(torch.uint8).index_copy_(0, slots, stored.view(torch.uint8))
+        else:
+            flat.index_copy_(0, slots, stored)
+
+    def _count(self, row: int, kv: torch.Tensor, stored: torch.Tensor, valid: torch.Tensor) -> None:
+        mask = valid[:, None, None]
+        if is_fp8(self.dtype):
+            over = (kv.float().abs() / self._write_scales[row] > FP8_MAX[self.dtype]) & mask
+            # [T, 2*kv_heads, d] -> [T, kv_heads, 2 (K, V), d]; sum all but the K/V axis
+            self.clamped[row] += over.unflatten(1, (self.num_kv_heads, 2)).sum(dim=(0, 1, 3))
+        bad = ~torch.isfinite(stored.float()) & mask
+        self.nonfinite[row] += bad.unflatten(1, (self.num_kv_heads, 2)).sum(dim=(0, 1, 3))
+        self.written[row] += valid.sum() * self.num_kv_heads * self.head_dim
+
+    def scale_args(self, layer: int) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None]:
+        """The (k_scale, v_scale) attention needs: floats, per-head tensors, or None for non-fp8 caches."""
+        if not is_fp8(self.dtype):
+            return None, None
+        return self._attn_scales[layer]
+
+    def bytes_per_token(self) -> float:
+        """Cache bytes one token occupies across all layers (K and V, padded head_dim)."""
+        per_layer = 2 * self.num_kv_heads * self.head_dim_padded * self.pages[0].element_size()
+        return float(per_layer * len(self.kv_layers))
+
+    def counts(self) -> dict[str, dict[int, tuple[int, int]]]:
+        """Per KV layer `(k, v)` counts: {"clamped": ..., "nonfinite": ...}, plus values "written" per K (or V)."""
+        clamped, nonfinite, written = self.clamped.cpu().tolist(), self.nonfinite.cpu().tolist(), self.written.cpu()
+        return {
+            "clamped": {l: tuple(clamped[i]) for i, l in enumerate(self.kv_layers)},
+            "nonfinite": {l: tuple(nonfinite[i]) for i, l in enumerate(self.kv_layers)},
+            "written": {l: (int(written[i]), int(written[i])) for i, l in enumerate(self.kv_layers)},
+        }
+
+
+def _layer_scales(
+    scales: Mapping[int, Scale] | None, kv_layers: tuple[int, ...], num_kv_heads: int, name: str
+) -> dict[int, float | tuple[float, ...]]:
+    if scales is None:
+        return {layer: 1.0 for layer in kv_layers}
+    missing = sorted(set(kv_layers) - set(scales))
+    unexpected = sorted(set(scales) - set(kv_layers))
+    if missing or unexpected:
+        raise Fp8kvError(f"{name}: layers missing {missing}, unexpected {unexpected}; give one per KV layer")
+    out: dict[int, float | tuple[float, ...]] = {}
+    for layer in kv_layers:
+        value = scales[layer]
+        values = [float(value)] if isinstance(value, (int, float)) else [float(s) for s in value]
+        if len(values) not in (1, num_kv_heads):
+            raise Fp8kvError(f"{name} of layer {layer}: {len(values)} values; give 1 or {num_kv_heads}")
+        if not all(math.isfinite(s) and s > 0 for s in values):
+            raise Fp8kvError(f"{name} of layer {layer}: {values} must be finite and > 0")
+        out[layer] = values[0] if len(values) == 1 else tuple(values)
+    return out
+
+
+def _interleave(k: float | tuple[float, ...], v: float | tuple[float, ...], heads: int) -> list[float]:
+    ks = [k] * heads if isinstance(k, float) else list(k)
+    vs = [v] * heads if isinstance(v, float) else list(v)
+    return [s for pair in zip(ks, vs) for s in pair]
+
+
+def _scale_arg(scale: float | tuple[float, ...], device: torch.device) -> float | torch.Tensor:
+    return scale if isinstance(scale, float) else torch.tensor(scale, device=device)

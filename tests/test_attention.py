@@ -1,0 +1,116 @@
+"""The torch ragged paged attention against torch_xla's reference (XLA:CPU) and a dense per-sequence loop."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+from fp8kv.errors import Fp8kvError  # noqa: E402
+from fp8kv.runtime.attention import ragged_paged_attention  # noqa: E402
+
+PAGE_SIZE, PAGES_PER_SEQ, NUM_PAGES = 4, 4, 18
+KV_HEADS, Q_HEADS, HEAD_DIM = 2, 4, 32
+
+
+def _ragged_batch(dtype: torch.dtype, seed: int = 0):
+    """Three live sequences in four slots: a prefill spanning pages, a decode, a chunk after context."""
+    g = torch.Generator().manual_seed(seed)
+    kv_pages = (torch.randn(NUM_PAGES, PAGE_SIZE, 2 * KV_HEADS, HEAD_DIM, generator=g) * 3).to(dtype)
+    q_lens, kv_lens = [6, 1, 3], [6, 11, 9]
+    tokens = 12  # 10 real rows + 2 padding rows
+    q = torch.randn(tokens, Q_HEADS, HEAD_DIM, generator=g)
+    page_indices = torch.randperm(NUM_PAGES - 1, generator=g)[: 4 * PAGES_PER_SEQ].add(1).reshape(4, PAGES_PER_SEQ)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    meta = dict(
+        kv_lens=torch.tensor(kv_lens + [0], dtype=torch.int32),
+        page_indices=page_indices.int(),
+        cu_q_lens=torch.tensor(cu + [cu[-1]], dtype=torch.int32),
+        num_seqs=torch.tensor([3], dtype=torch.int32),
+    )
+    return q, kv_pages, meta, cu[-1]
+
+
+def _dense(q, kv_pages, meta, k_scale, v_scale, sm_scale, window, cap):
+    """One sequence at a time with explicit masks: the definition the fast paths must meet."""
+    outs = []
+    group = Q_HEADS // KV_HEADS
+    for s in range(int(meta["num_seqs"][0])):
+        start, end = int(meta["cu_q_lens"][s]), int(meta["cu_q_lens"][s + 1])
+        kv_len = int(meta["kv_lens"][s])
+        pages = kv_pages.view(torch.uint8)[meta["page_indices"][s].long()].view(kv_pages.dtype)
+        pages = pages.flatten(0, 1)[:kv_len].float()
+        k = pages[:, 0::2].repeat_interleave(group, 1) * k_scale
+        v = pages[:, 1::2].repeat_interleave(group, 1) * v_scale
+        scores = torch.einsum("qhd,khd->hqk", q[start:end], k) * sm_scale
+        if cap:
+            scores = cap * torch.tanh(scores / cap)
+        pos = torch.arange(kv_len - (end - start), kv_len)[:, None]
+        key = torch.arange(kv_len)[None]
+        allowed = (key <= pos) & ((key > pos - window) if window else True)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+    return torch.cat(outs)
+
+
+CASES = [
+    (torch.float8_e4m3fn, 0.5, 2.0, None, None),
+    (torch.float8_e5m2, 0.25, 0.75, 4, 30.0),
+    (torch.bfloat16, 1.5, 0.5, None, 20.0),
+    (torch.bfloat16, 0.8, 1.2, 3, None),
+]
+
+
+@pytest.mark.parametrize("dtype,k_scale,v_scale,window,cap", CASES)
+def test_torch_attention_matches_torch_xla_reference(dtype, k_scale, v_scale, window, cap):
+    import torch_xla
+
+    q, kv_pages, meta, real = _ragged_batch(dtype)
+    kwargs = dict(sm_scale=0.3, k_scale=k_scale, v_scale=v_scale, sliding_window=window, soft_cap=cap)
+    ours = ragged_paged_attention(q, kv_pages, **meta, **kwargs, backend="torch")
+    dev = torch_xla.device()
+    with torch.no_grad():
+        xla_meta = {k: v.to(dev) for k, v in meta.items()}
+        ref = ragged_paged_attention(q.to(dev), kv_pages.to(dev), **xla_meta, **kwargs, backend="xla").cpu()
+        ours_on_xla = ragged_paged_attention(q.to(dev), kv_pages.to(dev), **xla_meta, **kwargs, backend="torch").cpu()
+    assert ours.shape == ref.shape == q.shape
+    torch.testing.assert_close(ours[:real], ref[:real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours_on_xla, ours, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours[:real], _dense(q, kv_pages, meta, k_scale, v_scale, 0.3, window, cap),
+                               rtol=1e-4, atol=1e-4)
+    assert (ours[real:] == 0).all() and (ref[real:] == 0).all()
+
+
+def test_per_head_scales_scale_each_kv_head():
+    q, kv_pages, meta, real = _ragged_batch(torch.float8_e4m3fn, seed=1)
+    k_heads, v_heads = torch.tensor([0.5, 0.5]), torch.tensor([2.0, 2.0])
+    per_head = ragged_paged_attention(q, kv_pages, **meta, sm_scale=0.3, k_scale=k_heads, v_scale=v_heads)
+    scalar = ragged_paged_attention(q, kv_pages, **meta, sm_scale=0.3, k_scale=0.5, v_scale=2.0)
+    torch.testing.assert_close(per_head, scalar)
+    uneven = ragged_paged_attention(q, kv_pages, **meta, sm_scale=0.3, k_scale=torch.tensor([0.5, 1.0]), v_scale=v_heads)
+    group = Q_HEADS // KV_HEADS
+    torch.testing.assert_close(uneven[:, :group], scalar[:, :group])  # kv head 0 unchanged
+    assert not torch.allclose(uneven[:real, group:], scalar[:real, group:])
+
+
+def test_nan_in_a_stale_slot_past_kv_len_does_not_leak():
+    q, kv_pages, meta, real = _ragged_batch(torch.float8_e4m3fn, seed=2)
+    clean = ragged_paged_attention(q, kv_pages, **meta, sm_scale=0.3, k_scale=1.0, v_scale=1.0)
+    last_page = meta["page_indices"][1, 2]  # sequence 1 holds 11 tokens: slot 3 of its third page is stale
+    kv_pages[last_page, 3] = float("nan")
+    dirty = ragged_paged_attention(q, kv_pages, **meta, sm_scale=0.3, k_scale=1.0, v_scale=1.0)
+    torch.testing.assert_close(dirty, clean)
+    kv_pages[last_page, 2, 1] = float("nan")  # a live V value of kv head 0: its query heads turn NaN
+    poisoned = ragged_paged_attention(q, kv_pages, **meta, sm_scale=0.3, k_scale=1.0, v_scale=1.0)
+    assert poisoned[6, :2].isnan().all() and not poisoned[6, 2:].isnan().any()
+
+
+def test_unknown_backend_is_refused():
+    q, kv_pages, meta, _ = _ragged_batch(torch.bfloat16)
+    with pytest.raises(Fp8kvError, match="unknown attention backend 'cuda'"):
+        ragged_paged_attention(q, kv_pages, **meta, backend="cuda")
