@@ -1,0 +1,221 @@
+"""Calibration data in: records from a dataset or local files, tokenized one record per sample.
+
+Every record becomes one sample that starts at position 0, as a real prompt does: tokenized with
+the tokenizer's defaults (the chat template for chat `messages`), truncated to `seq_len`, never
+packed with another record. Samples are shuffled with a seed, so the same inputs give the same
+samples on every run, and batched with right padding that the observer masks out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import urlparse
+
+import torch
+
+from fp8kv.errors import Fp8kvError
+from fp8kv.models import BUNDLED_CALIBRATION_TEXT
+
+DEFAULT_DATASET = "HuggingFaceH4/ultrachat_200k"
+DEFAULT_SPLIT = "train_sft"
+LOCAL_SPLIT = "train"
+# Local file suffix -> datasets builder. Text files give one sample per paragraph.
+LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+HUB_PROBE_SECONDS = 3.0
+
+
+@dataclass(frozen=True)
+class DataRequest:
+    """What calibration data to use. `dataset=None` means the default, with an offline fallback."""
+
+    dataset: str | None = None
+    split: str | None = None
+    text_column: str | None = None
+    num_samples: int = 512
+    seq_len: int = 2048
+    seed: int = 42
+
+
+@dataclass(frozen=True)
+class CalibrationData:
+    """Tokenized samples (one per record) and where they came from.
+
+    `note` is one line for the user when the bundled corpus replaced the default dataset.
+    """
+
+    samples: list[list[int]]
+    dataset: str
+    split: str
+    text_column: str
+    note: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s) for s in self.samples)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Right-padded samples: `input_ids`, `attention_mask` int64 [batch, seq] (mask 1 = real token)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+def load_calibration_data(request: DataRequest, tokenizer: Any) -> CalibrationData:
+    """Open the requested records, shuffle them with `request.seed`, tokenize `request.num_samples` of them."""
+    if request.num_samples < 1 or request.seq_len < 1:
+        raise Fp8kvError("--num-samples and --seq-len must be at least 1")
+    records, name, split, note = _open(request)
+    column = _text_column(records, request.text_column, name)
+    samples = _tokenize(records.shuffle(seed=request.seed), column, tokenizer, request.seq_len, request.num_samples)
+    if len(samples) < request.num_samples:
+        tokens = sum(len(s) for s in samples)
+        raise Fp8kvError(
+            f"{name} (split {split!r}, column {column!r}): found {len(samples)} non-empty records "
+            f"({tokens} tokens) but --num-samples is {request.num_samples}; "
+            f"lower --num-samples to {len(samples)} or give more text"
+        )
+    return CalibrationData(samples, name, split, column, note)
+
+
+def make_batches(samples: list[list[int]], batch_size: int, pad_id: int) -> list[Batch]:
+    """Group samples (longest first, so padding stays small) into right-padded batches."""
+    if batch_size < 1:
+        raise Fp8kvError("--batch-size must be at least 1")
+    order = sorted(range(len(samples)), key=lambda i: (-len(samples[i]), i))
+    batches = []
+    for start in range(0, len(order), batch_size):
+        group = [samples[i] for i in order[start : start + batch_size]]
+        width = len(group[0])
+        ids = torch.full((len(group), width), pad_id, dtype=torch.int64)
+        mask = torch.zeros((len(group), width), dtype=torch.int64)
+        for row, sample in enumerate(group):
+            ids[row, : len(sample)] = torch.tensor(sample, dtype=torch.int64)
+            mask[row, : len(sample)] = 1
+        batches.append(Batch(ids, mask))
+    return batches
+
+
+def _open(request: DataRequest):
+    """(records, name, split, note) for the request; the default falls back to the bundled corpus."""
+    if request.dataset is None:
+        split = request.split or DEFAULT_SPLIT
+        try:
+            return _load_named(DEFAULT_DATASET, split) + (None,)
+        except Fp8kvError as exc:
+            if not BUNDLED_CALIBRATION_TEXT.is_file():
+                raise Fp8kvError(f"{exc}; the bundled corpus {BUNDLED_CALIBRATION_TEXT} is missing too") from None
+            note = f"{DEFAULT_DATASET} could not be loaded (offline?); using the bundled calibration corpus instead"
+            return _load_local(BUNDLED_CALIBRATION_TEXT, None) + (note,)
+    path = Path(request.dataset).expanduser()
+    if path.exists():
+        return _load_local(path, request.split) + (None,)
+    return _load_named(request.dataset, request.split or DEFAULT_SPLIT) + (None,)
+
+
+def _load_local(path: Path, split: str | None):
+    import datasets
+
+    if split not in (None, LOCAL_SPLIT):
+        raise Fp8kvError(f"{path}: local files have one split, {LOCAL_SPLIT!r}; drop --split {split}")
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix.lower() in LOCAL_BUILDERS)
+    if not files:
+        raise Fp8kvError(f"{path}: no {', '.join(LOCAL_BUILDERS)} files found")
+    builders = {LOCAL_BUILDERS.get(p.suffix.lower()) for p in files}
+    if None in builders:
+        raise Fp8kvError(f"{path}: unsupported file type; use one of {', '.join(LOCAL_BUILDERS)}")
+    if len(builders) > 1:
+        raise Fp8kvError(f"{path}: mixes file types ({', '.join(sorted(builders))}); keep one kind per folder")
+    builder = builders.pop()
+    options = {"sample_by": "paragraph"} if builder == "text" else {}
+    try:
+        records = datasets.load_dataset(builder, data_files=[str(p) for p in files], split=LOCAL_SPLIT, **options)
+    except Exception as exc:  # datasets raises many types for unreadable files
+        raise Fp8kvError(f"{path}: cannot be read as {builder} ({type(exc).__name__}: {exc})") from None
+    return records, str(path), LOCAL_SPLIT
+
+
+def _load_named(name: str, split: str):
+    import datasets
+
+    offline = not _hub_reachable()
+    try:
+        with _offline_mode(offline):
+            records = datasets.load_dataset(name, split=split)
+    except Exception as exc:  # offline, unknown dataset, unknown split: all one message
+        where = " (offline and not cached)" if offline else ""
+        raise Fp8kvError(f"dataset {name!r} split {split!r} cannot be loaded{where}: {exc}") from None
+    return records, name, split
+
+
+def _hub_reachable() -> bool:
+    """A quick TCP probe, so an offline machine fails in milliseconds rather than after retries."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=HUB_PROBE_SECONDS).close()
+    except OSError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _offline_mode(offline: bool) -> Iterator[None]:
+    """Load from the local cache only (no network retries) while `offline`."""
+    import datasets
+    from huggingface_hub import constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    if offline:
+        datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
+
+
+def _text_column(records: Any, requested: str | None, name: str) -> str:
+    columns = list(records.column_names)
+    if requested is not None:
+        if requested not in columns:
+            raise Fp8kvError(f"{name}: no column {requested!r}; columns are {sorted(columns)}")
+        return requested
+    for candidate in ("text", "messages"):
+        if candidate in columns:
+            return candidate
+    raise Fp8kvError(f"{name}: no 'text' or 'messages' column; pass --text-column (columns: {sorted(columns)})")
+
+
+def _tokenize(records: Any, column: str, tokenizer: Any, seq_len: int, wanted: int) -> list[list[int]]:
+    samples: list[list[int]] = []
+    for value in records.select_columns([column]):
+        ids = _encode(value[column], tokenizer)[:seq_len]
+        if ids:
+            samples.append(ids)
+        if len(samples) == wanted:
+            break
+    return samples
+
+
+def _encode(value: Any, tokenizer: Any) -> list[int]:
+    """Token ids of one record: a string, or a chat (list of {role, content})."""
+    if isinstance(value, str):
+        return list(tokenizer(value)["input_ids"]) if value.strip() else []
+    if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
+        if not value:
+            return []
+        if getattr(tokenizer, "chat_template", None):
+            return list(tokenizer.apply_chat_template(value, tokenize=True, return_dict=False))
+        text = "\n\n".join(str(m["content"]) for m in value)
+        return list(tokenizer(text)["input_ids"]) if text.strip() else []
+    if value is None:
+        return []
+    raise Fp8kvError(f"column values must be text or chat messages, found {type(value).__name__}")

@@ -1,0 +1,165 @@
+"""Observation: fold K and V, exactly as the KV cache stores them, into running statistics.
+
+A function registered with transformers' `AttentionInterface` sees every attention layer's
+`key`/`value` after k_norm and RoPE and before any GQA repeat — the tensors a cache stores.
+It folds them into `KVStatistics` and then runs the model's own attention, so the forward
+pass is unchanged. Only statistics are kept (per layer: amax and a histogram of |x| per KV
+head), never K or V: memory is O(layers).
+
+The statistics are plain tensors that reduce by `max` (amax) and `sum` (histogram, token
+counts), so partial statistics from several processes or layer groups merge with `merge`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+# Histogram of |x| with log-spaced bins: bin i holds 2**(LOG2_LOW + i/BINS_PER_OCTAVE) <= |x|
+# < the next edge. Bin 0 also holds everything smaller (zeros), the last bin everything larger.
+BINS_PER_OCTAVE = 32
+LOG2_LOW = -24
+LOG2_HIGH = 24
+NUM_BINS = (LOG2_HIGH - LOG2_LOW) * BINS_PER_OCTAVE
+
+OBSERVE_KWARG = "fp8kv_observation"
+"""The forward keyword that carries an `ObservationStep` down to the attention function."""
+
+SDPA_OBSERVER = "fp8kv_observe"
+EAGER_OBSERVER = "fp8kv_observe_eager"
+K, V = 0, 1
+
+
+def bin_edges() -> torch.Tensor:
+    """The NUM_BINS + 1 bin edges of the |x| histogram, float64. Edge 0 stands for 0."""
+    edges = torch.exp2(LOG2_LOW + torch.arange(NUM_BINS + 1, dtype=torch.float64) / BINS_PER_OCTAVE)
+    edges[0] = 0.0
+    return edges
+
+
+@dataclass
+class KVStatistics:
+    """Running statistics of the cached K and V of every layer.
+
+    `amax`:   float32 [num_layers, 2, num_kv_heads], max |x| per layer, K/V, KV head (0 = K, 1 = V).
+    `hist`:   int64 [num_layers, 2, num_kv_heads, NUM_BINS], counts of |x| per log-spaced bin.
+    `tokens`: int64 [num_layers], real (non-padding) tokens folded per layer.
+    """
+
+    amax: torch.Tensor
+    hist: torch.Tensor
+    tokens: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_layers: int, num_kv_heads: int, device: torch.device | str = "cpu") -> KVStatistics:
+        return cls(
+            amax=torch.zeros(num_layers, 2, num_kv_heads, dtype=torch.float32, device=device),
+            hist=torch.zeros(num_layers, 2, num_kv_heads, NUM_BINS, dtype=torch.int64, device=device),
+            tokens=torch.zeros(num_layers, dtype=torch.int64, device=device),
+        )
+
+    def fold(self, layer: int, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """Fold one layer's `key`/`value` [batch, kv_heads, seq, head_dim]; `valid` [batch, seq] marks real tokens."""
+        for kind, states in ((K, key), (V, value)):
+            tokens = _real_tokens(states.detach(), valid)  # [tokens, kv_heads, head_dim]
+            magnitude = tokens.abs().float()
+            # NaN must win the max (torch.maximum propagates it), so the scale guard sees it.
+            self.amax[layer, kind] = torch.maximum(self.amax[layer, kind], magnitude.amax(dim=(0, 2)))
+            self.hist[layer, kind] += _histogram(magnitude)
+        self.tokens[layer] += key.shape[0] * key.shape[2] if valid is None else valid.sum().to(self.tokens.device)
+
+    def merge(self, other: KVStatistics) -> None:
+        """Fold another partial result in (max of amax, sum of counts)."""
+        self.amax = torch.maximum(self.amax, other.amax.to(self.amax.device))
+        self.hist += other.hist.to(self.hist.device)
+        self.tokens += other.tokens.to(self.tokens.device)
+
+    def cpu(self) -> KVStatistics:
+        return KVStatistics(self.amax.cpu(), self.hist.cpu(), self.tokens.cpu())
+
+
+def _real_tokens(states: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    heads, dim = states.shape[1], states.shape[3]
+    by_token = states.transpose(1, 2)  # [batch, seq, kv_heads, head_dim]
+    if valid is None:
+        return by_token.reshape(-1, heads, dim)
+    return by_token[valid.to(states.device)]
+
+
+def _histogram(magnitude: torch.Tensor) -> torch.Tensor:
+    """Counts of `magnitude` [tokens, kv_heads, head_dim] per head and bin: int64 [kv_heads, NUM_BINS]."""
+    heads = magnitude.shape[1]
+    position = (torch.log2(magnitude) - LOG2_LOW) * BINS_PER_OCTAVE
+    # log2(0) = -inf lands in bin 0; inf and NaN land in the last bin.
+    position = torch.nan_to_num(position, nan=NUM_BINS - 1).clamp_(0, NUM_BINS - 1)
+    head_offset = torch.arange(heads, device=magnitude.device).view(1, heads, 1) * NUM_BINS
+    index = position.long() + head_offset
+    return torch.bincount(index.flatten(), minlength=heads * NUM_BINS).view(heads, NUM_BINS)
+
+
+@dataclass(frozen=True)
+class ObservationStep:
+    """What the attention function needs for one forward: where to fold, and which tokens are real.
+
+    `valid`: bool [batch, seq], True for real tokens (None: all real). `layers`: the layers that own
+    a cache; others (KV-sharing layers) are not folded.
+    """
+
+    statistics: KVStatistics
+    valid: torch.Tensor | None
+    layers: frozenset[int]
+
+
+def _observing(attend: Callable[..., Any] | None) -> Callable[..., Any]:
+    """An attention function that folds K/V into the step's statistics, then runs `attend`.
+
+    `attend=None` runs the model file's own `eager_attention_forward` (needed for softcapping).
+    """
+
+    def attention(module: torch.nn.Module, query, key, value, attention_mask, **kwargs):
+        step: ObservationStep | None = kwargs.pop(OBSERVE_KWARG, None)
+        if step is not None and module.layer_idx in step.layers:
+            step.statistics.fold(module.layer_idx, key, value, step.valid)
+        inner = attend or sys.modules[type(module).__module__].eager_attention_forward
+        return inner(module, query, key, value, attention_mask, **kwargs)
+
+    return attention
+
+
+def register_observers() -> None:
+    """Register the observing attention functions (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    AttentionInterface.register(SDPA_OBSERVER, _observing(sdpa_attention_forward))
+    AttentionMaskInterface.register(SDPA_OBSERVER, sdpa_mask)
+    AttentionInterface.register(EAGER_OBSERVER, _observing(None))
+    AttentionMaskInterface.register(EAGER_OBSERVER, eager_mask)
+
+
+def observer_for(config: dict[str, Any]) -> str:
+    """The attn_implementation to load a model with: eager where SDPA cannot run it (logit softcapping)."""
+    register_observers()
+    text = config.get("text_config") or config
+    return EAGER_OBSERVER if text.get("attn_logit_softcapping") is not None else SDPA_OBSERVER
+
+
+def observe_batch(
+    base_model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    statistics: KVStatistics,
+    layers: frozenset[int],
+) -> None:
+    """Run the base model (no LM head) over one right-padded batch, folding K/V of `layers`.
+
+    `input_ids`, `attention_mask`: [batch, seq] on the model's device; the model must have been
+    loaded with `attn_implementation=observer_for(config)`.
+    """
+    valid = attention_mask.bool()
+    step = ObservationStep(statistics, None if bool(valid.all()) else valid, layers)
+    base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **{OBSERVE_KWARG: step})

@@ -1,0 +1,237 @@
+"""The calibration driver: data in, observation, scale math, checkpoint out.
+
+    from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
+    result = calibrate(CalibrationRequest(model="path/to/model", out=Path("out")))
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from fp8kv import __version__
+from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_data, make_batches
+from fp8kv.calibrate.observe import KVStatistics, observe_batch, observer_for
+from fp8kv.calibrate.resolve import resolve_model
+from fp8kv.calibrate.scales import ScaleTable, Strategy, compute_scales, fp8_max
+from fp8kv.checkpoint.conventions import CONVENTIONS
+from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.checkpoint.source import SourceCheckpoint
+from fp8kv.checkpoint.writer import write_checkpoint
+from fp8kv.errors import Fp8kvError
+from fp8kv.geometry import AttentionGeometry
+
+PROVENANCE_FILE = "fp8kv.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Progress = Callable[[int, int], None]
+"""Called with (samples done, samples total) after every batch."""
+
+
+@dataclass(frozen=True)
+class CalibrationRequest:
+    """Everything `calibrate` needs; defaults match the CLI's."""
+
+    model: str
+    out: Path | None = None  # None: calibrate and report, write nothing
+    data: DataRequest = field(default_factory=DataRequest)
+    batch_size: int = 8
+    kv_dtype: str = "fp8_e4m3"
+    strategy: str = "amax"
+    headroom: float = 1.0
+    per_head: bool = False
+    allow_unobserved: bool = False
+    mode: str = "overlay"
+    convention: str = "compressed-tensors"
+    overwrite: bool = False
+    device: str = "auto"
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    command: str | None = None  # the command line, recorded in fp8kv.json
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """The scales, the provenance written to fp8kv.json, and where the checkpoint went."""
+
+    source: Path
+    out: Path | None
+    table: ScaleTable
+    scales: KVScales
+    provenance: dict[str, Any]
+    warnings: list[str]
+    note: str | None
+
+
+def calibrate(request: CalibrationRequest, progress: Progress | None = None) -> CalibrationResult:
+    """Calibrate static K/V scales for `request.model` and (with `request.out`) write the checkpoint.
+
+    Everything is validated before the model loads; nothing is written unless every cache-owning
+    layer got a finite, non-zero scale (or `allow_unobserved`).
+    """
+    strategy = _validate(request)
+    source = SourceCheckpoint.open(resolve_model(request.model))
+    tokenizer = _load_tokenizer(source.path, request.trust_remote_code)
+    data = load_calibration_data(request.data, tokenizer)
+    statistics = observe(source.path, source.config, source.geometry, data, request, tokenizer, progress)
+    table = compute_scales(
+        statistics,
+        source.geometry.kv_layers,
+        kv_dtype=request.kv_dtype,
+        strategy=strategy,
+        headroom=request.headroom,
+        per_head=request.per_head,
+        allow_unobserved=request.allow_unobserved,
+    )
+    scales = KVScales(k=table.tensors(0), v=table.tensors(1), kv_dtype=request.kv_dtype)
+    warnings = [
+        f"layer {layer}: nothing was observed (zero or no K/V); wrote scale 1.0 (--allow-unobserved)"
+        for layer in table.defaulted
+    ]
+    record = provenance(request, source, data, table, strategy)
+    if request.out is not None:
+        extra = {PROVENANCE_FILE: (json.dumps(record, indent=2) + "\n").encode()}
+        write_checkpoint(
+            source.path,
+            request.out,
+            scales,
+            convention=request.convention,
+            mode=request.mode,
+            overwrite=request.overwrite,
+            extra_files=extra,
+        )
+    return CalibrationResult(source.path, request.out, table, scales, record, warnings, data.note)
+
+
+def observe(
+    model_dir: Path,
+    config: dict[str, Any],
+    geometry: AttentionGeometry,
+    data: CalibrationData,
+    request: CalibrationRequest,
+    tokenizer: Any,
+    progress: Progress | None = None,
+) -> KVStatistics:
+    """Run the base model over every sample and return the folded K/V statistics (on the CPU)."""
+    device = resolve_device(request.device)
+    model = load_model(model_dir, config, device, request.dtype, request.trust_remote_code)
+    batches = make_batches(data.samples, request.batch_size, pad_id(tokenizer))
+    statistics = KVStatistics.empty(geometry.num_layers, geometry.num_kv_heads, device)
+    layers = frozenset(geometry.kv_layers)
+    done = 0
+    with torch.no_grad():
+        for batch in batches:
+            ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+            observe_batch(model.base_model, ids, mask, statistics, layers)
+            done += ids.shape[0]
+            if progress is not None:
+                progress(done, len(data.samples))
+    return statistics.cpu()
+
+
+def load_model(model_dir: Path, config: dict[str, Any], device: torch.device, dtype: str, trust_remote_code: bool):
+    """The causal LM with the observing attention; only its base model is ever run."""
+    from transformers import AutoModelForCausalLM
+
+    if dtype != "auto" and dtype not in DTYPES:
+        raise Fp8kvError(f"--dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir,
+        attn_implementation=observer_for(config),
+        dtype=DTYPES.get(dtype, "auto"),
+        trust_remote_code=trust_remote_code,
+    )
+    return model.to(device).eval()
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` -> cuda when available, else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise Fp8kvError(f"--device {device!r}: choose auto, cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise Fp8kvError("--device cuda: no CUDA device is available; use --device cpu")
+    return torch.device(device)
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The id right padding uses (its value never matters: padding is masked and never observed)."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def provenance(
+    request: CalibrationRequest, source: SourceCheckpoint, data: CalibrationData, table: ScaleTable, strategy: Strategy
+) -> dict[str, Any]:
+    """The fp8kv.json record: tool, command, source, data, settings, and per-layer amax/scales/saturation."""
+    return {
+        "tool": "fp8kv",
+        "version": __version__,
+        "command": request.command,
+        "source": {"path": str(source.path), "content_hash": source.content_hash()},
+        "dataset": {
+            "name": data.dataset,
+            "split": data.split,
+            "text_column": data.text_column,
+            "num_samples": len(data.samples),
+            "num_tokens": data.num_tokens,
+            "seq_len": request.data.seq_len,
+            "seed": request.data.seed,
+            "note": data.note,
+        },
+        "strategy": str(strategy),
+        "headroom": request.headroom,
+        "kv_dtype": request.kv_dtype,
+        "fp8_max": fp8_max(request.kv_dtype),
+        "per_head": request.per_head,
+        "format": request.convention,
+        "skipped_layers": list(source.geometry.skipped_layers),
+        "defaulted_layers": list(table.defaulted),
+        "layers": layer_rows(table),
+    }
+
+
+def layer_rows(table: ScaleTable) -> list[dict[str, Any]]:
+    """One object per cache-owning layer; scales are floats, or lists per KV head with --per-head."""
+    rows = []
+    for i, layer in enumerate(table.layers):
+        row: dict[str, Any] = {"layer": layer}
+        for kind, name in ((0, "k"), (1, "v")):
+            scale = table.scales[i, kind].tolist()
+            row[f"{name}_amax"] = float(table.amax[i, kind].max())
+            row[f"{name}_scale"] = scale if table.per_head else scale[0]
+            row[f"{name}_saturation"] = float(table.saturation[i, kind])
+            row[f"{name}_amax_per_head"] = table.amax[i, kind].tolist()
+        rows.append(row)
+    return rows
+
+
+def _validate(request: CalibrationRequest) -> Strategy:
+    """Check every option before anything slow happens."""
+    fp8_max(request.kv_dtype)
+    strategy = Strategy.parse(request.strategy)
+    if not request.headroom >= 1.0:
+        raise Fp8kvError(f"--headroom must be at least 1.0, got {request.headroom}")
+    if request.convention not in CONVENTIONS:
+        raise Fp8kvError(f"--format {request.convention!r}: choose one of {', '.join(CONVENTIONS)}")
+    if request.mode not in ("overlay", "copy"):
+        raise Fp8kvError(f"--mode {request.mode!r}: choose overlay or copy")
+    if request.out is not None and request.out.exists() and not request.overwrite:
+        raise Fp8kvError(f"{request.out}: already exists; pass --overwrite to replace it")
+    resolve_device(request.device)
+    return strategy
+
+
+def _load_tokenizer(model_dir: Path, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise Fp8kvError(f"{model_dir}: no usable tokenizer ({exc})") from None

@@ -1,0 +1,20 @@
+"""Turn the MODEL argument into a local checkpoint folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fp8kv.errors import Fp8kvError
+from fp8kv.models import BUNDLED_MODEL_ALIAS, BUNDLED_MODEL_DIR
+
+
+def resolve_model(model: str) -> Path:
+    """`bundled` -> the bundled model; a local folder -> itself. (Hub ids: extend here.)"""
+    if model == BUNDLED_MODEL_ALIAS:
+        if not (BUNDLED_MODEL_DIR / "config.json").is_file():
+            raise Fp8kvError(f"{BUNDLED_MODEL_DIR}: the bundled model is not installed; pass a checkpoint folder")
+        return BUNDLED_MODEL_DIR
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise Fp8kvError(f"{model}: no such checkpoint folder (pass a local folder with config.json, or 'bundled')")
+    return path
