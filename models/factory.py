@@ -10,6 +10,7 @@ safetensors files, written in well under a second:
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,11 @@ def make_tokenizer(vocab_size: int = 512):
     identical on every machine. The result is a `PreTrainedTokenizerFast` with bos/eos/pad
     tokens and a chat template.
     """
+    return train_tokenizer(_documentation_text(), vocab_size)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int):
+    """Train a byte-level BPE `PreTrainedTokenizerFast` (bos/eos/pad, chat template) on `texts`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -157,7 +163,7 @@ def make_tokenizer(vocab_size: int = 512):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(_documentation_text(), trainer=trainer)
+    bpe.train_from_iterator(texts, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         unk_token="<unk>",
