@@ -105,5 +105,39 @@ def push(
     typer.echo(f"Uploaded {len(plan.files)} files ({human_size(plan.total_bytes)}) in one commit: {url}")
 
 
+@app.command("inspect")
+def inspect_command(
+    model: Path = typer.Argument(..., help="Checkpoint folder to inspect."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+) -> None:
+    """Show which KV-scale conventions a checkpoint uses, its per-layer K/V scales, and what looks wrong."""
+    import json
+
+    from fp8kv.checkpoint.interop import inspect_checkpoint, print_report
+
+    report = inspect_checkpoint(model)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+
+
+@app.command("convert")
+def convert_command(
+    model: Path = typer.Argument(..., help="Checkpoint folder holding KV scales in any convention."),
+    to: str = typer.Option(..., "--to", help="Target convention: compressed-tensors, modelopt, quark or vllm-json."),
+    out: Path = typer.Option(..., "--out", help="Output folder (written atomically)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+    mode: str = typer.Option("overlay", "--mode", help="overlay (hard-link weights) or copy."),
+) -> None:
+    """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
+    from fp8kv.checkpoint.interop import convert_checkpoint, engine_flag
+
+    written = convert_checkpoint(model, out, to, overwrite=overwrite, mode=mode)
+    typer.echo(f"wrote {written} ({to})")
+    if to == "vllm-json":
+        typer.echo(f"load it with: vllm serve {written} {engine_flag(written)}")
+
+
 def main() -> None:
     app(prog_name="fp8kv")

@@ -8,7 +8,9 @@ Conventions: "compressed-tensors" (llm-compressor), "modelopt" (NVIDIA ModelOpt)
 from __future__ import annotations
 
 import copy
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 from fp8kv.checkpoint.kvscales import TORCH_DTYPE_NAME, KVScales
@@ -65,6 +67,17 @@ def scale_names(convention: str, prefix: str, layer: int) -> tuple[str, str]:
         "quark": ("k_proj.output_scale", "v_proj.output_scale"),
     }[convention]
     return base + k_suffix, base + v_suffix
+
+
+def is_vllm_json(path: Path) -> bool:
+    """Whether `path` is a legacy vLLM KV-scale file (`{"kv_cache": {"scaling_factor": ...}}`)."""
+    if path.stat().st_size > 2**20:
+        return False
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("kv_cache"), dict) and "scaling_factor" in data["kv_cache"]
 
 
 def weight_method(config: dict[str, Any], hf_quant: dict[str, Any] | None) -> str | None:

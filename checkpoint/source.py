@@ -172,12 +172,19 @@ def _index_files(root: Path, files: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _read_index(path: Path) -> dict[str, str]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A small JSON file that must hold an object, with one clear error otherwise."""
     try:
-        index = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise Fp8kvError(f"{path}: cannot be read as JSON ({exc})") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(data, dict):
+        raise Fp8kvError(f"{path}: must hold a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    weight_map = read_json(path).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise Fp8kvError(f"{path}: needs a non-empty 'weight_map' object")
     return weight_map

@@ -18,11 +18,11 @@ from safetensors.torch import save_file
 
 from fp8kv import __version__
 from fp8kv.checkpoint.conventions import (
-    CONVENTIONS, HF_QUANT_CONFIG, SCALES_FILE, VLLM_JSON_FILE, layer_prefix, parse_scale_name, quant_configs,
+    CONVENTIONS, HF_QUANT_CONFIG, SCALES_FILE, VLLM_JSON_FILE, is_vllm_json, layer_prefix, parse_scale_name, quant_configs,
     scale_names, vllm_json,
 )
 from fp8kv.checkpoint.kvscales import KVScales
-from fp8kv.checkpoint.source import INDEX_NAME, SourceCheckpoint, read_safetensors_header
+from fp8kv.checkpoint.source import INDEX_NAME, SourceCheckpoint, read_json, read_safetensors_header
 from fp8kv.errors import Fp8kvError
 
 MODES = ("overlay", "copy")
@@ -57,7 +57,7 @@ def write_checkpoint(
     for name in extra_files or {}:
         if "/" in name or "\\" in name or name.startswith(".") or name in ("config.json", INDEX_NAME):
             raise Fp8kvError(f"extra file name {name!r} must be a plain new file name")
-    hf_quant = _read_json(source.path / HF_QUANT_CONFIG) if HF_QUANT_CONFIG in source.files else None
+    hf_quant = read_json(source.path / HF_QUANT_CONFIG) if HF_QUANT_CONFIG in source.files else None
     qc, new_hf_quant = quant_configs(convention, source.config, hf_quant, scales, __version__)
     _clean_stale(out)
     tmp = out.parent / f".{out.name}.fp8kv-tmp-{os.getpid()}"
@@ -150,17 +150,6 @@ def _regenerated(source: SourceCheckpoint, name: str) -> bool:
     return name.endswith(".json") and "/" not in name and is_vllm_json(source.path / name)
 
 
-def is_vllm_json(path: Path) -> bool:
-    """Whether `path` is a legacy vLLM KV-scale file (`{"kv_cache": {"scaling_factor": ...}}`)."""
-    if path.stat().st_size > 2**20:
-        return False
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(data, dict) and isinstance(data.get("kv_cache"), dict) and "scaling_factor" in data["kv_cache"]
-
-
 def _write_scales(path: Path, source: SourceCheckpoint, scales: KVScales, convention: str) -> dict[str, str]:
     prefix = layer_prefix(list(source.weight_map))
     tensors: dict[str, torch.Tensor] = {}
@@ -226,16 +215,6 @@ def _carry(src: Path, dst: Path, mode: str, link_any_size: bool = False) -> None
             pass
     shutil.copyfile(src, dst)
     _fsync_file(dst)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise Fp8kvError(f"{path}: cannot be read as JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise Fp8kvError(f"{path}: must hold a JSON object")
-    return data
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -1,0 +1,198 @@
+"""Read KV scales from a checkpoint in any convention, by tensor name, never loading weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from fp8kv.checkpoint.conventions import HF_QUANT_CONFIG, is_vllm_json, parse_scale_name
+from fp8kv.checkpoint.kvscales import TORCH_DTYPE_NAME, KVScales
+from fp8kv.checkpoint.source import SourceCheckpoint, read_json
+from fp8kv.errors import Fp8kvError
+
+# Reading order: exact per-K/V conventions first, the one-value-per-layer ones last.
+_ORDER = ("compressed-tensors", "modelopt", "quark", "kv_scale", "vllm-json")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_KV_DTYPE_BY_NAME = {name: kv for kv, name in TORCH_DTYPE_NAME.items()} | {kv: kv for kv in TORCH_DTYPE_NAME}
+
+
+@dataclass(frozen=True)
+class ScaleReadout:
+    """What a checkpoint says about its KV cache.
+
+    `conventions` lists every convention with scales present; `scales` is their agreed union
+    (None when there are none); `declared` maps convention -> whether the config files
+    announce a quantized KV cache (e.g. `quantization_config.kv_cache_scheme`).
+    """
+
+    source: SourceCheckpoint
+    conventions: tuple[str, ...]
+    scales: KVScales | None
+    kv_dtype: str
+    declared: dict[str, bool]
+    missing_layers: tuple[int, ...]
+    unexpected_layers: tuple[int, ...]
+    tensor_names: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def has_kv_cache_scheme(self) -> bool:
+        """Whether config.json carries `quantization_config.kv_cache_scheme`."""
+        qc = self.source.config.get("quantization_config")
+        return isinstance(qc, dict) and qc.get("kv_cache_scheme") is not None
+
+
+def read_kv_scales(model_dir: str | Path) -> ScaleReadout:
+    """Read every KV-scale convention in `model_dir`; conventions that disagree are an error."""
+    source = SourceCheckpoint.open(model_dir)
+    hf_quant = read_json(source.path / HF_QUANT_CONFIG) if HF_QUANT_CONFIG in source.files else None
+    kv_dtype = _kv_dtype(source.config)
+    found, names = _tensor_scales(source)
+    for name in source.files:
+        if name.endswith(".json") and "/" not in name and is_vllm_json(source.path / name):
+            found["vllm-json"], kv_dtype = _vllm_json_scales(source.path / name)
+            names["vllm-json"] = [name]
+    merged = _merge(found)
+    complete = {i: kv for i, kv in merged.items() if "k" in kv and "v" in kv}
+    scales = None
+    if complete:
+        scales = KVScales(k={i: kv["k"] for i, kv in complete.items()},
+                          v={i: kv["v"] for i, kv in complete.items()}, kv_dtype=kv_dtype)
+    kv_layers = source.geometry.kv_layers
+    conventions = tuple(c for c in _ORDER if c in found)
+    return ScaleReadout(
+        source=source,
+        conventions=conventions,
+        scales=scales,
+        kv_dtype=kv_dtype,
+        declared=_declared(source.config, hf_quant),
+        missing_layers=tuple(i for i in kv_layers if i not in complete) if conventions else (),
+        unexpected_layers=tuple(sorted(i for i in merged if i not in kv_layers)),
+        tensor_names=names,
+    )
+
+
+def _tensor_scales(source: SourceCheckpoint):
+    """convention -> layer -> {"k"|"v": float32 tensor}, reading only the scale tensors."""
+    found: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    names: dict[str, list[str]] = {}
+    for file in source.weight_files:
+        wanted = [(t, parse_scale_name(t)) for t in source.headers[file]]
+        wanted = [(t, parsed) for t, parsed in wanted if parsed is not None]
+        if not wanted:
+            continue
+        with safe_open(str(source.path / file), framework="pt") as handle:
+            for tensor_name, (layer, kind, convention) in wanted:
+                tensor = _checked(handle.get_tensor(tensor_name), tensor_name, file)
+                names.setdefault(convention, []).append(tensor_name)
+                for part in ("k", "v") if kind == "kv" else (kind,):
+                    found.setdefault(convention, {}).setdefault(layer, {})[part] = tensor
+    return found, names
+
+
+def _checked(tensor: torch.Tensor, name: str, file: str) -> torch.Tensor:
+    """A scale as float32 of shape [1] or [H, 1, 1]; anything else is an error naming the tensor."""
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise Fp8kvError(f"{file}: scale tensor {name} has dtype {tensor.dtype}; a KV scale must be a float")
+    if tensor.numel() == 1 and tensor.dim() <= 1:
+        return tensor.reshape(1).to(torch.float32)
+    if tensor.dim() == 3 and tensor.shape[1:] == (1, 1) or tensor.dim() == 1:
+        return tensor.reshape(-1, 1, 1).to(torch.float32)
+    raise Fp8kvError(
+        f"{file}: scale tensor {name} has shape {list(tensor.shape)}; expected [] or [1] (per tensor) "
+        "or [num_kv_heads, 1, 1] (per head)"
+    )
+
+
+def _vllm_json_scales(path: Path) -> tuple[dict[int, dict[str, torch.Tensor]], str]:
+    data = read_json(path)
+    cache = data["kv_cache"]
+    dtype = _KV_DTYPE_BY_NAME.get(str(cache.get("dtype", "float8_e4m3fn")))
+    if dtype is None:
+        raise Fp8kvError(f"{path}: kv_cache.dtype {cache.get('dtype')!r} is not an fp8 dtype fp8kv knows")
+    ranks = cache["scaling_factor"]
+    if not isinstance(ranks, dict) or not ranks:
+        raise Fp8kvError(f"{path}: kv_cache.scaling_factor must map tensor-parallel rank -> layer -> scale")
+    first = next(iter(ranks.values()))
+    if any(r != first for r in ranks.values()):
+        raise Fp8kvError(f"{path}: tensor-parallel ranks carry different scales; fp8kv expects one set")
+    exact = data.get("fp8kv") or {}
+    table: dict[int, dict[str, torch.Tensor]] = {}
+    for layer, value in first.items():
+        shared = _scalar(value, path, layer)
+        k = exact.get("k_scale", {}).get(layer)
+        v = exact.get("v_scale", {}).get(layer)
+        if k is not None and v is not None and max(k, v) == value:  # exact K/V written by fp8kv
+            table[int(layer)] = {"k": _scalar(k, path, layer), "v": _scalar(v, path, layer)}
+        else:
+            table[int(layer)] = {"k": shared, "v": shared, "shared": shared}
+    return table, dtype
+
+
+def _scalar(value: Any, path: Path, layer: str) -> torch.Tensor:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Fp8kvError(f"{path}: layer {layer} scale {value!r} is not a number")
+    return torch.tensor([float(value)], dtype=torch.float32)
+
+
+def _merge(found: dict[str, dict[int, dict[str, torch.Tensor]]]) -> dict[int, dict[str, torch.Tensor]]:
+    """The union over conventions; where two hold a layer, they must agree."""
+    merged: dict[int, dict[str, torch.Tensor]] = {}
+    origin: dict[tuple[int, str], str] = {}
+    for convention in _ORDER:
+        for layer, table in sorted(found.get(convention, {}).items()):
+            if "shared" in table:  # one value for K and V: compare with the larger of the two
+                _agree_shared(merged.get(layer), table["shared"], layer, convention, origin)
+            for kind in ("k", "v"):
+                if kind not in table:
+                    continue
+                if (layer, kind) in origin:
+                    if "shared" not in table:
+                        _agree(merged[layer][kind], table[kind], layer, kind, origin[(layer, kind)], convention)
+                    continue
+                merged.setdefault(layer, {})[kind] = table[kind]
+                origin[(layer, kind)] = convention
+    return merged
+
+
+def _agree(a: torch.Tensor, b: torch.Tensor, layer: int, kind: str, first: str, second: str) -> None:
+    if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-6, atol=0.0):
+        raise Fp8kvError(
+            f"layer {layer}: {first} {kind}_scale {_show(a)} disagrees with {second} {kind}_scale {_show(b)}; "
+            "remove one of them (fp8kv convert writes a single convention)"
+        )
+
+
+def _agree_shared(known: dict[str, torch.Tensor] | None, shared: torch.Tensor, layer: int, convention: str,
+                  origin: dict[tuple[int, str], str]) -> None:
+    if known and "k" in known and "v" in known:
+        larger = torch.maximum(known["k"].max(), known["v"].max()).reshape(1)
+        _agree(larger, shared, layer, "kv", origin[(layer, "k")] + " max(k,v)", convention)
+
+
+def _show(t: torch.Tensor) -> str:
+    values = t.flatten().tolist()
+    return repr(values[0]) if len(values) == 1 else repr(values)
+
+
+def _kv_dtype(config: dict[str, Any]) -> str:
+    qc = config.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") == "quark":
+        spec = ((qc.get("layer_quant_config") or {}).get("*k_proj") or {}).get("output_tensors") or {}
+        return _KV_DTYPE_BY_NAME.get(str(spec.get("dtype")), "fp8_e4m3")
+    return "fp8_e4m3"
+
+
+def _declared(config: dict[str, Any], hf_quant: dict[str, Any] | None) -> dict[str, bool]:
+    qc = config.get("quantization_config") if isinstance(config.get("quantization_config"), dict) else {}
+    method = qc.get("quant_method")
+    modelopt = (hf_quant or {}).get("quantization") or {}
+    return {
+        "compressed-tensors": method == "compressed-tensors" and qc.get("kv_cache_scheme") is not None,
+        "modelopt": bool(modelopt.get("kv_cache_quant_algo")),
+        "quark": method == "quark" and bool((qc.get("export") or {}).get("kv_cache_group")),
+        "fp8": method == "fp8" and qc.get("kv_cache_scheme") == "static",
+    }
