@@ -26,6 +26,7 @@ TAGS = ["fp8", "kv-cache", "fp8kv", "vllm", "compressed-tensors"]
 # Hub license ids are lowercase tokens ("apache-2.0", "llama3.1"); anything else goes in license_name.
 _LICENSE_ID = re.compile(r"^[a-z0-9][a-z0-9.\-]*$")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
+_DATA_FILE = re.compile(r"\.(jsonl|json|txt|csv|parquet|arrow)$")
 # (label, key, format) rows of the verify accuracy table.
 _ACCURACY_ROWS = [
     ("Perplexity, bf16 KV cache", "ppl_bf16", "{:.4f}"),
@@ -128,7 +129,9 @@ def _metadata(prov: dict[str, Any], base_model: str | None, license_: str | None
     if license_ and not _LICENSE_ID.match(license_):
         extra["license_name"], license_ = license_, "other"
     dataset = _get(prov, "dataset", "name")
-    datasets = [dataset] if isinstance(dataset, str) and _is_repo_id(dataset) else None
+    # A local data file ("data/calib.jsonl") is not a Hub dataset id.
+    is_hub_dataset = isinstance(dataset, str) and _is_repo_id(dataset) and not _DATA_FILE.search(dataset)
+    datasets = [dataset] if is_hub_dataset else None
     return ModelCardData(
         base_model=base_model,
         license=license_,
@@ -232,20 +235,24 @@ def _what_was_done(prov: dict[str, Any], base_model: str | None) -> str:
     rows = [
         ("Tool", f"fp8kv {prov['version']}" if prov.get("version") else None),
         ("Source", base_model or _get(prov, "source", "path")),
-        ("Source sha256", _get(prov, "source", "sha256")),
+        ("Source hash", _get(prov, "source", "content_hash") or _get(prov, "source", "sha256")),
         ("Strategy", prov.get("strategy")),
         ("Headroom", prov.get("headroom")),
         ("KV-cache dtype", prov.get("kv_dtype")),
+        ("Checkpoint convention", prov.get("format")),
         ("Per-head scales", prov.get("per_head")),
         ("Calibration data", _get(prov, "dataset", "name")),
         ("Split", _get(prov, "dataset", "split")),
         ("Text column", _get(prov, "dataset", "text_column")),
         ("Samples", _get(prov, "dataset", "num_samples")),
         ("Sequence length", _get(prov, "dataset", "seq_len")),
+        ("Calibration tokens", _get(prov, "dataset", "num_tokens")),
         ("Shuffle seed", _get(prov, "dataset", "seed")),
     ]
     shown = [[name, f"`{value}`" if isinstance(value, str) else _fmt(value)] for name, value in rows if value is not None]
     parts.append(_table(["Setting", "Value"], shown))
+    if _get(prov, "dataset", "note"):
+        parts.append(f"Note: {prov['dataset']['note']}.")
     return "\n\n".join(parts)
 
 
@@ -325,4 +332,7 @@ def _limitations(prov: dict[str, Any]) -> str:
         items.append("Per-head scales are read by recent vLLM on the FlashAttention backend only.")
     if prov.get("skipped_layers"):
         items.append("Layers listed as without their own KV cache reuse another layer's cache and have no scale.")
+    if prov.get("defaulted_layers"):
+        defaulted = ", ".join(str(i) for i in prov["defaulted_layers"])
+        items.append(f"Calibration never reached layers {defaulted}; they carry the default scale 1.0.")
     return "## Limitations\n\n" + "\n".join(f"- {item}" for item in items)
