@@ -249,7 +249,8 @@ def _what_was_done(prov: dict[str, Any], base_model: str | None) -> str:
         ("Calibration tokens", _get(prov, "dataset", "num_tokens")),
         ("Shuffle seed", _get(prov, "dataset", "seed")),
     ]
-    shown = [[name, f"`{value}`" if isinstance(value, str) else _fmt(value)] for name, value in rows if value is not None]
+    shown = [[name, f"`{value}`" if isinstance(value, str) else _fmt(value)]
+             for name, value in rows if value is not None]
     parts.append(_table(["Setting", "Value"], shown))
     if _get(prov, "dataset", "note"):
         parts.append(f"Note: {prov['dataset']['note']}.")
@@ -259,8 +260,9 @@ def _what_was_done(prov: dict[str, Any], base_model: str | None) -> str:
 def _scales(out: Path, prov: dict[str, Any]) -> str:
     dtype_max = 57344 if prov.get("kv_dtype") == "fp8_e5m2" else 448
     parts = ["## KV-cache scales", (
-        f"Each scale is a dequantization multiplier: the engine stores `fp8(clamp(x / scale, -{dtype_max}, {dtype_max}))` "
-        f"and reads back `fp8 × scale`. With the `amax` strategy, `scale = amax / {dtype_max}`, amax being the largest "
+        "Each scale is a dequantization multiplier: the engine stores "
+        f"`fp8(clamp(x / scale, -{dtype_max}, {dtype_max}))` and reads back `fp8 × scale`. "
+        f"With the `amax` strategy, `scale = amax / {dtype_max}`, amax being the largest "
         "|value| of that layer's cached K (or V, after RoPE and any k_norm) over all calibration tokens."
     )]
     layers = [layer for layer in prov.get("layers") or [] if isinstance(layer, dict)]
@@ -328,6 +330,10 @@ def _limitations(prov: dict[str, Any]) -> str:
         "vLLM's TPU (Pallas) kernel needs an even number of KV heads for an fp8 cache.",
         "AMD GPUs (`e4m3fnuz`) double the scales at load time; the checkpoint stores the e4m3 scales.",
     ]
+    strategy = str(prov.get("strategy") or "amax")
+    if strategy != "amax":
+        items.append(f"The `{strategy}` strategy clips below the calibration amax on purpose: values above the clip "
+                     "saturate (see the saturation columns).")
     if prov.get("per_head"):
         items.append("Per-head scales are read by recent vLLM on the FlashAttention backend only.")
     if prov.get("skipped_layers"):

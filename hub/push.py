@@ -13,7 +13,9 @@ from typing import Any
 
 from fp8kv import __version__
 from fp8kv.errors import Fp8kvError
-from fp8kv.hub.card import CARD_FILE, REPORT_FILE, is_fp8kv_card, read_provenance, read_report, render_card, write_text_atomic
+from fp8kv.hub.card import (
+    CARD_FILE, REPORT_FILE, is_fp8kv_card, read_provenance, read_report, render_card, write_text_atomic,
+)
 
 PUSHABLE_VERDICTS = ("PASS", "WARN")
 
@@ -118,7 +120,9 @@ def collect_files(out_dir: Path) -> list[UploadFile]:
             path = Path(root) / name
             target = Path(os.path.realpath(path))
             if not target.is_file():
-                raise Fp8kvError(f"{path}: a link to {target}, which is not a file; restore it or rerun `fp8kv calibrate`")
+                raise Fp8kvError(
+                    f"{path}: a link to {target}, which is not a file; restore it or rerun `fp8kv calibrate`"
+                )
             files.append(UploadFile(path.relative_to(out).as_posix(), target, target.stat().st_size))
     return sorted(files, key=lambda f: f.path_in_repo)
 
@@ -174,7 +178,9 @@ def _upload(plan: PushPlan, api: Any) -> str:
         api.create_repo(plan.repo_id, repo_type="model", private=True if plan.private else None, exist_ok=True)
         if plan.revision and plan.revision != "main":
             api.create_branch(plan.repo_id, repo_type="model", branch=plan.revision, exist_ok=True)
-        operations = [CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=str(f.local_path)) for f in plan.files]
+        # Links are read through: the Hub gets the bytes of the file each one points to.
+        operations = [CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=str(f.local_path))
+                      for f in plan.files]
         info = api.create_commit(
             plan.repo_id, operations, commit_message=plan.commit_message, repo_type="model", revision=plan.revision
         )

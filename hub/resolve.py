@@ -99,13 +99,20 @@ def _resolve_error(spec: str, repo_id: str, revision: str | None, offline: bool,
     if isinstance(exc, HFValidationError):
         return Fp8kvError(f"{spec}: not a local folder and not a valid Hub id ({_first_line(exc)})")
     if isinstance(exc, GatedRepoError):
-        return Fp8kvError(f"{spec}: the Hub repository is gated; accept its terms on the Hub, log in (`hf auth login`), then {how}")
+        return Fp8kvError(
+            f"{spec}: the Hub repository is gated; accept its terms on the Hub, log in (`hf auth login`), then {how}"
+        )
     if isinstance(exc, RevisionNotFoundError):
         return Fp8kvError(f"{spec}: the Hub repository {repo_id} has no revision {revision!r}")
     if isinstance(exc, RepositoryNotFoundError):
-        return Fp8kvError(f"{spec}: no local folder of that name and no Hub repository {repo_id} (or it is private: log in with `hf auth login`)")
+        return Fp8kvError(
+            f"{spec}: no local folder of that name and no Hub repository {repo_id} "
+            "(or it is private: log in with `hf auth login`)"
+        )
     if isinstance(exc, IncompleteSnapshotError):
-        return Fp8kvError(f"{spec}: the local Hub cache holds only part of this model (an interrupted download?); {how}, then run again")
+        return Fp8kvError(
+            f"{spec}: the local Hub cache holds only part of this model (an interrupted download?); {how}, then run again"
+        )
     if isinstance(exc, LocalEntryNotFoundError):
         where = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
         return Fp8kvError(f"{spec}: not in the local Hub cache and {where}; {how}, then run again")

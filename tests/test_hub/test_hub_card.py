@@ -128,3 +128,15 @@ def test_card_cli_error_is_one_line(tmp_path: Path) -> None:
     result = runner.invoke(app, ["card", str(tmp_path)])
     assert result.exit_code == 2
     assert f"{tmp_path}: no fp8kv.json" in _output(result)
+
+
+def test_card_limitations_follow_the_settings(calibrated_dir: Path) -> None:
+    prov = json.loads((calibrated_dir / "fp8kv.json").read_text())
+    prov.update(strategy="percentile:99.99", per_head=True, defaulted_layers=[1])
+    prov["dataset"]["note"] = "HuggingFaceH4/ultrachat_200k could not be loaded (offline?); using the bundled corpus"
+    (calibrated_dir / "fp8kv.json").write_text(json.dumps(prov))
+    text = render_card(calibrated_dir)
+    assert "The `percentile:99.99` strategy clips below the calibration amax on purpose" in text
+    assert "Per-head scales are read by recent vLLM on the FlashAttention backend only." in text
+    assert "Calibration never reached layers 1; they carry the default scale 1.0." in text
+    assert "Note: HuggingFaceH4/ultrachat_200k could not be loaded (offline?); using the bundled corpus." in text
