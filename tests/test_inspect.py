@@ -1,0 +1,112 @@
+"""`fp8kv inspect` and `fp8kv convert` through the real typer app."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.checkpoint.writer import write_checkpoint
+from fp8kv.cli import app
+from fp8kv.models.factory import make_checkpoint
+from tests.test_interop_conventions import golden
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return make_checkpoint("llama", tmp_path_factory.mktemp("base") / "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> Path:
+    return make_checkpoint("qwen3", tmp_path_factory.mktemp("base") / "qwen3", num_kv_heads=1, num_heads=2)
+
+
+def _inspect(path: Path) -> dict:
+    result = runner.invoke(app, ["inspect", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("convention", ["compressed-tensors", "modelopt", "quark", "vllm-json"])
+def test_inspect_names_the_convention_and_layer_scales(llama, tmp_path, convention):
+    report = _inspect(golden(llama, tmp_path / "g", convention))
+    assert report["conventions"] == [convention]
+    assert report["kv_dtype"] == "fp8_e4m3" and report["strategy"] == "tensor"
+    assert [row["layer"] for row in report["layers"]] == [0, 1]
+    expected_k = [0.0625, 0.125] if convention == "vllm-json" else [0.015625, 0.03125]
+    assert [row["k_scale"] for row in report["layers"]] == expected_k
+    vllm_note = any("--quantization-param-path" in w for w in report["warnings"])
+    assert vllm_note == (convention == "vllm-json")
+
+
+def test_inspect_table_shows_amax_and_saturation_from_provenance(llama, tmp_path):
+    provenance = {"layers": [{"layer": i, "k_amax": 4.48 * (i + 1), "v_amax": 8.96, "k_scale": 0.01 * (i + 1),
+                              "v_scale": 0.02, "k_saturation": 0.0, "v_saturation": 0.001} for i in (0, 1)]}
+    out = write_checkpoint(llama, tmp_path / "out", KVScales.from_floats({0: 0.01, 1: 0.02}, {0: 0.02, 1: 0.02}),
+                           extra_files={"fp8kv.json": json.dumps(provenance).encode()})
+    report = _inspect(out)
+    assert report["layers"][1] == {"layer": 1, "k_scale": pytest.approx(0.02), "v_scale": pytest.approx(0.02),
+                                   "k_amax": 8.96, "v_amax": 8.96, "k_saturation": 0.0, "v_saturation": 0.001}
+    assert report["warnings"] == []
+    text = runner.invoke(app, ["inspect", str(out)]).stdout
+    assert "k_amax" in text and "v_saturation" in text and "8.96" in text
+
+
+def test_inspect_warns_on_each_suspicious_pattern(llama, qwen3, tmp_path):
+    ones = write_checkpoint(llama, tmp_path / "ones", KVScales.from_floats({0: 1.0, 1: 1.0}, {0: 1.0, 1: 1.0}))
+    assert "every scale is 1.0: the checkpoint is likely uncalibrated" in _inspect(ones)["warnings"]
+
+    bad = shutil.copytree(ones, tmp_path / "bad")
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor([0.0]),
+               "model.layers.0.self_attn.v_scale": torch.tensor([float("nan")])}, bad / "kv_scales.safetensors")
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if "layers.1.self_attn.k_scale" not in k
+                           and "layers.1.self_attn.v_scale" not in k}
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    warnings = _inspect(bad)["warnings"]
+    assert "layer 0: k_scale 0.0 is not a positive finite number" in warnings
+    assert "layer 0: v_scale nan is not a positive finite number" in warnings
+    assert any(w.startswith("layers [1] own a KV cache but have no K and V scales") for w in warnings)
+
+    pre_rope = golden(qwen3, tmp_path / "quark", "quark")
+    warnings = _inspect(pre_rope)["warnings"]
+    assert any(w.startswith("quark scales observe k_proj's output, but this model has a k norm") for w in warnings)
+    assert any(w.startswith("num_key_value_heads=1 is odd") for w in warnings)
+
+    doubled = {"layers": [{"layer": i, "k_amax": 2.24, "v_amax": 2.24} for i in (0, 1)]}
+    fnuz = write_checkpoint(llama, tmp_path / "fnuz", KVScales.from_floats({0: 0.01, 1: 0.01}, {0: 0.01, 1: 0.01}),
+                            extra_files={"fp8kv.json": json.dumps(doubled).encode()})
+    assert any("doubled for e4m3fnuz" in w for w in _inspect(fnuz)["warnings"])
+
+    undeclared = shutil.copytree(ones, tmp_path / "undeclared")
+    config = json.loads((undeclared / "config.json").read_text())
+    del config["quantization_config"]
+    (undeclared / "config.json").write_text(json.dumps(config))
+    assert any("without quantization_config.kv_cache_scheme" in w for w in _inspect(undeclared)["warnings"])
+
+
+def test_inspect_without_scales_says_so(llama):
+    report = _inspect(llama)
+    assert report["conventions"] == [] and report["layers"] == []
+    assert report["warnings"] == ["no KV scales found: engines use 1.0 for every layer (uncalibrated)"]
+
+
+def test_convert_to_vllm_json_prints_the_engine_flag(llama, tmp_path):
+    src = golden(llama, tmp_path / "ct", "compressed-tensors")
+    out = tmp_path / "json"
+    result = runner.invoke(app, ["convert", str(src), "--to", "vllm-json", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"--quantization-param-path {out / 'kv_cache_scales.json'}" in result.stdout
+    data = json.loads((out / "kv_cache_scales.json").read_text())
+    assert data["kv_cache"] == {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 0.0625, "1": 0.125}}}
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert not any("_scale" in name for name in load_file(out / "model.safetensors"))
