@@ -11,7 +11,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fp8kv.models.factory import make_checkpoint
 
 FAKE_TOKEN = "hf_fakeTokenForFp8kvTests0123456789"
 SOURCE_README = "---\nlicense: llama3.1\n---\n\n# The source model's own card\n"
@@ -36,9 +35,9 @@ REPORT = {
 
 
 @pytest.fixture(scope="session")
-def source_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer llama with a README that carries a license, as a Hub model would."""
-    path = make_checkpoint("llama", tmp_path_factory.mktemp("source") / "llama")
+def source_model(tmp_path_factory: pytest.TempPathFactory, factory_checkpoint) -> Path:
+    """The suite's 2-layer llama plus a README that carries a license, as a Hub model would."""
+    path = shutil.copytree(factory_checkpoint("llama"), tmp_path_factory.mktemp("source") / "llama")
     (path / "README.md").write_text(SOURCE_README, encoding="utf-8")
     return path
 
