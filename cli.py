@@ -139,5 +139,65 @@ def convert_command(
         typer.echo(f"load it with: vllm serve {written} {engine_flag(written)}")
 
 
+@app.command()
+def calibrate(
+    model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint folder, or 'bundled' for the bundled model."),
+    out: Path | None = typer.Option(None, "--out", help="Output folder (created atomically). Omit to only report scales."),
+    dataset: str | None = typer.Option(
+        None, "--dataset",
+        help="Local .txt/.jsonl/.json/.parquet/.csv file or folder, or a dataset name. "
+        "Default: HuggingFaceH4/ultrachat_200k (train_sft); the bundled corpus when that cannot be loaded.",
+    ),
+    split: str | None = typer.Option(None, "--split", help="Dataset split (default train_sft; local files: train)."),
+    text_column: str | None = typer.Option(
+        None, "--text-column", help="Column with the text (default: 'text', else chat 'messages')."
+    ),
+    num_samples: int = typer.Option(512, "--num-samples", help="Records to calibrate on; one record is one sample."),
+    seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per sample at most (longer records are truncated)."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Samples per forward pass (right-padded; padding is never observed)."),
+    seed: int = typer.Option(42, "--seed", help="Shuffle seed: same inputs, same samples, same scales."),
+    kv_dtype: str = typer.Option("fp8_e4m3", "--kv-dtype", help="KV-cache dtype: fp8_e4m3 (MAX 448) or fp8_e5m2 (MAX 57344)."),
+    strategy: str = typer.Option(
+        "amax", "--strategy",
+        help="Clip value mapped to MAX: amax (nothing saturates; amax/scale <= MAX guaranteed), "
+        "percentile:P (P-th percentile of |x|), or mse (least squared fp8 error). "
+        "percentile and mse give scales below amax/MAX on purpose, so some values saturate.",
+    ),
+    headroom: float = typer.Option(1.0, "--headroom", help="Multiply every scale by F >= 1."),
+    per_head: bool = typer.Option(False, "--per-head", help="One scale per KV head ([num_kv_heads,1,1], attn_head strategy)."),
+    allow_unobserved: bool = typer.Option(
+        False, "--allow-unobserved", help="Write 1.0 (with a warning) for layers whose K/V were all zero or never seen."
+    ),
+    mode: str = typer.Option("overlay", "--mode", help="overlay: hard-link the source weights; copy: a self-contained copy."),
+    format: str = typer.Option(
+        "compressed-tensors", "--format", help="Scale convention: compressed-tensors, modelopt, quark or vllm-json."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out folder."),
+    json_output: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of the table."),
+    device: str = typer.Option("auto", "--device", help="auto (cuda when available), cpu or cuda."),
+    dtype: str = typer.Option("auto", "--dtype", help="Model dtype: auto (the checkpoint's), float32, bfloat16, float16."),
+    trust_remote_code: bool = typer.Option(
+        False, "--trust-remote-code",
+        help="Run Python code shipped inside the checkpoint (custom architectures). Only for checkpoints you trust.",
+    ),
+) -> None:
+    """Calibrate static FP8 K/V scales over calibration text and write them as a checkpoint."""
+    from fp8kv.calibrate import report
+    from fp8kv.calibrate.data import DataRequest
+    from fp8kv.calibrate.pipeline import CalibrationRequest
+    from fp8kv.calibrate.pipeline import calibrate as run_calibration
+
+    request = CalibrationRequest(
+        model=model, out=out,
+        data=DataRequest(dataset, split, text_column, num_samples, seq_len, seed),
+        batch_size=batch_size, kv_dtype=kv_dtype, strategy=strategy, headroom=headroom, per_head=per_head,
+        allow_unobserved=allow_unobserved, mode=mode, convention=format, overwrite=overwrite,
+        device=device, dtype=dtype, trust_remote_code=trust_remote_code, command=report.command_line(),
+    )
+    with report.progress_bar(enabled=not json_output) as progress:
+        result = run_calibration(request, progress=progress)
+    report.show(result, json_output=json_output)
+
+
 def main() -> None:
     app(prog_name="fp8kv")

@@ -198,16 +198,22 @@ def provenance(
 
 
 def layer_rows(table: ScaleTable) -> list[dict[str, Any]]:
-    """One object per cache-owning layer; scales are floats, or lists per KV head with --per-head."""
+    """One object per cache-owning layer, every value a float.
+
+    With --per-head, `k_scale`/`v_scale` are the largest head's scale (the layer's amax / MAX)
+    and `k_scale_per_head`/`v_scale_per_head` hold the written values.
+    """
     rows = []
     for i, layer in enumerate(table.layers):
         row: dict[str, Any] = {"layer": layer}
         for kind, name in ((0, "k"), (1, "v")):
-            scale = table.scales[i, kind].tolist()
+            scales = table.scales[i, kind]
             row[f"{name}_amax"] = float(table.amax[i, kind].max())
-            row[f"{name}_scale"] = scale if table.per_head else scale[0]
+            row[f"{name}_scale"] = float(scales.max())
             row[f"{name}_saturation"] = float(table.saturation[i, kind])
             row[f"{name}_amax_per_head"] = table.amax[i, kind].tolist()
+            if table.per_head:
+                row[f"{name}_scale_per_head"] = scales.tolist()
         rows.append(row)
     return rows
 
