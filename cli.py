@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -15,25 +14,21 @@ from fp8kv.errors import Fp8kvError
 DEBUG_ENV = "FP8KV_DEBUG"
 
 
-class UserError(click.ClickException):
-    """One line on stderr and exit code 2, for errors the user can fix."""
-
-    exit_code = 2
-
-    def show(self, file=None) -> None:
-        click.echo(f"fp8kv: error: {self.message}", err=True)
+ERROR_EXIT_CODE = 2
 
 
 class _Group(TyperGroup):
     """Turns the project's error type (and OS errors) into one line; FP8KV_DEBUG=1 shows tracebacks."""
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except (Fp8kvError, OSError) as exc:
             if os.environ.get(DEBUG_ENV):
                 raise
-            raise UserError(_one_line(exc)) from None
+            # typer 0.29 vendors its own click, so a plain click.ClickException would not be caught.
+            typer.echo(f"fp8kv: error: {_one_line(exc)}", err=True)
+            raise typer.Exit(ERROR_EXIT_CODE) from None
 
 
 def _one_line(exc: Exception) -> str:
