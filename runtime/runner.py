@@ -1,0 +1,286 @@
+"""Run a Hugging Face causal LM on the paged KV cache, through transformers' AttentionInterface.
+
+The model's own code computes Q/K/V (after q/k norms and RoPE); `_paged_attention` writes K/V into
+the paged cache and attends over it. Tokens of all sequences in a step are flattened into one
+batch row with explicit position ids, as vLLM does, so prefill and decode mix freely.
+
+    runner = PagedModelRunner("path/to/model", cache_dtype="fp8_e4m3", k_scales=ks, v_scales=vs)
+    a, _ = runner.start()
+    logits = runner.step([(a, prompt_ids)])[0]                 # [len(prompt_ids), vocab]
+    b, reused = runner.start(share_from=a, shared_tokens=len(prefix))
+    logits_b = runner.step([(b, other_ids[reused:])])[0]       # reads a's prefix pages
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fp8kv.errors import Fp8kvError
+from fp8kv.geometry import AttentionGeometry
+from fp8kv.runtime.attention import ragged_paged_attention
+from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale
+from fp8kv.runtime.cache import cache_dtype as _cache_dtype
+from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
+
+ATTN_IMPLEMENTATION = "fp8kv_paged"
+STEP_KWARG = "fp8kv_step"
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """Where one step's tokens go in the cache and what each sequence attends to (device tensors)."""
+
+    slot_mapping: torch.Tensor  # int64 [T] flat cache slot of each token (padding -> scratch page)
+    valid: torch.Tensor  # bool [T] real tokens (padding is not counted in overflow statistics)
+    kv_lens: torch.Tensor  # int32 [S] cached tokens per sequence after this step
+    page_indices: torch.Tensor  # int32 [S, pages_per_seq]
+    cu_q_lens: torch.Tensor  # int32 [S + 1] start of each sequence's tokens in the flat batch
+    num_seqs: torch.Tensor  # int32 [1]
+    max_q_len: int | None  # static bound on new tokens per sequence (None: exact, non-XLA only)
+
+
+@dataclass(frozen=True)
+class PagedStep:
+    """What the attention function needs for one forward: the cache, the metadata, the backend."""
+
+    cache: PagedKVCache
+    meta: StepMetadata
+    backend: str
+
+
+def _paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query `[1, q_heads, T, d]`, key/value `[1, kv_heads, T, d]`."""
+    step: PagedStep = kwargs[STEP_KWARG]
+    meta, layer = step.meta, module.layer_idx
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d]
+    step.cache.write(layer, k, v, meta.slot_mapping, meta.valid)
+    k_scale, v_scale = step.cache.scale_args(layer)
+    out = ragged_paged_attention(
+        query[0].transpose(0, 1),
+        step.cache.layer_pages(layer),
+        meta.kv_lens,
+        meta.page_indices,
+        meta.cu_q_lens,
+        meta.num_seqs,
+        sm_scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sliding_window=sliding_window,
+        soft_cap=softcap,
+        backend=step.backend,
+        max_q_len=meta.max_q_len,
+    )
+    return out.unsqueeze(0), None  # [1, T, q_heads, d]
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _paged_attention)
+
+
+class PagedModelRunner:
+    """A Hugging Face causal LM running on a paged (optionally fp8) KV cache.
+
+    Args:
+        model_dir: a local checkpoint folder.
+        device: "auto", "tpu", "xla-cpu", "cuda" or "cpu".
+        cache_dtype: "fp8_e4m3", "fp8_e5m2", "bf16" or "fp32".
+        k_scales, v_scales: {kv layer index: float or per-KV-head list}; None = 1.0 (fp8 only).
+        saturate: clamp to ±MAX before the fp8 cast; False reproduces the raw cast (NaN/inf).
+        page_size, max_model_len, max_num_seqs: cache geometry; `num_pages` defaults to enough
+            pages for `max_num_seqs` sequences of `max_model_len` tokens (plus the scratch page).
+        dtype: model weights dtype (default: the checkpoint's).
+        attention_backend: "auto" (Pallas kernel on TPU v5+, vectorized torch elsewhere, which keeps
+            XLA shapes static), "torch" or "xla" (torch_xla's function; its reference off TPU).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str = "auto",
+        cache_dtype: str = "bf16",
+        k_scales: Mapping[int, Scale] | None = None,
+        v_scales: Mapping[int, Scale] | None = None,
+        saturate: bool = True,
+        page_size: int = 16,
+        max_model_len: int = 512,
+        max_num_seqs: int = 8,
+        num_pages: int | None = None,
+        dtype: torch.dtype | None = None,
+        attention_backend: str = "auto",
+    ) -> None:
+        self.runtime_device: RuntimeDevice = resolve_device(device)
+        self.geometry = AttentionGeometry.from_dir(model_dir)
+        self.model = _load_model(model_dir, self.runtime_device.device, dtype)
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        self.pages_per_seq = math.ceil(max_model_len / page_size)
+        self.backend = _resolve_backend(attention_backend, self.runtime_device)
+        g = self.geometry
+        self.cache = PagedKVCache(
+            g.kv_layers,
+            num_pages=num_pages or max_num_seqs * self.pages_per_seq + 1,
+            page_size=page_size,
+            num_kv_heads=g.num_kv_heads,
+            head_dim=g.head_dim,
+            dtype=_cache_dtype(cache_dtype),
+            device=self.runtime_device.device,
+            head_dim_multiple=self.runtime_device.head_dim_multiple,
+            k_scales=k_scales,
+            v_scales=v_scales,
+            saturate=saturate,
+        )
+        self.allocator = PageAllocator(self.cache.pages[0].shape[0], page_size)
+        self._next_id = 0
+        self._sync()  # materialize the zeroed caches, so the first step compiles the same graph as later ones
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime_device.device
+
+    def start(self, share_from: int | None = None, shared_tokens: int = 0) -> tuple[int, int]:
+        """Open a sequence; returns `(seq_id, reused)`.
+
+        With `share_from`, the new sequence reuses the cache pages of that sequence's first
+        `shared_tokens` tokens (whole pages only): feed it its tokens from index `reused` on.
+        """
+        if share_from is not None and share_from not in self.allocator.tables:
+            raise Fp8kvError(f"cannot share the prefix of sequence {share_from}: it does not exist")
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        return seq_id, self.allocator.add(seq_id, share_from, shared_tokens)
+
+    def free(self, seq_id: int) -> None:
+        """Close a sequence and release its pages."""
+        self.allocator.free(seq_id)
+
+    def length(self, seq_id: int) -> int:
+        """Tokens of `seq_id` in the cache."""
+        return self.allocator.lengths[seq_id]
+
+    @torch.no_grad()  # not inference_mode: torch_xla 2.9 cannot set version counters of inference tensors
+    def step(self, batch: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
+        """Append tokens to sequences and run the model once over all of them.
+
+        `batch` lists `(seq_id, new_token_ids)`; a prompt (prefill), one token (decode) or a chunk
+        may be mixed freely. Returns float32 CPU logits `[len(new_token_ids), vocab]` per entry.
+        """
+        self._check_batch(batch)
+        ids, positions, meta = self._prepare(batch)
+        step = PagedStep(self.cache, meta, self.backend)
+        logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, **{STEP_KWARG: step}).logits
+        self._sync()  # cut the graph here: cache writes and logits of this step, one compile per shape
+        logits = logits[0].float().cpu()
+        bounds = meta.cu_q_lens.cpu().tolist()
+        return [logits[bounds[i] : bounds[i + 1]] for i in range(len(batch))]
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy decoding of each prompt (batched prefill, then batched decode); frees its sequences."""
+        seqs = [self.start()[0] for _ in prompts]
+        logits = self.step(list(zip(seqs, prompts)))
+        tokens = [[int(row[-1].argmax())] for row in logits]
+        for _ in range(max_new_tokens - 1):
+            logits = self.step([(s, out[-1:]) for s, out in zip(seqs, tokens)])
+            for out, row in zip(tokens, logits):
+                out.append(int(row[-1].argmax()))
+        for s in seqs:
+            self.free(s)
+        return tokens
+
+    def counts(self) -> dict[str, dict[int, tuple[int, int]]]:
+        """Per KV layer (k, v) counts of clamped and NaN/inf values, and values written (see PagedKVCache)."""
+        return self.cache.counts()
+
+    def _sync(self) -> None:
+        if self.runtime_device.is_xla:
+            import torch_xla
+
+            torch_xla.sync()
+
+    def _check_batch(self, batch: Sequence[tuple[int, Sequence[int]]]) -> None:
+        if not batch or len(batch) > self.max_num_seqs:
+            raise Fp8kvError(f"a step takes 1 to max_num_seqs={self.max_num_seqs} sequences, got {len(batch)}")
+        for seq_id, tokens in batch:
+            if seq_id not in self.allocator.tables:
+                raise Fp8kvError(f"sequence {seq_id} was not started (call start() first)")
+            if not tokens:
+                raise Fp8kvError(f"sequence {seq_id}: a step needs at least one new token")
+            if self.length(seq_id) + len(tokens) > self.max_model_len:
+                raise Fp8kvError(
+                    f"sequence {seq_id}: {self.length(seq_id) + len(tokens)} tokens exceed "
+                    f"max_model_len={self.max_model_len}; raise --max-model-len"
+                )
+
+    def _prepare(self, batch: Sequence[tuple[int, Sequence[int]]]):
+        """Flatten the batch into `input_ids`/`position_ids` `[1, T]` and the step's metadata."""
+        ids, positions, slots, kv_lens, tables, cu = [], [], [], [], [], [0]
+        for seq_id, tokens in batch:
+            start = self.length(seq_id)
+            slots += self.allocator.extend(seq_id, len(tokens))
+            ids += list(tokens)
+            positions += range(start, start + len(tokens))
+            kv_lens.append(start + len(tokens))
+            tables.append(self.allocator.tables[seq_id])
+            cu.append(cu[-1] + len(tokens))
+        real = len(ids)
+        xla = self.runtime_device.is_xla
+        # XLA compiles one graph per shape: pad tokens to a power of two and sequences/pages to the maximum
+        total = _bucket(real) if xla else real
+        num_slots = self.max_num_seqs if xla else len(batch)
+        width = self.pages_per_seq if xla else max(len(t) for t in tables)
+        pad = total - real
+        scratch = SCRATCH_PAGE * self.allocator.page_size
+        page_rows = [t + [SCRATCH_PAGE] * (width - len(t)) for t in tables]
+        page_rows += [[SCRATCH_PAGE] * width] * (num_slots - len(batch))
+        dev = self.device
+        meta = StepMetadata(
+            slot_mapping=torch.tensor(slots + [scratch] * pad, dtype=torch.int64).to(dev),
+            valid=torch.tensor([True] * real + [False] * pad).to(dev),
+            kv_lens=torch.tensor(kv_lens + [0] * (num_slots - len(batch)), dtype=torch.int32).to(dev),
+            page_indices=torch.tensor(page_rows, dtype=torch.int32).to(dev),
+            cu_q_lens=torch.tensor(cu + [real] * (num_slots - len(batch)), dtype=torch.int32).to(dev),
+            num_seqs=torch.tensor([len(batch)], dtype=torch.int32).to(dev),
+            max_q_len=total if xla else None,
+        )
+        input_ids = torch.tensor([ids + [0] * pad]).to(dev)
+        position_ids = torch.tensor([positions + [0] * pad]).to(dev)
+        return input_ids, position_ids, meta
+
+
+def _bucket(n: int, smallest: int = 8) -> int:
+    return max(smallest, 1 << (n - 1).bit_length())
+
+
+def _resolve_backend(choice: str, device: RuntimeDevice) -> str:
+    if choice == "auto":
+        return "xla" if device.kind == "tpu" and tpu_version() >= 5 else "torch"
+    if choice == "xla" and not device.is_xla:
+        raise Fp8kvError(f"attention backend 'xla' needs an XLA device, not {device.kind!r}; use --device xla-cpu")
+    if choice not in ("torch", "xla"):
+        raise Fp8kvError(f"unknown attention backend {choice!r}; choose one of auto, torch, xla")
+    return choice
+
+
+def _load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    _register()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype or "auto", attn_implementation=ATTN_IMPLEMENTATION
+    )
+    return model.to(device).eval()

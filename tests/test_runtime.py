@@ -1,0 +1,157 @@
+"""The paged model runner against transformers' eager forward, prefix sharing, fp8 overflow, XLA:CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+from fp8kv.errors import Fp8kvError  # noqa: E402
+from fp8kv.models.factory import ARCHITECTURES, make_checkpoint  # noqa: E402
+from fp8kv.runtime.device import resolve_device  # noqa: E402
+from fp8kv.runtime.runner import PagedModelRunner  # noqa: E402
+
+# 23 tokens: more than one page (4) and more than the factory's sliding window (16)
+PROMPTS = [[(7 * i + 11) % 500 + 4 for i in range(23)], [(13 * i + 5) % 500 + 4 for i in range(19)]]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {arch: make_checkpoint(arch, root / arch) for arch in ARCHITECTURES}
+
+
+def _eager(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+
+
+@torch.no_grad()
+def _eager_logits(model, ids):
+    return model(torch.tensor([ids])).logits[0]
+
+
+@torch.no_grad()
+def _eager_greedy(model, ids, steps):
+    ids = list(ids)
+    for _ in range(steps):
+        ids.append(int(_eager_logits(model, ids)[-1].argmax()))
+    return ids[-steps:]
+
+
+def _runner(model_dir, **kwargs):
+    defaults = dict(device="cpu", cache_dtype="fp32", page_size=4, max_model_len=64, max_num_seqs=4)
+    return PagedModelRunner(model_dir, **{**defaults, **kwargs})
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_runner_reproduces_eager_prefill_mixed_step_and_greedy(arch, checkpoints):
+    eager, runner = _eager(checkpoints[arch]), _runner(checkpoints[arch])
+    full = [_eager_logits(eager, p) for p in PROMPTS]
+    a, _ = runner.start()
+    b, _ = runner.start()
+    prefill = runner.step([(a, PROMPTS[0][:20]), (b, PROMPTS[1][:15])])  # ragged batched prefill
+    torch.testing.assert_close(prefill[0], full[0][:20], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(prefill[1], full[1][:15], rtol=1e-4, atol=1e-4)
+    mixed = runner.step([(b, PROMPTS[1][15:]), (a, PROMPTS[0][20:21])])  # a chunk and a decode step together
+    torch.testing.assert_close(mixed[0], full[1][15:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mixed[1], full[0][20:21], rtol=1e-4, atol=1e-4)
+    assert runner.generate(PROMPTS, max_new_tokens=4) == [_eager_greedy(eager, p, 4) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_bf16_cache_stays_close_to_eager(arch, checkpoints):
+    eager, runner = _eager(checkpoints[arch]), _runner(checkpoints[arch], cache_dtype="bf16")
+    seq, _ = runner.start()
+    logits = runner.step([(seq, PROMPTS[0])])[0]
+    torch.testing.assert_close(logits, _eager_logits(eager, PROMPTS[0]), rtol=0, atol=2e-2)
+    assert runner.generate(PROMPTS, max_new_tokens=3) == [_eager_greedy(eager, p, 3) for p in PROMPTS]
+
+
+def test_shared_prefix_reads_the_first_sequences_pages(checkpoints):
+    eager, runner = _eager(checkpoints["qwen3"]), _runner(checkpoints["qwen3"])
+    first, _ = runner.start()
+    runner.step([(first, PROMPTS[0][:18])])
+    second_ids = PROMPTS[0][:14] + PROMPTS[1][:6]
+    second, reused = runner.start(share_from=first, shared_tokens=14)
+    assert reused == 12  # three whole pages of 4
+    assert runner.allocator.tables[second][:3] == runner.allocator.tables[first][:3]
+    logits = runner.step([(second, second_ids[reused:])])[0]
+    torch.testing.assert_close(logits, _eager_logits(eager, second_ids)[reused:], rtol=1e-4, atol=1e-4)
+    written = runner.counts()["written"][0][0]
+    assert written == (18 + 8) * 2 * 16  # the shared 12 tokens were not written again (2 kv heads x 16)
+
+
+def test_fp8_cache_clamps_and_raw_cast_turns_to_nan(checkpoints):
+    model = checkpoints["llama"]
+    tiny = {0: 1e-4, 1: 1e-4}  # far below the amax: most values overflow
+    ones = {0: 1.0, 1: 1.0}
+    clamped = _runner(model, cache_dtype="fp8_e4m3", k_scales=tiny, v_scales=ones)
+    seq, _ = clamped.start()
+    logits = clamped.step([(seq, PROMPTS[0])])[0]
+    counts = clamped.counts()
+    assert logits.isfinite().all()
+    assert all(k > 0 and v == 0 for k, v in counts["clamped"].values())
+    assert all(pair == (0, 0) for pair in counts["nonfinite"].values())
+    raw = _runner(model, cache_dtype="fp8_e4m3", k_scales=tiny, v_scales=ones, saturate=False)
+    seq, _ = raw.start()
+    logits = raw.step([(seq, PROMPTS[0])])[0]
+    assert logits.isnan().all()
+    nan_k, nan_v = raw.counts()["nonfinite"][0]  # layer 0 sees the same K as before: compare to its clamps
+    assert 0.9 * counts["clamped"][0][0] < nan_k <= counts["clamped"][0][0] and nan_v == 0  # 448 < x < 465: no NaN
+
+
+def test_fp8_cache_with_sane_scales_tracks_eager(checkpoints):
+    eager = _eager(checkpoints["qwen3"])
+    runner = _runner(checkpoints["qwen3"], cache_dtype="fp8_e4m3", k_scales={0: 0.02, 1: 0.02}, v_scales={0: 0.01, 1: 0.01})
+    seq, _ = runner.start()
+    logits = runner.step([(seq, PROMPTS[1])])[0]
+    reference = _eager_logits(eager, PROMPTS[1])
+    assert (logits - reference).abs().max() < 0.1 * reference.abs().max()
+
+
+def test_runner_errors_name_the_problem(checkpoints):
+    runner = _runner(checkpoints["llama"], max_model_len=16)
+    seq, _ = runner.start()
+    with pytest.raises(Fp8kvError, match="sequence 0: 23 tokens exceed max_model_len=16"):
+        runner.step([(seq, PROMPTS[0])])
+    with pytest.raises(Fp8kvError, match="sequence 7 was not started"):
+        runner.step([(7, [1])])
+    with pytest.raises(Fp8kvError, match="unknown device 'gpu'; choose one of auto, tpu, xla-cpu, cuda, cpu"):
+        resolve_device("gpu")
+    with pytest.raises(Fp8kvError, match="attention backend 'xla' needs an XLA device"):
+        _runner(checkpoints["llama"], attention_backend="xla")
+
+
+def _compiles() -> int:
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0
+
+
+def test_xla_cpu_matches_cpu_and_compiles_per_bucket_only(checkpoints):
+    model = checkpoints["gemma3"]
+    cpu = _runner(model, cache_dtype="fp8_e4m3", k_scales={0: 0.05, 1: 0.05}, v_scales={0: 0.05, 1: 0.05})
+    xla = _runner(model, device="xla-cpu", cache_dtype="fp8_e4m3", k_scales={0: 0.05, 1: 0.05},
+                  v_scales={0: 0.05, 1: 0.05})
+    assert xla.cache.pages[0].shape[-1] == 128  # head_dim 16 padded as on TPU
+    lengths = [5, 7, 11, 13, 9]  # token buckets 8, 8, 16, 16, 16
+    after = []
+    for n in lengths:
+        outs = [r.step([(r.start()[0], PROMPTS[0][:n])])[0] for r in (cpu, xla)]
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+        after.append(_compiles())
+    for runner in (cpu, xla):
+        runner.free(0)
+    decode_start = _compiles()
+    for _ in range(4):  # 4 sequences decode together: bucket 8, already compiled
+        outs = {name: r.step([(s, [3]) for s in r.allocator.tables]) for name, r in (("cpu", cpu), ("xla", xla))}
+    torch.testing.assert_close(outs["xla"], outs["cpu"], rtol=1e-4, atol=1e-4)
+    assert after[1] == after[0] and after[3] == after[4] == after[2]  # a new length in a seen bucket: no compile
+    assert _compiles() == decode_start  # N decode steps: no compile
+    assert xla.counts() == cpu.counts()
