@@ -155,3 +155,14 @@ def test_xla_cpu_matches_cpu_and_compiles_per_bucket_only(checkpoints):
     assert after[1] == after[0] and after[3] == after[4] == after[2]  # a new length in a seen bucket: no compile
     assert _compiles() == decode_start  # N decode steps: no compile
     assert xla.counts() == cpu.counts()
+
+
+def test_runner_through_torch_xla_reference_attention(checkpoints):
+    scales = {0: 0.05, 1: 0.05}
+    outs = []
+    for backend in ("xla", "torch"):
+        runner = _runner(checkpoints["mistral"], device="xla-cpu", cache_dtype="fp8_e4m3", k_scales=scales,
+                         v_scales=scales, attention_backend=backend)
+        outs.append(runner.step([(runner.start()[0], PROMPTS[0][:6]), (runner.start()[0], PROMPTS[1][:3])]))
+    for reference, ours in zip(*outs):
+        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
