@@ -175,10 +175,16 @@ def calibrate(
         False, "--trust-remote-code",
         help="Run Python code shipped inside the checkpoint (custom architectures). Only for checkpoints you trust.",
     ),
+    layerwise: bool | None = typer.Option(
+        None, "--layerwise/--no-layerwise", show_default="automatic",
+        help="Load one decoder layer at a time (for models larger than memory). "
+        "Default: layer by layer when the weights exceed 60% of available RAM.",
+    ),
 ) -> None:
     """Calibrate static FP8 K/V scales over calibration text and write them as a checkpoint."""
     from fp8kv.calibrate import report
     from fp8kv.calibrate.data import DataRequest
+    from fp8kv.calibrate.distributed import is_writer
     from fp8kv.calibrate.pipeline import CalibrationRequest
     from fp8kv.calibrate.pipeline import calibrate as run_calibration
 
@@ -187,11 +193,13 @@ def calibrate(
         data=DataRequest(dataset, split, text_column, num_samples, seq_len, seed),
         batch_size=batch_size, kv_dtype=kv_dtype, strategy=strategy, headroom=headroom, per_head=per_head,
         allow_unobserved=allow_unobserved, mode=mode, convention=format, overwrite=overwrite,
-        device=device, dtype=dtype, trust_remote_code=trust_remote_code, command=report.command_line(),
+        device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
+        command=report.command_line(),
     )
-    with report.progress_bar(enabled=not json_output) as progress:
+    with report.progress_bar(enabled=not json_output and is_writer()) as progress:
         result = run_calibration(request, progress=progress)
-    report.show(result, json_output=json_output)
+    if is_writer():  # under torchrun, rank 0 speaks for all
+        report.show(result, json_output=json_output)
 
 
 def main() -> None:

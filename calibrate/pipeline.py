@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from fp8kv import __version__
+from fp8kv.calibrate import distributed, layerwise
 from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_data, make_batches
 from fp8kv.calibrate.observe import KVStatistics, observe_batch, observer_for
 from fp8kv.calibrate.resolve import resolve_model
@@ -50,6 +51,7 @@ class CalibrationRequest:
     device: str = "auto"
     dtype: str = "auto"
     trust_remote_code: bool = False
+    layerwise: bool | None = None  # None: layer by layer when the weights do not fit in memory
     command: str | None = None  # the command line, recorded in fp8kv.json
 
 
@@ -76,7 +78,13 @@ def calibrate(request: CalibrationRequest, progress: Progress | None = None) -> 
     source = SourceCheckpoint.open(resolve_model(request.model))
     tokenizer = _load_tokenizer(source.path, request.trust_remote_code)
     data = load_calibration_data(request.data, tokenizer)
-    statistics = observe(source.path, source.config, source.geometry, data, request, tokenizer, progress)
+    device = resolve_device(request.device)
+    with distributed.process_group(device):
+        if layerwise.choose_layerwise(request.layerwise, source, request.dtype):
+            statistics = layerwise.observe_layerwise(source, data, request, tokenizer, progress)
+        else:
+            statistics = observe(source.path, source.config, source.geometry, data, request, tokenizer, progress)
+        statistics = distributed.reduce_statistics(statistics, device)
     table = compute_scales(
         statistics,
         source.geometry.kv_layers,
@@ -92,7 +100,7 @@ def calibrate(request: CalibrationRequest, progress: Progress | None = None) -> 
         for layer in table.defaulted
     ]
     record = provenance(request, source, data, table, strategy)
-    if request.out is not None:
+    if request.out is not None and distributed.is_writer():
         extra = {PROVENANCE_FILE: (json.dumps(record, indent=2) + "\n").encode()}
         write_checkpoint(
             source.path,
@@ -118,7 +126,8 @@ def observe(
     """Run the base model over every sample and return the folded K/V statistics (on the CPU)."""
     device = resolve_device(request.device)
     model = load_model(model_dir, config, device, request.dtype, request.trust_remote_code)
-    batches = make_batches(data.samples, request.batch_size, pad_id(tokenizer))
+    batches = distributed.shard_batches(make_batches(data.samples, request.batch_size, pad_id(tokenizer)))
+    total = sum(batch.input_ids.shape[0] for batch in batches)
     statistics = KVStatistics.empty(geometry.num_layers, geometry.num_kv_heads, device)
     layers = frozenset(geometry.kv_layers)
     done = 0
@@ -128,7 +137,7 @@ def observe(
             observe_batch(model.base_model, ids, mask, statistics, layers)
             done += ids.shape[0]
             if progress is not None:
-                progress(done, len(data.samples))
+                progress(done, total)
     return statistics.cpu()
 
 

@@ -1,0 +1,350 @@
+"""Layer-by-layer observation: calibrate a model that does not fit in memory.
+
+The causal LM is built on the meta device (no weight is allocated). The embeddings of every
+batch are computed first; then one decoder layer at a time is read straight from the
+safetensors files (only that layer's tensors), every batch's hidden states go through it while
+the observing attention folds K/V into the statistics, and the layer goes back to meta.
+Peak memory is about one layer plus the hidden states (kept in memory, or spilled to a
+memory-mapped file when they do not fit).
+
+Each layer receives exactly what the whole model would pass it: the model's own forward runs
+on the skeleton with every decoder layer replaced by a catcher, so masks (causal, sliding
+window, per-layer attention type), rotary embeddings and embedding scaling come from the
+model's code, not from a re-implementation. Batches are the same as the whole-model path's,
+so the statistics, and the scales, are bit-identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+
+from fp8kv.calibrate.data import Batch, CalibrationData, make_batches
+from fp8kv.calibrate import pipeline
+from fp8kv.calibrate.distributed import shard_batches
+from fp8kv.calibrate.observe import OBSERVE_KWARG, KVStatistics, ObservationStep, observer_for
+from fp8kv.checkpoint.source import SourceCheckpoint
+from fp8kv.errors import Fp8kvError
+
+# Whole-model loading is chosen while the weights take at most this share of available memory.
+WHOLE_MODEL_SHARE = 0.6
+# Hidden states stay in memory while they take at most this share of what is left after a layer.
+HIDDEN_SHARE = 0.5
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def available_memory() -> int:
+    """Bytes of RAM the kernel can hand out now (MemAvailable), without swapping."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def weight_bytes(source: SourceCheckpoint, dtype: str = "auto") -> int:
+    """Bytes the model's weights take once loaded in `dtype` (from the safetensors headers)."""
+    target = pipeline.DTYPES.get(dtype)
+    total = 0
+    for header in source.headers.values():
+        for entry in header.values():
+            stored = SAFETENSORS_DTYPES.get(entry["dtype"], torch.uint8)
+            size = (target if target is not None and stored.is_floating_point else stored).itemsize
+            total += math.prod(entry["shape"]) * size
+    return total
+
+
+def choose_layerwise(choice: bool | None, source: SourceCheckpoint, dtype: str = "auto") -> bool:
+    """`choice` when given; else layer by layer when the weights exceed WHOLE_MODEL_SHARE of free RAM.
+
+    The whole-model path loads the weights into RAM first, even for a GPU, so RAM decides.
+    """
+    if choice is not None:
+        return choice
+    return weight_bytes(source, dtype) > WHOLE_MODEL_SHARE * available_memory()
+
+
+def observe_layerwise(
+    source: SourceCheckpoint,
+    data: CalibrationData,
+    request: pipeline.CalibrationRequest,
+    tokenizer: Any,
+    progress: pipeline.Progress | None = None,
+    spill: bool | None = None,
+) -> KVStatistics:
+    """K/V statistics of every sample, computed one decoder layer at a time.
+
+    `spill`: True keeps the hidden states in a memory-mapped file, False in memory,
+    None decides from their size and the available memory.
+    """
+    device = pipeline.resolve_device(request.device)
+    model = build_skeleton(source, request.dtype, request.trust_remote_code)
+    base, layers = model.base_model, decoder_layers(model)
+    names = {module: name for name, module in model.named_modules()}
+    materialize_buffers(model, device)
+    batches = shard_batches(make_batches(data.samples, request.batch_size, pipeline.pad_id(tokenizer)))
+    last = max(source.geometry.kv_layers, default=-1)  # layers after the last cache-owning one never matter
+    statistics = KVStatistics.empty(len(layers), source.geometry.num_kv_heads, device)
+    observed = frozenset(source.geometry.kv_layers)
+    total = sum(batch.input_ids.shape[0] for batch in batches) * (last + 1)
+    done = 0
+    with torch.no_grad(), _spill_dir(request.out) as spill_root:
+        with loaded(source, [m for m in base.children() if m is not layers], names, device):
+            firsts = [capture(base, layers, 0, input_ids=b.input_ids.to(device), attention_mask=b.attention_mask.to(device))
+                      for b in batches]
+        store = HiddenStates([h for h, _, _ in firsts], spill, spill_root, device, _largest_layer(source, last))
+        del firsts
+        for index in range(last + 1):
+            with loaded(source, [layers[index]], names, device):
+                for i, batch in enumerate(batches):
+                    run_layer(base, layers, index, batch, store, i, statistics, observed, device)
+                    done += batch.input_ids.shape[0]
+                    if progress is not None:
+                        progress(done, total)
+    return statistics.cpu()
+
+
+def run_layer(
+    base: torch.nn.Module,
+    layers: torch.nn.ModuleList,
+    index: int,
+    batch: Batch,
+    store: HiddenStates,
+    slot: int,
+    statistics: KVStatistics,
+    observed: frozenset[int],
+    device: torch.device,
+) -> None:
+    """Run batch `slot`'s hidden states through `layers[index]`, folding its K/V, and store the output."""
+    mask = batch.attention_mask.to(device)
+    hidden = store.get(slot, device)  # [batch, seq, hidden]
+    _, args, kwargs = capture(base, layers, index, inputs_embeds=hidden, attention_mask=mask)
+    valid = mask.bool()
+    step = ObservationStep(statistics, None if bool(valid.all()) else valid, observed)
+    out = layers[index](hidden, *args, **kwargs, **{OBSERVE_KWARG: step})
+    store.put(slot, out[0] if isinstance(out, tuple) else out)
+
+
+def build_skeleton(source: SourceCheckpoint, dtype: str, trust_remote_code: bool) -> torch.nn.Module:
+    """The causal LM with the observing attention, every parameter and buffer on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config,
+            dtype=resolve_dtype(source, config, dtype),
+            attn_implementation=observer_for(source.config),
+            trust_remote_code=trust_remote_code,
+        )
+    return model.eval()
+
+
+def resolve_dtype(source: SourceCheckpoint, config: Any, dtype: str) -> torch.dtype:
+    """The dtype `from_pretrained(dtype=...)` would load in: the named one, else config's, else the weights'."""
+    if dtype != "auto":
+        if dtype not in pipeline.DTYPES:
+            raise Fp8kvError(f"--dtype {dtype!r}: choose auto, {', '.join(pipeline.DTYPES)}")
+        return pipeline.DTYPES[dtype]
+    if getattr(config, "dtype", None) is not None:
+        return getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
+    for header in source.headers.values():
+        for entry in header.values():
+            stored = SAFETENSORS_DTYPES.get(entry["dtype"])
+            if stored is not None and stored.is_floating_point:
+                return stored
+    return torch.get_default_dtype()
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The base model's decoder layers (`base_model.layers`)."""
+    layers = getattr(model.base_model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise Fp8kvError(
+            f"{type(model).__name__}: no `layers` list of decoder layers on the base model; "
+            "layer-by-layer calibration cannot run it (use --no-layerwise)"
+        )
+    return layers
+
+
+def materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Give non-persistent buffers (rotary inv_freq, embedding scales) their values, as from_pretrained does.
+
+    They are not in the checkpoint; the model's own `_init_weights` computes them from the config.
+    """
+    for module in model.modules():
+        own = [name for name in module._buffers if name in module._non_persistent_buffers_set]
+        if not own:
+            continue
+        for name in own:
+            module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+        model._init_weights(module)
+        for name in own:
+            module._buffers[name] = module._buffers[name].to(device)
+
+
+@contextlib.contextmanager
+def loaded(
+    source: SourceCheckpoint, modules: list[torch.nn.Module], names: dict[torch.nn.Module, str], device: torch.device
+) -> Iterator[None]:
+    """Read `modules`' parameters from the checkpoint onto `device`; put them back on meta afterwards."""
+    for module in modules:
+        load_module(source, module, names[module], device)
+    try:
+        yield
+    finally:
+        for module in modules:
+            for sub in module.modules():
+                for name, param in list(sub._parameters.items()):
+                    if param is not None:
+                        sub._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=False)
+
+
+def load_module(source: SourceCheckpoint, module: torch.nn.Module, prefix: str, device: torch.device) -> None:
+    """Assign `module`'s parameters from the tensors named `prefix.<param>` (cast to the skeleton's dtype)."""
+    wanted = {f"{prefix}.{name}": param for name, param in module.named_parameters()}
+    by_file: dict[str, list[str]] = {}
+    weight_map = source.weight_map
+    for tensor in sorted(wanted):
+        if tensor not in weight_map:
+            raise Fp8kvError(
+                f"{source.path}: tensor {tensor!r} is not in the checkpoint under the model's own name; "
+                "layer-by-layer calibration needs it (use --no-layerwise)"
+            )
+        by_file.setdefault(weight_map[tensor], []).append(tensor)
+    values = {}
+    for file, tensors in by_file.items():
+        with safe_open(source.path / file, framework="pt", device=str(device)) as handle:
+            for tensor in tensors:
+                values[tensor[len(prefix) + 1 :]] = handle.get_tensor(tensor).to(wanted[tensor].dtype)
+    for name, value in values.items():
+        owner, _, leaf = name.rpartition(".")
+        target = module.get_submodule(owner) if owner else module
+        target._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+
+
+class _Caught(Exception):
+    """Raised by the catcher to stop the model's forward at the layer being run."""
+
+    def __init__(self, args: tuple, kwargs: dict):
+        super().__init__()
+        self.args_, self.kwargs_ = args, kwargs
+
+
+def capture(
+    base: torch.nn.Module, layers: torch.nn.ModuleList, index: int, **inputs: torch.Tensor
+) -> tuple[torch.Tensor, tuple, dict]:
+    """Run the base model's forward until it calls `layers[index]`; return that call's (hidden, args, kwargs).
+
+    Earlier layers are skipped (identity): only the arguments matter, and they do not depend on
+    the hidden states' values. For index 0 with `input_ids`, the hidden states are the embeddings.
+    """
+
+    def skip(hidden_states, *args, **kwargs):
+        return hidden_states
+
+    def catch(hidden_states, *args, **kwargs):
+        raise _Caught((hidden_states, *args), kwargs)
+
+    for i, layer in enumerate(layers[: index + 1]):
+        layer.forward = catch if i == index else skip
+    try:
+        base(**inputs, use_cache=False)
+    except _Caught as caught:
+        hidden, *args = caught.args_
+        return hidden, tuple(args), caught.kwargs_
+    finally:
+        for layer in layers[: index + 1]:
+            del layer.forward
+    raise Fp8kvError(f"{type(base).__name__}: the forward never called decoder layer {index}; use --no-layerwise")
+
+
+def _largest_layer(source: SourceCheckpoint, last: int) -> int:
+    """Bytes of the largest decoder layer's stored tensors (`model.layers.N.`), for the memory budget."""
+    sizes: dict[str, int] = {}
+    for header in source.headers.values():
+        for tensor, entry in header.items():
+            parts = tensor.split(".")
+            if "layers" in parts[:-1]:
+                key = ".".join(parts[: parts.index("layers") + 2])
+                sizes[key] = sizes.get(key, 0) + entry["data_offsets"][1] - entry["data_offsets"][0]
+    return max(sizes.values(), default=0)
+
+
+@contextlib.contextmanager
+def _spill_dir(out: Path | None) -> Iterator[Path]:
+    """A temporary folder next to the output (same disk as the checkpoint being written), removed afterwards."""
+    parent = None
+    if out is not None:
+        parent = out.expanduser().resolve().parent
+        parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".fp8kv-hidden-", dir=parent) as root:
+        yield Path(root)
+
+
+class HiddenStates:
+    """Every batch's hidden states between two layers, in memory or in one memory-mapped file.
+
+    Slot i holds batch i's [batch, seq, hidden] tensor; a layer's output overwrites its input
+    in place, so one buffer is enough.
+    """
+
+    def __init__(
+        self, first: list[torch.Tensor], spill: bool | None, root: Path, device: torch.device, layer_bytes: int
+    ):
+        shapes = [tuple(h.shape) for h in first]
+        dtype = first[0].dtype
+        needed = sum(math.prod(s) for s in shapes) * dtype.itemsize
+        home = _home(needed, spill, device, layer_bytes)
+        self.spilled = home == "disk"
+        if self.spilled:
+            flat = _mapped(root / "hidden.bin", sum(math.prod(s) for s in shapes), dtype)
+            offsets = [0, *itertools.accumulate(math.prod(s) for s in shapes)]
+            self.slots = [flat[a:b].view(s) for a, b, s in zip(offsets, offsets[1:], shapes)]
+            for slot, h in zip(self.slots, first):
+                slot.copy_(h)
+        else:
+            self.slots = [h.to(home) for h in first]
+
+    def get(self, slot: int, device: torch.device) -> torch.Tensor:
+        return self.slots[slot].to(device)
+
+    def put(self, slot: int, hidden: torch.Tensor) -> None:
+        if self.spilled:
+            self.slots[slot].copy_(hidden)
+        else:
+            self.slots[slot] = hidden.to(self.slots[slot].device)
+
+
+def _home(needed: int, spill: bool | None, device: torch.device, layer_bytes: int) -> torch.device | str:
+    """Where hidden states live: the compute device, CPU memory, or "disk"."""
+    if spill:
+        return "disk"
+    if device.type == "cuda" and needed <= HIDDEN_SHARE * (torch.cuda.mem_get_info(device)[0] - layer_bytes):
+        return device
+    if spill is False or needed <= HIDDEN_SHARE * (available_memory() - layer_bytes):
+        return torch.device("cpu")
+    return "disk"
+
+
+def _mapped(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat CPU tensor of `numel` elements backed by the file at `path` (shared mapping: writes go to disk)."""
+    with open(path, "wb") as handle:
+        handle.truncate(numel * dtype.itemsize)
+    return torch.from_file(os.fspath(path), shared=True, size=numel, dtype=dtype)
