@@ -202,5 +202,65 @@ def calibrate(
         report.show(result, json_output=json_output)
 
 
+@app.command("verify")
+def verify_command(
+    model_dir: Path = typer.Argument(..., metavar="DIR", help="Checkpoint folder with KV scales (any convention)."),
+    dataset: str | None = typer.Option(
+        None, "--dataset", help="Held-out text: local .txt/.jsonl/.json/.parquet/.csv or a dataset name. "
+        "Default: the bundled model's held-out split (never the calibration data).",
+    ),
+    split: str | None = typer.Option(None, "--split", help="Dataset split (local files: train)."),
+    text_column: str | None = typer.Option(None, "--text-column", help="Column with the text (default: 'text', else 'messages')."),
+    num_samples: int = typer.Option(16, "--num-samples", help="Held-out records to evaluate; one record is one sample."),
+    seq_len: int = typer.Option(256, "--seq-len", help="Tokens per sample at most."),
+    batch_size: int = typer.Option(4, "--batch-size", help="Samples per step."),
+    seed: int = typer.Option(42, "--seed", help="Shuffle seed of the held-out records."),
+    device: str = typer.Option("auto", "--device", help="auto, tpu, xla-cpu, cuda or cpu."),
+    prompts: Path | None = typer.Option(
+        None, "--prompts", help="Text file, one prompt per line, for the greedy generations (default: held-out prefixes)."
+    ),
+    num_prompts: int = typer.Option(4, "--num-prompts", help="Held-out prefixes used as prompts without --prompts."),
+    prompt_len: int = typer.Option(32, "--prompt-len", help="Tokens per held-out prefix prompt."),
+    new_tokens: int = typer.Option(16, "--new-tokens", help="Greedy decode steps per prompt."),
+    report_dir: Path | None = typer.Option(None, "--report", help="Report folder (default: DIR/verify)."),
+    thresholds_file: Path | None = typer.Option(
+        None, "--thresholds", help="TOML file overriding configs/verify.toml ([fail] kl_mean, [warn] saturation, ...)."
+    ),
+    max_kl_mean: float | None = typer.Option(None, "--max-kl-mean", help="FAIL above this mean KL (nats) [file: 0.05]."),
+    max_saturation: float | None = typer.Option(
+        None, "--max-saturation", help="WARN when a layer clamps a larger share of K or V [file: 1e-4]."
+    ),
+    max_nan_without_clamp: float | None = typer.Option(
+        None, "--max-nan-without-clamp", help="WARN when a raw cast would make more NaN/inf values [file: 0]."
+    ),
+    unit_kl_ratio: float | None = typer.Option(
+        None, "--unit-kl-ratio", help="WARN when mean KL exceeds this x the unit-scale KL [file: 1.25]."
+    ),
+    unit_ppl_ratio: float | None = typer.Option(
+        None, "--unit-ppl-ratio", help="WARN when perplexity exceeds this x the unit-scale one [file: 1.001]."
+    ),
+    json_output: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+) -> None:
+    """Check a checkpoint's KV scales: present, read back exactly, safe and cheap in accuracy. Exit 0 PASS, 1 WARN, 2 FAIL."""
+    from fp8kv.calibrate.data import DataRequest
+    from fp8kv.verify.report import show, verify_progress
+    from fp8kv.verify.run import VerifyRequest, verify
+    from fp8kv.verify.verdict import load_thresholds
+
+    thresholds = load_thresholds(
+        thresholds_file, kl_mean=max_kl_mean, saturation=max_saturation, nan_without_clamp=max_nan_without_clamp,
+        unit_kl_ratio=unit_kl_ratio, unit_ppl_ratio=unit_ppl_ratio,
+    )
+    request = VerifyRequest(
+        model_dir=model_dir, data=DataRequest(dataset, split, text_column, num_samples, seq_len, seed),
+        batch_size=batch_size, prompts=prompts, num_prompts=num_prompts, prompt_len=prompt_len,
+        new_tokens=new_tokens, device=device, report_dir=report_dir, thresholds=thresholds,
+    )
+    with verify_progress(enabled=not json_output) as progress:
+        result = verify(request, progress=progress)
+    show(result, json_output=json_output)
+    raise typer.Exit(result.exit_code)
+
+
 def main() -> None:
     app(prog_name="fp8kv")

@@ -1,0 +1,158 @@
+"""Runtime checks on fp8kv's paged cache: scale read-back, saturation, NaN with clamping, accuracy.
+
+Three runners hold the same model: a bf16 cache (the reference), an fp8 cache with the
+checkpoint's scales (clamped writes, as engines should do) and an fp8 cache with unit scales.
+Every held-out sample is prefilled on each; the logits give perplexity, KL(bf16 || fp8) of every
+next-token distribution and top-1 agreement. The fp8 cache's counters give the exact share of
+values clamped at ±MAX and any NaN/inf stored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.runtime.cache import Scale
+from fp8kv.runtime.runner import PagedModelRunner
+
+
+@dataclass
+class Runners:
+    """The reference (bf16 cache), the checkpoint's scales and unit scales, on one device."""
+
+    bf16: PagedModelRunner
+    fp8: PagedModelRunner
+    unit: PagedModelRunner
+
+    @classmethod
+    def open(cls, model_dir: Path, scales: KVScales, kv_layers: tuple[int, ...], *, device: str,
+             max_model_len: int, max_num_seqs: int, page_size: int = 16) -> Runners:
+        common = dict(device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size)
+        k, v = runtime_scales(scales, kv_layers)
+        return cls(
+            bf16=PagedModelRunner(model_dir, cache_dtype="bf16", **common),
+            fp8=PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v, **common),
+            unit=PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, **common),
+        )
+
+
+def runtime_scales(scales: KVScales, kv_layers: tuple[int, ...]) -> tuple[dict[int, Scale], dict[int, Scale]]:
+    """The runner's scale arguments: a float per layer, or a list per KV head."""
+
+    def one(tensor: torch.Tensor) -> Scale:
+        values = tensor.flatten().tolist()
+        return values[0] if tensor.shape == (1,) else values
+
+    return {i: one(scales.k[i]) for i in kv_layers}, {i: one(scales.v[i]) for i in kv_layers}
+
+
+def readback(runner: PagedModelRunner, scales: KVScales) -> dict[str, Any]:
+    """Compare the scales the runner's cache writes and attends with against the file, bit for bit in float32.
+
+    Each value the cache holds (its per-layer scale table and the attention's scale argument) must
+    be exactly representable in float32 and have the file's float32 bits.
+    """
+    cache, mismatches = runner.cache, []
+    for layer in cache.kv_layers:
+        attn_k, attn_v = cache.scale_args(layer)
+        for name, held, attn, stored in (("k_scale", cache.k_scales[layer], attn_k, scales.k[layer]),
+                                         ("v_scale", cache.v_scales[layer], attn_v, scales.v[layer])):
+            for what, value in (("cache", held), ("attention", attn)):
+                if not _same_bits(value, stored):
+                    mismatches.append(f"layer {layer}: {name} in the {what} is {_values(value)}, "
+                                      f"the file has {stored.flatten().tolist()}")
+    return {"equal": not mismatches, "layers": len(cache.kv_layers), "mismatches": mismatches}
+
+
+def _values(value: float | tuple[float, ...] | torch.Tensor) -> list[float]:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().double().flatten().tolist()
+    return [float(value)] if isinstance(value, (int, float)) else [float(x) for x in value]
+
+
+def _same_bits(value: float | tuple[float, ...] | torch.Tensor, stored: torch.Tensor) -> bool:
+    held = torch.tensor(_values(value), dtype=torch.float64)
+    file = stored.flatten()
+    if held.shape != file.shape:
+        held = held.expand_as(file) if held.numel() == 1 else held
+    if held.shape != file.shape:
+        return False
+    exact = torch.equal(held.float().double(), held)  # nothing lost when the runner's value is read as float32
+    return exact and torch.equal(held.float().view(torch.int32), file.view(torch.int32))
+
+
+@dataclass
+class _Totals:
+    """Running sums over held-out tokens; `kl_*`/`top1` compare with the bf16 reference."""
+
+    nll: dict[str, float] = field(default_factory=lambda: {"bf16": 0.0, "fp8": 0.0, "unit": 0.0})
+    kl: dict[str, float] = field(default_factory=lambda: {"fp8": 0.0, "unit": 0.0})
+    kl_max: dict[str, float] = field(default_factory=lambda: {"fp8": 0.0, "unit": 0.0})
+    top1: dict[str, int] = field(default_factory=lambda: {"fp8": 0, "unit": 0})
+    predicted: int = 0  # next-token predictions scored for perplexity (tokens after the first)
+    compared: int = 0  # distributions compared (every token)
+
+    def add(self, ids: list[int], logits: dict[str, torch.Tensor]) -> None:
+        """Fold one sample: `ids` [L] and float32 logits [L, vocab] per runner."""
+        logp = {name: torch.log_softmax(x.double(), dim=-1) for name, x in logits.items()}
+        target = torch.tensor(ids[1:])
+        for name, lp in logp.items():
+            self.nll[name] -= float(lp[:-1].gather(1, target[:, None]).sum())
+        ref = logp["bf16"]
+        for name in ("fp8", "unit"):
+            kl = (ref.exp() * (ref - logp[name])).sum(-1)  # [L]; NaN logits give NaN
+            self.kl[name] += float(kl.sum())
+            self.kl_max[name] = max(self.kl_max[name], float(kl.max())) if not kl.isnan().any() else math.nan
+            self.top1[name] += int((logp[name].argmax(-1) == ref.argmax(-1)).sum())
+        self.predicted += len(ids) - 1
+        self.compared += len(ids)
+
+    def summary(self) -> dict[str, float]:
+        ppl = {name: math.exp(nll / max(self.predicted, 1)) if math.isfinite(nll) else math.nan
+               for name, nll in self.nll.items()}
+        n = max(self.compared, 1)
+        return {
+            "ppl_bf16": ppl["bf16"], "ppl_fp8": ppl["fp8"], "ppl_fp8_unit": ppl["unit"],
+            "kl_mean": self.kl["fp8"] / n, "kl_max": self.kl_max["fp8"], "top1_agreement": self.top1["fp8"] / n,
+            "kl_mean_unit": self.kl["unit"] / n, "kl_max_unit": self.kl_max["unit"],
+            "top1_agreement_unit": self.top1["unit"] / n,
+        }
+
+
+def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int,
+                     progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
+    """Prefill every sample on the three runners (`batch_size` sequences per step) and compare logits."""
+    totals = _Totals()
+    named = {"bf16": runners.bf16, "fp8": runners.fp8, "unit": runners.unit}
+    for start in range(0, len(samples), batch_size):
+        batch = samples[start : start + batch_size]
+        outputs = {name: _prefill(runner, batch) for name, runner in named.items()}
+        for i, ids in enumerate(batch):
+            totals.add(ids, {name: out[i] for name, out in outputs.items()})
+        if progress is not None:
+            progress(start + len(batch), len(samples))
+    return totals.summary()
+
+
+def _prefill(runner: PagedModelRunner, batch: list[list[int]]) -> list[torch.Tensor]:
+    seqs = [runner.start()[0] for _ in batch]
+    logits = runner.step(list(zip(seqs, batch)))
+    for seq in seqs:
+        runner.free(seq)
+    return logits
+
+
+def cache_counts(runner: PagedModelRunner) -> dict[int, dict[str, float | int]]:
+    """Per KV layer: exact shares of K and V values clamped at ±MAX, and NaN/inf values stored."""
+    counts = runner.counts()
+    rows = {}
+    for layer, (k_clamped, v_clamped) in counts["clamped"].items():
+        written = max(counts["written"][layer][0], 1)
+        rows[layer] = {"k_saturation": k_clamped / written, "v_saturation": v_clamped / written,
+                       "nan_with_clamp": sum(counts["nonfinite"][layer])}
+    return rows

@@ -1,0 +1,89 @@
+"""Held-out text and what the checkpoint's scales do to its K/V: max |x|/scale and NaN risk per layer.
+
+The text is the bundled model's held-out split or `--dataset`, never silently the calibration data.
+K and V are observed exactly as the cache stores them (calibrate's observer: after k_norm and
+RoPE, before the GQA repeat), folded into per-head amax and |x| histograms.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_data
+from fp8kv.calibrate.observe import KVStatistics
+from fp8kv.calibrate.pipeline import CalibrationRequest, Progress, observe
+from fp8kv.calibrate.scales import saturation_share
+from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.checkpoint.source import SourceCheckpoint, read_json
+from fp8kv.errors import Fp8kvError
+from fp8kv.models import BUNDLED_HELDOUT_TEXT
+
+# |x| / scale above which a raw (non-saturating) cast stops giving MAX: e4m3 rounds 448 < y <= 464
+# down to 448 and gives NaN above; e5m2 gives inf from 59392 (halfway from 57344 to 2**16) up (FACTS §2).
+RAW_CAST_LIMIT = {"fp8_e4m3": 464.0, "fp8_e5m2": 59392.0}
+
+
+def load_heldout(request: DataRequest, tokenizer: Any) -> CalibrationData:
+    """Tokenized held-out samples: `request.dataset`, or the bundled held-out split when it is None."""
+    if request.dataset is None:
+        if not BUNDLED_HELDOUT_TEXT.is_file():
+            raise Fp8kvError(f"{BUNDLED_HELDOUT_TEXT}: the bundled held-out text is not installed; "
+                             "pass --dataset with text the scales were not calibrated on")
+        request = DataRequest(str(BUNDLED_HELDOUT_TEXT), request.split, request.text_column,
+                              request.num_samples, request.seq_len, request.seed)
+    return load_calibration_data(request, tokenizer)
+
+
+def calibration_overlap(source: SourceCheckpoint, data: CalibrationData) -> str | None:
+    """A warning when fp8kv.json says the scales were calibrated on the very text verify reads."""
+    path = source.path / "fp8kv.json"
+    if not path.is_file():
+        return None
+    dataset = read_json(path).get("dataset") or {}
+    same_name = str(dataset.get("name")) == data.dataset
+    if same_name and str(dataset.get("split")) == data.split:
+        return (f"the held-out text {data.dataset} (split {data.split}) is the calibration data recorded in "
+                "fp8kv.json: saturation and accuracy are measured on seen text; pass --dataset with other text")
+    return None
+
+
+def observe_heldout(
+    source: SourceCheckpoint, data: CalibrationData, tokenizer: Any, device: str, batch_size: int,
+    progress: Progress | None = None,
+) -> KVStatistics:
+    """Per-layer, per-head amax and |x| histograms of the cached K/V over `data` (calibrate's observer)."""
+    request = CalibrationRequest(model=str(source.path), batch_size=batch_size, device=device)
+    return observe(source.path, source.config, source.geometry, data, request, tokenizer, progress)
+
+
+def layer_rows(statistics: KVStatistics, scales: KVScales, kv_layers: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Per cache-owning layer: max |x|/scale and the NaN/inf count of a raw cast, for K and V.
+
+    The counts come from the |x| histograms (bins 2**(1/32) wide, a bin counts when its geometric
+    midpoint lies above the limit); they are exactly 0 when amax / scale <= the limit.
+    """
+    rows = []
+    for layer in kv_layers:
+        row: dict[str, Any] = {"layer": layer}
+        for kind, name in ((0, "k"), (1, "v")):
+            amax = statistics.amax[layer, kind].double()  # [kv_heads]
+            hist = statistics.hist[layer, kind]  # [kv_heads, bins]
+            scale = (scales.k if kind == 0 else scales.v)[layer].flatten().double().expand_as(amax)
+            ratio = amax / scale
+            limit = scale * RAW_CAST_LIMIT[scales.kv_dtype]
+            over = saturation_share(hist, amax, limit) * hist.sum(-1).double()  # [kv_heads]
+            row[f"{name}_max_ratio"] = float(ratio.max())
+            row[f"{name}_nan_without_clamp"] = int(torch.round(over.sum()))
+        row["nan_without_clamp"] = row["k_nan_without_clamp"] + row["v_nan_without_clamp"]
+        rows.append(row)
+    return rows
+
+
+def text_source(data: CalibrationData) -> str:
+    """One line naming the text verify read."""
+    bundled = Path(data.dataset) == BUNDLED_HELDOUT_TEXT
+    name = f"bundled held-out split ({data.dataset})" if bundled else data.dataset
+    return f"{name}, split {data.split}, column {data.text_column!r}"

@@ -1,0 +1,182 @@
+"""The verify report: report.json (read by the Hub card), report.md, and scales.png.
+
+Each file is written under a temporary name in the report folder, then renamed into place.
+Non-finite numbers (NaN perplexity of a broken cache) become null in JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "scales.png"
+_ACCURACY = [("Perplexity, bf16 cache", "ppl_bf16", "{:.4f}"), ("Perplexity, fp8 + these scales", "ppl_fp8", "{:.4f}"),
+             ("Perplexity, fp8 + unit scales", "ppl_fp8_unit", "{:.4f}"), ("Mean KL to bf16", "kl_mean", "{:.3g}"),
+             ("Max KL to bf16", "kl_max", "{:.3g}"), ("Top-1 agreement", "top1_agreement", "{:.2%}"),
+             ("Mean KL to bf16, unit scales", "kl_mean_unit", "{:.3g}"),
+             ("Top-1 agreement, unit scales", "top1_agreement_unit", "{:.2%}")]
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> None:
+    """Write report.json, report.md and scales.png into `out_dir` (created if missing)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    clean = finite_json(report)
+    _atomic(out_dir / REPORT_JSON, (json.dumps(clean, indent=2) + "\n").encode())
+    _atomic(out_dir / REPORT_MD, render_markdown(clean).encode())
+    _atomic(out_dir / PLOT, plot_png(clean))
+
+
+def finite_json(value: Any) -> Any:
+    """`value` with NaN/inf floats replaced by None, so the JSON is standard."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def _atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; reports are for everyone who can read the checkpoint
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """A human-readable report: verdict and reasons, setup, accuracy, generation, per-layer table."""
+    parts = [f"# fp8kv verify: {report['verdict']}", f"Checkpoint: `{report['checkpoint']}`"]
+    if report["reasons"]:
+        parts.append("\n".join(f"- **{r['level']}**: {r['message']}" for r in report["reasons"]))
+    setup = [("Device", report["device"]), ("Convention", report["convention"]), ("KV dtype", report["kv_dtype"]),
+             ("Held-out text", report["text_source"]), ("Samples", report["num_samples"]),
+             ("Tokens", report["num_tokens"])]
+    readback = report.get("readback")
+    if readback:
+        setup.append(("Runtime scales equal the file's (float32 bits)", "yes" if readback["equal"] else "NO"))
+    parts.append(_table(["Setting", "Value"], [[k, _fmt(v)] for k, v in setup]))
+    accuracy = report.get("accuracy") or {}
+    if accuracy:
+        rows = [[label, _fmt(accuracy.get(key), spec)] for label, key, spec in _ACCURACY]
+        parts.append("## Accuracy\n\n" + _table(["Metric", "Value"], rows))
+    gen = report.get("generation") or {}
+    if gen:
+        rows = [[phase, _fmt(gen.get(f"{phase}_match"), "{:.2%}")] for phase in ("prefill", "decode", "prefix")]
+        parts.append("## Greedy tokens matching the bf16 cache\n\n" + _table(["Phase", "Match"], rows))
+    if report.get("layers"):
+        parts.append("## Per layer\n\n" + _layer_table(report))
+    parts.append("## Thresholds\n\n" + _table(["Threshold", "Value"],
+                                               [[k, _fmt(v)] for k, v in report["thresholds"].items()]))
+    return "\n\n".join(parts) + "\n"
+
+
+def _layer_table(report: dict[str, Any]) -> str:
+    scales = {row["layer"]: row for row in report.get("scales") or []}
+    head = ["layer", "k_scale", "v_scale", "K sat.", "V sat.", "K max |x|/scale", "V max |x|/scale",
+            "NaN/inf without clamp"]
+    rows = []
+    for row in report["layers"]:
+        s = scales.get(row["layer"], {})
+        rows.append([str(row["layer"]), _fmt(s.get("k_scale"), "{:.6g}"), _fmt(s.get("v_scale"), "{:.6g}"),
+                     _fmt(row.get("k_saturation"), "{:.4%}"), _fmt(row.get("v_saturation"), "{:.4%}"),
+                     _fmt(row.get("k_max_ratio"), "{:.4g}"), _fmt(row.get("v_max_ratio"), "{:.4g}"),
+                     _fmt(row.get("nan_without_clamp"))])
+    return _table(head, rows)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def _fmt(value: Any, spec: str = "{}") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, list):
+        return "[" + ", ".join(_fmt(v, spec) for v in value) + "]"
+    return spec.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def plot_png(report: dict[str, Any]) -> bytes:
+    """PNG bytes: per-layer K/V scales (log axis) above per-layer K/V saturation shares."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5.5), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    scales = report.get("scales") or []
+    layers = [row["layer"] for row in scales]
+    for kind, marker in (("k", "o"), ("v", "s")):
+        values = [max(row[f"{kind}_scale"]) if isinstance(row[f"{kind}_scale"], list) else row[f"{kind}_scale"]
+                  for row in scales]
+        positive = [(layer, x) for layer, x in zip(layers, values) if x is not None and x > 0]
+        top.plot([p[0] for p in positive], [p[1] for p in positive], marker=marker, label=f"{kind}_scale")
+    if any(line.get_xdata().size for line in top.get_lines()):
+        top.set_yscale("log")
+    top.set_ylabel("scale (largest head)")
+    top.legend()
+    top.set_title(f"fp8kv verify: {report['verdict']}")
+    rows = report.get("layers") or []
+    width = 0.4
+    for offset, kind in ((-width / 2, "k"), (width / 2, "v")):
+        shares = [row.get(f"{kind}_saturation") or 0.0 for row in rows]
+        bottom.bar([row["layer"] + offset for row in rows], shares, width=width, label=f"{kind.upper()} saturation")
+    bottom.axhline(report["thresholds"]["saturation"], color="red", linestyle="--", linewidth=1, label="WARN bound")
+    bottom.set_ylabel("share clamped at ±MAX")
+    bottom.set_xlabel("layer")
+    bottom.legend()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    return buffer.getvalue()
+
+
+@contextlib.contextmanager
+def verify_progress(enabled: bool = True) -> Iterator[Callable[[str, int, int], None]]:
+    """A (stage, done, total) callback driving a bar on stderr; library progress bars are silenced."""
+    import datasets
+    import transformers
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), disable=not enabled, transient=True) as bar:
+        task = bar.add_task("verifying", total=None)
+
+        def advance(stage: str, done: int, total: int) -> None:
+            bar.update(task, description=stage, completed=done, total=total)
+
+        yield advance
+
+
+def show(result: Any, json_output: bool = False) -> None:
+    """Print the report as JSON on stdout, or the verdict, reasons and key numbers as text."""
+    if json_output:
+        print(json.dumps(finite_json(result.report), indent=2))
+        return
+    report = result.report
+    print(f"fp8kv verify: {result.verdict}  ({report['checkpoint']}, {report['device']})")
+    for reason in report["reasons"]:
+        print(f"  {reason['level']}: {reason['message']}")
+    accuracy = report.get("accuracy") or {}
+    if accuracy:
+        print("  " + ", ".join(f"{key} {_fmt(accuracy.get(key), spec)}" for _, key, spec in _ACCURACY[:6]))
+    print(f"  report: {result.report_dir / REPORT_MD}")

@@ -1,0 +1,175 @@
+"""The verify driver: static checks, held-out statistics, runtime checks, verdict, report.
+
+    from fp8kv.verify.run import VerifyRequest, verify
+    result = verify(VerifyRequest(Path("ckpt"), data=DataRequest("heldout.jsonl", num_samples=16)))
+    result.verdict, result.exit_code, result.report_dir
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from fp8kv.calibrate.data import CalibrationData, DataRequest
+from fp8kv.calibrate.pipeline import _load_tokenizer
+from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.errors import Fp8kvError
+from fp8kv.runtime.device import resolve_device
+from fp8kv.verify import accuracy, generation, heldout
+from fp8kv.verify.report import write_report
+from fp8kv.verify.static import StaticResult, static_checks
+from fp8kv.verify.verdict import (
+    EXIT_CODES, FAIL, WARN, Reason, Thresholds, accuracy_reasons, heldout_reasons, load_thresholds, verdict,
+)
+
+REPORT_SUBDIR = "verify"
+StageProgress = Callable[[str, int, int], None]
+"""Called with (stage, done, total) as verify advances."""
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    """Everything `verify` needs; defaults match the CLI's. `data.dataset=None` is the bundled held-out split."""
+
+    model_dir: Path
+    data: DataRequest = field(default_factory=lambda: DataRequest(num_samples=16, seq_len=256))
+    batch_size: int = 4
+    prompts: Path | None = None  # one prompt per line; None: the first held-out samples' prefixes
+    num_prompts: int = 4
+    prompt_len: int = 32
+    new_tokens: int = 16
+    device: str = "auto"
+    page_size: int = 16
+    report_dir: Path | None = None  # None: model_dir / "verify"
+    thresholds: Thresholds | None = None  # None: configs/verify.toml
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The verdict, its exit code (0 PASS, 1 WARN, 2 FAIL), the report, and where it was written."""
+
+    verdict: str
+    exit_code: int
+    report: dict[str, Any]
+    report_dir: Path
+
+
+def verify(request: VerifyRequest, progress: StageProgress | None = None) -> VerifyResult:
+    """Check the checkpoint's KV scales statically and on held-out text; write report.md/json and scales.png."""
+    _validate(request)
+    thresholds = request.thresholds or load_thresholds()
+    runtime = resolve_device(request.device)
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+    static = static_checks(request.model_dir)
+    report = _base_report(static, runtime.kind, thresholds)
+    reasons = list(static.reasons)
+    if static.runnable:
+        reasons += _heldout_checks(request, static, runtime.kind, thresholds, report, timings, progress)
+    else:
+        reasons.append(Reason(FAIL, "held-out checks skipped: the scales cannot drive an fp8 cache"))
+    timings["total"] = time.perf_counter() - clock
+    outcome = verdict(reasons)
+    report.update(verdict=outcome, exit_code=EXIT_CODES[outcome], timings_s=timings,
+                  reasons=[{"level": r.level, "message": r.message} for r in reasons])
+    report_dir = Path(request.report_dir or Path(request.model_dir) / REPORT_SUBDIR)
+    write_report(report, report_dir)
+    return VerifyResult(outcome, EXIT_CODES[outcome], report, report_dir)
+
+
+def _validate(request: VerifyRequest) -> None:
+    for name, value in (("--batch-size", request.batch_size), ("--new-tokens", request.new_tokens),
+                        ("--num-prompts", request.num_prompts), ("--prompt-len", request.prompt_len),
+                        ("--num-samples", request.data.num_samples), ("--seq-len", request.data.seq_len)):
+        if value < 1:
+            raise Fp8kvError(f"{name} must be at least 1, got {value}")
+    if request.prompts is not None and not Path(request.prompts).is_file():
+        raise Fp8kvError(f"{request.prompts}: no such prompts file (one prompt per line)")
+
+
+def _base_report(static: StaticResult, device: str, thresholds: Thresholds) -> dict[str, Any]:
+    readout = static.readout
+    scales = readout.scales
+    return {
+        "checkpoint": str(readout.source.path),
+        "device": device,
+        "convention": static.convention,
+        "kv_dtype": readout.kv_dtype,
+        "thresholds": thresholds.as_dict(),
+        "static": static.summary(),
+        "scales": _scale_rows(scales) if scales else [],
+        "text_source": None, "num_samples": 0, "num_tokens": 0,
+        "accuracy": None, "generation": None, "readback": None, "layers": [],
+    }
+
+
+def _scale_rows(scales: KVScales) -> list[dict[str, Any]]:
+    rows = []
+    for layer in scales.layers:
+        k, v = scales.values(layer)
+        rows.append({"layer": layer, "k_scale": k[0] if len(k) == 1 else k, "v_scale": v[0] if len(v) == 1 else v})
+    return rows
+
+
+def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, thresholds: Thresholds,
+                    report: dict[str, Any], timings: dict[str, float],
+                    progress: StageProgress | None) -> list[Reason]:
+    """Observe K/V on held-out text, run the three caches, compare generations; fills `report`."""
+    source, scales = static.readout.source, static.readout.scales
+    assert scales is not None  # runnable implies scales
+    kv_layers = source.geometry.kv_layers
+    tokenizer = _load_tokenizer(source.path, False)
+    data = heldout.load_heldout(request.data, tokenizer)
+    report.update(text_source=heldout.text_source(data), num_samples=len(data.samples), num_tokens=data.num_tokens)
+    reasons = [Reason(WARN, note) for note in [heldout.calibration_overlap(source, data)] if note]
+
+    clock = time.perf_counter()
+    stats_device = "cuda" if device == "cuda" else "cpu"  # the observer runs on torch devices
+    statistics = heldout.observe_heldout(source, data, tokenizer, stats_device, request.batch_size,
+                                         _stage(progress, "observing K/V"))
+    rows = heldout.layer_rows(statistics, scales, kv_layers)
+    timings["observe"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    prompts = _prompts(request, data, tokenizer)
+    longest = max(max(len(s) for s in data.samples), max(len(p) for p in prompts) + request.new_tokens)
+    runners = accuracy.Runners.open(
+        source.path, scales, kv_layers, device=request.device, page_size=request.page_size,
+        max_model_len=longest, max_num_seqs=max(request.batch_size, 2 * len(prompts)),
+    )
+    timings["load_runners"] = time.perf_counter() - clock
+    report["readback"] = accuracy.readback(runners.fp8, scales)
+    if not report["readback"]["equal"]:
+        reasons.append(Reason(FAIL, "the runtime's scales differ from the file's: "
+                                    + "; ".join(report["readback"]["mismatches"][:3])))
+
+    clock = time.perf_counter()
+    report["accuracy"] = accuracy.measure_accuracy(runners, data.samples, request.batch_size,
+                                                   _stage(progress, "comparing caches"))
+    counts = accuracy.cache_counts(runners.fp8)
+    timings["accuracy"] = time.perf_counter() - clock
+    report["layers"] = [{**row, **counts[row["layer"]]} for row in rows]
+
+    clock = time.perf_counter()
+    gen = generation.compare_generation(runners.bf16, runners.fp8, prompts, request.new_tokens)
+    timings["generation"] = time.perf_counter() - clock
+    report["generation"] = {key: gen[key] for key in ("prefill_match", "decode_match", "prefix_match")}
+    report["generation_details"] = {key: gen[key] for key in ("prompts", "new_tokens", "shared_tokens",
+                                                               "greedy_tokens")}
+    nan_with_clamp = {row["layer"]: row["nan_with_clamp"] for row in report["layers"] if row["nan_with_clamp"]}
+    reasons += accuracy_reasons(report["accuracy"], nan_with_clamp, thresholds)
+    return reasons + heldout_reasons(report["layers"], thresholds)
+
+
+def _prompts(request: VerifyRequest, data: CalibrationData, tokenizer: Any) -> list[list[int]]:
+    if request.prompts is not None:
+        return generation.read_prompts(Path(request.prompts), tokenizer)
+    return [sample[: request.prompt_len] for sample in data.samples[: request.num_prompts]]
+
+
+def _stage(progress: StageProgress | None, stage: str) -> Callable[[int, int], None] | None:
+    if progress is None:
+        return None
+    return lambda done, total: progress(stage, done, total)

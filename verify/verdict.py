@@ -1,0 +1,127 @@
+"""Thresholds (configs/verify.toml, a file, or flags) and the PASS / WARN / FAIL verdict."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from fp8kv.errors import Fp8kvError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+FAIL, WARN, INFO = "FAIL", "WARN", "INFO"
+EXIT_CODES = {"PASS": 0, "WARN": 1, "FAIL": 2}
+DEFAULTS_FILE = "verify.toml"
+# Which TOML table each threshold lives in.
+_SECTIONS = {"kl_mean": "fail", "saturation": "warn", "nan_without_clamp": "warn",
+             "unit_kl_ratio": "warn", "unit_ppl_ratio": "warn"}
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Bounds of the verdict; the defaults and their meaning live in configs/verify.toml."""
+
+    kl_mean: float
+    saturation: float
+    nan_without_clamp: float
+    unit_kl_ratio: float
+    unit_ppl_ratio: float
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Reason:
+    """One finding: `level` is FAIL, WARN or INFO (INFO never changes the verdict)."""
+
+    level: str
+    message: str
+
+
+def load_thresholds(path: Path | None = None, **overrides: float | None) -> Thresholds:
+    """The packaged defaults, updated by the TOML file at `path`, then by non-None `overrides`."""
+    text = resources.files("fp8kv.configs").joinpath(DEFAULTS_FILE).read_text(encoding="utf-8")
+    values = _flatten(tomllib.loads(text), DEFAULTS_FILE)
+    if path is not None:
+        try:
+            values.update(_flatten(tomllib.loads(Path(path).read_text(encoding="utf-8")), str(path)))
+        except tomllib.TOMLDecodeError as exc:
+            raise Fp8kvError(f"{path}: not valid TOML ({exc})") from None
+    thresholds = Thresholds(**values)
+    unknown = sorted(set(overrides) - {f.name for f in fields(Thresholds)})
+    if unknown:
+        raise Fp8kvError(f"unknown thresholds {unknown}")
+    return replace(thresholds, **{k: float(v) for k, v in overrides.items() if v is not None})
+
+
+def _flatten(data: dict[str, Any], source: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise Fp8kvError(f"{source}: {section!r} must be a table, [fail] or [warn]")
+        for key, value in table.items():
+            if _SECTIONS.get(key) != section:
+                raise Fp8kvError(f"{source}: unknown threshold [{section}] {key}; known: "
+                                 + ", ".join(f"[{s}] {k}" for k, s in _SECTIONS.items()))
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise Fp8kvError(f"{source}: [{section}] {key} = {value!r} must be a number >= 0")
+            values[key] = float(value)
+    return values
+
+
+def verdict(reasons: list[Reason]) -> str:
+    """FAIL if any reason fails, else WARN if any warns, else PASS."""
+    levels = {r.level for r in reasons}
+    return "FAIL" if FAIL in levels else "WARN" if WARN in levels else "PASS"
+
+
+def heldout_reasons(layers: list[dict[str, Any]], thresholds: Thresholds) -> list[Reason]:
+    """Saturation above its bound, and NaN/inf a non-clamping engine would make, named per layer."""
+    reasons = []
+    for row in layers:
+        for kind in ("k", "v"):
+            share = row.get(f"{kind}_saturation")
+            if share is not None and share > thresholds.saturation:
+                reasons.append(Reason(WARN, f"layer {row['layer']}: {share:.3%} of {kind.upper()} values saturate "
+                                            f"at ±MAX (bound {thresholds.saturation:g}); max |x|/scale "
+                                            f"{row[f'{kind}_max_ratio']:.4g}"))
+    risky = [row for row in layers if row.get("nan_without_clamp", 0) > thresholds.nan_without_clamp]
+    if risky:
+        named = ", ".join(f"layer {row['layer']} ({row['nan_without_clamp']})" for row in risky)
+        reasons.append(Reason(WARN, f"NaN risk on engines that do not clamp: a raw fp8 cast would write NaN/inf "
+                                    f"values in {named}"))
+    return reasons
+
+
+def accuracy_reasons(accuracy: dict[str, Any], nan_with_clamp: dict[int, int], thresholds: Thresholds) -> list[Reason]:
+    """NaN with clamping and the KL bound (FAIL); calibrated scales worse than unit scales (WARN)."""
+    reasons = []
+    if nan_with_clamp:
+        named = ", ".join(f"layer {layer} ({n})" for layer, n in sorted(nan_with_clamp.items()))
+        reasons.append(Reason(FAIL, f"NaN/inf values in the clamped fp8 cache: {named}"))
+    kl = accuracy["kl_mean"]
+    if not _finite(kl) or not _finite(accuracy["ppl_fp8"]):
+        reasons.append(Reason(FAIL, "the fp8 cache with these scales gives NaN/inf logits"))
+        return reasons
+    if kl > thresholds.kl_mean:
+        reasons.append(Reason(FAIL, f"mean KL to the bf16 cache {kl:.4g} nats exceeds the bound {thresholds.kl_mean:g}"))
+    unit_kl, unit_ppl = accuracy["kl_mean_unit"], accuracy["ppl_fp8_unit"]
+    if _finite(unit_kl) and kl > unit_kl * thresholds.unit_kl_ratio:
+        reasons.append(Reason(WARN, f"calibrated scales do worse than unit scales: mean KL {kl:.4g} vs {unit_kl:.4g} "
+                                    f"(ratio bound {thresholds.unit_kl_ratio:g})"))
+    if _finite(unit_ppl) and accuracy["ppl_fp8"] > unit_ppl * thresholds.unit_ppl_ratio:
+        reasons.append(Reason(WARN, f"calibrated scales do worse than unit scales: perplexity "
+                                    f"{accuracy['ppl_fp8']:.4f} vs {unit_ppl:.4f} "
+                                    f"(ratio bound {thresholds.unit_ppl_ratio:g})"))
+    return reasons
+
+
+def _finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
