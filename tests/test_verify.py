@@ -1,0 +1,151 @@
+"""`fp8kv verify` on factory checkpoints calibrated by fp8kv: PASS, scales / 4, a zero scale, no config, XLA:CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+from fp8kv.calibrate.data import DataRequest  # noqa: E402
+from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
+from fp8kv.cli import app  # noqa: E402
+from fp8kv.models.factory import make_checkpoint  # noqa: E402
+from fp8kv.verify.run import VerifyRequest, verify  # noqa: E402
+
+SCALES_FILE = "kv_scales.safetensors"
+SEQ_LEN = 48
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory) -> dict[str, Path]:
+    """Held-out records, and a calibration corpus that contains them plus others.
+
+    Calibrating over a superset keeps every held-out K/V value within the calibration amax, so a
+    correct checkpoint saturates nothing; verify still reads only the held-out file.
+    """
+    from pydoc_data.topics import topics
+
+    root = tmp_path_factory.mktemp("text")
+    keys = sorted(topics)
+    held = [topics[k][:300] for k in keys[40:44]]
+    other = [topics[k][:300] for k in keys[:6]]
+    paths = {"held": root / "held.jsonl", "calibration": root / "calibration.jsonl"}
+    paths["held"].write_text("".join(json.dumps({"text": t}) + "\n" for t in held))
+    paths["calibration"].write_text("".join(json.dumps({"text": t}) + "\n" for t in held + other))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory, texts) -> Path:
+    root = tmp_path_factory.mktemp("verify")
+    src = make_checkpoint("llama", root / "src")
+    data = DataRequest(str(texts["calibration"]), num_samples=10, seq_len=SEQ_LEN)
+    calibrate(CalibrationRequest(model=str(src), out=root / "calibrated", data=data, batch_size=5))
+    return root / "calibrated"
+
+
+def _request(model_dir: Path, texts, **kwargs) -> VerifyRequest:
+    defaults = dict(data=DataRequest(str(texts["held"]), num_samples=4, seq_len=SEQ_LEN), batch_size=4,
+                    num_prompts=2, prompt_len=16, new_tokens=3, device="cpu")
+    return VerifyRequest(model_dir, **{**defaults, **kwargs})
+
+
+def _edited_copy(calibrated: Path, tmp_path: Path, change) -> Path:
+    """A copy of the calibrated checkpoint whose scale tensors went through `change(name, tensor)`."""
+    out = tmp_path / "edited"
+    shutil.copytree(calibrated, out, ignore=shutil.ignore_patterns("verify"))
+    with safe_open(str(out / SCALES_FILE), framework="pt") as handle:
+        tensors = {name: change(name, handle.get_tensor(name)) for name in handle.keys()}
+    save_file(tensors, str(out / SCALES_FILE), metadata={"format": "pt"})
+    return out
+
+
+def test_a_checkpoint_calibrated_by_fp8kv_passes(calibrated, texts, tmp_path):
+    result = verify(_request(calibrated, texts, report_dir=tmp_path / "report"))
+    assert (result.verdict, result.exit_code) == ("PASS", 0), result.report["reasons"]
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["verdict"] == "PASS" and report["convention"] == "compressed-tensors"
+    assert report["text_source"] == f"{texts['held']}, split train, column 'text'"
+    assert report["num_samples"] == 4 and report["num_tokens"] > 4 * 20
+    assert report["readback"] == {"equal": True, "layers": 2, "mismatches": []}
+    acc = report["accuracy"]
+    assert acc["ppl_bf16"] > 1 and acc["kl_mean"] < 1e-3 and acc["top1_agreement"] > 0.9
+    assert acc["kl_max"] >= acc["kl_mean"] > 0  # fp8 rounding is visible, but small
+    assert [row["layer"] for row in report["layers"]] == [0, 1]
+    for row in report["layers"]:
+        assert row["k_saturation"] == row["v_saturation"] == 0.0 and row["nan_without_clamp"] == 0
+        assert 0 < row["k_max_ratio"] <= 448.0 and 0 < row["v_max_ratio"] <= 448.0
+    assert set(report["generation"]) == {"prefill_match", "decode_match", "prefix_match"}
+    assert report["generation_details"]["shared_tokens"] == 2 * 16  # both prompts shared a whole page
+    assert (tmp_path / "report" / "scales.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "# fp8kv verify: PASS" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_scales_divided_by_four_are_flagged_per_layer(calibrated, texts, tmp_path):
+    edited = _edited_copy(calibrated, tmp_path, lambda name, t: t / 4)
+    result = verify(_request(edited, texts))
+    assert result.verdict in ("WARN", "FAIL") and result.exit_code == {"WARN": 1, "FAIL": 2}[result.verdict]
+    messages = [r["message"] for r in result.report["reasons"] if r["level"] == "WARN"]
+    for layer in (0, 1):
+        for kind in ("K", "V"):
+            assert any(m.startswith(f"layer {layer}: ") and f"of {kind} values saturate" in m for m in messages)
+    nan_risk = [m for m in messages if m.startswith("NaN risk on engines that do not clamp")]
+    assert len(nan_risk) == 1 and "layer 0 (" in nan_risk[0] and "layer 1 (" in nan_risk[0]
+    for row in result.report["layers"]:
+        assert row["k_max_ratio"] > 448 * 3 and row["nan_without_clamp"] > 0 and row["nan_with_clamp"] == 0
+    assert (edited / "verify" / "report.json").is_file()  # default report folder: DIR/verify
+
+
+def test_a_zero_scale_fails_before_any_model_runs(calibrated, texts, tmp_path):
+    edited = _edited_copy(calibrated, tmp_path, lambda name, t: t * 0 if name.endswith("1.self_attn.v_scale") else t)
+    result = verify(_request(edited, texts))
+    assert (result.verdict, result.exit_code) == ("FAIL", 2)
+    fails = [r["message"] for r in result.report["reasons"] if r["level"] == "FAIL"]
+    assert "layer 1: v_scale 0.0 is not a positive finite number" in fails
+    assert result.report["accuracy"] is None and result.report["layers"] == []
+
+
+def test_without_quantization_config_fails_with_what_vllm_does(calibrated, texts, tmp_path):
+    edited = _edited_copy(calibrated, tmp_path, lambda name, t: t)
+    config = json.loads((edited / "config.json").read_text())
+    del config["quantization_config"]
+    (edited / "config.json").write_text(json.dumps(config))
+    result = verify(_request(edited, texts, new_tokens=1))
+    assert result.verdict == "FAIL"
+    fails = [r["message"] for r in result.report["reasons"] if r["level"] == "FAIL"]
+    assert fails == [
+        "config.json has no quantization_config with a kv_cache_scheme: recent vLLM refuses to load this "
+        "checkpoint (\"There is no module or parameter named 'layers.0.self_attn.k_scale'\") and older engines "
+        "silently ignored the scales; fp8kv convert --to compressed-tensors adds it"
+    ]
+
+
+def test_cli_json_is_clean_and_flags_override_thresholds(calibrated, texts, tmp_path):
+    args = ["verify", str(calibrated), "--dataset", str(texts["held"]), "--num-samples", "2", "--seq-len", "32",
+            "--num-prompts", "1", "--new-tokens", "1", "--device", "cpu", "--report", str(tmp_path / "r"),
+            "--json", "--max-kl-mean", "1e-12"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    report = json.loads(result.stdout)
+    assert report["verdict"] == "FAIL" and report["thresholds"]["kl_mean"] == 1e-12
+    assert any(r["message"].startswith("mean KL to the bf16 cache") for r in report["reasons"])
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["verdict"] == "FAIL"
+
+
+def test_verify_runs_on_xla_cpu(calibrated, texts, tmp_path):
+    data = DataRequest(str(texts["held"]), num_samples=2, seq_len=16)
+    result = verify(_request(calibrated, texts, data=data, device="xla-cpu", num_prompts=1, new_tokens=1,
+                             batch_size=2, report_dir=tmp_path / "report"))
+    report = result.report
+    assert report["device"] == "xla-cpu" and report["readback"]["equal"] is True
+    assert report["accuracy"]["kl_mean"] < 1e-3 and report["accuracy"]["top1_agreement"] > 0.9
+    assert result.verdict in ("PASS", "WARN") and not [r for r in report["reasons"] if r["level"] == "FAIL"]

@@ -1,0 +1,57 @@
+"""Verify thresholds: packaged defaults, file and flag overrides, refused files, and the verdict order."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fp8kv.errors import Fp8kvError
+from fp8kv.verify.report import finite_json
+from fp8kv.verify.verdict import FAIL, INFO, WARN, Reason, accuracy_reasons, load_thresholds, verdict
+
+ACCURACY = {"ppl_fp8": 10.0, "ppl_fp8_unit": 10.0, "kl_mean": 0.001, "kl_mean_unit": 0.001}
+
+
+def test_packaged_defaults_then_file_then_flags(tmp_path):
+    defaults = load_thresholds()
+    assert defaults.as_dict() == {"kl_mean": 0.05, "saturation": 1e-4, "nan_without_clamp": 0.0,
+                                  "unit_kl_ratio": 1.25, "unit_ppl_ratio": 1.001}
+    path = tmp_path / "t.toml"
+    path.write_text("[fail]\nkl_mean = 0.2\n[warn]\nsaturation = 0.01\n")
+    from_file = load_thresholds(path)
+    assert (from_file.kl_mean, from_file.saturation, from_file.unit_kl_ratio) == (0.2, 0.01, 1.25)
+    assert load_thresholds(path, kl_mean=0.3, saturation=None).kl_mean == 0.3
+    assert load_thresholds(path, kl_mean=0.3, saturation=None).saturation == 0.01
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[warn]\nkl_mean = 0.1\n", r"unknown threshold \[warn\] kl_mean; known: \[fail\] kl_mean"),
+    ("[fail]\nkl_mean = -1\n", r"\[fail\] kl_mean = -1 must be a number >= 0"),
+    ("[fail\n", r"not valid TOML"),
+])
+def test_bad_threshold_files_are_refused_naming_the_file(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(Fp8kvError, match=rf"^{path}: .*{message}" if "TOML" not in message else message):
+        load_thresholds(path)
+
+
+def test_verdict_takes_the_worst_level_and_info_never_counts():
+    assert verdict([Reason(INFO, "x")]) == "PASS"
+    assert verdict([Reason(INFO, "x"), Reason(WARN, "y")]) == "WARN"
+    assert verdict([Reason(WARN, "y"), Reason(FAIL, "z")]) == "FAIL"
+
+
+def test_accuracy_reasons_bound_kl_nan_and_unit_scales():
+    t = load_thresholds()
+    assert accuracy_reasons(ACCURACY, {}, t) == []
+    nan = accuracy_reasons({**ACCURACY, "kl_mean": math.nan, "ppl_fp8": math.nan}, {1: 3}, t)
+    assert [r.level for r in nan] == [FAIL, FAIL] and nan[0].message == "NaN/inf values in the clamped fp8 cache: layer 1 (3)"
+    worse = accuracy_reasons({**ACCURACY, "kl_mean": 0.06, "ppl_fp8": 10.1}, {}, t)
+    assert [r.level for r in worse] == [FAIL, WARN, WARN]
+    assert worse[1].message.startswith("calibrated scales do worse than unit scales: mean KL 0.06 vs 0.001")
+
+
+def test_report_json_has_no_nan():
+    assert finite_json({"a": [math.nan, 1.0], "b": {"c": math.inf}, "d": "x"}) == {"a": [None, 1.0], "b": {"c": None}, "d": "x"}
