@@ -18,12 +18,16 @@ from typing import Any, Callable
 
 import torch
 
-# Histogram of |x| with log-spaced bins: bin i holds 2**(LOG2_LOW + i/BINS_PER_OCTAVE) <= |x|
-# < the next edge. Bin 0 also holds everything smaller (zeros), the last bin everything larger.
+# Histogram of |x| with fixed bins read straight from the float32 bits: 32 bins per octave
+# (the exponent and the top 5 mantissa bits), octaves 2**LOG2_LOW .. 2**LOG2_HIGH. Bin 0 also
+# holds everything smaller (zeros), the last bin everything larger (and inf/NaN).
 BINS_PER_OCTAVE = 32
+MANTISSA_SHIFT = 23 - 5  # float32 has 23 mantissa bits; keep the top 5
 LOG2_LOW = -24
 LOG2_HIGH = 24
 NUM_BINS = (LOG2_HIGH - LOG2_LOW) * BINS_PER_OCTAVE
+_FIRST_BIN_BITS = (127 + LOG2_LOW) * BINS_PER_OCTAVE  # (biased exponent, mantissa top bits) of bin 0
+_ABS_MASK = 0x7FFFFFFF
 
 OBSERVE_KWARG = "fp8kv_observation"
 """The forward keyword that carries an `ObservationStep` down to the attention function."""
@@ -35,7 +39,9 @@ K, V = 0, 1
 
 def bin_edges() -> torch.Tensor:
     """The NUM_BINS + 1 bin edges of the |x| histogram, float64. Edge 0 stands for 0."""
-    edges = torch.exp2(LOG2_LOW + torch.arange(NUM_BINS + 1, dtype=torch.float64) / BINS_PER_OCTAVE)
+    i = torch.arange(NUM_BINS + 1, dtype=torch.float64)
+    octave, step = torch.div(i, BINS_PER_OCTAVE, rounding_mode="floor"), i % BINS_PER_OCTAVE
+    edges = torch.exp2(LOG2_LOW + octave) * (1 + step / BINS_PER_OCTAVE)
     edges[0] = 0.0
     return edges
 
@@ -63,12 +69,13 @@ class KVStatistics:
 
     def fold(self, layer: int, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None) -> None:
         """Fold one layer's `key`/`value` [batch, kv_heads, seq, head_dim]; `valid` [batch, seq] marks real tokens."""
+        keep = None if valid is None else valid.to(key.device)[:, None, :, None]  # [batch, 1, seq, 1]
         for kind, states in ((K, key), (V, value)):
-            tokens = _real_tokens(states.detach(), valid)  # [tokens, kv_heads, head_dim]
-            magnitude = tokens.abs().float()
-            # NaN must win the max (torch.maximum propagates it), so the scale guard sees it.
-            self.amax[layer, kind] = torch.maximum(self.amax[layer, kind], magnitude.amax(dim=(0, 2)))
-            self.hist[layer, kind] += _histogram(magnitude)
+            bits = _magnitude_bits(states.detach(), keep)
+            # |x| orders like its bits (NaN above inf), so an integer max is the exact amax and keeps NaN.
+            amax = bits.amax(dim=(0, 2, 3)).view(torch.float32)
+            self.amax[layer, kind] = torch.maximum(self.amax[layer, kind], amax)
+            self.hist[layer, kind] += _histogram(bits, keep)
         self.tokens[layer] += key.shape[0] * key.shape[2] if valid is None else valid.sum().to(self.tokens.device)
 
     def merge(self, other: KVStatistics) -> None:
@@ -81,23 +88,21 @@ class KVStatistics:
         return KVStatistics(self.amax.cpu(), self.hist.cpu(), self.tokens.cpu())
 
 
-def _real_tokens(states: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    heads, dim = states.shape[1], states.shape[3]
-    by_token = states.transpose(1, 2)  # [batch, seq, kv_heads, head_dim]
-    if valid is None:
-        return by_token.reshape(-1, heads, dim)
-    return by_token[valid.to(states.device)]
+def _magnitude_bits(states: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """int32 bits of |x| as float32, padding set to 0: [batch, kv_heads, seq, head_dim]."""
+    bits = states.to(torch.float32).view(torch.int32) & _ABS_MASK
+    return bits if keep is None else bits.masked_fill_(~keep, 0)
 
 
-def _histogram(magnitude: torch.Tensor) -> torch.Tensor:
-    """Counts of `magnitude` [tokens, kv_heads, head_dim] per head and bin: int64 [kv_heads, NUM_BINS]."""
-    heads = magnitude.shape[1]
-    position = (torch.log2(magnitude) - LOG2_LOW) * BINS_PER_OCTAVE
-    # log2(0) = -inf lands in bin 0; inf and NaN land in the last bin.
-    position = torch.nan_to_num(position, nan=NUM_BINS - 1).clamp_(0, NUM_BINS - 1)
-    head_offset = torch.arange(heads, device=magnitude.device).view(1, heads, 1) * NUM_BINS
-    index = position.long() + head_offset
-    return torch.bincount(index.flatten(), minlength=heads * NUM_BINS).view(heads, NUM_BINS)
+def _histogram(bits: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Counts per KV head and bin of `bits` [batch, kv_heads, seq, head_dim]: int64 [kv_heads, NUM_BINS]."""
+    heads = bits.shape[1]
+    index = ((bits >> MANTISSA_SHIFT) - _FIRST_BIN_BITS).clamp_(0, NUM_BINS - 1)
+    index += torch.arange(heads, device=bits.device, dtype=index.dtype).view(1, heads, 1, 1) * NUM_BINS
+    if keep is not None:
+        index.masked_fill_(~keep, heads * NUM_BINS)  # padding goes to one extra bin, dropped below
+    counts = torch.bincount(index.flatten(), minlength=heads * NUM_BINS + 1)
+    return counts[: heads * NUM_BINS].view(heads, NUM_BINS)
 
 
 @dataclass(frozen=True)

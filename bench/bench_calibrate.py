@@ -1,0 +1,137 @@
+"""Calibration time against a plain transformers forward over exactly the same tokens.
+
+For each model: the same right-padded batches go through (a) `model(input_ids, attention_mask)`
+of the causal LM with transformers' default attention, and (b) fp8kv's observation (base model,
+no LM head, K/V statistics folded per layer) followed by the scale math. Both run in this
+process, interleaved, `--repeats` times; the ratio is median(b) / median(a). Peak RSS is the
+process's. Prints a table and writes bench/results/calibrate.json.
+
+    .venv/bin/python bench/bench_calibrate.py [--samples 16] [--seq-len 256] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fp8kv.calibrate.data import DataRequest, load_calibration_data, make_batches
+from fp8kv.calibrate.observe import KVStatistics, observe_batch
+from fp8kv.calibrate.pipeline import load_model, pad_id, resolve_device
+from fp8kv.calibrate.scales import compute_scales
+from fp8kv.geometry import AttentionGeometry, read_config
+from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_MODEL_DIR
+
+RESULTS = Path(__file__).parent / "results" / "calibrate.json"
+
+
+def corpus(folder: Path) -> Path:
+    """The bundled calibration corpus, or Python's own documentation when it is not built yet."""
+    if BUNDLED_CALIBRATION_TEXT.is_file():
+        return BUNDLED_CALIBRATION_TEXT
+    from pydoc_data.topics import topics
+
+    path = folder / "pydoc.jsonl"
+    path.write_text("".join(json.dumps({"text": topics[k]}) + "\n" for k in sorted(topics)))
+    return path
+
+
+def plain_forward(model, batches, device) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        for batch in batches:
+            model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device))
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def calibration(model, batches, geometry: AttentionGeometry, device) -> float:
+    start = time.perf_counter()
+    stats = KVStatistics.empty(geometry.num_layers, geometry.num_kv_heads, device)
+    with torch.no_grad():
+        for batch in batches:
+            ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+            observe_batch(model.base_model, ids, mask, stats, frozenset(geometry.kv_layers))
+    compute_scales(stats, geometry.kv_layers)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_model(name: str, model_dir: Path, data_path: Path, args) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(args.device)
+    config = read_config(model_dir)
+    geometry = AttentionGeometry.from_config(config)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    request = DataRequest(dataset=str(data_path), num_samples=args.samples, seq_len=args.seq_len)
+    data = load_calibration_data(request, tokenizer)
+    batches = make_batches(data.samples, args.batch_size, pad_id(tokenizer))
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
+    observing = load_model(model_dir, config, device, "auto", False)
+    plain_forward(plain, batches[:1], device)  # warm-up both paths
+    calibration(observing, batches[:1], geometry, device)
+    plain_s, calib_s = [], []
+    for _ in range(args.repeats):
+        plain_s.append(plain_forward(plain, batches, device))
+        calib_s.append(calibration(observing, batches, geometry, device))
+    return {
+        "model": name,
+        "layers": geometry.num_layers,
+        "hidden": geometry.hidden_size,
+        "vocab": geometry.vocab_size,
+        "samples": len(data.samples),
+        "tokens": data.num_tokens,
+        "padded_tokens": sum(b.input_ids.numel() for b in batches),
+        "plain_forward_s": statistics.median(plain_s),
+        "calibration_s": statistics.median(calib_s),
+        "ratio": statistics.median(calib_s) / statistics.median(plain_s),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        from fp8kv.models.factory import make_checkpoint
+
+        data_path = corpus(Path(tmp))
+        llama = make_checkpoint(
+            "llama", Path(tmp) / "llama", num_layers=8, hidden_size=1024, num_heads=16, num_kv_heads=8,
+            vocab_size=32000, intermediate_size=2816,
+        )
+        rows.append(bench_model("factory llama 8x1024, vocab 32k", llama, data_path, args))
+        if (BUNDLED_MODEL_DIR / "config.json").is_file():
+            rows.append(bench_model("bundled", BUNDLED_MODEL_DIR, data_path, args))
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"{'model':34} {'tokens':>7} {'plain s':>8} {'calib s':>8} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['model']:34} {r['tokens']:>7} {r['plain_forward_s']:>8.3f} {r['calibration_s']:>8.3f} {r['ratio']:>6.3f}")
+    print(f"peak RSS of the process: {peak_rss_mib:.0f} MiB")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "peak_rss_mib": peak_rss_mib, **vars(args)}
+    RESULTS.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
