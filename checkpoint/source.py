@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ class SourceCheckpoint:
         if INDEX_NAME in files:
             _check_index_tensors(root, headers)
         _check_unique_tensors(headers)
+        _check_projections(root, geometry, headers)
         return cls(root, config, geometry, files, weight_files, headers)
 
     @property
@@ -198,6 +200,28 @@ def _check_index_tensors(root: Path, headers: dict[str, dict[str, Any]]) -> None
             f"{root / INDEX_NAME}: {len(missing)} tensor(s) are not in the file the index names, "
             f"first {missing[0]!r}; the index does not match the weight files"
         )
+
+
+_PROJECTION = re.compile(r"layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
+# Towers of multimodal checkpoints have their own attention geometry, not the text config's.
+_OTHER_TOWER = re.compile(r"vision|visual|audio|encoder\.")
+
+
+def _check_projections(root: Path, geometry: AttentionGeometry, headers: dict[str, dict[str, Any]]) -> None:
+    """q/k/v_proj weights ([heads * head_dim, hidden]) must have the rows config.json's geometry implies."""
+    heads = {"q": geometry.num_heads, "k": geometry.num_kv_heads, "v": geometry.num_kv_heads}
+    for file, header in headers.items():
+        for tensor, entry in header.items():
+            match = _PROJECTION.search(tensor)
+            if match is None or not entry["shape"] or _OTHER_TOWER.search(tensor):
+                continue
+            expected = heads[match[2]] * geometry.head_dim
+            if entry["shape"][0] != expected:
+                raise Fp8kvError(
+                    f"{root / 'config.json'}: {tensor} in {file} has {entry['shape'][0]} rows but the config's "
+                    f"{heads[match[2]]} heads x head_dim {geometry.head_dim} need {expected}; "
+                    "the config does not match the weights"
+                )
 
 
 def _check_unique_tensors(headers: dict[str, dict[str, Any]]) -> None:
