@@ -101,7 +101,10 @@ def _check_out(source: Path, out: Path, overwrite: bool) -> Path:
             raise Fp8kvError(f"{out}: exists and is not a folder; choose another output path")
         if not overwrite:
             raise Fp8kvError(f"{out}: already exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a parent is a file, read-only file system, no permission
+        raise Fp8kvError(f"{out}: cannot create the output folder ({exc.strerror}: {exc.filename})") from None
     return out
 
 
