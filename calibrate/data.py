@@ -9,6 +9,7 @@ samples on every run, and batched with right padding that the observer masks out
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,12 +132,16 @@ def _load_local(path: Path, split: str | None):
         raise Fp8kvError(f"{path}: unsupported file type; use one of {', '.join(LOCAL_BUILDERS)}")
     if len(builders) > 1:
         raise Fp8kvError(f"{path}: mixes file types ({', '.join(sorted(builders))}); keep one kind per folder")
+    if all(p.stat().st_size == 0 for p in files):
+        raise Fp8kvError(f"{path}: is empty; give a file with calibration text")
     builder = builders.pop()
     options = {"sample_by": "paragraph"} if builder == "text" else {}
     try:
-        records = datasets.load_dataset(builder, data_files=[str(p) for p in files], split=LOCAL_SPLIT, **options)
+        with _quiet_datasets():  # its parse errors are logged with tracebacks; ours says it in one line
+            records = datasets.load_dataset(builder, data_files=[str(p) for p in files], split=LOCAL_SPLIT, **options)
     except Exception as exc:  # datasets raises many types for unreadable files
-        raise Fp8kvError(f"{path}: cannot be read as {builder} ({type(exc).__name__}: {exc})") from None
+        cause = exc.__cause__ or exc  # DatasetGenerationError hides the parser's reason in its cause
+        raise Fp8kvError(f"{path}: cannot be read as {builder} ({type(cause).__name__}: {cause})") from None
     return records, str(path), LOCAL_SPLIT
 
 
@@ -182,6 +187,17 @@ def _offline_mode(offline: bool) -> Iterator[None]:
         datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
 
 
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _text_column(records: Any, requested: str | None, name: str) -> str:
     columns = list(records.column_names)
     if requested is not None:
@@ -212,10 +228,12 @@ def _encode(value: Any, tokenizer: Any) -> list[int]:
     if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
         if not value:
             return []
-        if getattr(tokenizer, "chat_template", None):
-            return list(tokenizer.apply_chat_template(value, tokenize=True, return_dict=False))
-        text = "\n\n".join(str(m["content"]) for m in value)
-        return list(tokenizer(text)["input_ids"]) if text.strip() else []
+        if not getattr(tokenizer, "chat_template", None):  # joining turns would calibrate on unseen text
+            raise Fp8kvError(
+                f"{getattr(tokenizer, 'name_or_path', 'the tokenizer')}: has no chat template, but the records are "
+                "chat messages; pass --text-column with plain text, or use a tokenizer with a chat template"
+            )
+        return list(tokenizer.apply_chat_template(value, tokenize=True, return_dict=False))
     if value is None:
         return []
     raise Fp8kvError(f"column values must be text or chat messages, found {type(value).__name__}")
