@@ -76,6 +76,7 @@ def calibrate(request: CalibrationRequest, progress: Progress | None = None) -> 
     """
     strategy = _validate(request)
     source = SourceCheckpoint.open(resolve_model(request.model))
+    check_architecture(source, request.trust_remote_code)
     tokenizer = _load_tokenizer(source.path, request.trust_remote_code)
     data = load_calibration_data(request.data, tokenizer)
     device = resolve_device(request.device)
@@ -154,6 +155,21 @@ def load_model(model_dir: Path, config: dict[str, Any], device: torch.device, dt
         trust_remote_code=trust_remote_code,
     )
     return model.to(device).eval()
+
+
+def check_architecture(source: SourceCheckpoint, trust_remote_code: bool) -> None:
+    """Refuse a model_type transformers cannot build (before any data or weights load)."""
+    from transformers import __version__ as transformers_version
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = source.geometry.model_type
+    if model_type in CONFIG_MAPPING or (trust_remote_code and "auto_map" in source.config):
+        return
+    hint = " (its own code is in auto_map: pass --trust-remote-code if you trust it)" if "auto_map" in source.config else ""
+    raise Fp8kvError(
+        f"{source.path / 'config.json'}: model_type {model_type!r} is not an architecture transformers "
+        f"{transformers_version} knows{hint}"
+    )
 
 
 def resolve_device(device: str) -> torch.device:
