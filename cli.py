@@ -221,7 +221,7 @@ def verify_command(
     ),
     num_prompts: int = typer.Option(4, "--num-prompts", help="Held-out prefixes used as prompts without --prompts."),
     prompt_len: int = typer.Option(32, "--prompt-len", help="Tokens per held-out prefix prompt."),
-    new_tokens: int = typer.Option(16, "--new-tokens", help="Greedy decode steps per prompt."),
+    new_tokens: int = typer.Option(8, "--new-tokens", help="Greedy decode steps per prompt."),
     report_dir: Path | None = typer.Option(None, "--report", help="Report folder (default: DIR/verify)."),
     thresholds_file: Path | None = typer.Option(
         None, "--thresholds", help="TOML file overriding configs/verify.toml ([fail] kl_mean, [warn] saturation, ...)."
@@ -237,7 +237,7 @@ def verify_command(
         None, "--unit-kl-ratio", help="WARN when mean KL exceeds this x the unit-scale KL [file: 1.25]."
     ),
     unit_ppl_ratio: float | None = typer.Option(
-        None, "--unit-ppl-ratio", help="WARN when perplexity exceeds this x the unit-scale one [file: 1.001]."
+        None, "--unit-ppl-ratio", help="WARN when perplexity exceeds this x the unit-scale one [file: 1.01]."
     ),
     json_output: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
 ) -> None:

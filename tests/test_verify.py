@@ -149,3 +149,17 @@ def test_verify_runs_on_xla_cpu(calibrated, texts, tmp_path):
     assert report["device"] == "xla-cpu" and report["readback"]["equal"] is True
     assert report["accuracy"]["kl_mean"] < 1e-3 and report["accuracy"]["top1_agreement"] > 0.9
     assert result.verdict in ("PASS", "WARN") and not [r for r in report["reasons"] if r["level"] == "FAIL"]
+
+
+def test_the_bundled_model_calibrated_by_fp8kv_verifies_on_its_held_out_split(tmp_path):
+    from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT, BUNDLED_MODEL_ALIAS
+
+    data = DataRequest(str(BUNDLED_CALIBRATION_TEXT), num_samples=32, seq_len=64)
+    calibrate(CalibrationRequest(model=BUNDLED_MODEL_ALIAS, out=tmp_path / "bundled", data=data, batch_size=8))
+    request = VerifyRequest(tmp_path / "bundled", data=DataRequest(None, num_samples=4, seq_len=64), batch_size=4,
+                            num_prompts=2, prompt_len=16, new_tokens=2, device="cpu")
+    report = verify(request).report
+    assert report["text_source"] == f"bundled held-out split ({BUNDLED_HELDOUT_TEXT}), split train, column 'text'"
+    assert not [r for r in report["reasons"] if r["level"] == "FAIL"], report["reasons"]
+    assert report["readback"]["equal"] and report["accuracy"]["kl_mean"] < 0.05
+    assert report["accuracy"]["ppl_bf16"] < 4096 / 10  # a trained model: far better than chance over its vocabulary

@@ -39,7 +39,7 @@ class VerifyRequest:
     prompts: Path | None = None  # one prompt per line; None: the first held-out samples' prefixes
     num_prompts: int = 4
     prompt_len: int = 32
-    new_tokens: int = 16
+    new_tokens: int = 8
     device: str = "auto"
     page_size: int = 16
     report_dir: Path | None = None  # None: model_dir / "verify"

@@ -1,0 +1,129 @@
+"""Verify wall time against a plain transformers forward over exactly the same evaluation tokens.
+
+(a) plain: load the causal LM (transformers' default attention) and run `model(input_ids,
+attention_mask)` over the held-out samples in right-padded batches; (b) verify: the whole
+`fp8kv.verify.run.verify` call on a checkpoint calibrated by fp8kv (static checks, K/V
+observation, bf16 / fp8 / unit-scale caches over the same samples, greedy generations, report).
+Both load their models inside the timed region and run in this process, interleaved, `--repeats`
+times after one warm-up each; the ratio is median(b) / median(a). Prints a table and writes
+bench/results/verify.json, with verify's own per-phase timings.
+
+    .venv/bin/python bench/bench_verify.py [--samples 16] [--seq-len 256] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fp8kv.calibrate.data import DataRequest, load_calibration_data, make_batches
+from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate, pad_id
+from fp8kv.models import BUNDLED_HELDOUT_TEXT, BUNDLED_MODEL_DIR
+from fp8kv.verify.run import VerifyRequest, verify
+
+RESULTS = Path(__file__).parent / "results" / "verify.json"
+
+
+def texts(folder: Path) -> tuple[Path, Path]:
+    """(calibration, held-out) text: the bundled splits when built, else two halves of Python's docs."""
+    from fp8kv.models import BUNDLED_CALIBRATION_TEXT
+
+    if BUNDLED_HELDOUT_TEXT.is_file() and BUNDLED_CALIBRATION_TEXT.is_file():
+        return BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    paths = folder / "calibration.jsonl", folder / "heldout.jsonl"
+    for path, part in zip(paths, (keys[::2], keys[1::2])):
+        path.write_text("".join(json.dumps({"text": topics[k]}) + "\n" for k in part))
+    return paths
+
+
+def plain_forward(model_dir: Path, data_path: Path, args) -> float:
+    """Load the model and tokenizer, tokenize, and run one forward over every sample."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    data = load_calibration_data(DataRequest(str(data_path), num_samples=args.samples, seq_len=args.seq_len), tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(args.device).eval()
+    with torch.no_grad():
+        for batch in make_batches(data.samples, args.batch_size, pad_id(tokenizer)):
+            model(input_ids=batch.input_ids.to(args.device), attention_mask=batch.attention_mask.to(args.device))
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run_verify(model_dir: Path, data_path: Path, args, report_dir: Path) -> tuple[float, dict]:
+    request = VerifyRequest(
+        model_dir, data=DataRequest(str(data_path), num_samples=args.samples, seq_len=args.seq_len),
+        batch_size=args.batch_size, device=args.device, report_dir=report_dir,
+    )
+    start = time.perf_counter()
+    result = verify(request)
+    return time.perf_counter() - start, result.report
+
+
+def bench_model(name: str, source: Path, folder: Path, args) -> dict:
+    calibration_text, heldout_text = texts(folder)
+    out = folder / f"{source.name}-fp8kv"
+    calibrate(CalibrationRequest(model=str(source), out=out, device=args.device, batch_size=args.batch_size,
+                                 data=DataRequest(str(calibration_text), num_samples=args.samples, seq_len=args.seq_len)))
+    plain_forward(out, heldout_text, args)  # warm-up: imports, kernels, page cache
+    run_verify(out, heldout_text, args, folder / "report")
+    plain_s, verify_s, report = [], [], {}
+    for _ in range(args.repeats):
+        plain_s.append(plain_forward(out, heldout_text, args))
+        seconds, report = run_verify(out, heldout_text, args, folder / "report")
+        verify_s.append(seconds)
+    return {
+        "model": name,
+        "samples": report["num_samples"],
+        "tokens": report["num_tokens"],
+        "plain_forward_s": statistics.median(plain_s),
+        "verify_s": statistics.median(verify_s),
+        "ratio": statistics.median(verify_s) / statistics.median(plain_s),
+        "verify_phases_s": report["timings_s"],
+        "verdict": report["verdict"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        from fp8kv.models.factory import make_checkpoint
+
+        llama = make_checkpoint("llama", Path(tmp) / "llama", num_layers=8, hidden_size=1024, num_heads=16,
+                                num_kv_heads=8, vocab_size=32000, intermediate_size=2816)
+        rows.append(bench_model("factory llama 8x1024, vocab 32k", llama, Path(tmp), args))
+        if (BUNDLED_MODEL_DIR / "config.json").is_file():
+            rows.append(bench_model("bundled", BUNDLED_MODEL_DIR, Path(tmp), args))
+    print(f"{'model':34} {'tokens':>7} {'plain s':>8} {'verify s':>9} {'ratio':>6}  phases (s)")
+    for r in rows:
+        phases = " ".join(f"{k}={v:.2f}" for k, v in r["verify_phases_s"].items())
+        print(f"{r['model']:34} {r['tokens']:>7} {r['plain_forward_s']:>8.3f} {r['verify_s']:>9.3f} "
+              f"{r['ratio']:>6.2f}  {phases}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "goal_ratio": 5.0, **vars(args)}
+    RESULTS.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
