@@ -163,3 +163,20 @@ def test_the_bundled_model_calibrated_by_fp8kv_verifies_on_its_held_out_split(tm
     assert not [r for r in report["reasons"] if r["level"] == "FAIL"], report["reasons"]
     assert report["readback"]["equal"] and report["accuracy"]["kl_mean"] < 0.05
     assert report["accuracy"]["ppl_bf16"] < 4096 / 10  # a trained model: far better than chance over its vocabulary
+
+
+def test_readback_catches_a_scale_one_float32_step_off(calibrated):
+    from fp8kv.checkpoint.reader import read_kv_scales
+    from fp8kv.runtime.runner import PagedModelRunner
+    from fp8kv.verify.accuracy import readback, runtime_scales
+
+    scales = read_kv_scales(calibrated).scales
+    k, v = runtime_scales(scales, (0, 1))
+    exact = PagedModelRunner(calibrated, device="cpu", cache_dtype="fp8_e4m3", k_scales=k, v_scales=v, max_model_len=16)
+    assert readback(exact, scales) == {"equal": True, "layers": 2, "mismatches": []}
+    off = float(torch.nextafter(scales.v[1], torch.tensor([1.0]))[0])
+    shifted = PagedModelRunner(calibrated, device="cpu", cache_dtype="fp8_e4m3", k_scales=k, v_scales={**v, 1: off},
+                               max_model_len=16)
+    mismatches = readback(shifted, scales)["mismatches"]
+    assert len(mismatches) == 2 and all(m.startswith("layer 1: v_scale in the ") for m in mismatches)
+    assert f"is [{off!r}], the file has [{scales.v[1].item()!r}]" in mismatches[0]
