@@ -109,7 +109,7 @@ def _checked(tensor: torch.Tensor, name: str, file: str) -> torch.Tensor:
 
 def _vllm_json_scales(path: Path) -> tuple[dict[int, dict[str, torch.Tensor]], str]:
     data = read_json(path)
-    cache = data["kv_cache"]
+    cache = data["kv_cache"]  # a dict: is_vllm_json checked it
     dtype = _KV_DTYPE_BY_NAME.get(str(cache.get("dtype", "float8_e4m3fn")))
     if dtype is None:
         raise Fp8kvError(f"{path}: kv_cache.dtype {cache.get('dtype')!r} is not an fp8 dtype fp8kv knows")
@@ -119,21 +119,27 @@ def _vllm_json_scales(path: Path) -> tuple[dict[int, dict[str, torch.Tensor]], s
     first = next(iter(ranks.values()))
     if any(r != first for r in ranks.values()):
         raise Fp8kvError(f"{path}: tensor-parallel ranks carry different scales; fp8kv expects one set")
-    exact = data.get("fp8kv") or {}
+    if not isinstance(first, dict) or not all(str(layer).isdigit() for layer in first):
+        raise Fp8kvError(f"{path}: kv_cache.scaling_factor must map rank -> {{layer number: scale}}")
+    exact = data.get("fp8kv") if isinstance(data.get("fp8kv"), dict) else {}
+    exact_k, exact_v = (exact.get(key) if isinstance(exact.get(key), dict) else {} for key in ("k_scale", "v_scale"))
     table: dict[int, dict[str, torch.Tensor]] = {}
     for layer, value in first.items():
         shared = _scalar(value, path, layer)
-        k = exact.get("k_scale", {}).get(layer)
-        v = exact.get("v_scale", {}).get(layer)
-        if k is not None and v is not None and max(k, v) == value:  # exact K/V written by fp8kv
+        k, v = exact_k.get(layer), exact_v.get(layer)
+        if _number(k) and _number(v) and max(k, v) == value:  # exact K/V written by fp8kv
             table[int(layer)] = {"k": _scalar(k, path, layer), "v": _scalar(v, path, layer)}
         else:
             table[int(layer)] = {"k": shared, "v": shared, "shared": shared}
     return table, dtype
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _scalar(value: Any, path: Path, layer: str) -> torch.Tensor:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not _number(value):
         raise Fp8kvError(f"{path}: layer {layer} scale {value!r} is not a number")
     return torch.tensor([float(value)], dtype=torch.float32)
 

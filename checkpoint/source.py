@@ -189,6 +189,9 @@ def _read_index(path: Path) -> dict[str, str]:
     weight_map = read_json(path).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise Fp8kvError(f"{path}: needs a non-empty 'weight_map' object")
+    bad = sorted(tensor for tensor, file in weight_map.items() if not isinstance(file, str))
+    if bad:
+        raise Fp8kvError(f"{path}: weight_map entry {bad[0]!r} must name a file, found {weight_map[bad[0]]!r}")
     return weight_map
 
 
