@@ -217,8 +217,10 @@ def write_bundle(out: Path, model: torch.nn.Module, tokenizer, splits: Splits) -
 def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    parser = argparse.ArgumentParser(description="Train fp8kv's bundled default model.")
-    parser.add_argument("--out", type=Path, default=BUNDLED_DIR, help="bundle folder (model/, data/)")
+    parser = argparse.ArgumentParser(
+        prog="python -m fp8kv.models.train", description="Train fp8kv's bundled default model."
+    )
+    parser.add_argument("--out", type=Path, default=BUNDLED_DIR, help="bundle (model/, data/)")
     parser.add_argument(
         "--steps", type=int, default=700, help=f"optimizer steps of {BATCH_SIZE} x {SEQ_LEN} tokens"
     )
@@ -246,8 +248,10 @@ def main(argv: list[str] | None = None) -> None:
     shipped_tokenizer = AutoTokenizer.from_pretrained(args.out / "model")
     ppl = perplexity(shipped, shipped_tokenizer, splits.heldout)
     print(f"trained in {elapsed:.0f} s; wrote {args.out}")
-    print(f"held-out perplexity {ppl:.2f} (vocab {len(shipped_tokenizer)}, {len(splits.heldout)} records)")
-    print(f"greedy continuation of {PROMPT!r}:\n{PROMPT}{continue_text(shipped, shipped_tokenizer, PROMPT)}")
+    vocab, records = len(shipped_tokenizer), len(splits.heldout)
+    print(f"held-out perplexity {ppl:.2f} (vocab {vocab}, {records} records)")
+    continuation = continue_text(shipped, shipped_tokenizer, PROMPT)
+    print(f"greedy continuation of {PROMPT!r}:\n{PROMPT}{continuation}")
 
 
 if __name__ == "__main__":

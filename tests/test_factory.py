@@ -65,7 +65,8 @@ def test_factory_checkpoint_uses_gqa(arch: str, factory_checkpoint) -> None:
 def test_factory_arch_specifics(factory_checkpoint) -> None:
     gemma2 = json.loads((factory_checkpoint("gemma2") / "config.json").read_text())
     assert gemma2["attn_logit_softcapping"] == 50.0
-    assert "sliding_attention" in AttentionGeometry.from_dir(factory_checkpoint("gemma2")).layer_types
+    gemma2_layers = AttentionGeometry.from_dir(factory_checkpoint("gemma2")).layer_types
+    assert "sliding_attention" in gemma2_layers
     for arch in ("qwen3", "gemma3"):
         with safe_open(factory_checkpoint(arch) / "model.safetensors", "pt") as f:
             assert "model.layers.0.self_attn.k_norm.weight" in set(f.keys())

@@ -104,7 +104,8 @@ def test_installed_package_imports_from_target(installed: Path) -> None:
     )
     env = {**os.environ, "PYTHONPATH": str(installed)}
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+        check=True,
     )
     location, bundled = result.stdout.split()
     assert Path(location).is_relative_to(installed)
