@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[tpu,dev]"
 	touch $(STAMP)
 
+# Calibrate the bundled model on its own calibration split, then verify the result on its held-out split.
 demo: $(STAMP)
-	$(BIN)/python -m fp8kv demo
+	$(BIN)/fp8kv calibrate bundled --dataset models/bundled/data/calibration.jsonl \
+		--num-samples 64 --seq-len 512 --out out/demo --overwrite
+	$(BIN)/fp8kv verify out/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
