@@ -42,6 +42,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Help texts show tensor shapes like [num_kv_heads,1,1]; rich markup would swallow them.
+    rich_markup_mode=None,
     help="Calibrate, verify and publish static FP8 KV-cache scales for Hugging Face checkpoints.",
 )
 
@@ -136,7 +138,7 @@ def convert_command(
 
 @app.command()
 def calibrate(
-    model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint folder, or 'bundled' for the bundled model."),
+    model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint folder, a Hub id org/name[@revision] (from the local cache when offline), or 'bundled' for the bundled model."),
     out: Path | None = typer.Option(None, "--out", help="Output folder (created atomically). Omit to only report scales."),
     dataset: str | None = typer.Option(
         None, "--dataset",
