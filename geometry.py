@@ -65,13 +65,13 @@ class AttentionGeometry:
                 f"num_key_value_heads={num_kv_heads}"
             )
         layer_types = _layer_types(text, num_layers, source)
-        shared = int(text.get("num_kv_shared_layers") or 0)
+        shared = _optional_int(text, "num_kv_shared_layers", source)
         owners = [i for i, kind in enumerate(layer_types) if kind in ATTENTION_LAYER_TYPES]
         # KV-sharing layers (Gemma 3n) are the last ones; they read an earlier layer's cache.
         kv_layers = tuple(i for i in owners if i < num_layers - shared)
         if not kv_layers:
             raise Fp8kvError(f"{source}: no layer owns a K/V cache (layer_types={list(layer_types)})")
-        window = text.get("sliding_window")
+        window = _optional_int(text, "sliding_window", source)
         return cls(
             model_type=model_type,
             num_layers=num_layers,
@@ -79,9 +79,9 @@ class AttentionGeometry:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             hidden_size=hidden_size,
-            vocab_size=int(text.get("vocab_size") or 0),
+            vocab_size=_optional_int(text, "vocab_size", source),
             layer_types=layer_types,
-            sliding_window=int(window) if window else None,
+            sliding_window=window or None,
             kv_layers=kv_layers,
         )
 
@@ -111,6 +111,14 @@ def _positive_int(config: dict[str, Any], key: str, source: str, default: int | 
         raise Fp8kvError(f"{source}: '{key}' is missing")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise Fp8kvError(f"{source}: '{key}' must be a positive integer, found {value!r}")
+    return value
+
+
+def _optional_int(config: dict[str, Any], key: str, source: str) -> int:
+    """An optional count (0 when absent or null); anything but a non-negative integer is an error."""
+    value = config.get(key) or 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise Fp8kvError(f"{source}: '{key}' must be a non-negative integer, found {value!r}")
     return value
 
 
