@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -137,8 +138,10 @@ def _load_local(path: Path, split: str | None):
     builder = builders.pop()
     options = {"sample_by": "paragraph"} if builder == "text" else {}
     try:
-        with _quiet_datasets():  # its parse errors are logged with tracebacks; ours says it in one line
-            records = datasets.load_dataset(builder, data_files=[str(p) for p in files], split=LOCAL_SPLIT, **options)
+        # Built in a private temp folder and held in memory: nothing lands in ~/.cache (see issue 9).
+        with _quiet_datasets(), tempfile.TemporaryDirectory(prefix="fp8kv-data-") as cache:
+            records = datasets.load_dataset(builder, data_files=[str(p) for p in files], split=LOCAL_SPLIT,
+                                            cache_dir=cache, keep_in_memory=True, **options)
     except Exception as exc:  # datasets raises many types for unreadable files
         cause = exc.__cause__ or exc  # DatasetGenerationError hides the parser's reason in its cause
         raise Fp8kvError(f"{path}: cannot be read as {builder} ({type(cause).__name__}: {cause})") from None
