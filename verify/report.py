@@ -112,6 +112,8 @@ def plot_png(report: dict[str, Any]) -> bytes:
     """PNG bytes: per-layer K/V scales (log axis) above per-layer K/V saturation shares."""
     import io
 
+    # matplotlib caches its font list in ~/.cache; keep it in the temp dir (fp8kv writes nowhere else).
+    os.environ.setdefault("MPLCONFIGDIR", os.path.join(tempfile.gettempdir(), "fp8kv-matplotlib"))
     import matplotlib
 
     matplotlib.use("Agg")
