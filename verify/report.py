@@ -75,7 +75,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         rows = [[phase, _fmt(gen.get(f"{phase}_match"), "{:.2%}")] for phase in ("prefill", "decode", "prefix")]
         parts.append("## Greedy tokens matching the bf16 cache\n\n" + _table(["Phase", "Match"], rows))
     if report.get("layers"):
-        parts.append("## Per layer\n\n" + _layer_table(report))
+        parts.append("## Per layer\n\n" + _layer_table(report) + "\n\nSaturation: exact share of values the fp8 "
+                     "cache clamped at ±MAX. Max |x|/scale and NaN/inf without clamp: from K/V observed on the "
+                     "same text (counts estimated from |x| histograms with bins 2^(1/32) wide).")
     parts.append("## Thresholds\n\n" + _table(["Threshold", "Value"],
                                                [[k, _fmt(v)] for k, v in report["thresholds"].items()]))
     return "\n\n".join(parts) + "\n"
@@ -83,7 +85,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def _layer_table(report: dict[str, Any]) -> str:
     scales = {row["layer"]: row for row in report.get("scales") or []}
-    head = ["layer", "k_scale", "v_scale", "K sat.", "V sat.", "K max |x|/scale", "V max |x|/scale",
+    head = ["layer", "k_scale", "v_scale", "K sat.", "V sat.", r"K max \|x\|/scale", r"V max \|x\|/scale",
             "NaN/inf without clamp"]
     rows = []
     for row in report["layers"]:
@@ -134,11 +136,15 @@ def plot_png(report: dict[str, Any]) -> bytes:
     top.legend()
     top.set_title(f"fp8kv verify: {report['verdict']}")
     rows = report.get("layers") or []
-    width = 0.4
+    width, bound = 0.4, report["thresholds"]["saturation"]
+    highest = 3 * bound
     for offset, kind in ((-width / 2, "k"), (width / 2, "v")):
         shares = [row.get(f"{kind}_saturation") or 0.0 for row in rows]
+        highest = max([highest, *shares])
         bottom.bar([row["layer"] + offset for row in rows], shares, width=width, label=f"{kind.upper()} saturation")
-    bottom.axhline(report["thresholds"]["saturation"], color="red", linestyle="--", linewidth=1, label="WARN bound")
+    bottom.axhline(bound, color="red", linestyle="--", linewidth=1, label="WARN bound")
+    bottom.set_ylim(0, highest * 1.15)
+    bottom.xaxis.get_major_locator().set_params(integer=True)
     bottom.set_ylabel("share clamped at ±MAX")
     bottom.set_xlabel("layer")
     bottom.legend()
