@@ -96,13 +96,18 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise Fp8kvError(f"{path}: not found; a Hugging Face checkpoint folder needs a config.json")
+    return read_json(path)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A small JSON file that must hold an object, with one clear error otherwise."""
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise Fp8kvError(f"{path}: cannot be read as JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise Fp8kvError(f"{path}: must hold a JSON object, found {type(config).__name__}")
-    return config
+    if not isinstance(data, dict):
+        raise Fp8kvError(f"{path}: must hold a JSON object, found {type(data).__name__}")
+    return data
 
 
 def _positive_int(config: dict[str, Any], key: str, source: str, default: int | None = None) -> int:

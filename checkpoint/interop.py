@@ -9,7 +9,7 @@ from typing import Any
 
 from fp8kv.checkpoint.conventions import VLLM_JSON_FILE
 from fp8kv.checkpoint.reader import ScaleReadout, read_kv_scales
-from fp8kv.checkpoint.source import read_json
+from fp8kv.geometry import read_json
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.errors import Fp8kvError
 

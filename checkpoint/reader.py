@@ -11,7 +11,8 @@ from safetensors import safe_open
 
 from fp8kv.checkpoint.conventions import HF_QUANT_CONFIG, is_vllm_json, parse_scale_name
 from fp8kv.checkpoint.kvscales import TORCH_DTYPE_NAME, KVScales
-from fp8kv.checkpoint.source import SourceCheckpoint, read_json
+from fp8kv.checkpoint.source import SourceCheckpoint
+from fp8kv.geometry import read_json
 from fp8kv.errors import Fp8kvError
 
 # Reading order: exact per-K/V conventions first, the one-value-per-layer ones last.

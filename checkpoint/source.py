@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.geometry import AttentionGeometry, read_config
+from fp8kv.geometry import AttentionGeometry, read_config, read_json
 
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -172,17 +172,6 @@ def _index_files(root: Path, files: tuple[str, ...]) -> tuple[str, ...]:
         if not name.endswith(".safetensors"):
             raise Fp8kvError(f"{root / INDEX_NAME}: weight file {name!r} is not a .safetensors file")
     return tuple(names)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """A small JSON file that must hold an object, with one clear error otherwise."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise Fp8kvError(f"{path}: cannot be read as JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise Fp8kvError(f"{path}: must hold a JSON object, found {type(data).__name__}")
-    return data
 
 
 def _read_index(path: Path) -> dict[str, str]:

@@ -22,7 +22,8 @@ from fp8kv.checkpoint.conventions import (
     scale_names, vllm_json,
 )
 from fp8kv.checkpoint.kvscales import KVScales
-from fp8kv.checkpoint.source import INDEX_NAME, SourceCheckpoint, read_json, read_safetensors_header
+from fp8kv.checkpoint.source import INDEX_NAME, SourceCheckpoint, read_safetensors_header
+from fp8kv.geometry import read_json
 from fp8kv.errors import Fp8kvError
 
 MODES = ("overlay", "copy")
