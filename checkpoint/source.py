@@ -88,7 +88,12 @@ def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
         if len(prefix) < 8:
             raise Fp8kvError(f"{path}: too short to be a safetensors file ({size} bytes)")
         length = int.from_bytes(prefix, "little")
-        if length > size - 8 or length > MAX_HEADER_BYTES:
+        if length > MAX_HEADER_BYTES:
+            raise Fp8kvError(
+                f"{path}: safetensors header claims {length} bytes, over the {MAX_HEADER_BYTES} byte bound; "
+                "the file is corrupt or hostile"
+            )
+        if length > size - 8:
             raise Fp8kvError(
                 f"{path}: safetensors header claims {length} bytes but the file has {size}; "
                 "the file is truncated or not safetensors"

@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import fp8kv.checkpoint.writer as writer_module
+from fp8kv.checkpoint.source import MAX_HEADER_BYTES
 from fp8kv.cli import app
 from fp8kv.models.factory import make_checkpoint
 
@@ -252,11 +253,12 @@ def st_truncated(env):
 def st_header_too_large(env):
     src = env.copy("src")
     weights = safetensors_file(src)
-    # A sparse file bigger than the bound: the length must be refused before anything is read.
+    # A sparse file holding as many bytes as the header claims: only the bound refuses it.
+    claimed = MAX_HEADER_BYTES + 1
     with open(weights, "wb") as handle:
-        handle.write((2**31).to_bytes(8, "little"))
-        handle.truncate(2**31 + 64)
-    return ["inspect", str(src)], str(weights), "header"
+        handle.write(claimed.to_bytes(8, "little"))
+        handle.truncate(claimed + 64)
+    return ["inspect", str(src)], str(weights), f"over the {MAX_HEADER_BYTES} byte bound"
 
 
 def st_too_short(env):
