@@ -22,7 +22,7 @@ from fp8kv.calibrate.scales import ScaleTable, Strategy, compute_scales, fp8_max
 from fp8kv.checkpoint.conventions import CONVENTIONS
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import SourceCheckpoint
-from fp8kv.checkpoint.writer import write_checkpoint
+from fp8kv.checkpoint.writer import check_output, write_checkpoint
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry
 
@@ -76,6 +76,8 @@ def calibrate(request: CalibrationRequest, progress: Progress | None = None) -> 
     """
     strategy = _validate(request)
     source = SourceCheckpoint.open(resolve_model(request.model))
+    if request.out is not None:
+        check_output(source.path, request.out, request.overwrite)
     check_architecture(source, request.trust_remote_code)
     tokenizer = _load_tokenizer(source.path, request.trust_remote_code)
     data = load_calibration_data(request.data, tokenizer)
@@ -253,8 +255,6 @@ def _validate(request: CalibrationRequest) -> Strategy:
         raise Fp8kvError(f"--format {request.convention!r}: choose one of {', '.join(CONVENTIONS)}")
     if request.mode not in ("overlay", "copy"):
         raise Fp8kvError(f"--mode {request.mode!r}: choose overlay or copy")
-    if request.out is not None and request.out.exists() and not request.overwrite:
-        raise Fp8kvError(f"{request.out}: already exists; pass --overwrite to replace it")
     resolve_device(request.device)
     return strategy
 

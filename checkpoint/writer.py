@@ -54,7 +54,8 @@ def write_checkpoint(
         raise Fp8kvError(f"unknown mode {mode!r}; choose overlay or copy")
     source = SourceCheckpoint.open(source_dir)
     check_scales_fit(source, scales)
-    out = _check_out(source.path, Path(out_dir), overwrite)
+    out = check_output(source.path, Path(out_dir), overwrite)
+    _make_parent(out)
     for name in extra_files or {}:
         if "/" in name or "\\" in name or name.startswith(".") or name in ("config.json", INDEX_NAME):
             raise Fp8kvError(f"extra file name {name!r} must be a plain new file name")
@@ -90,7 +91,11 @@ def check_scales_fit(source: SourceCheckpoint, scales: KVScales) -> None:
         )
 
 
-def _check_out(source: Path, out: Path, overwrite: bool) -> Path:
+def check_output(source: Path, out: Path, overwrite: bool) -> Path:
+    """Refuse an output path that cannot be written, before any slow work; returns it absolute.
+
+    Creates nothing, so a refused run leaves the disk as it was.
+    """
     out = out.absolute()
     resolved = out.resolve()
     if resolved == source or resolved.is_relative_to(source):
@@ -102,11 +107,17 @@ def _check_out(source: Path, out: Path, overwrite: bool) -> Path:
             raise Fp8kvError(f"{out}: exists and is not a folder; choose another output path")
         if not overwrite:
             raise Fp8kvError(f"{out}: already exists; pass --overwrite to replace it")
+    ancestor = next(parent for parent in out.parents if parent.exists())
+    if not ancestor.is_dir():
+        raise Fp8kvError(f"{out}: cannot create the output folder ({ancestor} is not a folder)")
+    return out
+
+
+def _make_parent(out: Path) -> None:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # a parent is a file, read-only file system, no permission
+    except OSError as exc:  # read-only file system, no permission
         raise Fp8kvError(f"{out}: cannot create the output folder ({exc.strerror}: {exc.filename})") from None
-    return out
 
 
 def _fill(tmp: Path, source: SourceCheckpoint, scales: KVScales, convention: str, mode: str,
