@@ -1,7 +1,8 @@
 """Layer-by-layer calibration: peak memory against depth, an 8B-shaped model, overlay against copy.
 
-Every calibration runs the real CLI (`python -m fp8kv calibrate ...`) in a fresh process; its
-peak RSS comes from `wait4`, so nothing of this process is counted.
+Every calibration runs the real CLI (`fp8kv calibrate ...`) in a fresh process, which reports
+its own peak RSS (VmHWM) at exit. (`wait4`'s ru_maxrss would not do: Linux folds the forking
+parent's RSS into the child's maximum at exec.)
 
     depth  factory llama (hidden 1024, bf16) at growing depth, whole-model and --layerwise
     big    an 8B-shaped random llama written to disk shard by shard (never held in RAM),
@@ -45,26 +46,40 @@ def write_corpus(folder: Path) -> Path:
     return path
 
 
+# Runs the CLI with argv[1:], writing the process's peak RSS (kB) to $FP8KV_BENCH_HWM at exit.
+WITH_HWM = """
+import atexit, os, re, sys
+def hwm():
+    with open(os.environ["FP8KV_BENCH_HWM"], "w") as out:
+        out.write(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+atexit.register(hwm)
+if sys.argv[1:] == ["--imports-only"]:
+    import fp8kv.calibrate.pipeline, transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+else:
+    from fp8kv.cli import main
+    sys.argv[0] = "fp8kv"
+    main()
+"""
+
+
 def run_cli(args: list[str]) -> dict[str, Any]:
-    """Run `python -m fp8kv ARGS` in a fresh process: its wall time, peak RSS and JSON stdout."""
-    start = time.perf_counter()
-    with tempfile.TemporaryFile() as stderr:
-        # No communicate()/wait(): they reap the child, and wait4 must do that to get its rusage.
-        process = subprocess.Popen([sys.executable, "-m", "fp8kv", *args], stdout=subprocess.PIPE, stderr=stderr)
-        stdout = process.stdout.read()
-        _, status, usage = os.wait4(process.pid, 0)
+    """Run `fp8kv ARGS` in a fresh process: its wall time, peak RSS and JSON stdout."""
+    with tempfile.TemporaryDirectory() as tmp:
+        hwm = Path(tmp) / "hwm"
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", WITH_HWM, *args], capture_output=True,
+                              env={**os.environ, "FP8KV_BENCH_HWM": str(hwm)})
         seconds = time.perf_counter() - start
-        stderr.seek(0)
-        if os.waitstatus_to_exitcode(status) != 0:
-            raise SystemExit(f"fp8kv {' '.join(args)} failed:\n{stderr.read().decode()[-2000:]}")
-    return {"seconds": seconds, "peak_rss_mb": usage.ru_maxrss / 1024, "summary": json.loads(stdout)}
+        if done.returncode != 0:
+            raise SystemExit(f"fp8kv {' '.join(args)} failed:\n{done.stderr.decode()[-2000:]}")
+        peak = int(hwm.read_text()) / 1024
+    return {"seconds": seconds, "peak_rss_mb": peak, "summary": json.loads(done.stdout) if done.stdout else {}}
 
 
 def baseline_rss_mb() -> float:
     """Peak RSS of a process that only imports what calibrate imports (the floor under every run)."""
-    code = "import fp8kv.calibrate.pipeline, transformers; from transformers import AutoModelForCausalLM, AutoTokenizer"
-    process = subprocess.Popen([sys.executable, "-c", code])
-    return os.wait4(process.pid, 0)[2].ru_maxrss / 1024
+    return run_cli(["--imports-only"])["peak_rss_mb"]
 
 
 def calibrate_args(model: Path, corpus: Path, samples: int, seq_len: int, *extra: str) -> list[str]:
