@@ -83,7 +83,9 @@ def calibrate(request: CalibrationRequest, progress: Progress | None = None) -> 
     data = load_calibration_data(request.data, tokenizer)
     device = resolve_device(request.device)
     with distributed.process_group(device):
-        if layerwise.choose_layerwise(request.layerwise, source, request.dtype):
+        by_layer = layerwise.choose_layerwise(request.layerwise, source, request.dtype)
+        execution = {"layerwise": by_layer, "processes": distributed.world_size(), "device": str(device)}
+        if by_layer:
             statistics = layerwise.observe_layerwise(source, data, request, tokenizer, progress)
         else:
             statistics = observe(source.path, source.config, source.geometry, data, request, tokenizer, progress)
@@ -102,7 +104,7 @@ def calibrate(request: CalibrationRequest, progress: Progress | None = None) -> 
         f"layer {layer}: nothing was observed (zero or no K/V); wrote scale 1.0 (--allow-unobserved)"
         for layer in table.defaulted
     ]
-    record = provenance(request, source, data, table, strategy)
+    record = provenance(request, source, data, table, strategy, execution)
     if request.out is not None and distributed.is_writer():
         extra = {PROVENANCE_FILE: (json.dumps(record, indent=2) + "\n").encode()}
         write_checkpoint(
@@ -194,9 +196,14 @@ def pad_id(tokenizer: Any) -> int:
 
 
 def provenance(
-    request: CalibrationRequest, source: SourceCheckpoint, data: CalibrationData, table: ScaleTable, strategy: Strategy
+    request: CalibrationRequest,
+    source: SourceCheckpoint,
+    data: CalibrationData,
+    table: ScaleTable,
+    strategy: Strategy,
+    execution: dict[str, Any],
 ) -> dict[str, Any]:
-    """The fp8kv.json record: tool, command, source, data, settings, and per-layer amax/scales/saturation."""
+    """The fp8kv.json record: tool, command, source, data, settings, how it ran, and per-layer results."""
     return {
         "tool": "fp8kv",
         "version": __version__,
@@ -218,6 +225,7 @@ def provenance(
         "fp8_max": fp8_max(request.kv_dtype),
         "per_head": request.per_head,
         "format": request.convention,
+        "execution": execution,
         "skipped_layers": list(source.geometry.skipped_layers),
         "defaulted_layers": list(table.defaulted),
         "layers": layer_rows(table),

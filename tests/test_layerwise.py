@@ -88,8 +88,10 @@ def test_scales_and_provenance_identical_end_to_end(arch, models, corpus, tmp_pa
     }
     assert torch.equal(results[False].table.amax, results[True].table.amax)
     assert torch.equal(results[False].table.scales, results[True].table.scales)
-    written = [json.loads((tmp_path / str(c) / "fp8kv.json").read_text())["layers"] for c in (False, True)]
-    assert written[0] == written[1]
+    written = [json.loads((tmp_path / str(c) / "fp8kv.json").read_text()) for c in (False, True)]
+    assert written[0]["layers"] == written[1]["layers"]
+    assert [w["execution"]["layerwise"] for w in written] == [False, True]
+    assert [w["execution"]["processes"] for w in written] == [1, 1]
 
 
 def test_one_decoder_layer_in_memory_at_a_time(models, corpus, monkeypatch):
