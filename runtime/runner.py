@@ -108,6 +108,8 @@ class PagedModelRunner:
         dtype: model weights dtype (default: the checkpoint's).
         attention_backend: "auto" (Pallas kernel on TPU v5+, vectorized torch elsewhere, which keeps
             XLA shapes static), "torch" or "xla" (torch_xla's function; its reference off TPU).
+        model: weights from `load_model` to share between runners (each runner owns only its cache);
+            None loads them from `model_dir`.
     """
 
     def __init__(
@@ -125,10 +127,11 @@ class PagedModelRunner:
         num_pages: int | None = None,
         dtype: torch.dtype | None = None,
         attention_backend: str = "auto",
+        model: torch.nn.Module | None = None,
     ) -> None:
         self.runtime_device: RuntimeDevice = resolve_device(device)
         self.geometry = AttentionGeometry.from_dir(model_dir)
-        self.model = _load_model(model_dir, self.runtime_device.device, dtype)
+        self.model = model if model is not None else load_model(model_dir, self.runtime_device.device, dtype)
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.backend = _resolve_backend(attention_backend, self.runtime_device)
@@ -276,7 +279,8 @@ def _resolve_backend(choice: str, device: RuntimeDevice) -> str:
     return choice
 
 
-def _load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None) -> torch.nn.Module:
+def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The checkpoint's causal LM on `device`, wired to the paged attention (shareable between runners)."""
     from transformers import AutoModelForCausalLM
 
     _register()

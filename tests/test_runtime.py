@@ -12,7 +12,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 from fp8kv.errors import Fp8kvError  # noqa: E402
 from fp8kv.models.factory import ARCHITECTURES, make_checkpoint  # noqa: E402
 from fp8kv.runtime.device import resolve_device  # noqa: E402
-from fp8kv.runtime.runner import PagedModelRunner  # noqa: E402
+from fp8kv.runtime.runner import PagedModelRunner, load_model  # noqa: E402
 
 # 23 tokens: more than one page (4) and more than the factory's sliding window (16)
 PROMPTS = [[(7 * i + 11) % 500 + 4 for i in range(23)], [(13 * i + 5) % 500 + 4 for i in range(19)]]
@@ -103,6 +103,21 @@ def test_fp8_cache_clamps_and_raw_cast_turns_to_nan(checkpoints):
     assert logits.isnan().all()
     nan_k, nan_v = raw.counts()["nonfinite"][0]  # layer 0 sees the same K as before: compare to its clamps
     assert 0.9 * counts["clamped"][0][0] < nan_k <= counts["clamped"][0][0] and nan_v == 0  # 448 < x < 465: no NaN
+
+
+def test_runners_sharing_weights_keep_their_own_caches(checkpoints):
+    model_dir = checkpoints["gemma2"]
+    own = _runner(model_dir)
+    shared = load_model(model_dir, torch.device("cpu"))
+    first, second = _runner(model_dir, model=shared), _runner(model_dir, model=shared, cache_dtype="bf16")
+    expected = own.step([(own.start()[0], PROMPTS[0])])[0]
+    # Interleave the two sharing runners: neither may see the other's cache.
+    a, b = first.start()[0], second.start()[0]
+    first.step([(a, PROMPTS[0][:10])])
+    second.step([(b, PROMPTS[1])])
+    rest = first.step([(a, PROMPTS[0][10:])])[0]
+    assert first.model is second.model
+    assert torch.allclose(rest, expected[10:], atol=1e-5)
 
 
 def test_fp8_cache_with_sane_scales_tracks_eager(checkpoints):

@@ -18,7 +18,8 @@ import torch
 
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.runtime.cache import Scale
-from fp8kv.runtime.runner import PagedModelRunner
+from fp8kv.runtime.device import resolve_device
+from fp8kv.runtime.runner import PagedModelRunner, load_model
 
 
 @dataclass
@@ -32,7 +33,10 @@ class Runners:
     @classmethod
     def open(cls, model_dir: Path, scales: KVScales, kv_layers: tuple[int, ...], *, device: str,
              max_model_len: int, max_num_seqs: int, page_size: int = 16) -> Runners:
-        common = dict(device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size)
+        # One copy of the weights serves the three caches: only the caches differ.
+        model = load_model(model_dir, resolve_device(device).device)
+        common = dict(device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size,
+                      model=model)
         k, v = runtime_scales(scales, kv_layers)
         return cls(
             bf16=PagedModelRunner(model_dir, cache_dtype="bf16", **common),
