@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,3 +27,14 @@ def factory_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[st
         return built[arch]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A jsonl of six records of 10 to 60 tokens: several longer than the factory's sliding window (16)."""
+    from pydoc_data.topics import topics
+
+    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
+    texts = [topics[key][: 40 + 37 * i] for i, key in enumerate(sorted(topics)[:6])]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return str(path)

@@ -19,17 +19,6 @@ from fp8kv.models.factory import ARCHITECTURES, make_checkpoint
 E4M3_MAX = 448.0
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    """Records of 10 to 60 tokens: longer than the factory's sliding window (16), so windows matter."""
-    from pydoc_data.topics import topics
-
-    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
-    texts = [topics[key][: 40 + 37 * i] for i, key in enumerate(sorted(topics)[:6])]
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return str(path)
-
-
 def data_request(corpus: str, num_samples: int = 6) -> DataRequest:
     return DataRequest(dataset=corpus, num_samples=num_samples, seq_len=60)
 

@@ -18,16 +18,6 @@ from fp8kv.calibrate import distributed
 from fp8kv.calibrate.observe import NUM_BINS, KVStatistics
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    from pydoc_data.topics import topics
-
-    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
-    texts = [topics[key][: 40 + 37 * i] for i, key in enumerate(sorted(topics)[:6])]
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return str(path)
-
-
 def calibrate_args(model: Path, corpus: str, out: Path) -> list[str]:
     # batch size 2 over 6 samples: 3 batches, so the two ranks get unequal shares (2 and 1)
     return ["calibrate", str(model), "--dataset", corpus, "--num-samples", "6", "--seq-len", "60",

@@ -22,17 +22,6 @@ WINDOW = 16  # the factory's sliding window; the corpus's records are longer, so
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    """Six records of 10 to 60 tokens (several longer than the sliding window)."""
-    from pydoc_data.topics import topics
-
-    path = tmp_path_factory.mktemp("data") / "corpus.jsonl"
-    texts = [topics[key][: 40 + 37 * i] for i, key in enumerate(sorted(topics)[:6])]
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """Small factory checkpoints whose layers mix sliding and full attention (gemma3: sliding x5, full, sliding)."""
     root = tmp_path_factory.mktemp("layerwise-models")
