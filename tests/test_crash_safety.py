@@ -83,9 +83,12 @@ def assert_absent_or_complete(out: Path, provenance: bool) -> None:
 def kill_series(args: list[str], out: Path, seed: int, provenance: bool, src: Path) -> list[str]:
     before = SourceCheckpoint.open(src).content_hash()
     rng = random.Random(seed)
+    # The first kill lands as soon as the temp folder appears, so at least one hits the write itself
+    # however fast the disk; the others land at random moments of it (or just after it).
+    delays = [0.0] + [rng.uniform(0.0, MAX_EXTRA_DELAY_S) for _ in range(RUNS - 1)]
     outcomes = []
-    for _ in range(RUNS):
-        outcome = run_and_kill(args, out, rng.uniform(0.0, MAX_EXTRA_DELAY_S))
+    for delay in delays:
+        outcome = run_and_kill(args, out, delay)
         assert_absent_or_complete(out, provenance)
         outcomes.append("killed mid-write" if outcome == "killed" and leftovers(out) else outcome)
         for path in leftovers(out):  # what a kill leaves sits in a clearly named hidden temp folder
