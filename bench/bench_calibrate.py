@@ -11,9 +11,7 @@ process's. Prints a table and writes bench/results/calibrate.json.
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
 import resource
 import statistics
 import tempfile
@@ -29,7 +27,7 @@ from fp8kv.calibrate.scales import compute_scales
 from fp8kv.geometry import AttentionGeometry, read_config
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_MODEL_DIR
 
-RESULTS = Path(__file__).parent / "results" / "calibrate.json"
+import common  # bench/common.py
 
 
 def corpus(folder: Path) -> Path:
@@ -102,23 +100,12 @@ def bench_model(name: str, model_dir: Path, data_path: Path, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+    args = common.parser(__doc__.splitlines()[0]).parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        from fp8kv.models.factory import make_checkpoint
-
         data_path = corpus(Path(tmp))
-        llama = make_checkpoint(
-            "llama", Path(tmp) / "llama", num_layers=8, hidden_size=1024, num_heads=16, num_kv_heads=8,
-            vocab_size=32000, intermediate_size=2816,
-        )
-        rows.append(bench_model("factory llama 8x1024, vocab 32k", llama, data_path, args))
+        llama = common.larger_llama(Path(tmp))
+        rows.append(bench_model(common.LARGER_LLAMA_NAME, llama, data_path, args))
         if (BUNDLED_MODEL_DIR / "config.json").is_file():
             rows.append(bench_model("bundled", BUNDLED_MODEL_DIR, data_path, args))
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -126,11 +113,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['model']:34} {r['tokens']:>7} {r['plain_forward_s']:>8.3f} {r['calibration_s']:>8.3f} {r['ratio']:>6.3f}")
     print(f"peak RSS of the process: {peak_rss_mib:.0f} MiB")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": platform.machine(), "peak_rss_mib": peak_rss_mib, **vars(args)}
-    RESULTS.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    common.write_results("calibrate", rows, args, peak_rss_mib=peak_rss_mib)
 
 
 if __name__ == "__main__":

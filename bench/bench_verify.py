@@ -13,9 +13,7 @@ bench/results/verify.json, with verify's own per-phase timings.
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
 import statistics
 import tempfile
 import time
@@ -28,7 +26,7 @@ from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate, pad_id
 from fp8kv.models import BUNDLED_HELDOUT_TEXT, BUNDLED_MODEL_DIR
 from fp8kv.verify.run import VerifyRequest, verify
 
-RESULTS = Path(__file__).parent / "results" / "verify.json"
+import common  # bench/common.py
 
 
 def texts(folder: Path) -> tuple[Path, Path]:
@@ -97,20 +95,11 @@ def bench_model(name: str, source: Path, folder: Path, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+    args = common.parser(__doc__.splitlines()[0]).parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        from fp8kv.models.factory import make_checkpoint
-
-        llama = make_checkpoint("llama", Path(tmp) / "llama", num_layers=8, hidden_size=1024, num_heads=16,
-                                num_kv_heads=8, vocab_size=32000, intermediate_size=2816)
-        rows.append(bench_model("factory llama 8x1024, vocab 32k", llama, Path(tmp), args))
+        llama = common.larger_llama(Path(tmp))
+        rows.append(bench_model(common.LARGER_LLAMA_NAME, llama, Path(tmp), args))
         if (BUNDLED_MODEL_DIR / "config.json").is_file():
             rows.append(bench_model("bundled", BUNDLED_MODEL_DIR, Path(tmp), args))
     print(f"{'model':34} {'tokens':>7} {'plain s':>8} {'verify s':>9} {'ratio':>6}  phases (s)")
@@ -118,11 +107,7 @@ def main() -> None:
         phases = " ".join(f"{k}={v:.2f}" for k, v in r["verify_phases_s"].items())
         print(f"{r['model']:34} {r['tokens']:>7} {r['plain_forward_s']:>8.3f} {r['verify_s']:>9.3f} "
               f"{r['ratio']:>6.2f}  {phases}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": platform.machine(), "goal_ratio": 5.0, **vars(args)}
-    RESULTS.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    common.write_results("verify", rows, args, goal_ratio=5.0)
 
 
 if __name__ == "__main__":
