@@ -18,10 +18,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Calibrate the bundled model on its own calibration split, then verify the result on its held-out split.
+# verify exits 0 PASS, 1 WARN, 2 FAIL: the demo shows a WARN verdict and fails only on FAIL or an error.
 demo: $(STAMP)
 	$(BIN)/fp8kv calibrate bundled --dataset models/bundled/data/calibration.jsonl \
 		--num-samples 64 --seq-len 512 --out out/demo --overwrite
-	$(BIN)/fp8kv verify out/demo
+	$(BIN)/fp8kv verify out/demo || [ $$? -eq 1 ]
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, default=BUNDLED_DIR, help="bundle (model/, data/)")
     parser.add_argument(
-        "--steps", type=int, default=700, help=f"optimizer steps of {BATCH_SIZE} x {SEQ_LEN} tokens"
+        "--steps", type=int, default=3000, help=f"optimizer steps of {BATCH_SIZE} x {SEQ_LEN} tokens"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
