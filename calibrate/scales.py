@@ -14,10 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from fp8kv.calibrate.observe import BINS_PER_OCTAVE, KVStatistics, bin_edges
-from fp8kv.checkpoint.kvscales import FP8_MAX
+from fp8kv.checkpoint.kvscales import FP8_DTYPES, FP8_MAX
 from fp8kv.errors import Fp8kvError
 
-FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 MSE_CANDIDATES = 256  # clip candidates amax * 2**(-j/32), j < 256: down to amax / 256
 
 

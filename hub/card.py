@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from fp8kv.checkpoint.kvscales import FP8_MAX
 from fp8kv.errors import Fp8kvError
 from fp8kv.hub.resolve import repo_id_from_cache_path
 
@@ -258,7 +259,7 @@ def _what_was_done(prov: dict[str, Any], base_model: str | None) -> str:
 
 
 def _scales(out: Path, prov: dict[str, Any]) -> str:
-    dtype_max = 57344 if prov.get("kv_dtype") == "fp8_e5m2" else 448
+    dtype_max = f"{FP8_MAX.get(prov.get('kv_dtype'), FP8_MAX['fp8_e4m3']):g}"
     parts = ["## KV-cache scales", (
         "Each scale is a dequantization multiplier: the engine stores "
         f"`fp8(clamp(x / scale, -{dtype_max}, {dtype_max}))` and reads back `fp8 × scale`. "

@@ -22,7 +22,7 @@ CACHE_DTYPES = {
     "bf16": torch.bfloat16,
     "fp32": torch.float32,
 }
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCRATCH_PAGE = 0
 
 Scale = float | Sequence[float]
@@ -36,7 +36,7 @@ def cache_dtype(name: str) -> torch.dtype:
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_MAX
+    return dtype in FP8_DTYPES
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, saturate: bool = True) -> torch.Tensor:
@@ -48,7 +48,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, saturate:
         return x.to(dtype)
     y = x.float() / scale
     if saturate:
-        limit = FP8_MAX[dtype]
+        limit = torch.finfo(dtype).max
         y = y.clamp(-limit, limit)
     return y.to(dtype)
 
@@ -185,7 +185,7 @@ class PagedKVCache:
     def _count(self, row: int, kv: torch.Tensor, stored: torch.Tensor, valid: torch.Tensor) -> None:
         mask = valid[:, None, None]
         if is_fp8(self.dtype):
-            over = (kv.float().abs() / self._write_scales[row] > FP8_MAX[self.dtype]) & mask
+            over = (kv.float().abs() / self._write_scales[row] > torch.finfo(self.dtype).max) & mask
             # [T, 2*kv_heads, d] -> [T, kv_heads, 2 (K, V), d]; sum all but the K/V axis
             self.clamped[row] += over.unflatten(1, (self.num_kv_heads, 2)).sum(dim=(0, 1, 3))
         bad = ~torch.isfinite(stored.float()) & mask
