@@ -17,8 +17,16 @@ DEBUG_ENV = "FP8KV_DEBUG"
 ERROR_EXIT_CODE = 2
 
 
+# `fp8kv --help` lists the commands in the order of the workflow.
+WORKFLOW = ("calibrate", "verify", "inspect", "convert", "card", "push")
+
+
 class _Group(TyperGroup):
     """Turns the project's error type (and OS errors) into one line; FP8KV_DEBUG=1 shows tracebacks."""
+
+    def list_commands(self, ctx) -> list[str]:
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda name: WORKFLOW.index(name) if name in WORKFLOW else len(WORKFLOW))
 
     def invoke(self, ctx):
         try:

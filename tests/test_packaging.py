@@ -32,6 +32,8 @@ def test_console_script_lists_commands() -> None:
     assert _commands(), "the CLI has no commands"
     for command in _commands():
         assert command in result.stdout
+    listed = [line.split()[0] for line in result.stdout.split("Commands:")[1].splitlines() if line.strip()]
+    assert listed == ["calibrate", "verify", "inspect", "convert", "card", "push"]  # the workflow's order
 
 
 def test_every_command_has_help() -> None:
