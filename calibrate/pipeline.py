@@ -208,7 +208,11 @@ def provenance(
         "tool": "fp8kv",
         "version": __version__,
         "command": request.command,
-        "source": {"path": str(source.path), "content_hash": source.content_hash()},
+        # Hashing reads every source byte; under torchrun only the rank that writes and prints needs it.
+        "source": {
+            "path": str(source.path),
+            "content_hash": source.content_hash() if distributed.is_writer() else None,
+        },
         "dataset": {
             "name": data.dataset,
             "split": data.split,
