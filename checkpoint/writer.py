@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +235,25 @@ def _carry(src: Path, dst: Path, mode: str, link_any_size: bool = False) -> None
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     _write_bytes(path, (json.dumps(data, indent=2) + "\n").encode())
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Replace one file next to a checkpoint (a report, a model card): temp file in the same folder, then rename.
+
+    Readers see the old file or the new one, never a part. The file is readable by everyone who
+    can read the folder (mkstemp alone would create it 0600).
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _write_bytes(path: Path, data: bytes) -> None:

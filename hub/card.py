@@ -8,13 +8,12 @@ their row; they never fail the card.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from fp8kv.checkpoint.kvscales import FP8_MAX
+from fp8kv.checkpoint.writer import write_file_atomic
 from fp8kv.errors import Fp8kvError
 from fp8kv.hub.resolve import repo_id_from_cache_path
 
@@ -83,20 +82,8 @@ def write_card(out_dir: str | Path, *, repo_id: str | None = None) -> Path:
     out = Path(out_dir)
     content = render_card(out, repo_id=repo_id)
     path = out / CARD_FILE
-    write_text_atomic(path, content)
+    write_file_atomic(path, content.encode("utf-8"))
     return path
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a hidden temp file in the same folder, then rename over `path` (never in place)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def render_card(out_dir: str | Path, *, repo_id: str | None = None) -> str:

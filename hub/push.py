@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from fp8kv import __version__
+from fp8kv.checkpoint.writer import write_file_atomic
 from fp8kv.errors import Fp8kvError
 from fp8kv.hub.card import (
-    CARD_FILE, REPORT_FILE, is_fp8kv_card, read_provenance, read_report, render_card, write_text_atomic,
+    CARD_FILE, REPORT_FILE, is_fp8kv_card, read_provenance, read_report, render_card,
 )
 
 PUSHABLE_VERDICTS = ("PASS", "WARN")
@@ -104,7 +105,7 @@ def push(
     if dry_run:
         return plan, None
     if plan.card_text is not None:
-        write_text_atomic(plan.out_dir / CARD_FILE, plan.card_text)
+        write_file_atomic(plan.out_dir / CARD_FILE, plan.card_text.encode("utf-8"))
     return plan, _upload(plan, api)
 
 

@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from fp8kv.checkpoint.writer import write_file_atomic
+
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "scales.png"
 _ACCURACY = [("Perplexity, bf16 cache", "ppl_bf16", "{:.4f}"), ("Perplexity, fp8 + these scales", "ppl_fp8", "{:.4f}"),
              ("Perplexity, fp8 + unit scales", "ppl_fp8_unit", "{:.4f}"), ("Mean KL to bf16", "kl_mean", "{:.3g}"),
@@ -26,9 +28,9 @@ def write_report(report: dict[str, Any], out_dir: Path) -> None:
     """Write report.json, report.md and scales.png into `out_dir` (created if missing)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     clean = finite_json(report)
-    _atomic(out_dir / REPORT_JSON, (json.dumps(clean, indent=2) + "\n").encode())
-    _atomic(out_dir / REPORT_MD, render_markdown(clean).encode())
-    _atomic(out_dir / PLOT, plot_png(clean))
+    write_file_atomic(out_dir / REPORT_JSON, (json.dumps(clean, indent=2) + "\n").encode())
+    write_file_atomic(out_dir / REPORT_MD, render_markdown(clean).encode())
+    write_file_atomic(out_dir / PLOT, plot_png(clean))
 
 
 def finite_json(value: Any) -> Any:
@@ -40,18 +42,6 @@ def finite_json(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [finite_json(v) for v in value]
     return value
-
-
-def _atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; reports are for everyone who can read the checkpoint
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def render_markdown(report: dict[str, Any]) -> str:
