@@ -79,7 +79,7 @@ def calibrate(request: CalibrationRequest, progress: Progress | None = None) -> 
     if request.out is not None:
         check_output(source.path, request.out, request.overwrite)
     check_architecture(source, request.trust_remote_code)
-    tokenizer = _load_tokenizer(source.path, request.trust_remote_code)
+    tokenizer = load_tokenizer(source.path, request.trust_remote_code)
     data = load_calibration_data(request.data, tokenizer)
     device = resolve_device(request.device)
     with distributed.process_group(device):
@@ -271,7 +271,8 @@ def _validate(request: CalibrationRequest) -> Strategy:
     return strategy
 
 
-def _load_tokenizer(model_dir: Path, trust_remote_code: bool):
+def load_tokenizer(model_dir: Path, trust_remote_code: bool):
+    """The checkpoint's own tokenizer, or one clear error naming the folder."""
     from transformers import AutoTokenizer
 
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fp8kv.calibrate.data import CalibrationData, DataRequest
-from fp8kv.calibrate.pipeline import _load_tokenizer
+from fp8kv.calibrate.pipeline import load_tokenizer
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.errors import Fp8kvError
 from fp8kv.runtime.device import resolve_device
@@ -120,7 +120,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
     source, scales = static.readout.source, static.readout.scales
     assert scales is not None  # runnable implies scales
     kv_layers = source.geometry.kv_layers
-    tokenizer = _load_tokenizer(source.path, False)
+    tokenizer = load_tokenizer(source.path, False)
     data = heldout.load_heldout(request.data, tokenizer)
     report.update(text_source=heldout.text_source(data), num_samples=len(data.samples), num_tokens=data.num_tokens)
     reasons = [Reason(WARN, note) for note in [heldout.calibration_overlap(source, data)] if note]
