@@ -28,12 +28,12 @@ def observe_once(model: Path, corpus: Path, mode: str, device: str) -> dict:
     """One observation (whole or layerwise) on `device`; figures for this process alone."""
     from fp8kv.calibrate import layerwise
     from fp8kv.calibrate.data import DataRequest, load_calibration_data
-    from fp8kv.calibrate.pipeline import CalibrationRequest, _load_tokenizer, observe
+    from fp8kv.calibrate.pipeline import CalibrationRequest, load_tokenizer, observe
     from fp8kv.calibrate.scales import compute_scales
     from fp8kv.checkpoint.source import SourceCheckpoint
 
     source = SourceCheckpoint.open(model)
-    tokenizer = _load_tokenizer(source.path, False)
+    tokenizer = load_tokenizer(source.path, False)
     request = CalibrationRequest(model=str(model), data=DataRequest(str(corpus), num_samples=SAMPLES, seq_len=SEQ_LEN),
                                  batch_size=BATCH, device=device)
     data = load_calibration_data(request.data, tokenizer)

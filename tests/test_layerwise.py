@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from fp8kv.calibrate import layerwise
 from fp8kv.calibrate.data import DataRequest, load_calibration_data
-from fp8kv.calibrate.pipeline import CalibrationRequest, _load_tokenizer, calibrate, observe
+from fp8kv.calibrate.pipeline import CalibrationRequest, load_tokenizer, calibrate, observe
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.cli import app
 from fp8kv.errors import Fp8kvError
@@ -44,7 +44,7 @@ def request_for(model: Path, corpus: str, **options) -> CalibrationRequest:
 def both_paths(model: Path, corpus: str, spill: bool = False):
     """(whole-model statistics, layer-by-layer statistics) over the same samples and batches."""
     source = SourceCheckpoint.open(model)
-    tokenizer = _load_tokenizer(source.path, False)
+    tokenizer = load_tokenizer(source.path, False)
     request = request_for(model, corpus)
     data = load_calibration_data(request.data, tokenizer)
     assert max(len(s) for s in data.samples) > WINDOW
