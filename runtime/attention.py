@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.runtime.cache import is_fp8
+from fp8kv.fp8 import is_fp8
 from fp8kv.runtime.device import tpu_version
 
 BACKENDS = ("auto", "torch", "xla")

@@ -23,8 +23,8 @@ import torch
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.runtime.attention import ragged_paged_attention
+from fp8kv.fp8 import cache_dtype as _cache_dtype
 from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale
-from fp8kv.runtime.cache import cache_dtype as _cache_dtype
 from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
 
 ATTN_IMPLEMENTATION = "fp8kv_paged"
@@ -100,9 +100,10 @@ class PagedModelRunner:
     Args:
         model_dir: a local checkpoint folder.
         device: "auto", "tpu", "xla-cpu", "cuda" or "cpu".
-        cache_dtype: "fp8_e4m3", "fp8_e5m2", "bf16" or "fp32".
+        cache_dtype: "fp8_e4m3" (or vLLM's "fp8"), "fp8_e5m2", "bf16" or "fp32".
         k_scales, v_scales: {kv layer index: float or per-KV-head list}; None = 1.0 (fp8 only).
-        saturate: clamp to ±MAX before the fp8 cast; False reproduces the raw cast (NaN/inf).
+        engine: how writes cast to fp8, as an engine does (`fp8kv.fp8.ENGINES`): "clamp" saturates
+            at ±MAX; "raw" and "raw-bf16" reproduce a plain cast (NaN/inf past the limits).
         page_size, max_model_len, max_num_seqs: cache geometry; `num_pages` defaults to enough
             pages for `max_num_seqs` sequences of `max_model_len` tokens (plus the scratch page).
         dtype: model weights dtype (default: the checkpoint's).
@@ -120,7 +121,7 @@ class PagedModelRunner:
         cache_dtype: str = "bf16",
         k_scales: Mapping[int, Scale] | None = None,
         v_scales: Mapping[int, Scale] | None = None,
-        saturate: bool = True,
+        engine: str = "clamp",
         page_size: int = 16,
         max_model_len: int = 512,
         max_num_seqs: int = 8,
@@ -147,7 +148,7 @@ class PagedModelRunner:
             head_dim_multiple=self.runtime_device.head_dim_multiple,
             k_scales=k_scales,
             v_scales=v_scales,
-            saturate=saturate,
+            engine=engine,
         )
         self.allocator = PageAllocator(self.cache.pages[0].shape[0], page_size)
         self._next_id = 0

@@ -19,11 +19,9 @@ from fp8kv.calibrate.scales import saturation_share
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import SourceCheckpoint, read_json
 from fp8kv.errors import Fp8kvError
+from fp8kv.fp8 import RAW_CAST_FINITE_LIMIT
 from fp8kv.models import BUNDLED_HELDOUT_TEXT
 
-# |x| / scale above which a raw (non-saturating) cast stops giving MAX: e4m3 rounds 448 < y <= 464
-# down to 448 and gives NaN above; e5m2 gives inf from 59392 (halfway from 57344 to 2**16) up (FACTS §2).
-RAW_CAST_LIMIT = {"fp8_e4m3": 464.0, "fp8_e5m2": 59392.0}
 
 
 def load_heldout(request: DataRequest, tokenizer: Any) -> CalibrationData:
@@ -73,7 +71,7 @@ def layer_rows(statistics: KVStatistics, scales: KVScales, kv_layers: tuple[int,
             hist = statistics.hist[layer, kind]  # [kv_heads, bins]
             scale = (scales.k if kind == 0 else scales.v)[layer].flatten().double().expand_as(amax)
             ratio = amax / scale
-            limit = scale * RAW_CAST_LIMIT[scales.kv_dtype]
+            limit = scale * RAW_CAST_FINITE_LIMIT[scales.kv_dtype]
             over = saturation_share(hist, amax, limit) * hist.sum(-1).double()  # [kv_heads]
             row[f"{name}_max_ratio"] = float(ratio.max())
             row[f"{name}_nan_without_clamp"] = int(torch.round(over.sum()))
