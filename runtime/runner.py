@@ -22,7 +22,7 @@ import torch
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry
-from fp8kv.runtime.attention import ragged_paged_attention
+from fp8kv.runtime.attention import kernel_supported, ragged_paged_attention
 from fp8kv.fp8 import cache_dtype as _cache_dtype
 from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale
 from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
@@ -51,6 +51,7 @@ class PagedStep:
     cache: PagedKVCache
     meta: StepMetadata
     backend: str
+    use_kernel: bool
 
 
 def _paged_attention(
@@ -84,6 +85,7 @@ def _paged_attention(
         soft_cap=softcap,
         backend=step.backend,
         max_q_len=meta.max_q_len,
+        use_kernel=step.use_kernel,
     )
     return out.unsqueeze(0), None  # [1, T, q_heads, d]
 
@@ -107,8 +109,9 @@ class PagedModelRunner:
         page_size, max_model_len, max_num_seqs: cache geometry; `num_pages` defaults to enough
             pages for `max_num_seqs` sequences of `max_model_len` tokens (plus the scratch page).
         dtype: model weights dtype (default: the checkpoint's).
-        attention_backend: "auto" (Pallas kernel on TPU v5+, vectorized torch elsewhere, which keeps
-            XLA shapes static), "torch" or "xla" (torch_xla's function; its reference off TPU).
+        attention_backend: "auto" (torch_xla's ragged_paged_attention on XLA devices: the Pallas
+            kernel on a TPU it supports, torch_xla's reference elsewhere; vectorized torch on CPU and
+            CUDA), "torch" (vectorized torch everywhere; static shapes on XLA) or "xla".
         model: weights from `load_model` to share between runners (each runner owns only its cache);
             None loads them from `model_dir`.
     """
@@ -150,9 +153,17 @@ class PagedModelRunner:
             v_scales=v_scales,
             engine=engine,
         )
+        # The Pallas kernel where vLLM's TPU backend would run it; torch_xla's reference elsewhere.
+        self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu"
+                           and kernel_supported(tpu_version(), g.num_kv_heads, self.cache.dtype))
         self.allocator = PageAllocator(self.cache.pages[0].shape[0], page_size)
         self._next_id = 0
         self._sync()  # materialize the zeroed caches, so the first step compiles the same graph as later ones
+
+    @property
+    def attention(self) -> str:
+        """The attention function that runs: "torch_xla.ragged_paged_attention" or "fp8kv.torch"."""
+        return "torch_xla.ragged_paged_attention" if self.backend == "xla" else "fp8kv.torch"
 
     @property
     def device(self) -> torch.device:
@@ -186,7 +197,7 @@ class PagedModelRunner:
         """
         self._check_batch(batch)
         ids, positions, meta = self._prepare(batch)
-        step = PagedStep(self.cache, meta, self.backend)
+        step = PagedStep(self.cache, meta, self.backend, self.use_kernel)
         logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, **{STEP_KWARG: step}).logits
         self._sync()  # cut the graph here: cache writes and logits of this step, one compile per shape
         logits = logits[0].float().cpu()
@@ -271,8 +282,8 @@ def _bucket(n: int, smallest: int = 8) -> int:
 
 
 def _resolve_backend(choice: str, device: RuntimeDevice) -> str:
-    if choice == "auto":
-        return "xla" if device.kind == "tpu" and tpu_version() >= 5 else "torch"
+    if choice == "auto":  # on any XLA device the attention vLLM's TPU backend calls
+        return "xla" if device.is_xla else "torch"
     if choice == "xla" and not device.is_xla:
         raise Fp8kvError(f"attention backend 'xla' needs an XLA device, not {device.kind!r}; use --device xla-cpu")
     if choice not in ("torch", "xla"):
