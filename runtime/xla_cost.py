@@ -44,3 +44,32 @@ def warm_decode_step(runner: PagedModelRunner, prompt: Sequence[int]) -> StepCos
     transfers = met.metric_data("TransferFromDeviceTime")
     return StepCost(cpu_fallbacks=int(fallbacks), device_to_host=int(transfers[0]) if transfers else 0,
                     compiles=compiles())
+
+
+@dataclass(frozen=True)
+class RuntimeSummary:
+    """Which attention ran and, on XLA, what a warm fp8 decode step costs and how many graphs were compiled.
+
+    `compiles["warmup"]` counts graphs compiled while verify ran its checks; `compiles["timed"]` the
+    graphs a warm decode step still compiled (0 when shapes are bounded). Both None off XLA.
+    """
+
+    attention: str
+    use_kernel: bool
+    xla_cpu_fallbacks_per_decode_step: int | None
+    compiles: dict[str, int] | None
+
+    def as_dict(self) -> dict:
+        return {"attention": self.attention, "use_kernel": self.use_kernel,
+                "xla_cpu_fallbacks_per_decode_step": self.xla_cpu_fallbacks_per_decode_step,
+                "compiles": self.compiles}
+
+
+def summarize(runner: PagedModelRunner, prompt: Sequence[int], compiles_before: int | None) -> RuntimeSummary:
+    """The runtime section of a report; on XLA it runs one warm decode step of `prompt` on `runner`."""
+    if not runner.runtime_device.is_xla:
+        return RuntimeSummary(runner.attention, runner.use_kernel, None, None)
+    warmup = compiles() - (compiles_before or 0)
+    cost = warm_decode_step(runner, prompt)
+    return RuntimeSummary(runner.attention, runner.use_kernel, cost.cpu_fallbacks,
+                          {"warmup": warmup, "timed": cost.compiles})
