@@ -32,13 +32,18 @@ def ragged_paged_attention(
     backend: str = "auto",
     max_q_len: int | None = None,
     use_kernel: bool = False,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Attention of `q` `[T, q_heads, head_dim]` over `kv_pages` `[pages, page_size, 2*kv_heads, D]`.
 
     `kv_lens` int32 `[max_seqs]`, `page_indices` int32 `[max_seqs, pages_per_seq]`, `cu_q_lens` int32
     `[max_seqs+1]`, `num_seqs` int32 `[1]`. `k_scale`/`v_scale` dequantize an fp8 cache (a float, or a
     `[kv_heads]` tensor on the torch backend). `head_dim` may be smaller than the cache's padded D.
-    Rows of `q` past `cu_q_lens[num_seqs]` are padding and come back as zeros.
+    Rows of `q` past `cu_q_lens[num_seqs]` are padding and come back as zeros. `sinks` `[q_heads]`
+    are per-head logits that join every softmax and take probability without a value (gpt-oss);
+    `chunk_size` limits each query to keys of its own chunk of positions (llama4's chunked layers).
+    Both run on the torch backend only: torch_xla's function has neither.
 
     backend: "xla" calls torch_xla's function as vLLM's TPU backend does (the Pallas kernel with
     `use_kernel`, which needs a TPU: see `kernel_supported`; torch_xla's reference otherwise);
@@ -51,6 +56,10 @@ def ragged_paged_attention(
     head_dim = q.shape[-1]
     q = torch.nn.functional.pad(q, (0, kv_pages.shape[-1] - head_dim))  # zeros leave q·k unchanged
     if backend == "xla" or (backend == "auto" and q.device.type == "xla"):
+        for feature, present in (("attention sinks (gpt-oss s_aux)", sinks is not None),
+                                 ("chunked attention (llama4 attention_chunk_size)", chunk_size is not None)):
+            if present:
+                raise Fp8kvError(f"{feature} is not supported by torch_xla's ragged_paged_attention")
         out = _xla_attention(
             q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, sliding_window, soft_cap,
             use_kernel,
@@ -58,7 +67,7 @@ def ragged_paged_attention(
     else:
         out = _torch_attention(
             q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, sliding_window,
-            soft_cap, max_q_len,
+            soft_cap, max_q_len, sinks, chunk_size,
         )
     return out[..., :head_dim]
 
@@ -95,7 +104,7 @@ def _xla_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_s
 
 
 def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, window,
-                     cap, max_q_len):
+                     cap, max_q_len, sinks, chunk_size):
     tokens, q_heads, dim = q.shape
     num_slots = page_indices.shape[0]
     kv_heads = kv_pages.shape[2] // 2
@@ -119,8 +128,14 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     allowed = keys <= positions[..., None]  # [S, Qm, L]
     if window:
         allowed &= keys > positions[..., None] - window
+    if chunk_size:
+        allowed &= keys // chunk_size == positions[..., None] // chunk_size
     scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(torch.float32).min)
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:  # one extra logit per head in the softmax, dropped afterwards
+        sink = sinks.float().reshape(1, kv_heads, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("shgql,slhd->sqhgd", probs, v).flatten(2, 3)  # [S, Qm, q_heads, D]
     flat = torch.zeros(tokens + 1, q_heads, dim, dtype=torch.float32, device=device)
     flat = flat.index_put((rows.flatten(),), out.flatten(0, 1))

@@ -86,8 +86,18 @@ def _paged_attention(
         backend=step.backend,
         max_q_len=meta.max_q_len,
         use_kernel=step.use_kernel,
+        sinks=kwargs.get("s_aux"),
+        chunk_size=_chunk_size(module),
     )
     return out.unsqueeze(0), None  # [1, T, q_heads, d]
+
+
+def _chunk_size(module: torch.nn.Module) -> int | None:
+    """llama4's chunked layers attend within chunks of `attention_chunk_size` positions."""
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    chunked = module.layer_idx < len(layer_types) and layer_types[module.layer_idx] == "chunked_attention"
+    return config.attention_chunk_size if chunked else None
 
 
 def _register() -> None:
