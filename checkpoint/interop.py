@@ -12,6 +12,8 @@ from fp8kv.checkpoint.reader import ScaleReadout, read_kv_scales
 from fp8kv.geometry import read_json
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.errors import Fp8kvError
+from fp8kv.fp8 import FP8_DTYPES
+from fp8kv.runtime.attention import fp8_kernel_note
 
 PROVENANCE_FILE = "fp8kv.json"
 _QK_NORM = re.compile(r"self_attn\.(k_norm|k_layernorm|key_layernorm)\.weight$")
@@ -100,9 +102,9 @@ def _warnings(readout: ScaleReadout, rows: list[dict[str, Any]], by_fp8kv: bool)
         notes.append(f"{pre_rope[0]} scales observe k_proj's output, but this model has a k norm: the statistics "
                      "were taken before k_norm and RoPE, not where the cache stores K; recalibrate")
     notes += _fnuz_warning(readout, rows)
-    if geometry.num_kv_heads % 2:
-        notes.append(f"num_key_value_heads={geometry.num_kv_heads} is odd: the TPU fp8 attention kernel needs an "
-                     "even count")
+    kernel_note = fp8_kernel_note(geometry.num_kv_heads, FP8_DTYPES[readout.kv_dtype])
+    if kernel_note:
+        notes.append(kernel_note)
     notes += _undeclared(readout)
     return notes
 

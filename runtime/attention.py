@@ -86,6 +86,15 @@ def kernel_supported(tpu_generation: int, num_kv_heads: int, kv_dtype: torch.dty
     return combined % packing == 0 and (combined // packing in (1, 2, 4, 8) or combined // packing % 8 == 0)
 
 
+def fp8_kernel_note(num_kv_heads: int, kv_dtype: torch.dtype) -> str | None:
+    """One line when torch_xla 2.9's Pallas kernel cannot run an fp8 cache with this many KV heads, else None."""
+    if kernel_supported(4, num_kv_heads, kv_dtype):
+        return None
+    return (f"num_key_value_heads={num_kv_heads}: torch_xla 2.9's Pallas kernel cannot tile {2 * num_kv_heads} "
+            "combined fp8 K/V heads (2*kv/4 must be 1, 2, 4, 8 or a multiple of 8), so vLLM's torch_xla TPU backend "
+            "will not run this checkpoint with an fp8 cache; under tensor parallelism the per-chip count is what counts")
+
+
 def _xla_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, window, cap,
                    use_kernel):
     from torch_xla.experimental.custom_kernel import ragged_paged_attention as xla_rpa

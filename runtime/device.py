@@ -11,6 +11,7 @@ import torch
 from fp8kv.errors import Fp8kvError
 
 DEVICE_CHOICES = ("auto", "tpu", "xla-cpu", "cuda", "cpu")
+TPU_HEAD_DIM_MULTIPLE = 128  # vLLM's TPU backend pads head_dim to a multiple of 128
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class RuntimeDevice:
     @property
     def head_dim_multiple(self) -> int:
         """vLLM's TPU backend pads head_dim to a multiple of 128; other devices need no padding."""
-        return 128 if self.is_xla else 1
+        return TPU_HEAD_DIM_MULTIPLE if self.is_xla else 1
 
 
 def resolve_device(choice: str = "auto") -> RuntimeDevice:

@@ -23,7 +23,7 @@ ALL = "all"
 DESCRIPTIONS = {
     "clamp": "divide in float32, clamp to ±MAX, cast (vLLM CUDA and TPU)",
     "raw": "divide in float32, plain cast",
-    "raw-bf16": "divide in bf16, plain cast (in-place division of the bf16 tensor, as SGLang does)",
+    "raw-bf16": "divide in bf16, plain cast, as in-place division of the bf16 tensor does (SGLang)",
 }
 
 

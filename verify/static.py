@@ -13,9 +13,11 @@ from typing import Any
 
 from fp8kv.checkpoint.interop import inspect_checkpoint
 from fp8kv.checkpoint.reader import ScaleReadout, read_kv_scales
+from fp8kv.fp8 import FP8_DTYPES
+from fp8kv.runtime.attention import fp8_kernel_note
+from fp8kv.runtime.device import TPU_HEAD_DIM_MULTIPLE
 from fp8kv.verify.verdict import FAIL, INFO, WARN, Reason
 
-TPU_HEAD_DIM_MULTIPLE = 128  # vLLM's TPU backend pads head_dim to a multiple of 128 (FACTS §5)
 
 
 @dataclass(frozen=True)
@@ -108,9 +110,9 @@ def _tpu_reasons(readout: ScaleReadout) -> list[Reason]:
     """Where vLLM's TPU backend would not run the fp8 Pallas kernel, or pads the cache."""
     g = readout.source.geometry
     reasons = []
-    if g.num_kv_heads % 2:
-        reasons.append(Reason(WARN, f"num_key_value_heads={g.num_kv_heads} is odd: the TPU fp8 attention kernel "
-                                    "needs an even count, so a TPU will not run this checkpoint with an fp8 cache"))
+    note = fp8_kernel_note(g.num_kv_heads, FP8_DTYPES[readout.kv_dtype])
+    if note:
+        reasons.append(Reason(WARN, note))
     if g.head_dim % TPU_HEAD_DIM_MULTIPLE:
         padded = -(-g.head_dim // TPU_HEAD_DIM_MULTIPLE) * TPU_HEAD_DIM_MULTIPLE
         reasons.append(Reason(INFO, f"head_dim={g.head_dim} is padded to {padded} in a TPU cache "
