@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from fp8kv.errors import Fp8kvError
+from fp8kv.fp8 import cache_dtype as _cache_dtype
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.runtime.attention import kernel_supported, ragged_paged_attention
-from fp8kv.fp8 import cache_dtype as _cache_dtype
 from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale
 from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
 
