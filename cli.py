@@ -9,12 +9,9 @@ import typer
 from typer.core import TyperGroup
 
 from fp8kv import __version__
-from fp8kv.errors import Fp8kvError
+from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError
 
 DEBUG_ENV = "FP8KV_DEBUG"
-
-
-ERROR_EXIT_CODE = 2
 
 
 # `fp8kv --help` lists the commands in the order of the workflow.
@@ -36,7 +33,20 @@ class _Group(TyperGroup):
                 raise
             # typer 0.29 vendors its own click, so a plain click.ClickException would not be caught.
             typer.echo(f"fp8kv: error: {_one_line(exc)}", err=True)
-            raise typer.Exit(ERROR_EXIT_CODE) from None
+            raise typer.Exit(ExitCode.ERROR) from None
+        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # a bug: never exit 0 or with verify's WARN code
+            if os.environ.get(DEBUG_ENV) or _is_usage_error(exc):
+                raise
+            typer.echo(f"fp8kv: internal error: {type(exc).__name__}: {_one_line(exc)} "
+                       f"(a bug in fp8kv; rerun with {DEBUG_ENV}=1 for the traceback)", err=True)
+            raise typer.Exit(ExitCode.CRASH) from None
+
+
+def _is_usage_error(exc: Exception) -> bool:
+    """typer's own exceptions (bad option, --help) carry their exit code; let typer handle them."""
+    return type(exc).__module__.startswith(("click", "typer"))
 
 
 def _one_line(exc: Exception) -> str:
@@ -136,9 +146,10 @@ def convert_command(
     mode: str = typer.Option("overlay", "--mode", help="overlay (hard-link weights) or copy."),
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
+    from fp8kv.calibrate.report import command_line
     from fp8kv.checkpoint.interop import convert_checkpoint, engine_flag
 
-    written = convert_checkpoint(model, out, to, overwrite=overwrite, mode=mode)
+    written = convert_checkpoint(model, out, to, overwrite=overwrite, mode=mode, command=command_line())
     typer.echo(f"wrote {written} ({to})")
     if to == "vllm-json":
         typer.echo(f"load it with: vllm serve {written} {engine_flag(written)}")
@@ -212,7 +223,8 @@ def calibrate(
         report.show(result, json_output=json_output)
 
 
-@app.command("verify")
+@app.command("verify", help="Check a checkpoint's KV scales: present, read back exactly, safe and cheap in "
+             f"accuracy.\n\n{EXIT_CODE_TABLE}")
 def verify_command(
     model_dir: Path = typer.Argument(..., metavar="DIR", help="Checkpoint folder with KV scales (any convention)."),
     dataset: str | None = typer.Option(
@@ -251,7 +263,6 @@ def verify_command(
     ),
     json_output: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
 ) -> None:
-    """Check a checkpoint's KV scales: present, read back exactly, safe and cheap in accuracy. Exit 0 PASS, 1 WARN, 2 FAIL."""
     from fp8kv.calibrate.data import DataRequest
     from fp8kv.verify.report import show, verify_progress
     from fp8kv.verify.run import VerifyRequest, verify

@@ -19,6 +19,7 @@ from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_
 from fp8kv.calibrate.observe import KVStatistics, observe_batch, observer_for
 from fp8kv.calibrate.resolve import resolve_model
 from fp8kv.calibrate.scales import ScaleTable, Strategy, compute_scales, fp8_max
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.conventions import CONVENTIONS
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import SourceCheckpoint
@@ -26,7 +27,6 @@ from fp8kv.checkpoint.writer import check_output, write_checkpoint
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry
 
-PROVENANCE_FILE = "fp8kv.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Progress = Callable[[int, int], None]
 """Called with (samples done, samples total) after every batch."""

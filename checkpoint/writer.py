@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from fp8kv import __version__
+from fp8kv.checkpoint.artifacts import describes_source_only, is_fp8kv_output
 from fp8kv.checkpoint.conventions import (
     CONVENTIONS, HF_QUANT_CONFIG, SCALES_FILE, VLLM_JSON_FILE, is_vllm_json, layer_prefix, parse_scale_name, quant_configs,
     scale_names, vllm_json,
@@ -46,7 +47,8 @@ def write_checkpoint(
 ) -> Path:
     """Write `source_dir` plus `scales` in `convention` to `out_dir`, atomically; return `out_dir`.
 
-    The source is never modified. Scale values are written exactly as given (float32).
+    The source is never modified. Scale values are written exactly as given (float32). The source's
+    provenance, verify report, fp8kv card and evaluation results are left behind: they describe it.
     `extra_files` (name -> bytes, e.g. "fp8kv.json") are added at the top of the output.
     """
     if convention not in CONVENTIONS:
@@ -126,7 +128,7 @@ def _fill(tmp: Path, source: SourceCheckpoint, scales: KVScales, convention: str
     adds_file = convention != "vllm-json"
     weight_map: dict[str, str] = {}
     for name in source.files:
-        if _regenerated(source, name):
+        if _regenerated(source, name) or describes_source_only(source.path, name):
             continue
         if name not in source.weight_files:
             _carry(source.path / name, tmp / name, mode)

@@ -71,10 +71,10 @@ def plan_push(
     except Exception as exc:  # noqa: BLE001 - HFValidationError, one line
         raise Fp8kvError(f"--repo-id {repo_id!r}: not a valid Hub repository id ({exc})") from exc
     read_provenance(out)  # DIR must be an fp8kv calibrate output
+    files = collect_files(out)
     verdict = _check_verify(out, force)
     card_path = out / CARD_FILE
     card_text = None if is_fp8kv_card(card_path) else render_card(out, repo_id=repo_id)
-    files = collect_files(out)
     if card_text is not None:
         files = [f for f in files if f.path_in_repo != CARD_FILE]
         files.append(UploadFile(CARD_FILE, card_path, len(card_text.encode("utf-8"))))

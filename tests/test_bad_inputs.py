@@ -30,6 +30,7 @@ from typer.testing import CliRunner
 import fp8kv.checkpoint.writer as writer_module
 from fp8kv.checkpoint.source import MAX_HEADER_BYTES
 from fp8kv.cli import app
+from fp8kv.errors import ExitCode
 from fp8kv.models.factory import make_checkpoint
 
 DATA_ARGS = ["--num-samples", "2", "--seq-len", "16", "--batch-size", "2"]
@@ -613,7 +614,7 @@ def test_bad_input_is_one_clear_error_and_damages_nothing(case, shared, tmp_path
     result = CliRunner().invoke(app, args)
     monkeypatch.undo()  # restore open()/the writer before hashing
 
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert result.exit_code == ExitCode.ERROR, (result.exit_code, result.output, result.exception)
     assert isinstance(result.exception, SystemExit), result.exception
     assert_one_error_line(result.stderr, named, problem)
     assert tree_hash(tmp_path) == before, "the case folder changed: partial output or a modified source"
@@ -630,12 +631,12 @@ def test_catalogue_is_large_enough():
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in ("config_broken_json", "pickle_bin", "out_exists")],
                          ids=lambda c: c.id)
 def test_real_console_script_gives_the_same_one_line(case, shared, tmp_path):
-    """A few cases through `python -m fp8kv` in a subprocess: exit 2, one line, nothing changed."""
+    """A few cases through `python -m fp8kv` in a subprocess: the error exit code, one line, nothing changed."""
     env = Env(tmp_path, shared)
     args, named, problem = case.build(env)
     before = tree_hash(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "fp8kv", *args], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PJRT_DEVICE": "CPU"})
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == ExitCode.ERROR, proc.stderr
     assert_one_error_line(proc.stderr, named, problem)
     assert tree_hash(tmp_path) == before

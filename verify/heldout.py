@@ -16,6 +16,7 @@ from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_
 from fp8kv.calibrate.observe import KVStatistics
 from fp8kv.calibrate.pipeline import CalibrationRequest, Progress, observe
 from fp8kv.calibrate.scales import saturation_share
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import SourceCheckpoint, read_json
 from fp8kv.errors import Fp8kvError
@@ -39,7 +40,7 @@ def load_heldout(request: DataRequest, tokenizer: Any) -> CalibrationData:
 
 def calibration_overlap(source: SourceCheckpoint, data: CalibrationData) -> str | None:
     """A warning when fp8kv.json says the scales were calibrated on the very text verify reads."""
-    path = source.path / "fp8kv.json"
+    path = source.path / PROVENANCE_FILE
     if not path.is_file():
         return None
     dataset = read_json(path).get("dataset") or {}

@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 from fp8kv.calibrate.data import CalibrationData, DataRequest
 from fp8kv.calibrate.pipeline import load_tokenizer
+from fp8kv.checkpoint.artifacts import VERIFY_DIR
+from fp8kv.checkpoint.digest import checkpoint_digest
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.errors import Fp8kvError
 from fp8kv.runtime.device import resolve_device
@@ -24,7 +26,6 @@ from fp8kv.verify.verdict import (
     EXIT_CODES, FAIL, WARN, Reason, Thresholds, accuracy_reasons, heldout_reasons, load_thresholds, verdict,
 )
 
-REPORT_SUBDIR = "verify"
 StageProgress = Callable[[str, int, int], None]
 """Called with (stage, done, total) as verify advances."""
 
@@ -48,7 +49,7 @@ class VerifyRequest:
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """The verdict, its exit code (0 PASS, 1 WARN, 2 FAIL), the report, and where it was written."""
+    """The verdict, its exit code (`ExitCode`), the report, and where it was written."""
 
     verdict: str
     exit_code: int
@@ -74,7 +75,7 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     outcome = verdict(reasons)
     report.update(verdict=outcome, exit_code=EXIT_CODES[outcome], timings_s=timings,
                   reasons=[{"level": r.level, "message": r.message} for r in reasons])
-    report_dir = Path(request.report_dir or Path(request.model_dir) / REPORT_SUBDIR)
+    report_dir = Path(request.report_dir or Path(request.model_dir) / VERIFY_DIR)
     write_report(report, report_dir)
     return VerifyResult(outcome, EXIT_CODES[outcome], report, report_dir)
 
@@ -94,6 +95,8 @@ def _base_report(static: StaticResult, device: str, thresholds: Thresholds) -> d
     scales = readout.scales
     return {
         "checkpoint": str(readout.source.path),
+        # Exactly what was judged: card and push refuse this report once the folder differs.
+        "digest": checkpoint_digest(readout.source.path).to_json(),
         "device": device,
         "convention": static.convention,
         "kv_dtype": readout.kv_dtype,

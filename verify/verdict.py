@@ -8,7 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from fp8kv.errors import Fp8kvError
+from fp8kv.errors import ExitCode, Fp8kvError
 
 try:
     import tomllib
@@ -16,7 +16,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 FAIL, WARN, INFO = "FAIL", "WARN", "INFO"
-EXIT_CODES = {"PASS": 0, "WARN": 1, "FAIL": 2}
+EXIT_CODES = {name: int(ExitCode[name]) for name in ("PASS", "WARN", "FAIL")}
 DEFAULTS_FILE = "verify.toml"
 # Which TOML table each threshold lives in.
 _SECTIONS = {"kl_mean": "fail", "saturation": "warn", "nan_without_clamp": "warn",

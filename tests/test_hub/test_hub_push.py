@@ -75,7 +75,9 @@ def test_push_sends_one_commit_with_every_file(verified_dir: Path) -> None:
 
 
 def test_push_reads_links_and_leaves_hidden_files_out(verified_dir: Path, tmp_path: Path) -> None:
-    elsewhere = tmp_path / "elsewhere.json"
+    # A link out of the folder is refused when the digest reads the checkpoint (verify refuses it too).
+    (verified_dir / "docs").mkdir()
+    elsewhere = verified_dir / "docs" / "elsewhere.json"
     elsewhere.write_text('{"linked": true}')
     (verified_dir / "extra.json").symlink_to(elsewhere)
     (verified_dir / ".cache").mkdir()
@@ -182,7 +184,7 @@ def test_cli_push_errors_never_show_the_token(verified_dir: Path, fake_token: st
     api = FakeHfApi(fail=RuntimeError(f"400 Bad Request for header Authorization: Bearer {fake_token}"))
     monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: api)
     result = runner.invoke(app, ["push", str(verified_dir), "--repo-id", "me/x"])
-    assert result.exit_code == 2
+    assert result.exit_code == 4
     text = _output(result)
     assert "me/x: upload failed (RuntimeError: 400 Bad Request for header Authorization: Bearer hf_***)" in text
     assert fake_token not in text
@@ -191,7 +193,7 @@ def test_cli_push_errors_never_show_the_token(verified_dir: Path, fake_token: st
 def test_cli_push_refusal_is_one_line(calibrated_dir: Path, write_report) -> None:
     write_report(calibrated_dir, verdict="FAIL", reasons=[])
     result = runner.invoke(app, ["push", str(calibrated_dir), "--repo-id", "me/x", "--dry-run"])
-    assert result.exit_code == 2
+    assert result.exit_code == 4
     assert "the last verify says FAIL; fix the checkpoint and verify again, or pass --force" in _output(result)
 
 

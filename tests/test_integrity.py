@@ -1,0 +1,105 @@
+"""Nothing stale is published: derived folders carry no verdict, card or provenance of their source,
+and card/push refuse a verify report that judged other files than the folder holds."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fp8kv.checkpoint.artifacts import CARD_FILE, PROVENANCE_FILE, is_fp8kv_card
+from fp8kv.checkpoint.digest import checkpoint_digest
+from fp8kv.cli import app
+from fp8kv.errors import ExitCode
+from fp8kv.hub.card import write_card
+
+DATA_ARGS = ["--num-samples", "4", "--seq-len", "16", "--batch-size", "2"]
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def judged(tmp_path_factory, factory_checkpoint, corpus) -> Path:
+    """A calibrated folder with everything fp8kv writes about it: a report with its digest, a card, eval results."""
+    out = tmp_path_factory.mktemp("judged") / "out1"
+    result = run("calibrate", factory_checkpoint("llama"), "--out", out, "--dataset", corpus, *DATA_ARGS)
+    assert result.exit_code == 0, result.output
+    (out / "verify").mkdir()
+    report = {"verdict": "WARN", "reasons": [], "checkpoint": str(out), "digest": checkpoint_digest(out).to_json()}
+    (out / "verify" / "report.json").write_text(json.dumps(report))
+    (out / "eval").mkdir()
+    (out / "eval" / "results.json").write_text("{}")
+    write_card(out)
+    return out
+
+
+def _assert_fresh(out: Path, source: Path) -> None:
+    assert not (out / "verify").exists() and not (out / "eval").exists()
+    assert not (out / CARD_FILE).exists()
+    record = json.loads((out / PROVENANCE_FILE).read_text())
+    assert record.get("source", {}).get("path") != str(out)
+    assert is_fp8kv_card(source / CARD_FILE), "the source's own card is untouched"
+
+
+def test_recalibrated_output_carries_nothing_of_its_source(judged, tmp_path, corpus):
+    out = tmp_path / "recal"
+    result = run("calibrate", judged, "--strategy", "percentile:90", "--out", out, "--dataset", corpus, *DATA_ARGS)
+    assert result.exit_code == 0, result.output
+    _assert_fresh(out, judged)
+    assert json.loads((out / PROVENANCE_FILE).read_text())["strategy"] == "percentile:90"
+
+
+def test_converted_output_has_its_own_provenance(judged, tmp_path):
+    out = tmp_path / "conv"
+    result = run("convert", judged, "--to", "modelopt", "--out", out)
+    assert result.exit_code == 0, result.output
+    _assert_fresh(out, judged)
+    record = json.loads((out / PROVENANCE_FILE).read_text())
+    assert record["format"] == "modelopt"
+    assert record["converted_from"] == {"path": str(judged), "conventions": ["compressed-tensors"]}
+    assert record["layers"] == json.loads((judged / PROVENANCE_FILE).read_text())["layers"]
+
+
+def test_a_user_readme_in_the_source_is_kept(tmp_path, factory_checkpoint, corpus):
+    source = shutil.copytree(factory_checkpoint("llama"), tmp_path / "src")
+    (source / CARD_FILE).write_text("---\nlicense: mit\n---\n# mine\n")
+    out = tmp_path / "out"
+    assert run("calibrate", source, "--out", out, "--dataset", corpus, *DATA_ARGS).exit_code == 0
+    assert (out / CARD_FILE).read_text() == "---\nlicense: mit\n---\n# mine\n"
+
+
+def test_push_and_card_refuse_a_report_copied_from_another_folder(judged, tmp_path, corpus):
+    out = tmp_path / "recal"
+    assert run("calibrate", judged, "--strategy", "percentile:90", "--out", out, "--dataset", corpus,
+               *DATA_ARGS).exit_code == 0
+    shutil.copytree(judged / "verify", out / "verify")
+    for args in (["push", out, "--repo-id", "org/name", "--dry-run"], ["push", out, "--repo-id", "org/name",
+                                                                         "--dry-run", "--force"], ["card", out]):
+        result = run(*args)
+        assert result.exit_code == ExitCode.ERROR, result.output
+        line = result.stderr.strip()
+        assert "report.json: judged other files than" in line, line
+        assert "scale model.layers.0.self_attn.k_scale changed" in line, line
+    assert not (out / CARD_FILE).exists()
+
+
+def test_report_names_a_changed_config_and_weight_file(judged, tmp_path):
+    out = shutil.copytree(judged, tmp_path / "copy")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"]["strategy"] = "attn_head"
+    (out / "config.json").write_text(json.dumps(config))
+    result = run("card", out)
+    assert result.exit_code == ExitCode.ERROR
+    assert "the config's quantization block changed" in result.stderr
+    assert "weight file" not in result.stderr
+
+
+def test_matching_report_is_accepted(judged):
+    result = run("push", judged, "--repo-id", "org/name", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "Last verify: WARN" in result.output
