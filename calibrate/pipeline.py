@@ -22,6 +22,7 @@ from fp8kv.calibrate.scales import ScaleTable, Strategy, compute_scales, fp8_max
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.conventions import CONVENTIONS
 from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.checkpoint.load import load_causal_lm
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.checkpoint.writer import check_output, write_checkpoint
 from fp8kv.errors import Fp8kvError
@@ -148,11 +149,9 @@ def observe(
 
 def load_model(model_dir: Path, config: dict[str, Any], device: torch.device, dtype: str, trust_remote_code: bool):
     """The causal LM with the observing attention; only its base model is ever run."""
-    from transformers import AutoModelForCausalLM
-
     if dtype != "auto" and dtype not in DTYPES:
         raise Fp8kvError(f"--dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
-    model = AutoModelForCausalLM.from_pretrained(
+    model = load_causal_lm(
         model_dir,
         attn_implementation=observer_for(config),
         dtype=DTYPES.get(dtype, "auto"),

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from fp8kv import __version__
-from fp8kv.checkpoint.artifacts import describes_source_only, is_fp8kv_output
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, describes_source_only, is_fp8kv_output
 from fp8kv.checkpoint.conventions import (
     CONVENTIONS, HF_QUANT_CONFIG, SCALES_FILE, VLLM_JSON_FILE, is_vllm_json, layer_prefix, parse_scale_name, quant_configs,
     scale_names, vllm_json,
@@ -110,10 +110,22 @@ def check_output(source: Path, out: Path, overwrite: bool) -> Path:
             raise Fp8kvError(f"{out}: exists and is not a folder; choose another output path")
         if not overwrite:
             raise Fp8kvError(f"{out}: already exists; pass --overwrite to replace it")
-    ancestor = next(parent for parent in out.parents if parent.exists())
-    if not ancestor.is_dir():
-        raise Fp8kvError(f"{out}: cannot create the output folder ({ancestor} is not a folder)")
+        if any(out.iterdir()) and not is_fp8kv_output(out):
+            raise Fp8kvError(
+                f"{out}: --overwrite replaces only an empty folder or one fp8kv wrote (with its {PROVENANCE_FILE}), "
+                "and this one holds other files; choose another --out or remove the folder yourself"
+            )
+    check_writable_location(out)
     return out
+
+
+def check_writable_location(path: Path) -> None:
+    """`path` can be created: its nearest existing ancestor is a folder this process may write into."""
+    ancestor = next(parent for parent in path.parents if parent.exists())
+    if not ancestor.is_dir():
+        raise Fp8kvError(f"{path}: cannot create the output folder ({ancestor} is not a folder)")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise Fp8kvError(f"{path}: cannot create the output folder ({ancestor} is not writable)")
 
 
 def _make_parent(out: Path) -> None:

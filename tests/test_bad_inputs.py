@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import fp8kv.checkpoint.writer as writer_module
+from fp8kv.checkpoint.digest import checkpoint_digest
 from fp8kv.checkpoint.source import MAX_HEADER_BYTES
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode
@@ -280,6 +281,16 @@ def st_non_finite_weights(env):
     return calibrate_args(src, env), "layers [0, 1]", "NaN or infinite"
 
 
+def st_missing_lm_head(env):
+    src = env.copy("src")
+    edit_config(src, tie_word_embeddings=False)
+    weights = safetensors_file(src)
+    tensors = load_file(weights)
+    del tensors["lm_head.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return calibrate_args(src, env), "lm_head.weight", "missing \\(randomly initialized\\)"
+
+
 # ---- index ------------------------------------------------------------------------------------
 
 def _sharded(env) -> Path:
@@ -408,6 +419,13 @@ def out_exists(env):
     env.out.mkdir()
     (env.out / "keep.txt").write_text("mine")
     return calibrate_args(env.shared["src"], env), str(env.out), "already exists; pass --overwrite"
+
+
+def overwrite_user_folder(env):
+    env.out.mkdir()
+    (env.out / "notes.txt").write_text("the user's own file")
+    return [*calibrate_args(env.shared["src"], env), "--overwrite"], str(env.out), \
+        "--overwrite replaces only an empty folder or one fp8kv wrote"
 
 
 def out_inside_source(env):
@@ -560,9 +578,27 @@ def push_corrupt_report(env):
 def push_failed_verdict(env):
     ckpt = env.copy("calibrated")
     (ckpt / "verify").mkdir()
-    report = {"verdict": "FAIL", "reasons": [{"level": "FAIL", "message": "mean KL too high"}]}
+    report = {"verdict": "FAIL", "reasons": [{"level": "FAIL", "message": "mean KL too high"}],
+              "digest": checkpoint_digest(ckpt).to_json()}
     (ckpt / "verify" / "report.json").write_text(json.dumps(report))
     return ["push", str(ckpt), "--repo-id", "org/name", "--dry-run"], "report.json", "says FAIL \\(mean KL too high\\)"
+
+
+def push_stale_report(env):
+    ckpt = env.copy("calibrated")
+    (ckpt / "verify").mkdir()
+    digest = checkpoint_digest(ckpt).to_json()
+    digest["scales"]["model.layers.1.self_attn.v_scale"] = "sha256:" + "0" * 64  # judged other scales
+    (ckpt / "verify" / "report.json").write_text(json.dumps({"verdict": "PASS", "reasons": [], "digest": digest}))
+    return ["push", str(ckpt), "--repo-id", "org/name", "--dry-run"], "report.json", \
+        "judged other files than .* \\(scale model.layers.1.self_attn.v_scale changed\\)"
+
+
+def card_report_without_digest(env):
+    ckpt = env.copy("calibrated")
+    (ckpt / "verify").mkdir()
+    (ckpt / "verify" / "report.json").write_text(json.dumps({"verdict": "PASS", "reasons": []}))
+    return ["card", str(ckpt)], "report.json", "has no valid checkpoint digest"
 
 
 def card_not_calibrated(env):
@@ -574,17 +610,18 @@ CASES = [Case(f.__name__, f) for f in (
     missing_folder, empty_folder, source_is_a_file, unreadable_weights, unreadable_config,
     config_broken_json, config_missing, config_no_head_counts, config_heads_not_divisible,
     config_head_dim_inconsistent, config_hidden_not_divisible,
-    st_corrupt_header, st_truncated, st_header_too_large, st_too_short, st_non_finite_weights,
+    st_corrupt_header, st_truncated, st_header_too_large, st_too_short, st_non_finite_weights, st_missing_lm_head,
     index_missing_shard, index_parent_path, index_absolute_path, symlink_escaping, index_not_an_object,
     pickle_bin, pickle_pt,
     data_empty, data_too_short, data_binary, data_wrong_column, data_no_text_column, data_unsupported_type,
     data_chat_without_template, tokenizer_missing,
-    out_exists, out_inside_source, out_is_a_file, out_unwritable, disk_full, disk_full_on_copy,
+    out_exists, overwrite_user_folder, out_inside_source, out_is_a_file, out_unwritable, disk_full, disk_full_on_copy,
     unsupported_architecture, mla_model,
     scales_conflicting, scales_wrong_shape, scales_wrong_dtype, scales_vllm_json_not_a_number,
     verify_missing_dir, verify_bad_thresholds_toml, verify_unknown_threshold, verify_missing_thresholds,
     verify_missing_prompts, verify_bad_count,
-    push_invalid_repo_id, push_missing_dir, push_not_verified, push_corrupt_report, push_failed_verdict,
+    push_invalid_repo_id, push_missing_dir, push_not_verified, push_corrupt_report, push_failed_verdict, push_stale_report,
+    card_report_without_digest,
     card_not_calibrated,
 )]
 

@@ -103,3 +103,33 @@ def test_matching_report_is_accepted(judged):
     result = run("push", judged, "--repo-id", "org/name", "--dry-run")
     assert result.exit_code == 0, result.output
     assert "Last verify: WARN" in result.output
+
+
+def _drop_lm_head(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (folder / "config.json").write_text(json.dumps(config))
+    for path in folder.glob("*.safetensors"):
+        tensors = load_file(path)
+        if tensors.pop("lm_head.weight", None) is not None:
+            path.unlink()  # a hard link into the source: write a new file instead
+            save_file(tensors, path, metadata={"format": "pt"})
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["lm_head.weight"]
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_verify_fails_when_transformers_invents_weights(tmp_path, factory_checkpoint, corpus):
+    out = tmp_path / "out"
+    assert run("calibrate", factory_checkpoint("llama"), "--out", out, "--dataset", corpus, "--mode", "copy",
+               *DATA_ARGS).exit_code == 0
+    _drop_lm_head(out)
+    result = run("verify", out, "--dataset", corpus, "--num-samples", "2", "--seq-len", "16", "--num-prompts", "1",
+                 "--new-tokens", "1", "--device", "cpu", "--json")
+    assert result.exit_code == ExitCode.FAIL, result.output
+    report = json.loads(result.stdout)
+    fails = [r["message"] for r in report["reasons"] if r["level"] == "FAIL"]
+    assert any("1 weight(s) missing (randomly initialized): lm_head.weight" in m for m in fails), fails
+    assert report["accuracy"] is None

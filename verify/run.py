@@ -17,6 +17,7 @@ from fp8kv.calibrate.pipeline import load_tokenizer
 from fp8kv.checkpoint.artifacts import VERIFY_DIR
 from fp8kv.checkpoint.digest import checkpoint_digest
 from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.checkpoint.load import WeightsMismatch
 from fp8kv.errors import Fp8kvError
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, generation, heldout
@@ -68,7 +69,10 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     report = _base_report(static, runtime.kind, thresholds)
     reasons = list(static.reasons)
     if static.runnable:
-        reasons += _heldout_checks(request, static, runtime.kind, thresholds, report, timings, progress)
+        try:
+            reasons += _heldout_checks(request, static, runtime.kind, thresholds, report, timings, progress)
+        except WeightsMismatch as exc:  # numbers from invented weights would judge nothing
+            reasons.append(Reason(FAIL, f"{exc}; held-out checks skipped"))
     else:
         reasons.append(Reason(FAIL, "held-out checks skipped: the scales cannot drive an fp8 cache"))
     timings["total"] = time.perf_counter() - clock
