@@ -226,7 +226,10 @@ def calibrate(
 @app.command("verify", help="Check a checkpoint's KV scales: present, read back exactly, safe and cheap in "
              f"accuracy.\n\n{EXIT_CODE_TABLE}")
 def verify_command(
-    model_dir: Path = typer.Argument(..., metavar="DIR", help="Checkpoint folder with KV scales (any convention)."),
+    model_dir: str = typer.Argument(
+        ..., metavar="MODEL", help="Checkpoint with KV scales (any convention): a folder, a Hub id org/name[@revision], "
+        "or 'bundled'.",
+    ),
     dataset: str | None = typer.Option(
         None, "--dataset", help="Held-out text: local .txt/.jsonl/.json/.parquet/.csv or a dataset name. "
         "Default: the bundled model's held-out split (never the calibration data).",
@@ -244,7 +247,10 @@ def verify_command(
     num_prompts: int = typer.Option(4, "--num-prompts", help="Held-out prefixes used as prompts without --prompts."),
     prompt_len: int = typer.Option(32, "--prompt-len", help="Tokens per held-out prefix prompt."),
     new_tokens: int = typer.Option(8, "--new-tokens", help="Greedy decode steps per prompt."),
-    report_dir: Path | None = typer.Option(None, "--report", help="Report folder (default: DIR/verify)."),
+    report_dir: Path | None = typer.Option(
+        None, "--report", help="Report folder. Default: MODEL/verify when fp8kv wrote MODEL (its fp8kv.json is there), "
+        "else ./fp8kv-verify/NAME: verify never writes into a folder fp8kv did not write.",
+    ),
     thresholds_file: Path | None = typer.Option(
         None, "--thresholds", help="TOML file overriding configs/verify.toml ([fail] kl_mean, [warn] saturation, ...)."
     ),

@@ -18,6 +18,8 @@ def resolve_model(model: str) -> Path:
     if looks_like_hub_id(model):
         return resolve_hub_model(model)
     path = Path(model).expanduser()
+    if path.is_file():
+        raise Fp8kvError(f"{model}: is a file, not a folder; pass the checkpoint folder that holds config.json")
     if not path.is_dir():
         raise Fp8kvError(
             f"{model}: no such checkpoint folder (pass a local folder with config.json, 'bundled', or a Hub id org/name)"

@@ -547,6 +547,18 @@ def verify_missing_prompts(env):
     return ["verify", str(env.copy("calibrated")), "--prompts", str(path)], str(path), "no such prompts file"
 
 
+def verify_report_unwritable(env):
+    (env.root / "blocker").write_text("a file, not a folder")
+    report = env.root / "blocker" / "report"
+    return ["verify", str(env.copy("calibrated")), "--report", str(report)], str(report), \
+        "cannot create the output folder \\(.*blocker is not a folder\\)"
+
+
+def verify_model_is_a_file(env):
+    (env.root / "model.safetensors").write_text("not a folder")
+    return ["verify", str(env.root / "model.safetensors")], "model.safetensors", "is a file, not a folder"
+
+
 def verify_bad_count(env):
     return ["verify", str(env.copy("calibrated")), "--num-samples", "0"], "--num-samples", "must be at least 1"
 
@@ -619,7 +631,7 @@ CASES = [Case(f.__name__, f) for f in (
     unsupported_architecture, mla_model,
     scales_conflicting, scales_wrong_shape, scales_wrong_dtype, scales_vllm_json_not_a_number,
     verify_missing_dir, verify_bad_thresholds_toml, verify_unknown_threshold, verify_missing_thresholds,
-    verify_missing_prompts, verify_bad_count,
+    verify_missing_prompts, verify_bad_count, verify_report_unwritable, verify_model_is_a_file,
     push_invalid_repo_id, push_missing_dir, push_not_verified, push_corrupt_report, push_failed_verdict, push_stale_report,
     card_report_without_digest,
     card_not_calibrated,

@@ -133,3 +133,16 @@ def test_verify_fails_when_transformers_invents_weights(tmp_path, factory_checkp
     fails = [r["message"] for r in report["reasons"] if r["level"] == "FAIL"]
     assert any("1 weight(s) missing (randomly initialized): lm_head.weight" in m for m in fails), fails
     assert report["accuracy"] is None
+
+
+def test_verify_never_writes_into_a_folder_fp8kv_did_not_write(judged, tmp_path, corpus, monkeypatch):
+    theirs = shutil.copytree(judged, tmp_path / "theirs", ignore=shutil.ignore_patterns("verify", "eval", "*.md",
+                                                                                          PROVENANCE_FILE))
+    before = sorted(p.name for p in theirs.iterdir())
+    monkeypatch.chdir(tmp_path)
+    result = run("verify", theirs, "--dataset", corpus, "--num-samples", "2", "--seq-len", "16", "--num-prompts", "1",
+                 "--new-tokens", "1", "--device", "cpu")
+    assert result.exit_code in (ExitCode.PASS, ExitCode.WARN), result.output
+    assert sorted(p.name for p in theirs.iterdir()) == before
+    report = tmp_path / "fp8kv-verify" / "theirs" / "report.md"
+    assert report.is_file() and f"report: {report}" in result.stdout

@@ -14,19 +14,23 @@ from typing import Any, Callable
 
 from fp8kv.calibrate.data import CalibrationData, DataRequest
 from fp8kv.calibrate.pipeline import load_tokenizer
-from fp8kv.checkpoint.artifacts import VERIFY_DIR
+from fp8kv.calibrate.resolve import resolve_model
+from fp8kv.checkpoint.artifacts import VERIFY_DIR, is_fp8kv_output
 from fp8kv.checkpoint.digest import checkpoint_digest
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import WeightsMismatch
+from fp8kv.checkpoint.writer import check_writable_location
 from fp8kv.errors import Fp8kvError
+from fp8kv.hub.resolve import looks_like_hub_id, split_hub_id
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, generation, heldout
-from fp8kv.verify.report import write_report
+from fp8kv.verify.report import REPORT_JSON, write_report
 from fp8kv.verify.static import StaticResult, static_checks
 from fp8kv.verify.verdict import (
     EXIT_CODES, FAIL, WARN, Reason, Thresholds, accuracy_reasons, heldout_reasons, load_thresholds, verdict,
 )
 
+DEFAULT_REPORT_ROOT = "fp8kv-verify"
 StageProgress = Callable[[str, int, int], None]
 """Called with (stage, done, total) as verify advances."""
 
@@ -35,7 +39,7 @@ StageProgress = Callable[[str, int, int], None]
 class VerifyRequest:
     """Everything `verify` needs; defaults match the CLI's. `data.dataset=None` is the bundled held-out split."""
 
-    model_dir: Path
+    model_dir: Path | str  # a folder, a Hub id org/name[@revision], or "bundled"
     data: DataRequest = field(default_factory=lambda: DataRequest(num_samples=16, seq_len=256))
     batch_size: int = 4
     prompts: Path | None = None  # one prompt per line; None: the first held-out samples' prefixes
@@ -44,7 +48,7 @@ class VerifyRequest:
     new_tokens: int = 8
     device: str = "auto"
     page_size: int = 16
-    report_dir: Path | None = None  # None: model_dir / "verify"
+    report_dir: Path | None = None  # None: see `report_location`
     thresholds: Thresholds | None = None  # None: configs/verify.toml
 
 
@@ -63,9 +67,12 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     _validate(request)
     thresholds = request.thresholds or load_thresholds()
     runtime = resolve_device(request.device)
+    model_dir = resolve_model(str(request.model_dir))
+    report_dir = report_location(str(request.model_dir), model_dir, request.report_dir)
+    check_writable_location(report_dir / REPORT_JSON)  # before the work, so its results are never lost
     timings: dict[str, float] = {}
     clock = time.perf_counter()
-    static = static_checks(request.model_dir)
+    static = static_checks(model_dir)
     report = _base_report(static, runtime.kind, thresholds)
     reasons = list(static.reasons)
     if static.runnable:
@@ -79,9 +86,18 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     outcome = verdict(reasons)
     report.update(verdict=outcome, exit_code=EXIT_CODES[outcome], timings_s=timings,
                   reasons=[{"level": r.level, "message": r.message} for r in reasons])
-    report_dir = Path(request.report_dir or Path(request.model_dir) / VERIFY_DIR)
     write_report(report, report_dir)
     return VerifyResult(outcome, EXIT_CODES[outcome], report, report_dir)
+
+
+def report_location(model: str, model_dir: Path, requested: Path | None) -> Path:
+    """`--report`; else DIR/verify when fp8kv wrote DIR; else ./fp8kv-verify/NAME, never inside a user's folder."""
+    if requested is not None:
+        return Path(requested)
+    if is_fp8kv_output(model_dir):
+        return model_dir / VERIFY_DIR
+    name = split_hub_id(model)[0].replace("/", "--") if looks_like_hub_id(model) else Path(model).resolve().name
+    return Path.cwd() / DEFAULT_REPORT_ROOT / (name or "model")
 
 
 def _validate(request: VerifyRequest) -> None:
