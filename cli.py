@@ -10,6 +10,7 @@ from typer.core import TyperGroup
 
 from fp8kv import __version__
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError
+from fp8kv.options import Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, WriteMode, kv_dtype_name
 
 DEBUG_ENV = "FP8KV_DEBUG"
 
@@ -140,10 +141,10 @@ def inspect_command(
 @app.command("convert")
 def convert_command(
     model: Path = typer.Argument(..., help="Checkpoint folder holding KV scales in any convention."),
-    to: str = typer.Option(..., "--to", help="Target convention: compressed-tensors, modelopt, quark or vllm-json."),
+    to: Convention = typer.Option(..., "--to", help="Target convention."),
     out: Path = typer.Option(..., "--out", help="Output folder (written atomically)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
-    mode: str = typer.Option("overlay", "--mode", help="overlay (hard-link weights) or copy."),
+    mode: WriteMode = typer.Option("overlay", "--mode", help="overlay (hard-link weights) or copy."),
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
     from fp8kv.calibrate.report import command_line
@@ -168,30 +169,30 @@ def calibrate(
     text_column: str | None = typer.Option(
         None, "--text-column", help="Column with the text (default: 'text', else chat 'messages')."
     ),
-    num_samples: int = typer.Option(512, "--num-samples", help="Records to calibrate on; one record is one sample."),
-    seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per sample at most (longer records are truncated)."),
-    batch_size: int = typer.Option(8, "--batch-size", help="Samples per forward pass (right-padded; padding is never observed)."),
+    num_samples: int = typer.Option(512, "--num-samples", min=1, help="Records to calibrate on; one record is one sample."),
+    seq_len: int = typer.Option(2048, "--seq-len", min=1, help="Tokens per sample at most (longer records are truncated)."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Samples per forward pass (right-padded; padding is never observed)."),
     seed: int = typer.Option(42, "--seed", help="Shuffle seed: same inputs, same samples, same scales."),
-    kv_dtype: str = typer.Option("fp8_e4m3", "--kv-dtype", help="KV-cache dtype: fp8_e4m3 (MAX 448) or fp8_e5m2 (MAX 57344)."),
+    kv_dtype: KvDtypeSpelling = typer.Option(
+        "fp8_e4m3", "--kv-dtype", help="KV-cache dtype: fp8_e4m3 (MAX 448; vLLM's 'fp8') or fp8_e5m2 (MAX 57344)."
+    ),
     strategy: str = typer.Option(
         "amax", "--strategy",
         help="Clip value mapped to MAX: amax (nothing saturates; amax/scale <= MAX guaranteed), "
         "percentile:P (P-th percentile of |x|), or mse (least squared fp8 error). "
         "percentile and mse give scales below amax/MAX on purpose, so some values saturate.",
     ),
-    headroom: float = typer.Option(1.0, "--headroom", help="Multiply every scale by F >= 1."),
+    headroom: float = typer.Option(1.0, "--headroom", min=1.0, help="Multiply every scale by F >= 1."),
     per_head: bool = typer.Option(False, "--per-head", help="One scale per KV head ([num_kv_heads,1,1], attn_head strategy)."),
     allow_unobserved: bool = typer.Option(
         False, "--allow-unobserved", help="Write 1.0 (with a warning) for layers whose K/V were all zero or never seen."
     ),
-    mode: str = typer.Option("overlay", "--mode", help="overlay: hard-link the source weights; copy: a self-contained copy."),
-    format: str = typer.Option(
-        "compressed-tensors", "--format", help="Scale convention: compressed-tensors, modelopt, quark or vllm-json."
-    ),
+    mode: WriteMode = typer.Option("overlay", "--mode", help="overlay: hard-link the source weights; copy: a self-contained copy."),
+    format: Convention = typer.Option("compressed-tensors", "--format", help="Scale convention."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out folder."),
     json_output: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of the table."),
     device: str = typer.Option("auto", "--device", help="auto (cuda when available), cpu or cuda."),
-    dtype: str = typer.Option("auto", "--dtype", help="Model dtype: auto (the checkpoint's), float32, bfloat16, float16."),
+    dtype: ModelDtype = typer.Option("auto", "--dtype", help="Model dtype (auto: the checkpoint's)."),
     trust_remote_code: bool = typer.Option(
         False, "--trust-remote-code",
         help="Run Python code shipped inside the checkpoint (custom architectures). Only for checkpoints you trust.",
@@ -212,7 +213,7 @@ def calibrate(
     request = CalibrationRequest(
         model=model, out=out,
         data=DataRequest(dataset, split, text_column, num_samples, seq_len, seed),
-        batch_size=batch_size, kv_dtype=kv_dtype, strategy=strategy, headroom=headroom, per_head=per_head,
+        batch_size=batch_size, kv_dtype=kv_dtype_name(kv_dtype), strategy=strategy, headroom=headroom, per_head=per_head,
         allow_unobserved=allow_unobserved, mode=mode, convention=format, overwrite=overwrite,
         device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
         command=report.command_line(),
@@ -236,17 +237,17 @@ def verify_command(
     ),
     split: str | None = typer.Option(None, "--split", help="Dataset split (local files: train)."),
     text_column: str | None = typer.Option(None, "--text-column", help="Column with the text (default: 'text', else 'messages')."),
-    num_samples: int = typer.Option(16, "--num-samples", help="Held-out records to evaluate; one record is one sample."),
-    seq_len: int = typer.Option(256, "--seq-len", help="Tokens per sample at most."),
-    batch_size: int = typer.Option(4, "--batch-size", help="Samples per step."),
+    num_samples: int = typer.Option(16, "--num-samples", min=1, help="Held-out records to evaluate; one record is one sample."),
+    seq_len: int = typer.Option(256, "--seq-len", min=1, help="Tokens per sample at most."),
+    batch_size: int = typer.Option(4, "--batch-size", min=1, help="Samples per step."),
     seed: int = typer.Option(42, "--seed", help="Shuffle seed of the held-out records."),
-    device: str = typer.Option("auto", "--device", help="auto, tpu, xla-cpu, cuda or cpu."),
+    device: RuntimeChoice = typer.Option("auto", "--device", help="Where the fp8 runtime runs (auto: TPU, else CUDA, else CPU)."),
     prompts: Path | None = typer.Option(
         None, "--prompts", help="Text file, one prompt per line, for the greedy generations (default: held-out prefixes)."
     ),
-    num_prompts: int = typer.Option(4, "--num-prompts", help="Held-out prefixes used as prompts without --prompts."),
-    prompt_len: int = typer.Option(32, "--prompt-len", help="Tokens per held-out prefix prompt."),
-    new_tokens: int = typer.Option(8, "--new-tokens", help="Greedy decode steps per prompt."),
+    num_prompts: int = typer.Option(4, "--num-prompts", min=1, help="Held-out prefixes used as prompts without --prompts."),
+    prompt_len: int = typer.Option(32, "--prompt-len", min=1, help="Tokens per held-out prefix prompt."),
+    new_tokens: int = typer.Option(8, "--new-tokens", min=1, help="Greedy decode steps per prompt."),
     report_dir: Path | None = typer.Option(
         None, "--report", help="Report folder. Default: MODEL/verify when fp8kv wrote MODEL (its fp8kv.json is there), "
         "else ./fp8kv-verify/NAME: verify never writes into a folder fp8kv did not write.",

@@ -20,11 +20,13 @@ from fp8kv.calibrate.observe import KVStatistics, observe_batch, observer_for
 from fp8kv.calibrate.resolve import resolve_model
 from fp8kv.calibrate.scales import ScaleTable, Strategy, compute_scales, fp8_max
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
-from fp8kv.checkpoint.conventions import CONVENTIONS
+from fp8kv.checkpoint.conventions import CONVENTIONS, check_representable
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import load_causal_lm
 from fp8kv.checkpoint.source import SourceCheckpoint
-from fp8kv.checkpoint.writer import check_output, write_checkpoint
+from fp8kv.checkpoint.writer import (
+    MODES, check_output, check_weight_method, check_writable_location, write_checkpoint,
+)
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry
 
@@ -79,6 +81,7 @@ def calibrate(request: CalibrationRequest, progress: Progress | None = None) -> 
     source = SourceCheckpoint.open(resolve_model(request.model))
     if request.out is not None:
         check_output(source.path, request.out, request.overwrite)
+        check_weight_method(request.convention, source)
     check_architecture(source, request.trust_remote_code)
     tokenizer = load_tokenizer(source.path, request.trust_remote_code)
     data = load_calibration_data(request.data, tokenizer)
@@ -264,8 +267,11 @@ def _validate(request: CalibrationRequest) -> Strategy:
         raise Fp8kvError(f"--headroom must be at least 1.0, got {request.headroom}")
     if request.convention not in CONVENTIONS:
         raise Fp8kvError(f"--format {request.convention!r}: choose one of {', '.join(CONVENTIONS)}")
-    if request.mode not in ("overlay", "copy"):
-        raise Fp8kvError(f"--mode {request.mode!r}: choose overlay or copy")
+    if request.mode not in MODES:
+        raise Fp8kvError(f"--mode {request.mode!r}: choose one of {', '.join(MODES)}")
+    check_representable(request.convention, "attn_head" if request.per_head else "tensor", request.kv_dtype)
+    if request.out is not None:
+        check_writable_location(Path(request.out).absolute())
     resolve_device(request.device)
     return strategy
 

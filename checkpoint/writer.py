@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from safetensors.torch import save_file
@@ -20,15 +20,16 @@ from safetensors.torch import save_file
 from fp8kv import __version__
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, describes_source_only, is_fp8kv_output
 from fp8kv.checkpoint.conventions import (
-    CONVENTIONS, HF_QUANT_CONFIG, SCALES_FILE, VLLM_JSON_FILE, is_vllm_json, layer_prefix, parse_scale_name, quant_configs,
-    scale_names, vllm_json,
+    CONVENTIONS, HF_QUANT_CONFIG, SCALES_FILE, VLLM_JSON_FILE, check_method, is_vllm_json, layer_prefix,
+    parse_scale_name, quant_configs, scale_names, vllm_json,
 )
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import INDEX_NAME, SourceCheckpoint, read_safetensors_header
 from fp8kv.geometry import read_json
 from fp8kv.errors import Fp8kvError
+from fp8kv.options import WriteMode
 
-MODES = ("overlay", "copy")
+MODES = get_args(WriteMode)
 # Files at most this big are copied even in overlay mode, so editing the output never edits the source.
 _LINK_MIN_BYTES = 16 * 2**20
 _COPY_CHUNK = 16 * 2**20
@@ -62,8 +63,7 @@ def write_checkpoint(
     for name in extra_files or {}:
         if "/" in name or "\\" in name or name.startswith(".") or name in ("config.json", INDEX_NAME):
             raise Fp8kvError(f"extra file name {name!r} must be a plain new file name")
-    hf_quant = read_json(source.path / HF_QUANT_CONFIG) if HF_QUANT_CONFIG in source.files else None
-    qc, new_hf_quant = quant_configs(convention, source.config, hf_quant, scales, __version__)
+    qc, new_hf_quant = quant_configs(convention, source.config, _hf_quant(source), scales, __version__)
     _clean_stale(out)
     tmp = out.parent / f".{out.name}.fp8kv-tmp-{os.getpid()}"
     try:
@@ -92,6 +92,15 @@ def check_scales_fit(source: SourceCheckpoint, scales: KVScales) -> None:
         raise Fp8kvError(
             f"{source.path}: per-head scales have shape {list(shape)}, expected [{geometry.num_kv_heads}, 1, 1]"
         )
+
+
+def check_weight_method(convention: str, source: SourceCheckpoint) -> None:
+    """Refuse, before any work, a convention the engines of the source's weight quantization do not read."""
+    check_method(convention, source.config, _hf_quant(source))
+
+
+def _hf_quant(source: SourceCheckpoint) -> dict[str, Any] | None:
+    return read_json(source.path / HF_QUANT_CONFIG) if HF_QUANT_CONFIG in source.files else None
 
 
 def check_output(source: Path, out: Path, overwrite: bool) -> Path:

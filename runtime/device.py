@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
 from fp8kv.errors import Fp8kvError
+from fp8kv.options import RuntimeChoice
 
-DEVICE_CHOICES = ("auto", "tpu", "xla-cpu", "cuda", "cpu")
+DEVICE_CHOICES = get_args(RuntimeChoice)
 
 
 @dataclass(frozen=True)

@@ -447,6 +447,23 @@ def out_unwritable(env):
     return ["convert", str(env.copy("calibrated")), "--to", "quark", "--out", str(out)], str(out), "cannot create"
 
 
+def calibrate_out_unwritable(env):
+    (env.root / "blocker").write_text("a file, not a folder")
+    out = env.root / "blocker" / "out"
+    args = ["calibrate", str(env.shared["src"]), "--dataset", str(env.data), *DATA_ARGS, "--out", str(out)]
+    return args, str(out), "cannot create the output folder"
+
+
+def e5m2_in_compressed_tensors(env):
+    return calibrate_args(env.shared["src"], env, "--kv-dtype", "fp8_e5m2"), "compressed-tensors", \
+        "stores fp8_e4m3 KV caches only; fp8_e5m2 needs --format quark or vllm-json"
+
+
+def per_head_in_modelopt(env):
+    return calibrate_args(env.shared["src"], env, "--per-head", "--format", "modelopt"), "modelopt", \
+        "per-head \\(attn_head\\) scales can only be written as compressed-tensors"
+
+
 def disk_full(env, monkeypatch):
     def no_space(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
@@ -559,10 +576,6 @@ def verify_model_is_a_file(env):
     return ["verify", str(env.root / "model.safetensors")], "model.safetensors", "is a file, not a folder"
 
 
-def verify_bad_count(env):
-    return ["verify", str(env.copy("calibrated")), "--num-samples", "0"], "--num-samples", "must be at least 1"
-
-
 # ---- push and card ----------------------------------------------------------------------------
 
 def push_invalid_repo_id(env):
@@ -627,11 +640,12 @@ CASES = [Case(f.__name__, f) for f in (
     pickle_bin, pickle_pt,
     data_empty, data_too_short, data_binary, data_wrong_column, data_no_text_column, data_unsupported_type,
     data_chat_without_template, tokenizer_missing,
-    out_exists, overwrite_user_folder, out_inside_source, out_is_a_file, out_unwritable, disk_full, disk_full_on_copy,
+    out_exists, overwrite_user_folder, out_inside_source, out_is_a_file, out_unwritable, calibrate_out_unwritable,
+    e5m2_in_compressed_tensors, per_head_in_modelopt, disk_full, disk_full_on_copy,
     unsupported_architecture, mla_model,
     scales_conflicting, scales_wrong_shape, scales_wrong_dtype, scales_vllm_json_not_a_number,
     verify_missing_dir, verify_bad_thresholds_toml, verify_unknown_threshold, verify_missing_thresholds,
-    verify_missing_prompts, verify_bad_count, verify_report_unwritable, verify_model_is_a_file,
+    verify_missing_prompts, verify_report_unwritable, verify_model_is_a_file,
     push_invalid_repo_id, push_missing_dir, push_not_verified, push_corrupt_report, push_failed_verdict, push_stale_report,
     card_report_without_digest,
     card_not_calibrated,
