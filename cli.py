@@ -15,6 +15,9 @@ from fp8kv.options import Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice
 DEBUG_ENV = "FP8KV_DEBUG"
 
 
+BASE_MODEL_HELP = ("Hub id org/name of the model the scales are for (the card's base_model). Default: MODEL when it "
+                   "is a Hub id or a Hub cache folder, else what the source's fp8kv.json or config.json records.")
+
 # `fp8kv --help` lists the commands in the order of the workflow.
 WORKFLOW = ("calibrate", "verify", "inspect", "convert", "card", "push")
 
@@ -86,13 +89,15 @@ def _root(
 def card(
     out_dir: Path = typer.Argument(..., metavar="DIR", help="Folder written by `fp8kv calibrate`."),
     repo_id: str | None = typer.Option(
-        None, "--repo-id", help="Hub id to name in the serve commands (default: the folder path)."
+        None, "--repo-id", help="Hub id to name in the serve commands (default: the folder path; `push` "
+        "rewrites a card that names another target)."
     ),
+    base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
 ) -> None:
     """Write DIR/README.md: Hub metadata, provenance, per-layer scales, verify results, serve commands."""
     from fp8kv.hub.card import write_card
 
-    typer.echo(f"Wrote {write_card(out_dir, repo_id=repo_id)}")
+    typer.echo(f"Wrote {write_card(out_dir, repo_id=repo_id, base_model=base_model)}")
 
 
 @app.command()
@@ -189,7 +194,10 @@ def calibrate(
     ),
     mode: WriteMode = typer.Option("overlay", "--mode", help="overlay: hard-link the source weights; copy: a self-contained copy."),
     format: Convention = typer.Option("compressed-tensors", "--format", help="Scale convention."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out folder."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace --out if it is empty or fp8kv wrote it (never another folder)."
+    ),
+    base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
     json_output: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of the table."),
     device: str = typer.Option("auto", "--device", help="auto (cuda when available), cpu or cuda."),
     dtype: ModelDtype = typer.Option("auto", "--dtype", help="Model dtype (auto: the checkpoint's)."),
@@ -216,7 +224,7 @@ def calibrate(
         batch_size=batch_size, kv_dtype=kv_dtype_name(kv_dtype), strategy=strategy, headroom=headroom, per_head=per_head,
         allow_unobserved=allow_unobserved, mode=mode, convention=format, overwrite=overwrite,
         device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
-        command=report.command_line(),
+        base_model=base_model, command=report.command_line(),
     )
     with report.progress_bar(enabled=not json_output and is_writer()) as progress:
         result = run_calibration(request, progress=progress)

@@ -17,7 +17,7 @@ from fp8kv import __version__
 from fp8kv.calibrate import distributed, layerwise
 from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_data, make_batches
 from fp8kv.calibrate.observe import KVStatistics, observe_batch, observer_for
-from fp8kv.calibrate.resolve import resolve_model
+from fp8kv.calibrate.resolve import infer_base_model, resolve_model
 from fp8kv.calibrate.scales import ScaleTable, Strategy, compute_scales, fp8_max
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.conventions import CONVENTIONS, check_representable
@@ -29,6 +29,7 @@ from fp8kv.checkpoint.writer import (
 )
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry
+from fp8kv.hub.resolve import is_repo_id
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Progress = Callable[[int, int], None]
@@ -55,6 +56,7 @@ class CalibrationRequest:
     dtype: str = "auto"
     trust_remote_code: bool = False
     layerwise: bool | None = None  # None: layer by layer when the weights do not fit in memory
+    base_model: str | None = None  # Hub id of the source; None: inferred (`infer_base_model`)
     command: str | None = None  # the command line, recorded in fp8kv.json
 
 
@@ -214,6 +216,7 @@ def provenance(
         "source": {
             "path": str(source.path),
             "content_hash": source.content_hash() if distributed.is_writer() else None,
+            "base_model": request.base_model or infer_base_model(request.model, source.path),
         },
         "dataset": {
             "name": data.dataset,
@@ -269,6 +272,8 @@ def _validate(request: CalibrationRequest) -> Strategy:
         raise Fp8kvError(f"--format {request.convention!r}: choose one of {', '.join(CONVENTIONS)}")
     if request.mode not in MODES:
         raise Fp8kvError(f"--mode {request.mode!r}: choose one of {', '.join(MODES)}")
+    if request.base_model is not None and not is_repo_id(request.base_model):
+        raise Fp8kvError(f"--base-model {request.base_model!r}: not a Hub model id org/name")
     check_representable(request.convention, "attn_head" if request.per_head else "tensor", request.kv_dtype)
     if request.out is not None:
         check_writable_location(Path(request.out).absolute())

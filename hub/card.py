@@ -17,7 +17,7 @@ from fp8kv.checkpoint.digest import check_unchanged
 from fp8kv.checkpoint.kvscales import FP8_MAX
 from fp8kv.checkpoint.writer import write_file_atomic
 from fp8kv.errors import Fp8kvError
-from fp8kv.hub.resolve import repo_id_from_cache_path
+from fp8kv.hub.resolve import is_repo_id, repo_id_from_cache_path
 from fp8kv.verify.report import PLOT, REPORT_JSON
 
 REPORT_FILE = Path(VERIFY_DIR) / REPORT_JSON
@@ -25,7 +25,6 @@ PLOT_FILE = Path(VERIFY_DIR) / PLOT
 TAGS = ["fp8", "kv-cache", "fp8kv", "vllm", "compressed-tensors"]
 # Hub license ids are lowercase tokens ("apache-2.0", "llama3.1"); anything else goes in license_name.
 _LICENSE_ID = re.compile(r"^[a-z0-9][a-z0-9.\-]*$")
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
 _DATA_FILE = re.compile(r"\.(jsonl|json|txt|csv|parquet|arrow)$")
 # (label, key, format) rows of the verify accuracy table.
 _ACCURACY_ROWS = [
@@ -70,28 +69,30 @@ def read_report(out_dir: Path) -> dict[str, Any] | None:
     return report
 
 
-def write_card(out_dir: str | Path, *, repo_id: str | None = None) -> Path:
+def write_card(out_dir: str | Path, *, repo_id: str | None = None, base_model: str | None = None) -> Path:
     """Write `DIR/README.md` atomically and return its path.
 
     A README copied from the source model (possibly a hard link to the source's file) is replaced
     by a new file; the source's copy is never written to. `repo_id` names the model in the serve
-    commands (default: the folder path).
+    commands (default: the folder path); `base_model` overrides the Hub id of the source model.
     """
     out = Path(out_dir)
-    content = render_card(out, repo_id=repo_id)
+    content = render_card(out, repo_id=repo_id, base_model=base_model)
     path = out / CARD_FILE
     write_file_atomic(path, content.encode("utf-8"))
     return path
 
 
-def render_card(out_dir: str | Path, *, repo_id: str | None = None) -> str:
+def render_card(out_dir: str | Path, *, repo_id: str | None = None, base_model: str | None = None) -> str:
     """The card's full text (YAML metadata + markdown), checked by parsing it with huggingface_hub."""
     from huggingface_hub import ModelCard
 
     out = Path(out_dir)
+    if base_model is not None and not is_repo_id(base_model):
+        raise Fp8kvError(f"--base-model {base_model!r}: not a Hub model id org/name")
     prov = read_provenance(out)
     report = read_report(out)
-    base_model, license_ = _base_model(out, prov), _license(out, prov)
+    base_model, license_ = base_model or _base_model(out, prov), _license(out, prov)
     sections = [
         _intro(out, prov, base_model, repo_id),
         _what_was_done(prov, base_model),
@@ -101,7 +102,8 @@ def render_card(out_dir: str | Path, *, repo_id: str | None = None) -> str:
         _limitations(prov),
     ]
     body = "\n\n".join(s for s in sections if s) + "\n"
-    text = f"---\n{_metadata(prov, base_model, license_).to_yaml()}\n---\n\n{CARD_MARKER}\n\n{body}"
+    target = f"<!-- fp8kv card for: {repo_id or 'a local folder'} -->"
+    text = f"---\n{_metadata(prov, base_model, license_).to_yaml()}\n---\n\n{CARD_MARKER}\n{target}\n\n{body}"
     ModelCard(text)  # raises if the metadata block does not parse
     return text
 
@@ -116,7 +118,7 @@ def _metadata(prov: dict[str, Any], base_model: str | None, license_: str | None
         extra["license_name"], license_ = license_, "other"
     dataset = _get(prov, "dataset", "name")
     # A local data file ("data/calib.jsonl") is not a Hub dataset id.
-    is_hub_dataset = isinstance(dataset, str) and _is_repo_id(dataset) and not _DATA_FILE.search(dataset)
+    is_hub_dataset = isinstance(dataset, str) and is_repo_id(dataset) and not _DATA_FILE.search(dataset)
     datasets = [dataset] if is_hub_dataset else None
     return ModelCardData(
         base_model=base_model,
@@ -129,6 +131,14 @@ def _metadata(prov: dict[str, Any], base_model: str | None, license_: str | None
     )
 
 
+def card_repo_id(path: Path) -> str | None:
+    """The Hub id an fp8kv card at `path` was written for; None for a local card or another README."""
+    if not is_fp8kv_card(path):
+        return None
+    match = re.search(r"^<!-- fp8kv card for: (\S+) -->$", Path(path).read_text(encoding="utf-8"), re.MULTILINE)
+    return match[1] if match and is_repo_id(match[1]) else None
+
+
 def _base_model(out: Path, prov: dict[str, Any]) -> str | None:
     """The source's Hub id: fp8kv.json, else the source config's `_name_or_path`, else its cache path."""
     candidates = [_get(prov, "source", "base_model")]
@@ -136,7 +146,7 @@ def _base_model(out: Path, prov: dict[str, Any]) -> str | None:
     if isinstance(source, str):
         config = _quiet_json(Path(source) / "config.json") or {}
         candidates += [config.get("_name_or_path"), repo_id_from_cache_path(source)]
-    return next((c for c in candidates if isinstance(c, str) and _is_repo_id(c)), None)
+    return next((c for c in candidates if isinstance(c, str) and is_repo_id(c)), None)
 
 
 def _license(out: Path, prov: dict[str, Any]) -> str | None:
@@ -172,16 +182,17 @@ def _quiet_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _is_repo_id(value: str) -> bool:
-    return bool(_REPO_ID.match(value)) and not Path(value).exists()
-
-
 def _get(data: Any, *keys: str) -> Any:
     for key in keys:
         if not isinstance(data, dict):
             return None
         data = data.get(key)
     return data
+
+
+def _local_name(path: Any) -> str | None:
+    """A local source folder by its name only: a published card does not show the author's file system."""
+    return Path(path).name if isinstance(path, str) else None
 
 
 def _fmt(value: Any, spec: str = "{:.6g}") -> str:
@@ -220,7 +231,7 @@ def _what_was_done(prov: dict[str, Any], base_model: str | None) -> str:
         parts.append(f"```bash\n{prov['command']}\n```")
     rows = [
         ("Tool", f"fp8kv {prov['version']}" if prov.get("version") else None),
-        ("Source", base_model or _get(prov, "source", "path")),
+        ("Source", base_model or _local_name(_get(prov, "source", "path"))),
         ("Source hash", _get(prov, "source", "content_hash") or _get(prov, "source", "sha256")),
         ("Strategy", prov.get("strategy")),
         ("Headroom", prov.get("headroom")),

@@ -146,3 +146,19 @@ def test_verify_never_writes_into_a_folder_fp8kv_did_not_write(judged, tmp_path,
     assert sorted(p.name for p in theirs.iterdir()) == before
     report = tmp_path / "fp8kv-verify" / "theirs" / "report.md"
     assert report.is_file() and f"report: {report}" in result.stdout
+
+
+def test_base_model_is_recorded_kept_and_overridable(judged, tmp_path, corpus):
+    from huggingface_hub import ModelCard
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert run("calibrate", judged, "--base-model", "org/tiny", "--out", first, "--dataset", corpus,
+               *DATA_ARGS).exit_code == 0
+    assert run("calibrate", first, "--out", second, "--dataset", corpus, *DATA_ARGS).exit_code == 0
+    assert json.loads((second / PROVENANCE_FILE).read_text())["source"]["base_model"] == "org/tiny"
+    assert run("card", second).exit_code == 0
+    assert ModelCard.load(second / CARD_FILE).data.base_model == "org/tiny"
+    assert run("card", second, "--base-model", "org/other").exit_code == 0
+    assert ModelCard.load(second / CARD_FILE).data.base_model == "org/other"
+    bad = run("card", second, "--base-model", "/local/path")
+    assert bad.exit_code == ExitCode.ERROR and "--base-model '/local/path': not a Hub model id" in bad.stderr

@@ -116,12 +116,23 @@ def test_push_writes_the_card_when_dir_has_only_the_source_readme(verified_dir: 
     assert (source_model / "README.md").read_text() == source_readme
 
 
-def test_push_keeps_an_existing_fp8kv_card(verified_dir: Path) -> None:
-    card = write_card(verified_dir)
+def test_push_keeps_an_existing_fp8kv_card_for_the_same_repo(verified_dir: Path) -> None:
+    card = write_card(verified_dir, repo_id="me/x")
     card.write_text(card.read_text() + "\nHand-written note.\n")
     plan, _ = push(verified_dir, "me/x", api=FakeHfApi())
     assert plan.card_text is None
     assert card.read_text().endswith("Hand-written note.\n")
+
+
+@pytest.mark.parametrize("written_for", [None, "me/other"])
+def test_push_rewrites_a_card_written_for_another_target(verified_dir: Path, written_for) -> None:
+    """`fp8kv card DIR` then `fp8kv push DIR --repo-id me/x`, the README's order, publishes a card for me/x."""
+    write_card(verified_dir, repo_id=written_for)
+    plan, _ = push(verified_dir, "me/x", api=FakeHfApi())
+    text = (verified_dir / "README.md").read_text()
+    assert plan.card_text == text
+    assert text.startswith("---") and "\n# me/x\n" in text and "vllm serve me/x --kv-cache-dtype" in text
+    assert f"vllm serve {verified_dir}" not in text and str(verified_dir.parent) not in text.split("## How to serve")[1]
 
 
 @pytest.mark.parametrize("verdict", ["FAIL", None])
