@@ -18,6 +18,9 @@ DEBUG_ENV = "FP8KV_DEBUG"
 BASE_MODEL_HELP = ("Hub id org/name of the model the scales are for (the card's base_model). Default: MODEL when it "
                    "is a Hub id or a Hub cache folder, else what the source's fp8kv.json or config.json records.")
 
+QUIET_HELP = ("No progress on stderr (notes and errors still print). Without a terminal, progress is plain "
+              "timestamped lines.")
+
 # `fp8kv --help` lists the commands in the order of the workflow.
 WORKFLOW = ("calibrate", "verify", "inspect", "convert", "card", "push")
 
@@ -199,6 +202,7 @@ def calibrate(
     ),
     base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
     json_output: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of the table."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
     device: str = typer.Option("auto", "--device", help="auto (cuda when available), cpu or cuda."),
     dtype: ModelDtype = typer.Option("auto", "--dtype", help="Model dtype (auto: the checkpoint's)."),
     trust_remote_code: bool = typer.Option(
@@ -217,6 +221,7 @@ def calibrate(
     from fp8kv.calibrate.distributed import is_writer
     from fp8kv.calibrate.pipeline import CalibrationRequest
     from fp8kv.calibrate.pipeline import calibrate as run_calibration
+    from fp8kv.progress import StageProgress
 
     request = CalibrationRequest(
         model=model, out=out,
@@ -226,8 +231,8 @@ def calibrate(
         device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
         base_model=base_model, command=report.command_line(),
     )
-    with report.progress_bar(enabled=not json_output and is_writer()) as progress:
-        result = run_calibration(request, progress=progress)
+    with StageProgress(quiet=quiet or json_output) as progress:
+        result = run_calibration(request, progress=progress if is_writer() else None)
     if is_writer():  # under torchrun, rank 0 speaks for all
         report.show(result, json_output=json_output)
 
@@ -277,9 +282,11 @@ def verify_command(
         None, "--unit-ppl-ratio", help="WARN when perplexity exceeds this x the unit-scale one [file: 1.01]."
     ),
     json_output: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     from fp8kv.calibrate.data import DataRequest
-    from fp8kv.verify.report import show, verify_progress
+    from fp8kv.progress import StageProgress
+    from fp8kv.verify.report import show
     from fp8kv.verify.run import VerifyRequest, verify
     from fp8kv.verify.verdict import load_thresholds
 
@@ -292,7 +299,7 @@ def verify_command(
         batch_size=batch_size, prompts=prompts, num_prompts=num_prompts, prompt_len=prompt_len,
         new_tokens=new_tokens, device=device, report_dir=report_dir, thresholds=thresholds,
     )
-    with verify_progress(enabled=not json_output) as progress:
+    with StageProgress(quiet=quiet or json_output) as progress:
         result = verify(request, progress=progress)
     show(result, json_output=json_output)
     raise typer.Exit(result.exit_code)

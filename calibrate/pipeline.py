@@ -30,10 +30,11 @@ from fp8kv.checkpoint.writer import (
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.hub.resolve import is_repo_id
+from fp8kv.progress import StageProgress, stage_callback
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Progress = Callable[[int, int], None]
-"""Called with (samples done, samples total) after every batch."""
+"""Called with (samples done, samples total) after every batch (one stage of a `StageProgress`)."""
 
 
 @dataclass(frozen=True)
@@ -73,28 +74,35 @@ class CalibrationResult:
     note: str | None
 
 
-def calibrate(request: CalibrationRequest, progress: Progress | None = None) -> CalibrationResult:
+def calibrate(request: CalibrationRequest, progress: StageProgress | None = None) -> CalibrationResult:
     """Calibrate static K/V scales for `request.model` and (with `request.out`) write the checkpoint.
 
     Everything is validated before the model loads; nothing is written unless every cache-owning
-    layer got a finite, non-zero scale (or `allow_unobserved`).
+    layer got a finite, non-zero scale (or `allow_unobserved`). A note about the data (a fallback
+    corpus, fewer samples) goes to `progress.note` before the observation starts.
     """
     strategy = _validate(request)
+    _stage(progress, "opening the checkpoint")
     source = SourceCheckpoint.open(resolve_model(request.model))
     if request.out is not None:
         check_output(source.path, request.out, request.overwrite)
         check_weight_method(request.convention, source)
     check_architecture(source, request.trust_remote_code)
     tokenizer = load_tokenizer(source.path, request.trust_remote_code)
+    _stage(progress, "loading calibration data")
     data = load_calibration_data(request.data, tokenizer)
+    if data.note and progress is not None:
+        progress.note(data.note)
     device = resolve_device(request.device)
+    observing = stage_callback(progress, f"observing K/V over {len(data.samples)} samples")
     with distributed.process_group(device):
         by_layer = layerwise.choose_layerwise(request.layerwise, source, request.dtype)
         execution = {"layerwise": by_layer, "processes": distributed.world_size(), "device": str(device)}
+        _stage(progress, "loading the model" + (" (one layer at a time)" if by_layer else ""))
         if by_layer:
-            statistics = layerwise.observe_layerwise(source, data, request, tokenizer, progress)
+            statistics = layerwise.observe_layerwise(source, data, request, tokenizer, observing)
         else:
-            statistics = observe(source.path, source.config, source.geometry, data, request, tokenizer, progress)
+            statistics = observe(source.path, source.config, source.geometry, data, request, tokenizer, observing)
         statistics = distributed.reduce_statistics(statistics, device)
     table = compute_scales(
         statistics,
@@ -112,6 +120,7 @@ def calibrate(request: CalibrationRequest, progress: Progress | None = None) -> 
     ]
     record = provenance(request, source, data, table, strategy, execution)
     if request.out is not None and distributed.is_writer():
+        _stage(progress, f"writing {request.out}")
         extra = {PROVENANCE_FILE: (json.dumps(record, indent=2) + "\n").encode()}
         write_checkpoint(
             source.path,
@@ -123,6 +132,11 @@ def calibrate(request: CalibrationRequest, progress: Progress | None = None) -> 
             extra_files=extra,
         )
     return CalibrationResult(source.path, request.out, table, scales, record, warnings, data.note)
+
+
+def _stage(progress: StageProgress | None, stage: str) -> None:
+    if progress is not None:
+        progress(stage)
 
 
 def observe(

@@ -368,6 +368,11 @@ def data_empty(env):
     return calibrate_args(env.shared["src"], env, data=path), str(path), "empty"
 
 
+def data_missing_path(env):
+    path = env.root / "data" / "calib.jsonl"
+    return calibrate_args(env.shared["src"], env, data=path), str(path), "no such file or folder"
+
+
 def data_too_short(env):
     path = write_jsonl(env.root / "short.jsonl", [{"text": "just one record"}])
     return calibrate_args(env.shared["src"], env, data=path), str(path), "found 1 non-empty records"
@@ -638,7 +643,7 @@ CASES = [Case(f.__name__, f) for f in (
     st_corrupt_header, st_truncated, st_header_too_large, st_too_short, st_non_finite_weights, st_missing_lm_head,
     index_missing_shard, index_parent_path, index_absolute_path, symlink_escaping, index_not_an_object,
     pickle_bin, pickle_pt,
-    data_empty, data_too_short, data_binary, data_wrong_column, data_no_text_column, data_unsupported_type,
+    data_empty, data_missing_path, data_too_short, data_binary, data_wrong_column, data_no_text_column, data_unsupported_type,
     data_chat_without_template, tokenizer_missing,
     out_exists, overwrite_user_folder, out_inside_source, out_is_a_file, out_unwritable, calibrate_out_unwritable,
     e5m2_in_compressed_tensors, per_head_in_modelopt, disk_full, disk_full_on_copy,

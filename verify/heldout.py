@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_data
+from fp8kv.calibrate.data import BUNDLED_DATASET, CalibrationData, DataRequest, load_calibration_data
 from fp8kv.calibrate.observe import KVStatistics
 from fp8kv.calibrate.pipeline import CalibrationRequest, Progress, observe
 from fp8kv.calibrate.scales import saturation_share
@@ -29,7 +29,7 @@ RAW_CAST_LIMIT = {"fp8_e4m3": 464.0, "fp8_e5m2": 59392.0}
 
 def load_heldout(request: DataRequest, tokenizer: Any) -> CalibrationData:
     """Tokenized held-out samples: `request.dataset`, or the bundled held-out split when it is None."""
-    if request.dataset is None:
+    if request.dataset in (None, BUNDLED_DATASET):
         if not BUNDLED_HELDOUT_TEXT.is_file():
             raise Fp8kvError(f"{BUNDLED_HELDOUT_TEXT}: the bundled held-out text is not installed; "
                              "pass --dataset with text the scales were not calibrated on")

@@ -6,13 +6,12 @@ Non-finite numbers (NaN perplexity of a broken cache) become null in JSON.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from fp8kv.checkpoint.writer import write_file_atomic
 
@@ -141,28 +140,6 @@ def plot_png(report: dict[str, Any]) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
     return buffer.getvalue()
-
-
-@contextlib.contextmanager
-def verify_progress(enabled: bool = True) -> Iterator[Callable[[str, int, int], None]]:
-    """A (stage, done, total) callback driving a bar on stderr; library progress bars are silenced."""
-    import datasets
-    import transformers
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
-               TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), disable=not enabled, transient=True) as bar:
-        task = bar.add_task("verifying", total=None)
-
-        def advance(stage: str, done: int, total: int) -> None:
-            bar.update(task, description=stage, completed=done, total=total)
-
-        yield advance
 
 
 def show(result: Any, json_output: bool = False) -> None:

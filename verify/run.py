@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fp8kv.calibrate.data import CalibrationData, DataRequest
 from fp8kv.calibrate.pipeline import load_tokenizer
@@ -22,6 +22,7 @@ from fp8kv.checkpoint.load import WeightsMismatch
 from fp8kv.checkpoint.writer import check_writable_location
 from fp8kv.errors import Fp8kvError
 from fp8kv.hub.resolve import looks_like_hub_id, split_hub_id
+from fp8kv.progress import StageProgress, stage_callback
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, generation, heldout
 from fp8kv.verify.report import REPORT_JSON, write_report
@@ -31,8 +32,6 @@ from fp8kv.verify.verdict import (
 )
 
 DEFAULT_REPORT_ROOT = "fp8kv-verify"
-StageProgress = Callable[[str, int, int], None]
-"""Called with (stage, done, total) as verify advances."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +71,7 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     check_writable_location(report_dir / REPORT_JSON)  # before the work, so its results are never lost
     timings: dict[str, float] = {}
     clock = time.perf_counter()
+    _stage(progress, "static checks")
     static = static_checks(model_dir)
     report = _base_report(static, runtime.kind, thresholds)
     reasons = list(static.reasons)
@@ -86,6 +86,7 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     outcome = verdict(reasons)
     report.update(verdict=outcome, exit_code=EXIT_CODES[outcome], timings_s=timings,
                   reasons=[{"level": r.level, "message": r.message} for r in reasons])
+    _stage(progress, f"writing the report to {report_dir}")
     write_report(report, report_dir)
     return VerifyResult(outcome, EXIT_CODES[outcome], report, report_dir)
 
@@ -144,20 +145,25 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
     assert scales is not None  # runnable implies scales
     kv_layers = source.geometry.kv_layers
     tokenizer = load_tokenizer(source.path, False)
+    _stage(progress, "loading held-out text")
     data = heldout.load_heldout(request.data, tokenizer)
+    if data.note and progress is not None:
+        progress.note(data.note)
     report.update(text_source=heldout.text_source(data), num_samples=len(data.samples), num_tokens=data.num_tokens)
     reasons = [Reason(WARN, note) for note in [heldout.calibration_overlap(source, data)] if note]
 
     clock = time.perf_counter()
     stats_device = "cuda" if device == "cuda" else "cpu"  # the observer runs on torch devices
+    _stage(progress, "loading the model")
     statistics = heldout.observe_heldout(source, data, tokenizer, stats_device, request.batch_size,
-                                         _stage(progress, "observing K/V"))
+                                         stage_callback(progress, "observing K/V (samples)"))
     rows = heldout.layer_rows(statistics, scales, kv_layers)
     timings["observe"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
     prompts = _prompts(request, data, tokenizer)
     longest = max(max(len(s) for s in data.samples), max(len(p) for p in prompts) + request.new_tokens)
+    _stage(progress, f"loading the fp8 runtime ({request.device})")
     runners = accuracy.Runners.open(
         source.path, scales, kv_layers, device=request.device, page_size=request.page_size,
         max_model_len=longest, max_num_seqs=max(request.batch_size, 2 * len(prompts)),
@@ -170,12 +176,13 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
 
     clock = time.perf_counter()
     report["accuracy"] = accuracy.measure_accuracy(runners, data.samples, request.batch_size,
-                                                   _stage(progress, "comparing caches"))
+                                                   stage_callback(progress, "bf16 / fp8 / unit-scale caches (samples)"))
     counts = accuracy.cache_counts(runners.fp8)
     timings["accuracy"] = time.perf_counter() - clock
     report["layers"] = [{**row, **counts[row["layer"]]} for row in rows]
 
     clock = time.perf_counter()
+    _stage(progress, f"greedy generation ({len(prompts)} prompts x {request.new_tokens} tokens)")
     gen = generation.compare_generation(runners.bf16, runners.fp8, prompts, request.new_tokens)
     timings["generation"] = time.perf_counter() - clock
     report["generation"] = {key: gen[key] for key in ("prefill_match", "decode_match", "prefix_match")}
@@ -192,7 +199,6 @@ def _prompts(request: VerifyRequest, data: CalibrationData, tokenizer: Any) -> l
     return [sample[: request.prompt_len] for sample in data.samples[: request.num_prompts]]
 
 
-def _stage(progress: StageProgress | None, stage: str) -> Callable[[int, int], None] | None:
-    if progress is None:
-        return None
-    return lambda done, total: progress(stage, done, total)
+def _stage(progress: StageProgress | None, stage: str) -> None:
+    if progress is not None:
+        progress(stage)
