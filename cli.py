@@ -66,6 +66,7 @@ app = typer.Typer(
     cls=_Group,
     no_args_is_help=True,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
     # Help texts show tensor shapes like [num_kv_heads,1,1]; rich markup would swallow them.
     rich_markup_mode=None,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from fp8kv import __version__
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, describes_source_only, is_fp8kv_output
@@ -198,8 +198,8 @@ def _write_scales(path: Path, source: SourceCheckpoint, scales: KVScales, conven
         if convention != "compressed-tensors":  # ModelOpt and Quark store 0-dim scalars
             k, v = k.reshape(()), v.reshape(())
         tensors[k_name], tensors[v_name] = k.contiguous(), v.contiguous()
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    _fsync_file(path)
+    # Serialized in memory and written like every other file (safetensors' save_file creates it 0600).
+    _write_bytes(path, save(tensors, metadata={"format": "pt"}))
     return dict.fromkeys(tensors, SCALES_FILE)
 
 

@@ -54,6 +54,12 @@ def test_recalibrated_output_carries_nothing_of_its_source(judged, tmp_path, cor
     assert json.loads((out / PROVENANCE_FILE).read_text())["strategy"] == "percentile:90"
 
 
+def test_every_written_file_gets_the_same_permissions(judged):
+    modes = {path.name: path.stat().st_mode & 0o777 for path in judged.iterdir()
+             if path.is_file() and path.stat().st_nlink == 1 and path.name != CARD_FILE}
+    assert modes["kv_scales.safetensors"] == modes["config.json"] == modes[PROVENANCE_FILE], modes
+
+
 def test_converted_output_has_its_own_provenance(judged, tmp_path):
     out = tmp_path / "conv"
     result = run("convert", judged, "--to", "modelopt", "--out", out)
@@ -162,3 +168,19 @@ def test_base_model_is_recorded_kept_and_overridable(judged, tmp_path, corpus):
     assert ModelCard.load(second / CARD_FILE).data.base_model == "org/other"
     bad = run("card", second, "--base-model", "/local/path")
     assert bad.exit_code == ExitCode.ERROR and "--base-model '/local/path': not a Hub model id" in bad.stderr
+
+
+def test_verify_takes_a_hub_id_and_never_writes_into_the_hub_cache(judged, tmp_path, corpus, monkeypatch):
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(judged, snapshot, ignore=shutil.ignore_patterns("verify", "eval"))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in snapshot.iterdir())
+    result = run("verify", "org/tiny", "--dataset", corpus, "--num-samples", "2", "--seq-len", "16", "--num-prompts",
+                 "1", "--new-tokens", "1", "--device", "cpu")
+    assert result.exit_code in (ExitCode.PASS, ExitCode.WARN), result.output
+    assert (tmp_path / "fp8kv-verify" / "org--tiny" / "report.json").is_file()
+    assert sorted(p.name for p in snapshot.iterdir()) == before

@@ -87,3 +87,24 @@ def test_vllm_spelling_fp8_means_e4m3(factory_checkpoint, corpus, tmp_path):
                                       corpus, "--num-samples", "2", "--seq-len", "16", "--kv-dtype", "fp8"])
     assert result.exit_code == 0, result.output
     assert json.loads((out / "fp8kv.json").read_text())["kv_dtype"] == "fp8_e4m3"
+
+
+def test_dash_h_is_help():
+    for args in (["-h"], ["verify", "-h"], ["calibrate", "-h"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0 and "Usage: " in result.output
+
+
+def test_verify_help_documents_the_exit_codes():
+    text = " ".join(CliRunner().invoke(app, ["verify", "--help"]).output.split())
+    assert "Exit codes: 0 PASS, 1 WARN, 2 USAGE, 3 FAIL, 4 ERROR, 5 CRASH." in text
+
+
+def test_an_unexpected_exception_is_a_crash_never_warn(monkeypatch):
+    def broken(*args, **kwargs):
+        raise KeyError("bug")
+
+    monkeypatch.setattr("fp8kv.verify.run.verify", broken)
+    result = CliRunner().invoke(app, ["verify", "bundled"])
+    assert result.exit_code == ExitCode.CRASH
+    assert "fp8kv: internal error: KeyError: 'bug' (a bug in fp8kv; rerun with FP8KV_DEBUG=1" in result.stderr

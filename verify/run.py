@@ -21,7 +21,7 @@ from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import WeightsMismatch
 from fp8kv.checkpoint.writer import check_writable_location
 from fp8kv.errors import Fp8kvError
-from fp8kv.hub.resolve import looks_like_hub_id, split_hub_id
+from fp8kv.hub.resolve import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
 from fp8kv.progress import StageProgress, stage_callback
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, generation, heldout
@@ -92,10 +92,11 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
 
 
 def report_location(model: str, model_dir: Path, requested: Path | None) -> Path:
-    """`--report`; else DIR/verify when fp8kv wrote DIR; else ./fp8kv-verify/NAME, never inside a user's folder."""
+    """`--report`; else DIR/verify when fp8kv wrote DIR; else ./fp8kv-verify/NAME, never inside a user's folder
+    or the Hub cache."""
     if requested is not None:
         return Path(requested)
-    if is_fp8kv_output(model_dir):
+    if is_fp8kv_output(model_dir) and repo_id_from_cache_path(model_dir) is None:  # a Hub cache is not ours
         return model_dir / VERIFY_DIR
     name = split_hub_id(model)[0].replace("/", "--") if looks_like_hub_id(model) else Path(model).resolve().name
     return Path.cwd() / DEFAULT_REPORT_ROOT / (name or "model")
@@ -190,7 +191,8 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
                                                                "greedy_tokens")}
     nan_with_clamp = {row["layer"]: row["nan_with_clamp"] for row in report["layers"] if row["nan_with_clamp"]}
     reasons += accuracy_reasons(report["accuracy"], nan_with_clamp, thresholds)
-    return reasons + heldout_reasons(report["layers"], thresholds)
+    return reasons + heldout_reasons(report["layers"], thresholds, scales.fp8_max,
+                                     heldout.RAW_CAST_LIMIT[scales.kv_dtype])
 
 
 def _prompts(request: VerifyRequest, data: CalibrationData, tokenizer: Any) -> list[list[int]]:

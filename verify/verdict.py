@@ -82,22 +82,39 @@ def verdict(reasons: list[Reason]) -> str:
     return "FAIL" if FAIL in levels else "WARN" if WARN in levels else "PASS"
 
 
-def heldout_reasons(layers: list[dict[str, Any]], thresholds: Thresholds) -> list[Reason]:
-    """Saturation above its bound, and NaN/inf a non-clamping engine would make, named per layer."""
+def heldout_reasons(layers: list[dict[str, Any]], thresholds: Thresholds, fp8_max: float,
+                    raw_limit: float) -> list[Reason]:
+    """Saturation above its bound, and NaN/inf a non-clamping engine would make, named per layer with the fix.
+
+    `fp8_max` is the dtype's largest value (448 for e4m3); a raw cast gives NaN/inf above `raw_limit` (464).
+    """
     reasons = []
     for row in layers:
         for kind in ("k", "v"):
-            share = row.get(f"{kind}_saturation")
+            share, ratio = row.get(f"{kind}_saturation"), row[f"{kind}_max_ratio"]
             if share is not None and share > thresholds.saturation:
-                reasons.append(Reason(WARN, f"layer {row['layer']}: {share:.3%} of {kind.upper()} values saturate "
-                                            f"at ±MAX (bound {thresholds.saturation:g}); max |x|/scale "
-                                            f"{row[f'{kind}_max_ratio']:.4g}"))
+                reasons.append(Reason(WARN, f"layer {row['layer']}: {share:.3%} of {kind.upper()} values saturate at "
+                                            f"±{fp8_max:g} (WARN above {thresholds.saturation:.3%}); the largest "
+                                            f"|x|/scale is {ratio:.4g}, {ratio / fp8_max - 1:.1%} past the calibrated "
+                                            f"range. Engines that clamp store them as ±{fp8_max:g}. "
+                                            + _headroom_fix(ratio, fp8_max)))
     risky = [row for row in layers if row.get("nan_without_clamp", 0) > thresholds.nan_without_clamp]
     if risky:
         named = ", ".join(f"layer {row['layer']} ({row['nan_without_clamp']})" for row in risky)
-        reasons.append(Reason(WARN, f"NaN risk on engines that do not clamp: a raw fp8 cast would write NaN/inf "
-                                    f"values in {named}"))
+        worst = max(max(row["k_max_ratio"], row["v_max_ratio"]) for row in risky)
+        reasons.append(Reason(WARN, f"NaN risk on engines that do not clamp: a raw fp8 cast turns |x|/scale above "
+                                    f"{raw_limit:g} into NaN/inf, which would hit values of this text in {named} "
+                                    f"(largest |x|/scale {worst:.4g}); engines that clamp first (vLLM on CUDA and "
+                                    f"TPU) are safe, SGLang-style division then cast is not. "
+                                    + _headroom_fix(worst, fp8_max)))
     return reasons
+
+
+def _headroom_fix(ratio: float, fp8_max: float) -> str:
+    """The smallest --headroom (2 decimals) under which `ratio` fits the fp8 range, as advice."""
+    headroom = max(1.01, math.ceil(ratio / fp8_max * 100) / 100)
+    return (f"Fix: recalibrate with --headroom {headroom:.2f} (every scale x{headroom:.2f}; e4m3's relative "
+            "precision is the same across its range, so this costs almost nothing) or on text like this.")
 
 
 def accuracy_reasons(accuracy: dict[str, Any], nan_with_clamp: dict[int, int], thresholds: Thresholds) -> list[Reason]:
