@@ -171,8 +171,9 @@ def calibrate(
     out: Path | None = typer.Option(None, "--out", help="Output folder (created atomically). Omit to only report scales."),
     dataset: str | None = typer.Option(
         None, "--dataset",
-        help="Local .txt/.jsonl/.json/.parquet/.csv file or folder, or a dataset name. "
-        "Default: HuggingFaceH4/ultrachat_200k (train_sft); the bundled corpus when that cannot be loaded.",
+        help="'bundled' (the bundled calibration split), a local .txt/.jsonl/.json/.parquet/.csv file or folder, "
+        "or a Hub dataset org/name. Default: HuggingFaceH4/ultrachat_200k (train_sft); the bundled corpus, "
+        "announced before the work, when that cannot be loaded.",
     ),
     split: str | None = typer.Option(None, "--split", help="Dataset split (default train_sft; local files: train)."),
     text_column: str | None = typer.Option(
@@ -246,8 +247,8 @@ def verify_command(
         "or 'bundled'.",
     ),
     dataset: str | None = typer.Option(
-        None, "--dataset", help="Held-out text: local .txt/.jsonl/.json/.parquet/.csv or a dataset name. "
-        "Default: the bundled model's held-out split (never the calibration data).",
+        None, "--dataset", help="Held-out text: 'bundled' (the bundled held-out split, the default; never the "
+        "calibration data), a local .txt/.jsonl/.json/.parquet/.csv file or folder, or a Hub dataset org/name.",
     ),
     split: str | None = typer.Option(None, "--split", help="Dataset split (local files: train)."),
     text_column: str | None = typer.Option(None, "--text-column", help="Column with the text (default: 'text', else 'messages')."),

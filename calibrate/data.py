@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.models import BUNDLED_CALIBRATION_TEXT
+from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_MODEL_ALIAS
 
 DEFAULT_DATASET = "HuggingFaceH4/ultrachat_200k"
 DEFAULT_SPLIT = "train_sft"
@@ -28,7 +28,7 @@ LOCAL_SPLIT = "train"
 # Local file suffix -> datasets builder. Text files give one sample per paragraph.
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 HUB_PROBE_SECONDS = 3.0
-BUNDLED_DATASET = "bundled"
+BUNDLED_DATASET = BUNDLED_MODEL_ALIAS
 """`--dataset bundled`: the bundled model's calibration split (verify: its held-out split)."""
 FALLBACK_NOTE = (
     f"{DEFAULT_DATASET} cannot be loaded (offline and not cached), so the scales are calibrated on the bundled "

@@ -475,7 +475,7 @@ def disk_full(env, monkeypatch):
 
     monkeypatch.setattr(writer_module, "_write_bytes", no_space)
     return ["calibrate", str(env.shared["src"]), "--dataset", str(env.data), *DATA_ARGS, "--out", str(env.out)], \
-        "index.json", "No space left on device"
+        "kv_scales.safetensors", "No space left on device"
 
 
 def disk_full_on_copy(env, monkeypatch):

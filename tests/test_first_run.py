@@ -90,3 +90,19 @@ def test_readme_quickstart_runs_offline_from_another_folder(tmp_path):
     stages = [line for line in proc.stderr.splitlines() if STAMP.match(line)]
     assert any("observing K/V over 8 samples" in line for line in stages), proc.stderr
     assert (out / "fp8kv.json").is_file()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_in_a_terminal_every_stage_shows_with_counts_and_eta():
+    stream = _Terminal()
+    with StageProgress(stream=stream) as progress:
+        progress("loading the model")
+        progress("observing K/V (samples)", 3, 8)
+        progress("comparing caches (samples)", 8, 8)
+    text = stream.getvalue()
+    for shown in ("loading the model", "observing K/V (samples)", "3/8", "comparing caches (samples)", "8/8", "ETA"):
+        assert shown in text, text
