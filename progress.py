@@ -8,6 +8,7 @@ the results mean (a fallback dataset, fewer samples than asked).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Callable, TextIO
@@ -93,10 +94,17 @@ def _eta(elapsed: float, done: int, total: int | None) -> str:
 
 
 def _silence_library_progress() -> None:
-    """datasets' and transformers' own bars would interleave with ours."""
-    import datasets
-    import transformers
+    """datasets', transformers' and huggingface_hub's own bars would interleave with ours.
 
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    Set through their environment variables, so that a command refused in its first second never
+    imports them; a library already imported is told directly.
+    """
+    for name in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(name, "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
+    if "transformers" in sys.modules:
+        logging = sys.modules["transformers"].utils.logging
+        logging.disable_progress_bar()
+        logging.set_verbosity_error()
