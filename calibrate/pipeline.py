@@ -288,8 +288,8 @@ def _validate(request: CalibrationRequest) -> Strategy:
         raise Fp8kvError(f"--mode {request.mode!r}: choose one of {', '.join(MODES)}")
     if request.base_model is not None and not is_repo_id(request.base_model):
         raise Fp8kvError(f"--base-model {request.base_model!r}: not a Hub model id org/name")
-    check_representable(request.convention, "attn_head" if request.per_head else "tensor", request.kv_dtype)
-    if request.out is not None:
+    if request.out is not None:  # without --out nothing is written, so any format goes
+        check_representable(request.convention, "attn_head" if request.per_head else "tensor", request.kv_dtype)
         check_writable_location(Path(request.out).absolute())
     resolve_device(request.device)
     return strategy
