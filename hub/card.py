@@ -52,6 +52,8 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 def read_provenance(out_dir: Path) -> dict[str, Any]:
     """`DIR/fp8kv.json`; `Fp8kvError` when DIR is not an fp8kv calibrate output."""
+    if Path(out_dir).is_file():
+        raise Fp8kvError(f"{out_dir}: is a file, not a folder; pass the folder `fp8kv calibrate` wrote")
     data = read_json(Path(out_dir) / PROVENANCE_FILE)
     if data is None:
         raise Fp8kvError(f"{out_dir}: no {PROVENANCE_FILE}; pass a folder written by `fp8kv calibrate`")

@@ -631,6 +631,18 @@ def card_report_without_digest(env):
     return ["card", str(ckpt)], "report.json", "has no valid checkpoint digest"
 
 
+def card_given_a_file(env):
+    path = env.root / "README.md"
+    path.write_text("# not a folder")
+    return ["card", str(path)], str(path), "is a file, not a folder"
+
+
+def verify_prompts_is_a_folder(env):
+    (env.root / "prompts").mkdir()
+    return ["verify", str(env.copy("calibrated")), "--prompts", str(env.root / "prompts")], \
+        str(env.root / "prompts"), "is a folder; --prompts takes a text file"
+
+
 def card_not_calibrated(env):
     src = env.copy("src")
     return ["card", str(src)], str(src), "no fp8kv.json"
@@ -653,7 +665,7 @@ CASES = [Case(f.__name__, f) for f in (
     verify_missing_prompts, verify_report_unwritable, verify_model_is_a_file,
     push_invalid_repo_id, push_missing_dir, push_not_verified, push_corrupt_report, push_failed_verdict, push_stale_report,
     card_report_without_digest,
-    card_not_calibrated,
+    card_not_calibrated, card_given_a_file, verify_prompts_is_a_folder,
 )]
 
 

@@ -108,6 +108,8 @@ def _validate(request: VerifyRequest) -> None:
                         ("--num-samples", request.data.num_samples), ("--seq-len", request.data.seq_len)):
         if value < 1:
             raise Fp8kvError(f"{name} must be at least 1, got {value}")
+    if request.prompts is not None and Path(request.prompts).is_dir():
+        raise Fp8kvError(f"{request.prompts}: is a folder; --prompts takes a text file, one prompt per line")
     if request.prompts is not None and not Path(request.prompts).is_file():
         raise Fp8kvError(f"{request.prompts}: no such prompts file (one prompt per line)")
 
