@@ -18,6 +18,7 @@ DEBUG_ENV = "FP8KV_DEBUG"
 BASE_MODEL_HELP = ("Hub id org/name of the model the scales are for (the card's base_model). Default: MODEL when it "
                    "is a Hub id or a Hub cache folder, else what the source's fp8kv.json or config.json records.")
 
+OVERWRITE_HELP = "Replace --out if it is empty or fp8kv wrote it (its fp8kv.json is there); never another folder."
 QUIET_HELP = ("No progress on stderr (notes and errors still print). Without a terminal, progress is plain "
               "timestamped lines.")
 
@@ -152,7 +153,7 @@ def convert_command(
     model: Path = typer.Argument(..., help="Checkpoint folder holding KV scales in any convention."),
     to: Convention = typer.Option(..., "--to", help="Target convention."),
     out: Path = typer.Option(..., "--out", help="Output folder (written atomically)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+    overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP),
     mode: WriteMode = typer.Option("overlay", "--mode", help="overlay (hard-link weights) or copy."),
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
@@ -199,9 +200,7 @@ def calibrate(
     ),
     mode: WriteMode = typer.Option("overlay", "--mode", help="overlay: hard-link the source weights; copy: a self-contained copy."),
     format: Convention = typer.Option("compressed-tensors", "--format", help="Scale convention."),
-    overwrite: bool = typer.Option(
-        False, "--overwrite", help="Replace --out if it is empty or fp8kv wrote it (never another folder)."
-    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP),
     base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
     json_output: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of the table."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
