@@ -9,13 +9,18 @@ import typer
 from typer.core import TyperGroup
 
 from fp8kv import __version__
-from fp8kv.errors import Fp8kvError
+from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError
+from fp8kv.options import Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, WriteMode, kv_dtype_name
 
 DEBUG_ENV = "FP8KV_DEBUG"
 
 
-ERROR_EXIT_CODE = 2
+BASE_MODEL_HELP = ("Hub id org/name of the model the scales are for (the card's base_model). Default: MODEL when it "
+                   "is a Hub id or a Hub cache folder, else what the source's fp8kv.json or config.json records.")
 
+OVERWRITE_HELP = "Replace --out if it is empty or fp8kv wrote it (its fp8kv.json is there); never another folder."
+QUIET_HELP = ("No progress on stderr (notes and errors still print). Without a terminal, progress is plain "
+              "timestamped lines.")
 
 # `fp8kv --help` lists the commands in the order of the workflow.
 WORKFLOW = ("calibrate", "verify", "inspect", "convert", "card", "push")
@@ -36,7 +41,20 @@ class _Group(TyperGroup):
                 raise
             # typer 0.29 vendors its own click, so a plain click.ClickException would not be caught.
             typer.echo(f"fp8kv: error: {_one_line(exc)}", err=True)
-            raise typer.Exit(ERROR_EXIT_CODE) from None
+            raise typer.Exit(ExitCode.ERROR) from None
+        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # a bug: never exit 0 or with verify's WARN code
+            if os.environ.get(DEBUG_ENV) or _is_usage_error(exc):
+                raise
+            typer.echo(f"fp8kv: internal error: {type(exc).__name__}: {_one_line(exc)} "
+                       f"(a bug in fp8kv; rerun with {DEBUG_ENV}=1 for the traceback)", err=True)
+            raise typer.Exit(ExitCode.CRASH) from None
+
+
+def _is_usage_error(exc: Exception) -> bool:
+    """typer's own exceptions (bad option, --help) carry their exit code; let typer handle them."""
+    return type(exc).__module__.startswith(("click", "typer"))
 
 
 def _one_line(exc: Exception) -> str:
@@ -49,6 +67,7 @@ app = typer.Typer(
     cls=_Group,
     no_args_is_help=True,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
     # Help texts show tensor shapes like [num_kv_heads,1,1]; rich markup would swallow them.
     rich_markup_mode=None,
@@ -75,13 +94,15 @@ def _root(
 def card(
     out_dir: Path = typer.Argument(..., metavar="DIR", help="Folder written by `fp8kv calibrate`."),
     repo_id: str | None = typer.Option(
-        None, "--repo-id", help="Hub id to name in the serve commands (default: the folder path)."
+        None, "--repo-id", help="Hub id to name in the serve commands (default: the folder path; `push` "
+        "rewrites a card that names another target)."
     ),
+    base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
 ) -> None:
     """Write DIR/README.md: Hub metadata, provenance, per-layer scales, verify results, serve commands."""
     from fp8kv.hub.card import write_card
 
-    typer.echo(f"Wrote {write_card(out_dir, repo_id=repo_id)}")
+    typer.echo(f"Wrote {write_card(out_dir, repo_id=repo_id, base_model=base_model)}")
 
 
 @app.command()
@@ -130,15 +151,16 @@ def inspect_command(
 @app.command("convert")
 def convert_command(
     model: Path = typer.Argument(..., help="Checkpoint folder holding KV scales in any convention."),
-    to: str = typer.Option(..., "--to", help="Target convention: compressed-tensors, modelopt, quark or vllm-json."),
+    to: Convention = typer.Option(..., "--to", help="Target convention."),
     out: Path = typer.Option(..., "--out", help="Output folder (written atomically)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
-    mode: str = typer.Option("overlay", "--mode", help="overlay (hard-link weights) or copy."),
+    overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP),
+    mode: WriteMode = typer.Option("overlay", "--mode", help="overlay (hard-link weights) or copy."),
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
+    from fp8kv.calibrate.report import command_line
     from fp8kv.checkpoint.interop import convert_checkpoint, engine_flag
 
-    written = convert_checkpoint(model, out, to, overwrite=overwrite, mode=mode)
+    written = convert_checkpoint(model, out, to, overwrite=overwrite, mode=mode, command=command_line())
     typer.echo(f"wrote {written} ({to})")
     if to == "vllm-json":
         typer.echo(f"load it with: vllm serve {written} {engine_flag(written)}")
@@ -150,37 +172,40 @@ def calibrate(
     out: Path | None = typer.Option(None, "--out", help="Output folder (created atomically). Omit to only report scales."),
     dataset: str | None = typer.Option(
         None, "--dataset",
-        help="Local .txt/.jsonl/.json/.parquet/.csv file or folder, or a dataset name. "
-        "Default: HuggingFaceH4/ultrachat_200k (train_sft); the bundled corpus when that cannot be loaded.",
+        help="'bundled' (the bundled calibration split), a local .txt/.jsonl/.json/.parquet/.csv file or folder, "
+        "or a Hub dataset org/name. Default: HuggingFaceH4/ultrachat_200k (train_sft); the bundled corpus, "
+        "announced before the work, when that cannot be loaded.",
     ),
     split: str | None = typer.Option(None, "--split", help="Dataset split (default train_sft; local files: train)."),
     text_column: str | None = typer.Option(
         None, "--text-column", help="Column with the text (default: 'text', else chat 'messages')."
     ),
-    num_samples: int = typer.Option(512, "--num-samples", help="Records to calibrate on; one record is one sample."),
-    seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per sample at most (longer records are truncated)."),
-    batch_size: int = typer.Option(8, "--batch-size", help="Samples per forward pass (right-padded; padding is never observed)."),
+    num_samples: int = typer.Option(512, "--num-samples", min=1, help="Records to calibrate on; one record is one sample."),
+    seq_len: int = typer.Option(2048, "--seq-len", min=1, help="Tokens per sample at most (longer records are truncated)."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Samples per forward pass (right-padded; padding is never observed)."),
     seed: int = typer.Option(42, "--seed", help="Shuffle seed: same inputs, same samples, same scales."),
-    kv_dtype: str = typer.Option("fp8_e4m3", "--kv-dtype", help="KV-cache dtype: fp8_e4m3 (MAX 448) or fp8_e5m2 (MAX 57344)."),
+    kv_dtype: KvDtypeSpelling = typer.Option(
+        "fp8_e4m3", "--kv-dtype", help="KV-cache dtype: fp8_e4m3 (MAX 448; vLLM's 'fp8') or fp8_e5m2 (MAX 57344)."
+    ),
     strategy: str = typer.Option(
         "amax", "--strategy",
         help="Clip value mapped to MAX: amax (nothing saturates; amax/scale <= MAX guaranteed), "
         "percentile:P (P-th percentile of |x|), or mse (least squared fp8 error). "
         "percentile and mse give scales below amax/MAX on purpose, so some values saturate.",
     ),
-    headroom: float = typer.Option(1.0, "--headroom", help="Multiply every scale by F >= 1."),
+    headroom: float = typer.Option(1.0, "--headroom", min=1.0, help="Multiply every scale by F >= 1."),
     per_head: bool = typer.Option(False, "--per-head", help="One scale per KV head ([num_kv_heads,1,1], attn_head strategy)."),
     allow_unobserved: bool = typer.Option(
         False, "--allow-unobserved", help="Write 1.0 (with a warning) for layers whose K/V were all zero or never seen."
     ),
-    mode: str = typer.Option("overlay", "--mode", help="overlay: hard-link the source weights; copy: a self-contained copy."),
-    format: str = typer.Option(
-        "compressed-tensors", "--format", help="Scale convention: compressed-tensors, modelopt, quark or vllm-json."
-    ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out folder."),
+    mode: WriteMode = typer.Option("overlay", "--mode", help="overlay: hard-link the source weights; copy: a self-contained copy."),
+    format: Convention = typer.Option("compressed-tensors", "--format", help="Scale convention."),
+    overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP),
+    base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
     json_output: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of the table."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
     device: str = typer.Option("auto", "--device", help="auto (cuda when available), cpu or cuda."),
-    dtype: str = typer.Option("auto", "--dtype", help="Model dtype: auto (the checkpoint's), float32, bfloat16, float16."),
+    dtype: ModelDtype = typer.Option("auto", "--dtype", help="Model dtype (auto: the checkpoint's)."),
     trust_remote_code: bool = typer.Option(
         False, "--trust-remote-code",
         help="Run Python code shipped inside the checkpoint (custom architectures). Only for checkpoints you trust.",
@@ -197,42 +222,50 @@ def calibrate(
     from fp8kv.calibrate.distributed import is_writer
     from fp8kv.calibrate.pipeline import CalibrationRequest
     from fp8kv.calibrate.pipeline import calibrate as run_calibration
+    from fp8kv.progress import StageProgress
 
     request = CalibrationRequest(
         model=model, out=out,
         data=DataRequest(dataset, split, text_column, num_samples, seq_len, seed),
-        batch_size=batch_size, kv_dtype=kv_dtype, strategy=strategy, headroom=headroom, per_head=per_head,
+        batch_size=batch_size, kv_dtype=kv_dtype_name(kv_dtype), strategy=strategy, headroom=headroom, per_head=per_head,
         allow_unobserved=allow_unobserved, mode=mode, convention=format, overwrite=overwrite,
         device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
-        command=report.command_line(),
+        base_model=base_model, command=report.command_line(),
     )
-    with report.progress_bar(enabled=not json_output and is_writer()) as progress:
-        result = run_calibration(request, progress=progress)
+    with StageProgress(quiet=quiet or json_output) as progress:
+        result = run_calibration(request, progress=progress if is_writer() else None)
     if is_writer():  # under torchrun, rank 0 speaks for all
         report.show(result, json_output=json_output)
 
 
-@app.command("verify")
+@app.command("verify", help="Check a checkpoint's KV scales: present, read back exactly, safe and cheap in "
+             f"accuracy.\n\n{EXIT_CODE_TABLE}")
 def verify_command(
-    model_dir: Path = typer.Argument(..., metavar="DIR", help="Checkpoint folder with KV scales (any convention)."),
+    model_dir: str = typer.Argument(
+        ..., metavar="MODEL", help="Checkpoint with KV scales (any convention): a folder, a Hub id org/name[@revision], "
+        "or 'bundled'.",
+    ),
     dataset: str | None = typer.Option(
-        None, "--dataset", help="Held-out text: local .txt/.jsonl/.json/.parquet/.csv or a dataset name. "
-        "Default: the bundled model's held-out split (never the calibration data).",
+        None, "--dataset", help="Held-out text: 'bundled' (the bundled held-out split, the default; never the "
+        "calibration data), a local .txt/.jsonl/.json/.parquet/.csv file or folder, or a Hub dataset org/name.",
     ),
     split: str | None = typer.Option(None, "--split", help="Dataset split (local files: train)."),
     text_column: str | None = typer.Option(None, "--text-column", help="Column with the text (default: 'text', else 'messages')."),
-    num_samples: int = typer.Option(16, "--num-samples", help="Held-out records to evaluate; one record is one sample."),
-    seq_len: int = typer.Option(256, "--seq-len", help="Tokens per sample at most."),
-    batch_size: int = typer.Option(4, "--batch-size", help="Samples per step."),
+    num_samples: int = typer.Option(16, "--num-samples", min=1, help="Held-out records to evaluate; one record is one sample."),
+    seq_len: int = typer.Option(256, "--seq-len", min=1, help="Tokens per sample at most."),
+    batch_size: int = typer.Option(4, "--batch-size", min=1, help="Samples per step."),
     seed: int = typer.Option(42, "--seed", help="Shuffle seed of the held-out records."),
-    device: str = typer.Option("auto", "--device", help="auto, tpu, xla-cpu, cuda or cpu."),
+    device: RuntimeChoice = typer.Option("auto", "--device", help="Where the fp8 runtime runs (auto: TPU, else CUDA, else CPU)."),
     prompts: Path | None = typer.Option(
         None, "--prompts", help="Text file, one prompt per line, for the greedy generations (default: held-out prefixes)."
     ),
-    num_prompts: int = typer.Option(4, "--num-prompts", help="Held-out prefixes used as prompts without --prompts."),
-    prompt_len: int = typer.Option(32, "--prompt-len", help="Tokens per held-out prefix prompt."),
-    new_tokens: int = typer.Option(8, "--new-tokens", help="Greedy decode steps per prompt."),
-    report_dir: Path | None = typer.Option(None, "--report", help="Report folder (default: DIR/verify)."),
+    num_prompts: int = typer.Option(4, "--num-prompts", min=1, help="Held-out prefixes used as prompts without --prompts."),
+    prompt_len: int = typer.Option(32, "--prompt-len", min=1, help="Tokens per held-out prefix prompt."),
+    new_tokens: int = typer.Option(8, "--new-tokens", min=1, help="Greedy decode steps per prompt."),
+    report_dir: Path | None = typer.Option(
+        None, "--report", help="Report folder. Default: MODEL/verify when fp8kv wrote MODEL (its fp8kv.json is there), "
+        "else ./fp8kv-verify/NAME: verify never writes into a folder fp8kv did not write.",
+    ),
     thresholds_file: Path | None = typer.Option(
         None, "--thresholds", help="TOML file overriding configs/verify.toml ([fail] kl_mean, [warn] saturation, ...)."
     ),
@@ -240,7 +273,7 @@ def verify_command(
     max_saturation: float | None = typer.Option(
         None, "--max-saturation", help="WARN when a layer clamps a larger share of K or V [file: 1e-4]."
     ),
-    engine: str = typer.Option(
+    engine: EngineChoice = typer.Option(
         "all", "--engine", help="Engine cast model(s) to run: clamp (saturating), raw (plain cast), raw-bf16 "
         "(bf16 division, plain cast) or all. Any engine whose logits go NaN/inf is a FAIL."
     ),
@@ -251,11 +284,12 @@ def verify_command(
         None, "--unit-ppl-ratio", help="WARN when perplexity exceeds this x the unit-scale one [file: 1.01]."
     ),
     json_output: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
-    """Check a checkpoint's KV scales: present, read back exactly, safe and cheap in accuracy. Exit 0 PASS, 1 WARN, 2 FAIL."""
     from fp8kv.calibrate.data import DataRequest
-    from fp8kv.verify.report import show, verify_progress
+    from fp8kv.progress import StageProgress
     from fp8kv.verify.engines import parse_engines
+    from fp8kv.verify.report import show
     from fp8kv.verify.run import VerifyRequest, verify
     from fp8kv.verify.verdict import load_thresholds
 
@@ -268,7 +302,7 @@ def verify_command(
         new_tokens=new_tokens, device=device, report_dir=report_dir, thresholds=thresholds,
         engines=parse_engines(engine),
     )
-    with verify_progress(enabled=not json_output) as progress:
+    with StageProgress(quiet=quiet or json_output) as progress:
         result = verify(request, progress=progress)
     show(result, json_output=json_output)
     raise typer.Exit(result.exit_code)

@@ -7,14 +7,16 @@ saturating conversion is safe: torch's cast (torch 2.9, CPU and XLA) does not sa
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
 from fp8kv.errors import Fp8kvError
+from fp8kv.options import KV_DTYPE_SPELLINGS, EngineName
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 CACHE_DTYPES = {**FP8_DTYPES, "bf16": torch.bfloat16, "fp32": torch.float32}
-# vLLM's --kv-cache-dtype spelling "fp8" means e4m3.
-ALIASES = {"fp8": "fp8_e4m3"}
+ALIASES = KV_DTYPE_SPELLINGS
 FP8_MAX = {name: float(torch.finfo(dtype).max) for name, dtype in FP8_DTYPES.items()}  # 448, 57344
 # The torch dtype name engines print for each kv dtype (the vLLM JSON file stores it).
 TORCH_DTYPE_NAME = {name: str(dtype).removeprefix("torch.") for name, dtype in FP8_DTYPES.items()}
@@ -30,7 +32,7 @@ RAW_CAST_FINITE_LIMIT = {"fp8_e4m3": 464.0, "fp8_e5m2": 61439.99609375}  # float
 #   raw       divide in float32, plain cast: NaN (e4m3) or inf (e5m2) past the limits above.
 #   raw-bf16  divide the bf16 tensor in bf16, then a plain cast (engines that divide the cached
 #             tensor in place, such as SGLang's `cache_k.div_(k_scale)`).
-ENGINES = ("clamp", "raw", "raw-bf16")
+ENGINES: tuple[str, ...] = get_args(EngineName)
 
 
 def canonical_cache_dtype(name: str) -> str:

@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.models import BUNDLED_CALIBRATION_TEXT
+from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_MODEL_ALIAS
 
 DEFAULT_DATASET = "HuggingFaceH4/ultrachat_200k"
 DEFAULT_SPLIT = "train_sft"
@@ -28,6 +28,13 @@ LOCAL_SPLIT = "train"
 # Local file suffix -> datasets builder. Text files give one sample per paragraph.
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 HUB_PROBE_SECONDS = 3.0
+BUNDLED_DATASET = BUNDLED_MODEL_ALIAS
+"""`--dataset bundled`: the bundled model's calibration split (verify: its held-out split)."""
+FALLBACK_NOTE = (
+    f"{DEFAULT_DATASET} cannot be loaded (offline and not cached), so the scales are calibrated on the bundled "
+    "corpus of Python documentation: right for the bundled model, but for a real model they would reflect the "
+    "wrong text; pass --dataset with text like what the model will serve"
+)
 
 
 @dataclass(frozen=True)
@@ -69,13 +76,19 @@ class Batch:
 
 
 def load_calibration_data(request: DataRequest, tokenizer: Any) -> CalibrationData:
-    """Open the requested records, shuffle them with `request.seed`, tokenize `request.num_samples` of them."""
+    """Open the requested records, shuffle them with `request.seed`, tokenize `request.num_samples` of them.
+
+    The bundled corpus is small: asking it for more samples than it has uses all of them, with a note.
+    """
     if request.num_samples < 1 or request.seq_len < 1:
         raise Fp8kvError("--num-samples and --seq-len must be at least 1")
     records, name, split, note = _open(request)
     column = _text_column(records, request.text_column, name)
     samples = _tokenize(records.shuffle(seed=request.seed), column, tokenizer, request.seq_len, request.num_samples)
-    if len(samples) < request.num_samples:
+    if len(samples) < request.num_samples and _is_bundled(name):
+        short = f"the bundled corpus has {len(samples)} records; using all {len(samples)} (--num-samples {request.num_samples})"
+        note = f"{note}; {short}" if note else short
+    elif len(samples) < request.num_samples:
         tokens = sum(len(s) for s in samples)
         raise Fp8kvError(
             f"{name} (split {split!r}, column {column!r}): found {len(samples)} non-empty records "
@@ -112,12 +125,25 @@ def _open(request: DataRequest):
         except Fp8kvError as exc:
             if not BUNDLED_CALIBRATION_TEXT.is_file():
                 raise Fp8kvError(f"{exc}; the bundled corpus {BUNDLED_CALIBRATION_TEXT} is missing too") from None
-            note = f"{DEFAULT_DATASET} could not be loaded (offline?); using the bundled calibration corpus instead"
-            return _load_local(BUNDLED_CALIBRATION_TEXT, None) + (note,)
+            return _load_local(BUNDLED_CALIBRATION_TEXT, None) + (FALLBACK_NOTE,)
+    if request.dataset == BUNDLED_DATASET:
+        return _load_local(BUNDLED_CALIBRATION_TEXT, request.split) + (None,)
     path = Path(request.dataset).expanduser()
     if path.exists():
         return _load_local(path, request.split) + (None,)
+    if _looks_like_path(request.dataset):  # a typo in a path must not become a Hub download
+        raise Fp8kvError(f"{request.dataset}: no such file or folder (a Hub dataset is named org/name)")
     return _load_named(request.dataset, request.split or DEFAULT_SPLIT) + (None,)
+
+
+def _looks_like_path(name: str) -> bool:
+    return (name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+            or Path(name).suffix.lower() in LOCAL_BUILDERS)
+
+
+def _is_bundled(name: str) -> bool:
+    """The bundled model's calibration or held-out split (they live side by side)."""
+    return Path(name).resolve().parent == BUNDLED_CALIBRATION_TEXT.resolve().parent
 
 
 def _load_local(path: Path, split: str | None):

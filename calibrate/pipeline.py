@@ -17,19 +17,24 @@ from fp8kv import __version__
 from fp8kv.calibrate import distributed, layerwise
 from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_data, make_batches
 from fp8kv.calibrate.observe import KVStatistics, observe_batch, observer_for
-from fp8kv.calibrate.resolve import resolve_model
+from fp8kv.calibrate.resolve import infer_base_model, resolve_model
 from fp8kv.calibrate.scales import ScaleTable, Strategy, compute_scales, fp8_max
-from fp8kv.checkpoint.conventions import CONVENTIONS
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
+from fp8kv.checkpoint.conventions import CONVENTIONS, check_representable
 from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.checkpoint.load import load_causal_lm
 from fp8kv.checkpoint.source import SourceCheckpoint
-from fp8kv.checkpoint.writer import check_output, write_checkpoint
+from fp8kv.checkpoint.writer import (
+    MODES, check_output, check_weight_method, check_writable_location, write_checkpoint,
+)
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry
+from fp8kv.hub.resolve import is_repo_id
+from fp8kv.progress import StageProgress, stage_callback
 
-PROVENANCE_FILE = "fp8kv.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Progress = Callable[[int, int], None]
-"""Called with (samples done, samples total) after every batch."""
+"""Called with (samples done, samples total) after every batch (one stage of a `StageProgress`)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class CalibrationRequest:
     dtype: str = "auto"
     trust_remote_code: bool = False
     layerwise: bool | None = None  # None: layer by layer when the weights do not fit in memory
+    base_model: str | None = None  # Hub id of the source; None: inferred (`infer_base_model`)
     command: str | None = None  # the command line, recorded in fp8kv.json
 
 
@@ -68,27 +74,35 @@ class CalibrationResult:
     note: str | None
 
 
-def calibrate(request: CalibrationRequest, progress: Progress | None = None) -> CalibrationResult:
+def calibrate(request: CalibrationRequest, progress: StageProgress | None = None) -> CalibrationResult:
     """Calibrate static K/V scales for `request.model` and (with `request.out`) write the checkpoint.
 
     Everything is validated before the model loads; nothing is written unless every cache-owning
-    layer got a finite, non-zero scale (or `allow_unobserved`).
+    layer got a finite, non-zero scale (or `allow_unobserved`). A note about the data (a fallback
+    corpus, fewer samples) goes to `progress.note` before the observation starts.
     """
     strategy = _validate(request)
+    _stage(progress, "opening the checkpoint")
     source = SourceCheckpoint.open(resolve_model(request.model))
     if request.out is not None:
         check_output(source.path, request.out, request.overwrite)
+        check_weight_method(request.convention, source)
     check_architecture(source, request.trust_remote_code)
     tokenizer = load_tokenizer(source.path, request.trust_remote_code)
+    _stage(progress, "loading calibration data")
     data = load_calibration_data(request.data, tokenizer)
+    if data.note and progress is not None:
+        progress.note(data.note)
     device = resolve_device(request.device)
+    observing = stage_callback(progress, f"observing K/V over {len(data.samples)} samples")
     with distributed.process_group(device):
         by_layer = layerwise.choose_layerwise(request.layerwise, source, request.dtype)
         execution = {"layerwise": by_layer, "processes": distributed.world_size(), "device": str(device)}
+        _stage(progress, "loading the model" + (" (one layer at a time)" if by_layer else ""))
         if by_layer:
-            statistics = layerwise.observe_layerwise(source, data, request, tokenizer, progress)
+            statistics = layerwise.observe_layerwise(source, data, request, tokenizer, observing)
         else:
-            statistics = observe(source.path, source.config, source.geometry, data, request, tokenizer, progress)
+            statistics = observe(source.path, source.config, source.geometry, data, request, tokenizer, observing)
         statistics = distributed.reduce_statistics(statistics, device)
     table = compute_scales(
         statistics,
@@ -106,6 +120,7 @@ def calibrate(request: CalibrationRequest, progress: Progress | None = None) -> 
     ]
     record = provenance(request, source, data, table, strategy, execution)
     if request.out is not None and distributed.is_writer():
+        _stage(progress, f"writing {request.out}")
         extra = {PROVENANCE_FILE: (json.dumps(record, indent=2) + "\n").encode()}
         write_checkpoint(
             source.path,
@@ -117,6 +132,11 @@ def calibrate(request: CalibrationRequest, progress: Progress | None = None) -> 
             extra_files=extra,
         )
     return CalibrationResult(source.path, request.out, table, scales, record, warnings, data.note)
+
+
+def _stage(progress: StageProgress | None, stage: str) -> None:
+    if progress is not None:
+        progress(stage)
 
 
 def observe(
@@ -148,11 +168,9 @@ def observe(
 
 def load_model(model_dir: Path, config: dict[str, Any], device: torch.device, dtype: str, trust_remote_code: bool):
     """The causal LM with the observing attention; only its base model is ever run."""
-    from transformers import AutoModelForCausalLM
-
     if dtype != "auto" and dtype not in DTYPES:
         raise Fp8kvError(f"--dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
-    model = AutoModelForCausalLM.from_pretrained(
+    model = load_causal_lm(
         model_dir,
         attn_implementation=observer_for(config),
         dtype=DTYPES.get(dtype, "auto"),
@@ -212,6 +230,7 @@ def provenance(
         "source": {
             "path": str(source.path),
             "content_hash": source.content_hash() if distributed.is_writer() else None,
+            "base_model": request.base_model or infer_base_model(request.model, source.path),
         },
         "dataset": {
             "name": data.dataset,
@@ -265,8 +284,13 @@ def _validate(request: CalibrationRequest) -> Strategy:
         raise Fp8kvError(f"--headroom must be at least 1.0, got {request.headroom}")
     if request.convention not in CONVENTIONS:
         raise Fp8kvError(f"--format {request.convention!r}: choose one of {', '.join(CONVENTIONS)}")
-    if request.mode not in ("overlay", "copy"):
-        raise Fp8kvError(f"--mode {request.mode!r}: choose overlay or copy")
+    if request.mode not in MODES:
+        raise Fp8kvError(f"--mode {request.mode!r}: choose one of {', '.join(MODES)}")
+    if request.base_model is not None and not is_repo_id(request.base_model):
+        raise Fp8kvError(f"--base-model {request.base_model!r}: not a Hub model id org/name")
+    if request.out is not None:  # without --out nothing is written, so any format goes
+        check_representable(request.convention, "attn_head" if request.per_head else "tensor", request.kv_dtype)
+        check_writable_location(Path(request.out).absolute())
     resolve_device(request.device)
     return strategy
 

@@ -1,18 +1,15 @@
-"""What `fp8kv calibrate` shows: a progress bar on stderr, then a per-layer table or a JSON summary."""
+"""What `fp8kv calibrate` shows when done: a per-layer table or a JSON summary, and the next command."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shlex
 import sys
-from typing import Iterator
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fp8kv.calibrate.pipeline import CalibrationResult, Progress as ProgressCallback
+from fp8kv.calibrate.pipeline import CalibrationResult
 
 
 def command_line() -> str:
@@ -20,29 +17,13 @@ def command_line() -> str:
     return shlex.join(["fp8kv", *sys.argv[1:]])
 
 
-@contextlib.contextmanager
-def progress_bar(enabled: bool = True) -> Iterator[ProgressCallback]:
-    """A callback that advances a 'calibrating' bar on stderr; library progress bars are silenced."""
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    columns = (TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), disable=not enabled, transient=True) as bar:
-        task = bar.add_task("calibrating", total=None)
-
-        def advance(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        yield advance
-
-
 def show(result: CalibrationResult, json_output: bool = False) -> None:
-    """Print the per-layer table (or JSON on stdout); the fallback note and warnings go to stderr."""
+    """Print the per-layer table (or JSON on stdout) and the next command; warnings go to stderr.
+
+    The data note was announced before the work (`StageProgress.note`); it is in the provenance too.
+    """
     err = Console(stderr=True)
-    for line in ([result.note] if result.note else []) + result.warnings:
+    for line in result.warnings:
         err.print(f"fp8kv: {line}", highlight=False)
     if json_output:
         summary = {"out": str(result.out) if result.out else None, **result.provenance}
@@ -63,5 +44,6 @@ def show(result: CalibrationResult, json_output: bool = False) -> None:
     console.print(table)
     if prov["skipped_layers"]:
         console.print(f"layers without their own KV cache (no scale): {prov['skipped_layers']}")
-    if result.out is not None:
-        console.print(f"wrote {result.out} ({prov['format']})")
+    if result.out is not None:  # plain print: rich would wrap a long path inside the command to copy
+        print(f"wrote {result.out} ({prov['format']})")
+        print(f"next: fp8kv verify {shlex.quote(str(result.out))}")

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.hub.resolve import looks_like_hub_id, resolve_hub_model
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, is_fp8kv_output
+from fp8kv.geometry import read_json
+from fp8kv.hub.resolve import is_repo_id, looks_like_hub_id, repo_id_from_cache_path, resolve_hub_model, split_hub_id
 from fp8kv.models import BUNDLED_MODEL_ALIAS, BUNDLED_MODEL_DIR
 
 
@@ -18,8 +20,23 @@ def resolve_model(model: str) -> Path:
     if looks_like_hub_id(model):
         return resolve_hub_model(model)
     path = Path(model).expanduser()
+    if path.is_file():
+        raise Fp8kvError(f"{model}: is a file, not a folder; pass the checkpoint folder that holds config.json")
     if not path.is_dir():
         raise Fp8kvError(
             f"{model}: no such checkpoint folder (pass a local folder with config.json, 'bundled', or a Hub id org/name)"
         )
     return path
+
+
+def infer_base_model(model: str, source: Path) -> str | None:
+    """The Hub id the scales are for: MODEL as typed, the Hub cache folder's id, or what an fp8kv source recorded."""
+    if looks_like_hub_id(model):
+        return split_hub_id(model)[0]
+    cached = repo_id_from_cache_path(source)
+    if cached:
+        return cached
+    if is_fp8kv_output(source):  # calibrating or converting an fp8kv output keeps its base model
+        recorded = (read_json(source / PROVENANCE_FILE).get("source") or {}).get("base_model")
+        return recorded if isinstance(recorded, str) and is_repo_id(recorded) else None
+    return None

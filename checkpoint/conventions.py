@@ -11,12 +11,13 @@ import copy
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from fp8kv.checkpoint.kvscales import TORCH_DTYPE_NAME, KVScales
 from fp8kv.errors import Fp8kvError
+from fp8kv.options import Convention
 
-CONVENTIONS = ("compressed-tensors", "modelopt", "quark", "vllm-json")
+CONVENTIONS = get_args(Convention)
 HF_QUANT_CONFIG = "hf_quant_config.json"
 SCALES_FILE = "kv_scales.safetensors"
 VLLM_JSON_FILE = "kv_cache_scales.json"
@@ -101,6 +102,26 @@ def quant_configs(
     convention: str, config: dict[str, Any], hf_quant: dict[str, Any] | None, scales: KVScales, version: str
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """The new `quantization_config` (None: none) and `hf_quant_config.json` (None: none) to write."""
+    method = check_method(convention, config, hf_quant)
+    check_representable(convention, scales.strategy, scales.kv_dtype)
+    qc = copy.deepcopy(config.get("quantization_config")) if method else None
+    if convention == "vllm-json":
+        return qc, copy.deepcopy(hf_quant) if method else None
+    if convention == "compressed-tensors":
+        qc = qc or copy.deepcopy(_CT_BASE)
+        qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": scales.strategy,
+                                 "dynamic": False, "symmetric": True}
+        return qc, None
+    if convention == "modelopt":
+        return _modelopt_configs(qc, hf_quant if method else None, version)
+    if method == "fp8":
+        qc["kv_cache_scheme"] = "static"  # AutoFP8's field; vLLM's Fp8Config then loads output_scale
+        return qc, None
+    return _quark_config(qc, scales), None
+
+
+def check_method(convention: str, config: dict[str, Any], hf_quant: dict[str, Any] | None) -> str | None:
+    """The weights' quantization method (None: unquantized), refused when `convention` cannot join it."""
     method = weight_method(config, hf_quant)
     allowed = {
         None: CONVENTIONS,
@@ -119,28 +140,16 @@ def quant_configs(
             f"config.json: the weights are quantized with {method!r}, whose engines read KV scales only as "
             f"{' or '.join(allowed[method])}; write with that format instead of {convention!r}"
         )
-    _check_representable(convention, scales)
-    qc = copy.deepcopy(config.get("quantization_config")) if method else None
-    if convention == "vllm-json":
-        return qc, copy.deepcopy(hf_quant) if method else None
-    if convention == "compressed-tensors":
-        qc = qc or copy.deepcopy(_CT_BASE)
-        qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": scales.strategy,
-                                 "dynamic": False, "symmetric": True}
-        return qc, None
-    if convention == "modelopt":
-        return _modelopt_configs(qc, hf_quant if method else None, version)
-    if method == "fp8":
-        qc["kv_cache_scheme"] = "static"  # AutoFP8's field; vLLM's Fp8Config then loads output_scale
-        return qc, None
-    return _quark_config(qc, scales), None
+    return method
 
 
-def _check_representable(convention: str, scales: KVScales) -> None:
-    if scales.strategy == "attn_head" and convention != "compressed-tensors":
-        raise Fp8kvError(f"per-head (attn_head) scales can only be written as compressed-tensors, not {convention}")
-    if scales.kv_dtype != "fp8_e4m3" and convention in ("compressed-tensors", "modelopt"):
-        raise Fp8kvError(f"{convention} stores fp8_e4m3 KV caches only; {scales.kv_dtype} needs quark or vllm-json")
+def check_representable(convention: str, strategy: str, kv_dtype: str) -> None:
+    """Refuse a scale strategy ("tensor" or "attn_head") or kv dtype that `convention` cannot carry."""
+    if strategy == "attn_head" and convention != "compressed-tensors":
+        raise Fp8kvError(f"per-head (attn_head) scales can only be written as compressed-tensors, not {convention}; "
+                         "drop --per-head or use --format compressed-tensors")
+    if kv_dtype != "fp8_e4m3" and convention in ("compressed-tensors", "modelopt"):
+        raise Fp8kvError(f"{convention} stores fp8_e4m3 KV caches only; {kv_dtype} needs --format quark or vllm-json")
 
 
 def _modelopt_fields(qc: dict[str, Any]) -> dict[str, Any]:

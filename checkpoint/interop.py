@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
 from typing import Any
 
+from fp8kv import __version__
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, is_fp8kv_output
 from fp8kv.checkpoint.conventions import VLLM_JSON_FILE
 from fp8kv.checkpoint.reader import ScaleReadout, read_kv_scales
 from fp8kv.geometry import read_json
@@ -15,7 +18,6 @@ from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import FP8_DTYPES
 from fp8kv.runtime.attention import fp8_kernel_note
 
-PROVENANCE_FILE = "fp8kv.json"
 _QK_NORM = re.compile(r"self_attn\.(k_norm|k_layernorm|key_layernorm)\.weight$")
 # Conventions whose tools observed k_proj's output: before k_norm and before RoPE.
 _PRE_ROPE = ("quark", "kv_scale")
@@ -42,13 +44,24 @@ def inspect_checkpoint(model_dir: str | Path) -> dict[str, Any]:
 
 
 def convert_checkpoint(
-    model_dir: str | Path, out_dir: str | Path, to: str, *, overwrite: bool = False, mode: str = "overlay"
+    model_dir: str | Path, out_dir: str | Path, to: str, *, overwrite: bool = False, mode: str = "overlay",
+    command: str | None = None,
 ) -> Path:
-    """Read the scales of `model_dir` (any convention) and write them to `out_dir` in convention `to`."""
+    """Read the scales of `model_dir` (any convention) and write them to `out_dir` in convention `to`.
+
+    The output's fp8kv.json is the source's (the scales are the same numbers) with the new format
+    and where they came from; the source's verify report and card are not carried over.
+    """
     readout = read_kv_scales(model_dir)
     if readout.scales is None:
         raise Fp8kvError(f"{readout.source.path}: holds no KV scales to convert; run fp8kv calibrate first")
-    return write_checkpoint(model_dir, out_dir, readout.scales, convention=to, mode=mode, overwrite=overwrite)
+    source_record = read_json(readout.source.path / PROVENANCE_FILE) if is_fp8kv_output(readout.source.path) else {}
+    record = {**source_record, "tool": "fp8kv", "version": __version__, "command": command, "format": to,
+              "converted_from": {"path": str(readout.source.path), "conventions": list(readout.conventions)}}
+    record.setdefault("layers", [])
+    extra = {PROVENANCE_FILE: (json.dumps(record, indent=2) + "\n").encode()}
+    return write_checkpoint(model_dir, out_dir, readout.scales, convention=to, mode=mode, overwrite=overwrite,
+                            extra_files=extra)
 
 
 def engine_flag(out_dir: Path) -> str:

@@ -12,22 +12,24 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from fp8kv import __version__
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, describes_source_only, is_fp8kv_output
 from fp8kv.checkpoint.conventions import (
-    CONVENTIONS, HF_QUANT_CONFIG, SCALES_FILE, VLLM_JSON_FILE, is_vllm_json, layer_prefix, parse_scale_name, quant_configs,
-    scale_names, vllm_json,
+    CONVENTIONS, HF_QUANT_CONFIG, SCALES_FILE, VLLM_JSON_FILE, check_method, is_vllm_json, layer_prefix,
+    parse_scale_name, quant_configs, scale_names, vllm_json,
 )
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import INDEX_NAME, SourceCheckpoint, read_safetensors_header
 from fp8kv.geometry import read_json
 from fp8kv.errors import Fp8kvError
+from fp8kv.options import WriteMode
 
-MODES = ("overlay", "copy")
+MODES = get_args(WriteMode)
 # Files at most this big are copied even in overlay mode, so editing the output never edits the source.
 _LINK_MIN_BYTES = 16 * 2**20
 _COPY_CHUNK = 16 * 2**20
@@ -46,7 +48,8 @@ def write_checkpoint(
 ) -> Path:
     """Write `source_dir` plus `scales` in `convention` to `out_dir`, atomically; return `out_dir`.
 
-    The source is never modified. Scale values are written exactly as given (float32).
+    The source is never modified. Scale values are written exactly as given (float32). The source's
+    provenance, verify report, fp8kv card and evaluation results are left behind: they describe it.
     `extra_files` (name -> bytes, e.g. "fp8kv.json") are added at the top of the output.
     """
     if convention not in CONVENTIONS:
@@ -60,8 +63,7 @@ def write_checkpoint(
     for name in extra_files or {}:
         if "/" in name or "\\" in name or name.startswith(".") or name in ("config.json", INDEX_NAME):
             raise Fp8kvError(f"extra file name {name!r} must be a plain new file name")
-    hf_quant = read_json(source.path / HF_QUANT_CONFIG) if HF_QUANT_CONFIG in source.files else None
-    qc, new_hf_quant = quant_configs(convention, source.config, hf_quant, scales, __version__)
+    qc, new_hf_quant = quant_configs(convention, source.config, _hf_quant(source), scales, __version__)
     _clean_stale(out)
     tmp = out.parent / f".{out.name}.fp8kv-tmp-{os.getpid()}"
     try:
@@ -92,6 +94,15 @@ def check_scales_fit(source: SourceCheckpoint, scales: KVScales) -> None:
         )
 
 
+def check_weight_method(convention: str, source: SourceCheckpoint) -> None:
+    """Refuse, before any work, a convention the engines of the source's weight quantization do not read."""
+    check_method(convention, source.config, _hf_quant(source))
+
+
+def _hf_quant(source: SourceCheckpoint) -> dict[str, Any] | None:
+    return read_json(source.path / HF_QUANT_CONFIG) if HF_QUANT_CONFIG in source.files else None
+
+
 def check_output(source: Path, out: Path, overwrite: bool) -> Path:
     """Refuse an output path that cannot be written, before any slow work; returns it absolute.
 
@@ -108,10 +119,22 @@ def check_output(source: Path, out: Path, overwrite: bool) -> Path:
             raise Fp8kvError(f"{out}: exists and is not a folder; choose another output path")
         if not overwrite:
             raise Fp8kvError(f"{out}: already exists; pass --overwrite to replace it")
-    ancestor = next(parent for parent in out.parents if parent.exists())
-    if not ancestor.is_dir():
-        raise Fp8kvError(f"{out}: cannot create the output folder ({ancestor} is not a folder)")
+        if any(out.iterdir()) and not is_fp8kv_output(out):
+            raise Fp8kvError(
+                f"{out}: --overwrite replaces only an empty folder or one fp8kv wrote (with its {PROVENANCE_FILE}), "
+                "and this one holds other files; choose another --out or remove the folder yourself"
+            )
+    check_writable_location(out)
     return out
+
+
+def check_writable_location(path: Path) -> None:
+    """`path` can be created: its nearest existing ancestor is a folder this process may write into."""
+    ancestor = next(parent for parent in path.parents if parent.exists())
+    if not ancestor.is_dir():
+        raise Fp8kvError(f"{path}: cannot create the output folder ({ancestor} is not a folder)")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise Fp8kvError(f"{path}: cannot create the output folder ({ancestor} is not writable)")
 
 
 def _make_parent(out: Path) -> None:
@@ -126,7 +149,7 @@ def _fill(tmp: Path, source: SourceCheckpoint, scales: KVScales, convention: str
     adds_file = convention != "vllm-json"
     weight_map: dict[str, str] = {}
     for name in source.files:
-        if _regenerated(source, name):
+        if _regenerated(source, name) or describes_source_only(source.path, name):
             continue
         if name not in source.weight_files:
             _carry(source.path / name, tmp / name, mode)
@@ -175,8 +198,8 @@ def _write_scales(path: Path, source: SourceCheckpoint, scales: KVScales, conven
         if convention != "compressed-tensors":  # ModelOpt and Quark store 0-dim scalars
             k, v = k.reshape(()), v.reshape(())
         tensors[k_name], tensors[v_name] = k.contiguous(), v.contiguous()
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    _fsync_file(path)
+    # Serialized in memory and written like every other file (safetensors' save_file creates it 0600).
+    _write_bytes(path, save(tensors, metadata={"format": "pt"}))
     return dict.fromkeys(tensors, SCALES_FILE)
 
 

@@ -15,7 +15,7 @@ from fp8kv import __version__
 from fp8kv.checkpoint.writer import write_file_atomic
 from fp8kv.errors import Fp8kvError
 from fp8kv.hub.card import (
-    CARD_FILE, REPORT_FILE, is_fp8kv_card, read_provenance, read_report, render_card,
+    CARD_FILE, REPORT_FILE, card_repo_id, read_provenance, read_report, render_card,
 )
 
 PUSHABLE_VERDICTS = ("PASS", "WARN")
@@ -60,8 +60,8 @@ def plan_push(
     """Check the folder and the last verify, and list the files of the commit. Writes nothing.
 
     Refuses (`Fp8kvError`) when there is no `verify/report.json` or its verdict is not PASS/WARN,
-    unless `force`. When DIR has no fp8kv card (none, or a README copied from the source), the
-    plan carries a new one, listed as README.md.
+    unless `force`. When DIR has no fp8kv card written for `repo_id` (none, a README copied from the
+    source, or a card for the local folder), the plan carries a new one, listed as README.md.
     """
     from huggingface_hub.utils import validate_repo_id
 
@@ -71,10 +71,11 @@ def plan_push(
     except Exception as exc:  # noqa: BLE001 - HFValidationError, one line
         raise Fp8kvError(f"--repo-id {repo_id!r}: not a valid Hub repository id ({exc})") from exc
     read_provenance(out)  # DIR must be an fp8kv calibrate output
+    files = collect_files(out)
     verdict = _check_verify(out, force)
     card_path = out / CARD_FILE
-    card_text = None if is_fp8kv_card(card_path) else render_card(out, repo_id=repo_id)
-    files = collect_files(out)
+    # A card written for another target (`fp8kv card DIR` names the local folder) is rewritten for this repo.
+    card_text = None if card_repo_id(card_path) == repo_id else render_card(out, repo_id=repo_id)
     if card_text is not None:
         files = [f for f in files if f.path_in_repo != CARD_FILE]
         files.append(UploadFile(CARD_FILE, card_path, len(card_text.encode("utf-8"))))

@@ -31,6 +31,11 @@ _CACHE_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshot
 _TRUE = {"1", "on", "yes", "true"}
 
 
+def is_repo_id(value: str) -> bool:
+    """True for a Hub repository id `org/name` (no revision) that is not an existing local path."""
+    return looks_like_hub_id(value) and "@" not in value
+
+
 def looks_like_hub_id(model: str) -> bool:
     """True for `org/name` or `org/name@revision` strings that are not an existing local path."""
     return bool(_HUB_ID.match(model)) and not Path(model).exists()

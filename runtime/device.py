@@ -5,12 +5,14 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
 from fp8kv.errors import Fp8kvError
+from fp8kv.options import RuntimeChoice
 
-DEVICE_CHOICES = ("auto", "tpu", "xla-cpu", "cuda", "cpu")
+DEVICE_CHOICES = get_args(RuntimeChoice)
 TPU_HEAD_DIM_MULTIPLE = 128  # vLLM's TPU backend pads head_dim to a multiple of 128
 
 

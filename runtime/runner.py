@@ -303,10 +303,8 @@ def _resolve_backend(choice: str, device: RuntimeDevice) -> str:
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The checkpoint's causal LM on `device`, wired to the paged attention (shareable between runners)."""
-    from transformers import AutoModelForCausalLM
+    from fp8kv.checkpoint.load import load_causal_lm
 
     _register()
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype or "auto", attn_implementation=ATTN_IMPLEMENTATION
-    )
+    model = load_causal_lm(model_dir, dtype=dtype or "auto", attn_implementation=ATTN_IMPLEMENTATION)
     return model.to(device).eval()

@@ -28,8 +28,10 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import fp8kv.checkpoint.writer as writer_module
+from fp8kv.checkpoint.digest import checkpoint_digest
 from fp8kv.checkpoint.source import MAX_HEADER_BYTES
 from fp8kv.cli import app
+from fp8kv.errors import ExitCode
 from fp8kv.models.factory import make_checkpoint
 
 DATA_ARGS = ["--num-samples", "2", "--seq-len", "16", "--batch-size", "2"]
@@ -279,6 +281,16 @@ def st_non_finite_weights(env):
     return calibrate_args(src, env), "layers [0, 1]", "NaN or infinite"
 
 
+def st_missing_lm_head(env):
+    src = env.copy("src")
+    edit_config(src, tie_word_embeddings=False)
+    weights = safetensors_file(src)
+    tensors = load_file(weights)
+    del tensors["lm_head.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return calibrate_args(src, env), "lm_head.weight", "missing \\(randomly initialized\\)"
+
+
 # ---- index ------------------------------------------------------------------------------------
 
 def _sharded(env) -> Path:
@@ -356,6 +368,11 @@ def data_empty(env):
     return calibrate_args(env.shared["src"], env, data=path), str(path), "empty"
 
 
+def data_missing_path(env):
+    path = env.root / "data" / "calib.jsonl"
+    return calibrate_args(env.shared["src"], env, data=path), str(path), "no such file or folder"
+
+
 def data_too_short(env):
     path = write_jsonl(env.root / "short.jsonl", [{"text": "just one record"}])
     return calibrate_args(env.shared["src"], env, data=path), str(path), "found 1 non-empty records"
@@ -409,6 +426,13 @@ def out_exists(env):
     return calibrate_args(env.shared["src"], env), str(env.out), "already exists; pass --overwrite"
 
 
+def overwrite_user_folder(env):
+    env.out.mkdir()
+    (env.out / "notes.txt").write_text("the user's own file")
+    return [*calibrate_args(env.shared["src"], env), "--overwrite"], str(env.out), \
+        "--overwrite replaces only an empty folder or one fp8kv wrote"
+
+
 def out_inside_source(env):
     src = env.copy("src")
     args = ["calibrate", str(src), "--dataset", str(env.data), *DATA_ARGS, "--out", str(src / "scaled")]
@@ -428,13 +452,30 @@ def out_unwritable(env):
     return ["convert", str(env.copy("calibrated")), "--to", "quark", "--out", str(out)], str(out), "cannot create"
 
 
+def calibrate_out_unwritable(env):
+    (env.root / "blocker").write_text("a file, not a folder")
+    out = env.root / "blocker" / "out"
+    args = ["calibrate", str(env.shared["src"]), "--dataset", str(env.data), *DATA_ARGS, "--out", str(out)]
+    return args, str(out), "cannot create the output folder"
+
+
+def e5m2_in_compressed_tensors(env):
+    return calibrate_args(env.shared["src"], env, "--kv-dtype", "fp8_e5m2"), "compressed-tensors", \
+        "stores fp8_e4m3 KV caches only; fp8_e5m2 needs --format quark or vllm-json"
+
+
+def per_head_in_modelopt(env):
+    return calibrate_args(env.shared["src"], env, "--per-head", "--format", "modelopt"), "modelopt", \
+        "per-head \\(attn_head\\) scales can only be written as compressed-tensors"
+
+
 def disk_full(env, monkeypatch):
     def no_space(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     monkeypatch.setattr(writer_module, "_write_bytes", no_space)
     return ["calibrate", str(env.shared["src"]), "--dataset", str(env.data), *DATA_ARGS, "--out", str(env.out)], \
-        "index.json", "No space left on device"
+        "kv_scales.safetensors", "No space left on device"
 
 
 def disk_full_on_copy(env, monkeypatch):
@@ -528,8 +569,16 @@ def verify_missing_prompts(env):
     return ["verify", str(env.copy("calibrated")), "--prompts", str(path)], str(path), "no such prompts file"
 
 
-def verify_bad_count(env):
-    return ["verify", str(env.copy("calibrated")), "--num-samples", "0"], "--num-samples", "must be at least 1"
+def verify_report_unwritable(env):
+    (env.root / "blocker").write_text("a file, not a folder")
+    report = env.root / "blocker" / "report"
+    return ["verify", str(env.copy("calibrated")), "--report", str(report)], str(report), \
+        "cannot create the output folder \\(.*blocker is not a folder\\)"
+
+
+def verify_model_is_a_file(env):
+    (env.root / "model.safetensors").write_text("not a folder")
+    return ["verify", str(env.root / "model.safetensors")], "model.safetensors", "is a file, not a folder"
 
 
 # ---- push and card ----------------------------------------------------------------------------
@@ -559,9 +608,39 @@ def push_corrupt_report(env):
 def push_failed_verdict(env):
     ckpt = env.copy("calibrated")
     (ckpt / "verify").mkdir()
-    report = {"verdict": "FAIL", "reasons": [{"level": "FAIL", "message": "mean KL too high"}]}
+    report = {"verdict": "FAIL", "reasons": [{"level": "FAIL", "message": "mean KL too high"}],
+              "digest": checkpoint_digest(ckpt).to_json()}
     (ckpt / "verify" / "report.json").write_text(json.dumps(report))
     return ["push", str(ckpt), "--repo-id", "org/name", "--dry-run"], "report.json", "says FAIL \\(mean KL too high\\)"
+
+
+def push_stale_report(env):
+    ckpt = env.copy("calibrated")
+    (ckpt / "verify").mkdir()
+    digest = checkpoint_digest(ckpt).to_json()
+    digest["scales"]["model.layers.1.self_attn.v_scale"] = "sha256:" + "0" * 64  # judged other scales
+    (ckpt / "verify" / "report.json").write_text(json.dumps({"verdict": "PASS", "reasons": [], "digest": digest}))
+    return ["push", str(ckpt), "--repo-id", "org/name", "--dry-run"], "report.json", \
+        "judged other files than .* \\(scale model.layers.1.self_attn.v_scale changed\\)"
+
+
+def card_report_without_digest(env):
+    ckpt = env.copy("calibrated")
+    (ckpt / "verify").mkdir()
+    (ckpt / "verify" / "report.json").write_text(json.dumps({"verdict": "PASS", "reasons": []}))
+    return ["card", str(ckpt)], "report.json", "has no valid checkpoint digest"
+
+
+def card_given_a_file(env):
+    path = env.root / "README.md"
+    path.write_text("# not a folder")
+    return ["card", str(path)], str(path), "is a file, not a folder"
+
+
+def verify_prompts_is_a_folder(env):
+    (env.root / "prompts").mkdir()
+    return ["verify", str(env.copy("calibrated")), "--prompts", str(env.root / "prompts")], \
+        str(env.root / "prompts"), "is a folder; --prompts takes a text file"
 
 
 def card_not_calibrated(env):
@@ -573,18 +652,20 @@ CASES = [Case(f.__name__, f) for f in (
     missing_folder, empty_folder, source_is_a_file, unreadable_weights, unreadable_config,
     config_broken_json, config_missing, config_no_head_counts, config_heads_not_divisible,
     config_head_dim_inconsistent, config_hidden_not_divisible,
-    st_corrupt_header, st_truncated, st_header_too_large, st_too_short, st_non_finite_weights,
+    st_corrupt_header, st_truncated, st_header_too_large, st_too_short, st_non_finite_weights, st_missing_lm_head,
     index_missing_shard, index_parent_path, index_absolute_path, symlink_escaping, index_not_an_object,
     pickle_bin, pickle_pt,
-    data_empty, data_too_short, data_binary, data_wrong_column, data_no_text_column, data_unsupported_type,
+    data_empty, data_missing_path, data_too_short, data_binary, data_wrong_column, data_no_text_column, data_unsupported_type,
     data_chat_without_template, tokenizer_missing,
-    out_exists, out_inside_source, out_is_a_file, out_unwritable, disk_full, disk_full_on_copy,
+    out_exists, overwrite_user_folder, out_inside_source, out_is_a_file, out_unwritable, calibrate_out_unwritable,
+    e5m2_in_compressed_tensors, per_head_in_modelopt, disk_full, disk_full_on_copy,
     unsupported_architecture, mla_model,
     scales_conflicting, scales_wrong_shape, scales_wrong_dtype, scales_vllm_json_not_a_number,
     verify_missing_dir, verify_bad_thresholds_toml, verify_unknown_threshold, verify_missing_thresholds,
-    verify_missing_prompts, verify_bad_count,
-    push_invalid_repo_id, push_missing_dir, push_not_verified, push_corrupt_report, push_failed_verdict,
-    card_not_calibrated,
+    verify_missing_prompts, verify_report_unwritable, verify_model_is_a_file,
+    push_invalid_repo_id, push_missing_dir, push_not_verified, push_corrupt_report, push_failed_verdict, push_stale_report,
+    card_report_without_digest,
+    card_not_calibrated, card_given_a_file, verify_prompts_is_a_folder,
 )]
 
 
@@ -613,7 +694,7 @@ def test_bad_input_is_one_clear_error_and_damages_nothing(case, shared, tmp_path
     result = CliRunner().invoke(app, args)
     monkeypatch.undo()  # restore open()/the writer before hashing
 
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert result.exit_code == ExitCode.ERROR, (result.exit_code, result.output, result.exception)
     assert isinstance(result.exception, SystemExit), result.exception
     assert_one_error_line(result.stderr, named, problem)
     assert tree_hash(tmp_path) == before, "the case folder changed: partial output or a modified source"
@@ -630,12 +711,12 @@ def test_catalogue_is_large_enough():
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in ("config_broken_json", "pickle_bin", "out_exists")],
                          ids=lambda c: c.id)
 def test_real_console_script_gives_the_same_one_line(case, shared, tmp_path):
-    """A few cases through `python -m fp8kv` in a subprocess: exit 2, one line, nothing changed."""
+    """A few cases through `python -m fp8kv` in a subprocess: the error exit code, one line, nothing changed."""
     env = Env(tmp_path, shared)
     args, named, problem = case.build(env)
     before = tree_hash(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "fp8kv", *args], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PJRT_DEVICE": "CPU"})
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == ExitCode.ERROR, proc.stderr
     assert_one_error_line(proc.stderr, named, problem)
     assert tree_hash(tmp_path) == before

@@ -73,8 +73,14 @@ def test_existing_output_refused_then_replaced_with_overwrite(single, tmp_path):
     with pytest.raises(Fp8kvError, match=r"out: already exists; pass --overwrite to replace it$"):
         write_checkpoint(single, out, SCALES)
     assert (out / "keep.txt").read_text() == "mine"
-    write_checkpoint(single, out, SCALES, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "kv_scales.safetensors").is_file()
+    with pytest.raises(Fp8kvError, match=r"out: --overwrite replaces only an empty folder or one fp8kv wrote"):
+        write_checkpoint(single, out, SCALES, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]  # a folder fp8kv never wrote is never deleted
+    (out / "keep.txt").unlink()
+    write_checkpoint(single, out, SCALES, overwrite=True, extra_files={"fp8kv.json": b"{}"})  # empty: allowed
+    (out / "stale.txt").write_text("left by an older fp8kv run")
+    write_checkpoint(single, out, SCALES, overwrite=True)  # fp8kv wrote it (fp8kv.json): replaced
+    assert not (out / "stale.txt").exists() and (out / "kv_scales.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 

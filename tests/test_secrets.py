@@ -69,7 +69,7 @@ def test_every_command_ran(session):
     assert codes["calibrate"] == 0 and codes["inspect"] == 0 and codes["convert"] == 0, session["results"]
     assert codes["card"] == 0 and codes["push_dry_run"] == 0
     assert codes["verify"] in (0, 1), session["results"]["verify"].stderr
-    assert codes["error_calibrate"] == 2 and codes["error_push"] == 2 and codes["error_verify"] == 2
+    assert codes["error_calibrate"] == 4 and codes["error_push"] == 4 and codes["error_verify"] == 4
 
 
 def test_token_never_printed(session):
@@ -103,8 +103,8 @@ def test_trust_remote_code_is_off_by_default_and_explained(monkeypatch):
 
     monkeypatch.setattr(pipeline_module, "calibrate", capture)
     runner = CliRunner()
-    assert runner.invoke(app, ["calibrate", "somewhere"]).exit_code == 2
-    assert runner.invoke(app, ["calibrate", "somewhere", "--trust-remote-code"]).exit_code == 2
+    assert runner.invoke(app, ["calibrate", "somewhere"]).exit_code == 4
+    assert runner.invoke(app, ["calibrate", "somewhere", "--trust-remote-code"]).exit_code == 4
     assert seen == [False, True]
     help_text = " ".join(runner.invoke(app, ["calibrate", "--help"]).output.replace("│", " ").split())
     assert "--trust-remote-code" in help_text

@@ -101,7 +101,7 @@ def test_a_checkpoint_calibrated_by_fp8kv_passes(calibrated, texts, tmp_path):
 def test_scales_divided_by_four_are_flagged_per_layer(calibrated, texts, tmp_path):
     edited = _edited_copy(calibrated, tmp_path, lambda name, t: t / 4)
     result = verify(_request(edited, texts))
-    assert (result.verdict, result.exit_code) == ("FAIL", 2)
+    assert (result.verdict, result.exit_code) == ("FAIL", 3)
     messages = [r["message"] for r in result.report["reasons"] if r["level"] == "WARN"]
     for layer in (0, 1):
         for kind in ("K", "V"):
@@ -121,7 +121,7 @@ def test_scales_divided_by_four_are_flagged_per_layer(calibrated, texts, tmp_pat
 def test_a_zero_scale_fails_before_any_model_runs(calibrated, texts, tmp_path):
     edited = _edited_copy(calibrated, tmp_path, lambda name, t: t * 0 if name.endswith("1.self_attn.v_scale") else t)
     result = verify(_request(edited, texts))
-    assert (result.verdict, result.exit_code) == ("FAIL", 2)
+    assert (result.verdict, result.exit_code) == ("FAIL", 3)
     fails = [r["message"] for r in result.report["reasons"] if r["level"] == "FAIL"]
     assert "layer 1: v_scale 0.0 is not a positive finite number" in fails
     assert result.report["accuracy"] is None and result.report["layers"] == []
@@ -147,7 +147,7 @@ def test_cli_json_is_clean_and_flags_override_thresholds(calibrated, texts, tmp_
             "--num-prompts", "1", "--new-tokens", "1", "--device", "cpu", "--report", str(tmp_path / "r"),
             "--json", "--max-kl-mean", "1e-12", "--engine", "raw"]
     result = CliRunner().invoke(app, args)
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 3, result.output
     report = json.loads(result.stdout)
     assert report["verdict"] == "FAIL" and report["thresholds"]["kl_mean"] == 1e-12
     assert any(r["message"].startswith("mean KL to the bf16 cache") for r in report["reasons"])

@@ -7,8 +7,11 @@ import math
 import pytest
 
 from fp8kv.errors import Fp8kvError
+from fp8kv.verify.engines import EngineResult, engine_reasons
 from fp8kv.verify.report import finite_json
-from fp8kv.verify.verdict import FAIL, INFO, WARN, Reason, accuracy_reasons, load_thresholds, verdict
+from fp8kv.verify.verdict import (
+    FAIL, INFO, WARN, Reason, accuracy_reasons, heldout_reasons, load_thresholds, verdict,
+)
 
 ACCURACY = {"ppl_fp8": 10.0, "ppl_fp8_unit": 10.0, "kl_mean": 0.001, "kl_mean_unit": 0.001}
 
@@ -55,3 +58,26 @@ def test_accuracy_reasons_bound_kl_nan_and_unit_scales():
 
 def test_report_json_has_no_nan():
     assert finite_json({"a": [math.nan, 1.0], "b": {"c": math.inf}, "d": "x"}) == {"a": [None, 1.0], "b": {"c": None}, "d": "x"}
+
+
+def test_warnings_explain_their_numbers_and_the_fix():
+    thresholds = load_thresholds()
+    row = {"layer": 3, "k_saturation": 0.0, "v_saturation": 0.0002, "k_max_ratio": 400.0, "v_max_ratio": 483.84}
+    (saturation,) = heldout_reasons([row], thresholds, 448.0)
+    assert saturation.message == (
+        "layer 3: 0.020% of V values saturate at ±448 (WARN above 0.010%); the largest |x|/scale is 483.8, 8.0% past "
+        "the calibrated range. Engines that clamp store them as ±448. Fix: recalibrate with --headroom 1.08 (every "
+        "scale x1.08; e4m3's relative precision is the same across its range, so this costs almost nothing) or on "
+        "text like this.")
+
+
+def test_an_engine_that_writes_nan_fails_by_name_with_the_fix():
+    lost = EngineResult("raw", ppl=math.nan, nan_rows=512, rows=3234, sequences_lost=2, sequences=16,
+                        first_nonfinite_layer=3)
+    clean = EngineResult("clamp", ppl=37.7, nan_rows=0, rows=3234, sequences_lost=0, sequences=16,
+                         first_nonfinite_layer=None)
+    (reason,) = engine_reasons([clean, lost], 483.84, 448.0)
+    assert reason.level == "FAIL"
+    assert reason.message.startswith("engine raw (divide in float32, plain cast): 512 of 3234 logit rows NaN/inf, "
+                                     "2 of 16 sequences lost; first NaN/inf in the cache of layer 3. Fix: recalibrate "
+                                     "with --headroom 1.08")

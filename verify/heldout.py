@@ -12,19 +12,19 @@ from typing import Any
 
 import torch
 
-from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_data
+from fp8kv.calibrate.data import BUNDLED_DATASET, CalibrationData, DataRequest, load_calibration_data
 from fp8kv.calibrate.observe import KVStatistics
 from fp8kv.calibrate.pipeline import CalibrationRequest, Progress, observe
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import SourceCheckpoint, read_json
 from fp8kv.errors import Fp8kvError
 from fp8kv.models import BUNDLED_HELDOUT_TEXT
 
 
-
 def load_heldout(request: DataRequest, tokenizer: Any) -> CalibrationData:
     """Tokenized held-out samples: `request.dataset`, or the bundled held-out split when it is None."""
-    if request.dataset is None:
+    if request.dataset in (None, BUNDLED_DATASET):
         if not BUNDLED_HELDOUT_TEXT.is_file():
             raise Fp8kvError(f"{BUNDLED_HELDOUT_TEXT}: the bundled held-out text is not installed; "
                              "pass --dataset with text the scales were not calibrated on")
@@ -35,7 +35,7 @@ def load_heldout(request: DataRequest, tokenizer: Any) -> CalibrationData:
 
 def calibration_overlap(source: SourceCheckpoint, data: CalibrationData) -> str | None:
     """A warning when fp8kv.json says the scales were calibrated on the very text verify reads."""
-    path = source.path / "fp8kv.json"
+    path = source.path / PROVENANCE_FILE
     if not path.is_file():
         return None
     dataset = read_json(path).get("dataset") or {}

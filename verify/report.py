@@ -6,15 +6,16 @@ Non-finite numbers (NaN perplexity of a broken cache) become null in JSON.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
+from fp8kv.checkpoint.kvscales import FP8_MAX
 from fp8kv.checkpoint.writer import write_file_atomic
+from fp8kv.fp8 import RAW_CAST_FINITE_LIMIT
 
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "scales.png"
 _ACCURACY = [("Perplexity, bf16 cache", "ppl_bf16", "{:.4f}"), ("Perplexity, fp8 + these scales", "ppl_fp8", "{:.4f}"),
@@ -114,7 +115,12 @@ def _fmt(value: Any, spec: str = "{}") -> str:
 
 
 def plot_png(report: dict[str, Any]) -> bytes:
-    """PNG bytes: per-layer K/V scales (log axis) above per-layer K/V saturation shares."""
+    """PNG bytes: the reason for the verdict at a glance.
+
+    Top: per layer, the largest |x|/scale of K and V on the held-out text against the fp8 maximum
+    (clamped above it) and the raw-cast limit (NaN/inf above it without a clamp). Bottom: the share
+    of K and V values clamped, in %, against the WARN bound.
+    """
     import io
 
     # matplotlib caches its font list in ~/.cache; keep it in the temp dir (fp8kv writes nowhere else).
@@ -124,58 +130,35 @@ def plot_png(report: dict[str, Any]) -> bytes:
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 5.5), layout="constrained")
+    fig = Figure(figsize=(8, 6), layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True)
-    scales = report.get("scales") or []
-    layers = [row["layer"] for row in scales]
-    for kind, marker in (("k", "o"), ("v", "s")):
-        values = [max(row[f"{kind}_scale"]) if isinstance(row[f"{kind}_scale"], list) else row[f"{kind}_scale"]
-                  for row in scales]
-        positive = [(layer, x) for layer, x in zip(layers, values) if x is not None and x > 0]
-        top.plot([p[0] for p in positive], [p[1] for p in positive], marker=marker, label=f"{kind}_scale")
-    if any(line.get_xdata().size for line in top.get_lines()):
-        top.set_yscale("log")
-    top.set_ylabel("scale (largest head)")
-    top.legend()
-    top.set_title(f"fp8kv verify: {report['verdict']}")
     rows = report.get("layers") or []
-    width, bound = 0.4, report["thresholds"]["saturation"]
+    layers = [row["layer"] for row in rows]
+    kv_dtype = report.get("kv_dtype") or "fp8_e4m3"
+    fp8_max, raw_limit = FP8_MAX[kv_dtype], RAW_CAST_FINITE_LIMIT[kv_dtype]
+    for kind, marker in (("k", "o"), ("v", "s")):
+        top.plot(layers, [row.get(f"{kind}_max_ratio") or 0.0 for row in rows], marker=marker, linestyle="none",
+                 label=f"{kind.upper()} max |x|/scale")
+    top.axhline(fp8_max, color="orange", linestyle="--", linewidth=1, label=f"fp8 max {fp8_max:g}: clamped above")
+    top.axhline(raw_limit, color="red", linewidth=1, label=f"{raw_limit:g}: NaN/inf above without a clamp")
+    top.set_ylabel("max |x| / scale (held-out)")
+    top.set_title(f"fp8kv verify: {report['verdict']}" + ("" if rows else " (no held-out statistics)"))
+    top.legend(fontsize="small")
+    width, bound = 0.4, 100 * report["thresholds"]["saturation"]
     highest = 3 * bound
     for offset, kind in ((-width / 2, "k"), (width / 2, "v")):
-        shares = [row.get(f"{kind}_saturation") or 0.0 for row in rows]
+        shares = [100 * (row.get(f"{kind}_saturation") or 0.0) for row in rows]
         highest = max([highest, *shares])
-        bottom.bar([row["layer"] + offset for row in rows], shares, width=width, label=f"{kind.upper()} saturation")
-    bottom.axhline(bound, color="red", linestyle="--", linewidth=1, label="WARN bound")
+        bottom.bar([layer + offset for layer in layers], shares, width=width, label=f"{kind.upper()} clamped")
+    bottom.axhline(bound, color="red", linestyle="--", linewidth=1, label=f"WARN above {bound:g} %")
     bottom.set_ylim(0, highest * 1.15)
     bottom.xaxis.get_major_locator().set_params(integer=True)
-    bottom.set_ylabel("share clamped at ±MAX")
+    bottom.set_ylabel("values clamped at ±max (%)")
     bottom.set_xlabel("layer")
-    bottom.legend()
+    bottom.legend(fontsize="small")
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
     return buffer.getvalue()
-
-
-@contextlib.contextmanager
-def verify_progress(enabled: bool = True) -> Iterator[Callable[[str, int, int], None]]:
-    """A (stage, done, total) callback driving a bar on stderr; library progress bars are silenced."""
-    import datasets
-    import transformers
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("samples"),
-               TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), disable=not enabled, transient=True) as bar:
-        task = bar.add_task("verifying", total=None)
-
-        def advance(stage: str, done: int, total: int) -> None:
-            bar.update(task, description=stage, completed=done, total=total)
-
-        yield advance
 
 
 def show(result: Any, json_output: bool = False) -> None:

@@ -10,32 +10,37 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fp8kv.calibrate.data import CalibrationData, DataRequest
 from fp8kv.calibrate.pipeline import load_tokenizer
+from fp8kv.calibrate.resolve import resolve_model
+from fp8kv.checkpoint.artifacts import VERIFY_DIR, is_fp8kv_output
+from fp8kv.checkpoint.digest import checkpoint_digest
 from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.checkpoint.load import WeightsMismatch
+from fp8kv.checkpoint.writer import check_writable_location
 from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import ENGINES
+from fp8kv.hub.resolve import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
+from fp8kv.progress import StageProgress, stage_callback
 from fp8kv.runtime import xla_cost
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, engines, generation, heldout
-from fp8kv.verify.report import write_report
+from fp8kv.verify.report import REPORT_JSON, write_report
 from fp8kv.verify.static import StaticResult, static_checks
 from fp8kv.verify.verdict import (
     EXIT_CODES, FAIL, WARN, Reason, Thresholds, accuracy_reasons, heldout_reasons, load_thresholds, verdict,
 )
 
-REPORT_SUBDIR = "verify"
-StageProgress = Callable[[str, int, int], None]
-"""Called with (stage, done, total) as verify advances."""
+DEFAULT_REPORT_ROOT = "fp8kv-verify"
 
 
 @dataclass(frozen=True)
 class VerifyRequest:
     """Everything `verify` needs; defaults match the CLI's. `data.dataset=None` is the bundled held-out split."""
 
-    model_dir: Path
+    model_dir: Path | str  # a folder, a Hub id org/name[@revision], or "bundled"
     data: DataRequest = field(default_factory=lambda: DataRequest(num_samples=16, seq_len=256))
     batch_size: int = 4
     prompts: Path | None = None  # one prompt per line; None: the first held-out samples' prefixes
@@ -44,14 +49,14 @@ class VerifyRequest:
     new_tokens: int = 8
     device: str = "auto"
     page_size: int = 16
-    report_dir: Path | None = None  # None: model_dir / "verify"
+    report_dir: Path | None = None  # None: see `report_location`
     thresholds: Thresholds | None = None  # None: configs/verify.toml
     engines: tuple[str, ...] = ENGINES  # engine cast models run through the runtime (verify.engines)
 
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """The verdict, its exit code (0 PASS, 1 WARN, 2 FAIL), the report, and where it was written."""
+    """The verdict, its exit code (`ExitCode`), the report, and where it was written."""
 
     verdict: str
     exit_code: int
@@ -64,22 +69,40 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     _validate(request)
     thresholds = request.thresholds or load_thresholds()
     runtime = resolve_device(request.device)
+    model_dir = resolve_model(str(request.model_dir))
+    report_dir = report_location(str(request.model_dir), model_dir, request.report_dir)
+    check_writable_location(report_dir / REPORT_JSON)  # before the work, so its results are never lost
     timings: dict[str, float] = {}
     clock = time.perf_counter()
-    static = static_checks(request.model_dir)
+    _stage(progress, "static checks")
+    static = static_checks(model_dir)
     report = _base_report(static, runtime.kind, thresholds)
     reasons = list(static.reasons)
     if static.runnable:
-        reasons += _heldout_checks(request, static, runtime.kind, thresholds, report, timings, progress)
+        try:
+            reasons += _heldout_checks(request, static, runtime.kind, thresholds, report, timings, progress)
+        except WeightsMismatch as exc:  # numbers from invented weights would judge nothing
+            reasons.append(Reason(FAIL, f"{exc}; held-out checks skipped"))
     else:
         reasons.append(Reason(FAIL, "held-out checks skipped: the scales cannot drive an fp8 cache"))
     timings["total"] = time.perf_counter() - clock
     outcome = verdict(reasons)
     report.update(verdict=outcome, exit_code=EXIT_CODES[outcome], timings_s=timings,
                   reasons=[{"level": r.level, "message": r.message} for r in reasons])
-    report_dir = Path(request.report_dir or Path(request.model_dir) / REPORT_SUBDIR)
+    _stage(progress, f"writing the report to {report_dir}")
     write_report(report, report_dir)
     return VerifyResult(outcome, EXIT_CODES[outcome], report, report_dir)
+
+
+def report_location(model: str, model_dir: Path, requested: Path | None) -> Path:
+    """`--report`; else DIR/verify when fp8kv wrote DIR; else ./fp8kv-verify/NAME, never inside a user's folder
+    or the Hub cache."""
+    if requested is not None:
+        return Path(requested)
+    if is_fp8kv_output(model_dir) and repo_id_from_cache_path(model_dir) is None:  # a Hub cache is not ours
+        return model_dir / VERIFY_DIR
+    name = split_hub_id(model)[0].replace("/", "--") if looks_like_hub_id(model) else Path(model).resolve().name
+    return Path.cwd() / DEFAULT_REPORT_ROOT / (name or "model")
 
 
 def _validate(request: VerifyRequest) -> None:
@@ -88,6 +111,8 @@ def _validate(request: VerifyRequest) -> None:
                         ("--num-samples", request.data.num_samples), ("--seq-len", request.data.seq_len)):
         if value < 1:
             raise Fp8kvError(f"{name} must be at least 1, got {value}")
+    if request.prompts is not None and Path(request.prompts).is_dir():
+        raise Fp8kvError(f"{request.prompts}: is a folder; --prompts takes a text file, one prompt per line")
     if request.prompts is not None and not Path(request.prompts).is_file():
         raise Fp8kvError(f"{request.prompts}: no such prompts file (one prompt per line)")
 
@@ -97,6 +122,8 @@ def _base_report(static: StaticResult, device: str, thresholds: Thresholds) -> d
     scales = readout.scales
     return {
         "checkpoint": str(readout.source.path),
+        # Exactly what was judged: card and push refuse this report once the folder differs.
+        "digest": checkpoint_digest(readout.source.path).to_json(),
         "device": device,
         "convention": static.convention,
         "kv_dtype": readout.kv_dtype,
@@ -124,14 +151,18 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
     assert scales is not None  # runnable implies scales
     kv_layers = source.geometry.kv_layers
     tokenizer = load_tokenizer(source.path, False)
+    _stage(progress, "loading held-out text")
     data = heldout.load_heldout(request.data, tokenizer)
+    if data.note and progress is not None:
+        progress.note(data.note)
     report.update(text_source=heldout.text_source(data), num_samples=len(data.samples), num_tokens=data.num_tokens)
     reasons = [Reason(WARN, note) for note in [heldout.calibration_overlap(source, data)] if note]
 
     clock = time.perf_counter()
     stats_device = "cuda" if device == "cuda" else "cpu"  # the observer runs on torch devices
+    _stage(progress, "loading the model")
     statistics = heldout.observe_heldout(source, data, tokenizer, stats_device, request.batch_size,
-                                         _stage(progress, "observing K/V"))
+                                         stage_callback(progress, "observing K/V (samples)"))
     rows = heldout.layer_rows(statistics, scales, kv_layers)
     timings["observe"] = time.perf_counter() - clock
 
@@ -139,6 +170,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
     prompts = _prompts(request, data, tokenizer)
     longest = max(max(len(s) for s in data.samples), max(len(p) for p in prompts) + request.new_tokens)
     compiles_before = xla_cost.compiles() if resolve_device(request.device).is_xla else None
+    _stage(progress, f"loading the fp8 runtime ({request.device})")
     runners = accuracy.Runners.open(
         source.path, scales, kv_layers, device=request.device, page_size=request.page_size,
         max_model_len=longest, max_num_seqs=max(request.batch_size, 2 * len(prompts)), engines=request.engines,
@@ -150,14 +182,16 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
                                     + "; ".join(report["readback"]["mismatches"][:3])))
 
     clock = time.perf_counter()
-    report["accuracy"], engine_results = accuracy.measure_accuracy(runners, data.samples, request.batch_size,
-                                                                   _stage(progress, "comparing caches"))
+    report["accuracy"], engine_results = accuracy.measure_accuracy(
+        runners, data.samples, request.batch_size,
+        stage_callback(progress, "bf16 / fp8 / unit-scale caches and engine models (samples)"))
     report["engines"] = [result.as_dict() for result in engine_results]
     counts = accuracy.cache_counts(runners.fp8)
     timings["accuracy"] = time.perf_counter() - clock
     report["layers"] = [{**row, **counts[row["layer"]]} for row in rows]
 
     clock = time.perf_counter()
+    _stage(progress, f"greedy generation ({len(prompts)} prompts x {request.new_tokens} tokens)")
     gen = generation.compare_generation(runners.bf16, runners.fp8, prompts, request.new_tokens)
     timings["generation"] = time.perf_counter() - clock
     report["generation"] = {key: gen[key] for key in ("prefill_match", "decode_match", "prefix_match")}
@@ -166,8 +200,9 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
     report["runtime"] = xla_cost.summarize(runners.fp8, prompts[0], compiles_before).as_dict()
     nan_with_clamp = {row["layer"]: row["nan_with_clamp"] for row in report["layers"] if row["nan_with_clamp"]}
     reasons += accuracy_reasons(report["accuracy"], nan_with_clamp, thresholds)
-    reasons += engines.engine_reasons(engine_results)
-    return reasons + heldout_reasons(report["layers"], thresholds)
+    worst_ratio = max((max(row["k_max_ratio"], row["v_max_ratio"]) for row in report["layers"]), default=0.0)
+    reasons += engines.engine_reasons(engine_results, worst_ratio, scales.fp8_max)
+    return reasons + heldout_reasons(report["layers"], thresholds, scales.fp8_max)
 
 
 def _prompts(request: VerifyRequest, data: CalibrationData, tokenizer: Any) -> list[list[int]]:
@@ -176,7 +211,6 @@ def _prompts(request: VerifyRequest, data: CalibrationData, tokenizer: Any) -> l
     return [sample[: request.prompt_len] for sample in data.samples[: request.num_prompts]]
 
 
-def _stage(progress: StageProgress | None, stage: str) -> Callable[[int, int], None] | None:
-    if progress is None:
-        return None
-    return lambda done, total: progress(stage, done, total)
+def _stage(progress: StageProgress | None, stage: str) -> None:
+    if progress is not None:
+        progress(stage)

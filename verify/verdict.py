@@ -8,7 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from fp8kv.errors import Fp8kvError
+from fp8kv.errors import ExitCode, Fp8kvError
 
 try:
     import tomllib
@@ -16,7 +16,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 FAIL, WARN, INFO = "FAIL", "WARN", "INFO"
-EXIT_CODES = {"PASS": 0, "WARN": 1, "FAIL": 2}
+EXIT_CODES = {name: int(ExitCode[name]) for name in ("PASS", "WARN", "FAIL")}
 DEFAULTS_FILE = "verify.toml"
 # Which TOML table each threshold lives in.
 _SECTIONS = {"kl_mean": "fail", "saturation": "warn", "unit_kl_ratio": "warn", "unit_ppl_ratio": "warn"}
@@ -80,17 +80,26 @@ def verdict(reasons: list[Reason]) -> str:
     return "FAIL" if FAIL in levels else "WARN" if WARN in levels else "PASS"
 
 
-def heldout_reasons(layers: list[dict[str, Any]], thresholds: Thresholds) -> list[Reason]:
-    """Saturation above its bound, named per layer."""
+def heldout_reasons(layers: list[dict[str, Any]], thresholds: Thresholds, fp8_max: float) -> list[Reason]:
+    """Saturation above its bound, named per layer with the fix; `fp8_max` is the dtype's largest value."""
     reasons = []
     for row in layers:
         for kind in ("k", "v"):
-            share = row.get(f"{kind}_saturation")
+            share, ratio = row.get(f"{kind}_saturation"), row[f"{kind}_max_ratio"]
             if share is not None and share > thresholds.saturation:
-                reasons.append(Reason(WARN, f"layer {row['layer']}: {share:.3%} of {kind.upper()} values saturate "
-                                            f"at ±MAX (bound {thresholds.saturation:g}); max |x|/scale "
-                                            f"{row[f'{kind}_max_ratio']:.4g}"))
+                reasons.append(Reason(WARN, f"layer {row['layer']}: {share:.3%} of {kind.upper()} values saturate at "
+                                            f"±{fp8_max:g} (WARN above {thresholds.saturation:.3%}); the largest "
+                                            f"|x|/scale is {ratio:.4g}, {ratio / fp8_max - 1:.1%} past the calibrated "
+                                            f"range. Engines that clamp store them as ±{fp8_max:g}. "
+                                            + headroom_fix(ratio, fp8_max)))
     return reasons
+
+
+def headroom_fix(ratio: float, fp8_max: float) -> str:
+    """The smallest --headroom (2 decimals) under which `ratio` fits the fp8 range, as advice."""
+    headroom = max(1.01, math.ceil(ratio / fp8_max * 100) / 100)
+    return (f"Fix: recalibrate with --headroom {headroom:.2f} (every scale x{headroom:.2f}; e4m3's relative "
+            "precision is the same across its range, so this costs almost nothing) or on text like this.")
 
 
 def accuracy_reasons(accuracy: dict[str, Any], nan_with_clamp: dict[int, int], thresholds: Thresholds) -> list[Reason]:

@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from fp8kv.checkpoint.digest import checkpoint_digest
+
 
 FAKE_TOKEN = "hf_fakeTokenForFp8kvTests0123456789"
 SOURCE_README = "---\nlicense: llama3.1\n---\n\n# The source model's own card\n"
@@ -102,7 +104,7 @@ def _write_report(out: Path, **changes) -> Path:
     (out / "verify").mkdir(exist_ok=True)
     (out / "verify" / "scales.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
     (out / "verify" / "report.md").write_text("# verify\n")
-    report = {**REPORT, "checkpoint": str(out), **changes}
+    report = {**REPORT, "checkpoint": str(out), "digest": checkpoint_digest(out).to_json(), **changes}
     path = out / "verify" / "report.json"
     path.write_text(json.dumps(report))
     return path

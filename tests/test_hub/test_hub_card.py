@@ -126,7 +126,7 @@ def test_card_cli_writes_readme_without_printing_the_token(verified_dir: Path, f
 
 def test_card_cli_error_is_one_line(tmp_path: Path) -> None:
     result = runner.invoke(app, ["card", str(tmp_path)])
-    assert result.exit_code == 2
+    assert result.exit_code == 4
     assert f"{tmp_path}: no fp8kv.json" in _output(result)
 
 

@@ -75,7 +75,9 @@ def test_push_sends_one_commit_with_every_file(verified_dir: Path) -> None:
 
 
 def test_push_reads_links_and_leaves_hidden_files_out(verified_dir: Path, tmp_path: Path) -> None:
-    elsewhere = tmp_path / "elsewhere.json"
+    # A link out of the folder is refused when the digest reads the checkpoint (verify refuses it too).
+    (verified_dir / "docs").mkdir()
+    elsewhere = verified_dir / "docs" / "elsewhere.json"
     elsewhere.write_text('{"linked": true}')
     (verified_dir / "extra.json").symlink_to(elsewhere)
     (verified_dir / ".cache").mkdir()
@@ -114,12 +116,23 @@ def test_push_writes_the_card_when_dir_has_only_the_source_readme(verified_dir: 
     assert (source_model / "README.md").read_text() == source_readme
 
 
-def test_push_keeps_an_existing_fp8kv_card(verified_dir: Path) -> None:
-    card = write_card(verified_dir)
+def test_push_keeps_an_existing_fp8kv_card_for_the_same_repo(verified_dir: Path) -> None:
+    card = write_card(verified_dir, repo_id="me/x")
     card.write_text(card.read_text() + "\nHand-written note.\n")
     plan, _ = push(verified_dir, "me/x", api=FakeHfApi())
     assert plan.card_text is None
     assert card.read_text().endswith("Hand-written note.\n")
+
+
+@pytest.mark.parametrize("written_for", [None, "me/other"])
+def test_push_rewrites_a_card_written_for_another_target(verified_dir: Path, written_for) -> None:
+    """`fp8kv card DIR` then `fp8kv push DIR --repo-id me/x`, the README's order, publishes a card for me/x."""
+    write_card(verified_dir, repo_id=written_for)
+    plan, _ = push(verified_dir, "me/x", api=FakeHfApi())
+    text = (verified_dir / "README.md").read_text()
+    assert plan.card_text == text
+    assert text.startswith("---") and "\n# me/x\n" in text and "vllm serve me/x --kv-cache-dtype" in text
+    assert f"vllm serve {verified_dir}" not in text and str(verified_dir.parent) not in text.split("## How to serve")[1]
 
 
 @pytest.mark.parametrize("verdict", ["FAIL", None])
@@ -182,7 +195,7 @@ def test_cli_push_errors_never_show_the_token(verified_dir: Path, fake_token: st
     api = FakeHfApi(fail=RuntimeError(f"400 Bad Request for header Authorization: Bearer {fake_token}"))
     monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: api)
     result = runner.invoke(app, ["push", str(verified_dir), "--repo-id", "me/x"])
-    assert result.exit_code == 2
+    assert result.exit_code == 4
     text = _output(result)
     assert "me/x: upload failed (RuntimeError: 400 Bad Request for header Authorization: Bearer hf_***)" in text
     assert fake_token not in text
@@ -191,7 +204,7 @@ def test_cli_push_errors_never_show_the_token(verified_dir: Path, fake_token: st
 def test_cli_push_refusal_is_one_line(calibrated_dir: Path, write_report) -> None:
     write_report(calibrated_dir, verdict="FAIL", reasons=[])
     result = runner.invoke(app, ["push", str(calibrated_dir), "--repo-id", "me/x", "--dry-run"])
-    assert result.exit_code == 2
+    assert result.exit_code == 4
     assert "the last verify says FAIL; fix the checkpoint and verify again, or pass --force" in _output(result)
 
 

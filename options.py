@@ -1,0 +1,25 @@
+"""The closed sets of choices the command line offers, importable without torch.
+
+The CLI parses them (so a typo fails at once and `--help` lists them) and the library derives its
+tuples from them with `typing.get_args`, so each list of names has this one home.
+"""
+
+from typing import Literal
+
+Convention = Literal["compressed-tensors", "modelopt", "quark", "vllm-json"]
+WriteMode = Literal["overlay", "copy"]
+KvDtype = Literal["fp8_e4m3", "fp8_e5m2"]
+KvDtypeSpelling = Literal["fp8_e4m3", "fp8_e5m2", "fp8"]
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
+RuntimeChoice = Literal["auto", "tpu", "xla-cpu", "cuda", "cpu"]
+# How an engine casts `x / scale` to fp8; fp8kv.fp8 says what each one does.
+EngineName = Literal["clamp", "raw", "raw-bf16"]
+EngineChoice = Literal["all", "clamp", "raw", "raw-bf16"]
+
+# vLLM's `--kv-cache-dtype fp8` means e4m3; accept its spelling.
+KV_DTYPE_SPELLINGS: dict[str, KvDtype] = {"fp8": "fp8_e4m3"}
+
+
+def kv_dtype_name(spelling: str) -> str:
+    """fp8kv's name for a kv dtype as typed (`fp8` -> `fp8_e4m3`)."""
+    return KV_DTYPE_SPELLINGS.get(spelling, spelling)

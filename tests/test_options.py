@@ -1,0 +1,110 @@
+"""Options are checked before any model or data loads: typos are usage errors (exit 2) raised
+before torch is imported, and impossible combinations or output locations are one error line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import get_args
+
+import pytest
+from typer.testing import CliRunner
+
+import fp8kv.calibrate.pipeline as pipeline
+from fp8kv.checkpoint.conventions import CONVENTIONS
+from fp8kv.checkpoint.kvscales import FP8_MAX
+from fp8kv.cli import app
+from fp8kv.errors import ExitCode
+from fp8kv.options import KvDtype, ModelDtype
+
+TYPOS = [
+    ["calibrate", "bundled", "--kv-dtype", "fp8_e4m33"],
+    ["calibrate", "bundled", "--format", "modelop"],
+    ["calibrate", "bundled", "--mode", "hardlink"],
+    ["calibrate", "bundled", "--dtype", "bf16"],
+    ["calibrate", "bundled", "--num-samples", "0"],
+    ["calibrate", "bundled", "--headroom", "0.5"],
+    ["verify", "bundled", "--device", "tpuu"],
+    ["verify", "bundled", "--num-samples", "0"],
+    ["convert", "bundled", "--to", "awq", "--out", "x"],
+]
+
+
+@pytest.mark.parametrize("args", TYPOS, ids=lambda a: " ".join(a[2:4]))
+def test_a_typo_is_a_usage_error_before_torch_loads(args):
+    probe = ("import sys\nfrom fp8kv.cli import main\nsys.argv = ['fp8kv', *sys.argv[1:]]\n"
+             "try:\n    main()\nexcept SystemExit as exc:\n    print(exc.code, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == [str(int(ExitCode.USAGE)), "False"], (proc.stdout, proc.stderr)
+    assert f"Invalid value for '{args[2]}'" in proc.stderr
+
+
+def test_help_lists_the_choices():
+    text = CliRunner().invoke(app, ["calibrate", "--help"]).output
+    assert "<" + "|".join(CONVENTIONS) + ">" in text
+    assert "<fp8_e4m3|fp8_e5m2|fp8>" in text
+
+
+def test_choice_lists_match_the_library():
+    assert set(get_args(KvDtype)) == set(FP8_MAX)
+    assert set(get_args(ModelDtype)) == {"auto", *pipeline.DTYPES}
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tokenizer, data or model was loaded before the options were checked")
+
+    for name in ("load_tokenizer", "load_calibration_data", "load_model"):
+        monkeypatch.setattr(pipeline, name, refuse)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--kv-dtype", "fp8_e5m2"], "compressed-tensors stores fp8_e4m3 KV caches only"),
+    (["--per-head", "--format", "modelopt"], "per-head (attn_head) scales can only be written as compressed-tensors"),
+    (["--per-head", "--format", "vllm-json"], "per-head (attn_head) scales can only be written as compressed-tensors"),
+])
+def test_impossible_combinations_fail_before_anything_loads(nothing_loads, factory_checkpoint, tmp_path, extra, message):
+    result = CliRunner().invoke(app, ["calibrate", str(factory_checkpoint("llama")), "--out", str(tmp_path / "o"),
+                                      *extra])
+    assert result.exit_code == ExitCode.ERROR, result.output
+    assert message in result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_unwritable_out_fails_before_anything_loads(nothing_loads, factory_checkpoint, tmp_path):
+    (tmp_path / "file").write_text("x")
+    result = CliRunner().invoke(app, ["calibrate", str(factory_checkpoint("llama")), "--out",
+                                      str(tmp_path / "file" / "o")])
+    assert result.exit_code == ExitCode.ERROR
+    assert "file is not a folder" in result.stderr
+
+
+def test_vllm_spelling_fp8_means_e4m3(factory_checkpoint, corpus, tmp_path):
+    out = tmp_path / "o"
+    result = CliRunner().invoke(app, ["calibrate", str(factory_checkpoint("llama")), "--out", str(out), "--dataset",
+                                      corpus, "--num-samples", "2", "--seq-len", "16", "--kv-dtype", "fp8"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "fp8kv.json").read_text())["kv_dtype"] == "fp8_e4m3"
+
+
+def test_dash_h_is_help():
+    for args in (["-h"], ["verify", "-h"], ["calibrate", "-h"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0 and "Usage: " in result.output
+
+
+def test_verify_help_documents_the_exit_codes():
+    text = " ".join(CliRunner().invoke(app, ["verify", "--help"]).output.split())
+    assert "Exit codes: 0 PASS, 1 WARN, 2 USAGE, 3 FAIL, 4 ERROR, 5 CRASH." in text
+
+
+def test_an_unexpected_exception_is_a_crash_never_warn(monkeypatch):
+    def broken(*args, **kwargs):
+        raise KeyError("bug")
+
+    monkeypatch.setattr("fp8kv.verify.run.verify", broken)
+    result = CliRunner().invoke(app, ["verify", "bundled"])
+    assert result.exit_code == ExitCode.CRASH
+    assert "fp8kv: internal error: KeyError: 'bug' (a bug in fp8kv; rerun with FP8KV_DEBUG=1" in result.stderr
