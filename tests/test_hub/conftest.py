@@ -28,10 +28,8 @@ REPORT = {
     "convention": "compressed-tensors", "kv_dtype": "fp8_e4m3",
     "accuracy": {"ppl_bf16": 10.137, "ppl_fp8": 10.2461, "ppl_fp8_unit": 10.9133, "kl_mean": 0.00123,
                  "kl_max": 0.0345, "top1_agreement": 0.9876},
-    "layers": [{"layer": 0, "k_saturation": 0.0, "v_saturation": 0.0, "k_max_ratio": 301.2, "v_max_ratio": 250.0,
-                "nan_without_clamp": 0},
-               {"layer": 1, "k_saturation": 0.00042, "v_saturation": 0.0, "k_max_ratio": 417.5, "v_max_ratio": 212.25,
-                "nan_without_clamp": 3}],
+    "layers": [{"layer": 0, "k_saturation": 0.0, "v_saturation": 0.0, "k_max_ratio": 301.2, "v_max_ratio": 250.0},
+               {"layer": 1, "k_saturation": 0.00042, "v_saturation": 0.0, "k_max_ratio": 417.5, "v_max_ratio": 212.25}],
     "generation": {"prefill_match": True, "decode_match": True, "prefix_match": False},
 }
 
