@@ -18,7 +18,7 @@ ERROR_EXIT_CODE = 2
 
 
 # `fp8kv --help` lists the commands in the order of the workflow.
-WORKFLOW = ("calibrate", "verify", "inspect", "convert", "card", "push")
+WORKFLOW = ("calibrate", "verify", "eval", "inspect", "convert", "card", "push")
 
 
 class _Group(TyperGroup):
@@ -270,6 +270,36 @@ def verify_command(
         result = verify(request, progress=progress)
     show(result, json_output=json_output)
     raise typer.Exit(result.exit_code)
+
+
+@app.command("eval")
+def eval_command(
+    model_dir: Path = typer.Argument(..., metavar="DIR", help="Checkpoint folder (KV scales in any convention), or 'bundled'."),
+    tasks: str = typer.Option(
+        "fp8kv_pydoc_mc,fp8kv_pydoc_gen,fp8kv_pydoc_ppl", "--tasks",
+        help="Comma-separated lm_eval tasks (default: the bundled model's offline tasks).",
+    ),
+    limit: int | None = typer.Option(None, "--limit", help="At most N items per task."),
+    engines: str = typer.Option("clamp,raw", "--engines", help="Engine casts to compare: clamp, raw (raw-bf16 not modelled yet)."),
+    device: str = typer.Option("auto", "--device", help="auto, tpu, xla-cpu, cuda or cpu."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per runner step."),
+    max_length: int | None = typer.Option(None, "--max-length", help="Longest sequence (default: the model's, at most 2048)."),
+    include_path: Path | None = typer.Option(None, "--include-path", help="Folder of extra lm_eval task YAMLs."),
+    report_dir: Path | None = typer.Option(
+        None, "--report", help="Results folder (default: DIR/eval, only when fp8kv wrote DIR)."
+    ),
+) -> None:
+    """Task scores (lm-evaluation-harness) on bf16, fp8 unit-scale and fp8 checkpoint-scale caches, per engine."""
+    from fp8kv.evaluation.compare import EvalRequest, evaluate
+
+    request = EvalRequest(
+        model_dir=model_dir, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit,
+        engines=tuple(e.strip() for e in engines.split(",") if e.strip()), device=device, batch_size=batch_size,
+        max_length=max_length, include_path=include_path, report_dir=report_dir,
+    )
+    result, folder = evaluate(request, progress=lambda label: typer.echo(f"evaluating {label} ...", err=True))
+    typer.echo(result.markdown())
+    typer.echo(f"Wrote {folder}")
 
 
 def main() -> None:
