@@ -185,6 +185,11 @@ def calibrate(
         False, "--trust-remote-code",
         help="Run Python code shipped inside the checkpoint (custom architectures). Only for checkpoints you trust.",
     ),
+    attention: str = typer.Option(
+        "kv", "--attention",
+        help="kv: K/V cache scales; fp8: also query scales (q_scale, after q_norm and RoPE) for fp8 attention "
+        "kernels (FlashAttention-3 / FlashInfer), written as compressed-tensors' attention scheme.",
+    ),
     layerwise: bool | None = typer.Option(
         None, "--layerwise/--no-layerwise", show_default="automatic",
         help="Load one decoder layer at a time (for models larger than memory). "
@@ -204,7 +209,7 @@ def calibrate(
         batch_size=batch_size, kv_dtype=kv_dtype, strategy=strategy, headroom=headroom, per_head=per_head,
         allow_unobserved=allow_unobserved, mode=mode, convention=format, overwrite=overwrite,
         device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
-        command=report.command_line(),
+        attention=attention, command=report.command_line(),
     )
     with report.progress_bar(enabled=not json_output and is_writer()) as progress:
         result = run_calibration(request, progress=progress)

@@ -30,6 +30,7 @@ _SUFFIXES = {
     "k_proj.output_scale": ("quark", "k"),
     "v_proj.output_scale": ("quark", "v"),
     "kv_scale": ("kv_scale", "kv"),
+    "q_scale": ("compressed-tensors", "q"),  # the query of fp8 attention (llm-compressor's attention scheme)
 }
 _NAME = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.self_attn\.(?P<suffix>" + "|".join(
     re.escape(s) for s in _SUFFIXES) + r")$")
@@ -38,6 +39,7 @@ _LAYER_PREFIX = re.compile(r"^(?P<prefix>.*?)layers\.\d+\.self_attn\.")
 _CT_BASE = {"quant_method": "compressed-tensors", "format": "dense", "quantization_status": "frozen",
             "config_groups": {}, "ignore": []}
 _QUARK_GROUP = ["*k_proj", "*v_proj"]
+ATTENTION_GROUP = "fp8kv_attention"
 
 
 def parse_scale_name(name: str) -> tuple[int, str, str] | None:
@@ -67,6 +69,24 @@ def scale_names(convention: str, prefix: str, layer: int) -> tuple[str, str]:
         "quark": ("k_proj.output_scale", "v_proj.output_scale"),
     }[convention]
     return base + k_suffix, base + v_suffix
+
+
+def query_scale_name(prefix: str, layer: int) -> str:
+    """The query-scale tensor name: on the attention module, as compressed-tensors registers `q_scale`."""
+    return f"{prefix}layers.{layer}.self_attn.q_scale"
+
+
+def attention_scheme(config: dict[str, Any]) -> dict[str, Any]:
+    """The config group compressed-tensors writes for a static fp8 attention scheme (Q, and K/V through it).
+
+    Targets the model's attention class (`LlamaForCausalLM` -> `LlamaAttention`), as llm-compressor's
+    attention recipes do; `input_activations` is the query (and cache) quantization.
+    """
+    architecture = str((config.get("architectures") or ["Model"])[0])
+    target = re.sub(r"For(CausalLM|ConditionalGeneration)$", "", architecture) + "Attention"
+    return {"targets": [target], "weights": None, "output_activations": None,
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                  "symmetric": True}}
 
 
 def is_vllm_json(path: Path) -> bool:
@@ -120,6 +140,9 @@ def quant_configs(
             f"{' or '.join(allowed[method])}; write with that format instead of {convention!r}"
         )
     _check_representable(convention, scales)
+    if scales.q is not None and convention != "compressed-tensors":
+        raise Fp8kvError(f"query scales (q_scale) are written only as compressed-tensors, not {convention!r}; "
+                         "write --format compressed-tensors or calibrate without --attention fp8")
     qc = copy.deepcopy(config.get("quantization_config")) if method else None
     if convention == "vllm-json":
         return qc, copy.deepcopy(hf_quant) if method else None
@@ -127,6 +150,8 @@ def quant_configs(
         qc = qc or copy.deepcopy(_CT_BASE)
         qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": scales.strategy,
                                  "dynamic": False, "symmetric": True}
+        if scales.q is not None:
+            qc.setdefault("config_groups", {})[ATTENTION_GROUP] = attention_scheme(config)
         return qc, None
     if convention == "modelopt":
         return _modelopt_configs(qc, hf_quant if method else None, version)

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from fp8kv import __version__
 from fp8kv.checkpoint.conventions import (
     CONVENTIONS, HF_QUANT_CONFIG, SCALES_FILE, VLLM_JSON_FILE, is_vllm_json, layer_prefix, parse_scale_name, quant_configs,
-    scale_names, vllm_json,
+    query_scale_name, scale_names, vllm_json,
 )
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import INDEX_NAME, SourceCheckpoint, read_safetensors_header
@@ -175,6 +175,8 @@ def _write_scales(path: Path, source: SourceCheckpoint, scales: KVScales, conven
         if convention != "compressed-tensors":  # ModelOpt and Quark store 0-dim scalars
             k, v = k.reshape(()), v.reshape(())
         tensors[k_name], tensors[v_name] = k.contiguous(), v.contiguous()
+        if scales.q is not None:
+            tensors[query_scale_name(prefix, layer)] = scales.q[layer].contiguous()
     save_file(tensors, str(path), metadata={"format": "pt"})
     _fsync_file(path)
     return dict.fromkeys(tensors, SCALES_FILE)

@@ -31,7 +31,7 @@ try:
     import lm_eval.models  # noqa: F401
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
-    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 except ImportError:
     raise Fp8kvError("lm-evaluation-harness is not installed: pip install 'fp8kv[eval]'") from None
 
@@ -73,6 +73,16 @@ class Fp8kvLM(TemplateLM):
             max_num_seqs=self.batch_size, page_size=int(page_size), model=model,
         )
         self._device = self.runner.device
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None) -> Fp8kvLM:
+        """lm_eval's constructor path; `--model_args` win over its global options (its `--device` defaults to cuda:0)."""
+        given = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**{**given, **arg_dict})
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None) -> Fp8kvLM:
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     @property
     def eot_token_id(self) -> int:
