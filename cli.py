@@ -136,10 +136,12 @@ def convert_command(
     mode: str = typer.Option("overlay", "--mode", help="overlay (hard-link weights) or copy."),
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
-    from fp8kv.checkpoint.interop import convert_checkpoint, engine_flag
+    from fp8kv.checkpoint.interop import convert_checkpoint, engine_flag, inspect_checkpoint
 
     written = convert_checkpoint(model, out, to, overwrite=overwrite, mode=mode)
     typer.echo(f"wrote {written} ({to})")
+    if to != "compressed-tensors" and any("q_scale" in row for row in inspect_checkpoint(model)["layers"]):
+        typer.echo(f"note: {to} has no query-scale convention; q_scale was left out", err=True)
     if to == "vllm-json":
         typer.echo(f"load it with: vllm serve {written} {engine_flag(written)}")
 
@@ -255,6 +257,9 @@ def verify_command(
         None, "--unit-ppl-ratio", help="WARN when perplexity exceeds this x the unit-scale one [file: 1.01]."
     ),
     json_output: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+    quantize_query: bool = typer.Option(
+        False, "--quantize-query", help="Also quantize Q with the checkpoint's q_scale (fp8 attention) and report the cost."
+    ),
 ) -> None:
     """Check a checkpoint's KV scales: present, read back exactly, safe and cheap in accuracy. Exit 0 PASS, 1 WARN, 2 FAIL."""
     from fp8kv.calibrate.data import DataRequest
@@ -270,6 +275,7 @@ def verify_command(
         model_dir=model_dir, data=DataRequest(dataset, split, text_column, num_samples, seq_len, seed),
         batch_size=batch_size, prompts=prompts, num_prompts=num_prompts, prompt_len=prompt_len,
         new_tokens=new_tokens, device=device, report_dir=report_dir, thresholds=thresholds,
+        quantize_query=quantize_query,
     )
     with verify_progress(enabled=not json_output) as progress:
         result = verify(request, progress=progress)

@@ -89,6 +89,21 @@ def attention_scheme(config: dict[str, Any]) -> dict[str, Any]:
                                   "symmetric": True}}
 
 
+def without_attention_schemes(quantization_config: dict[str, Any]) -> dict[str, Any]:
+    """`quantization_config` less its activation-only config groups (attention / query schemes).
+
+    transformers applies those through compressed-tensors' hooked attention, which would fake-quantize
+    Q inside any model that loads the checkpoint; fp8kv's runtime quantizes Q itself, only when asked.
+    """
+    qc = copy.deepcopy(quantization_config)
+    groups = qc.get("config_groups")
+    if isinstance(groups, dict):
+        qc["config_groups"] = {name: group for name, group in groups.items()
+                               if not (isinstance(group, dict) and group.get("weights") is None
+                                       and group.get("input_activations") is not None)}
+    return qc
+
+
 def is_vllm_json(path: Path) -> bool:
     """Whether `path` is a legacy vLLM KV-scale file (`{"kv_cache": {"scaling_factor": ...}}`)."""
     if path.stat().st_size > 2**20:
@@ -110,7 +125,7 @@ def weight_method(config: dict[str, Any], hf_quant: dict[str, Any] | None) -> st
         return None
     method = str(qc.get("quant_method") or "")
     if method == "compressed-tensors":
-        return method if qc.get("config_groups") else None
+        return method if without_attention_schemes(qc).get("config_groups") else None
     if method == "quark":
         layers = [qc.get("global_quant_config") or {}, *(qc.get("layer_quant_config") or {}).values()]
         return method if any(isinstance(spec, dict) and spec.get("weight") for spec in layers) else None

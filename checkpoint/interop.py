@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,15 @@ def inspect_checkpoint(model_dir: str | Path) -> dict[str, Any]:
 def convert_checkpoint(
     model_dir: str | Path, out_dir: str | Path, to: str, *, overwrite: bool = False, mode: str = "overlay"
 ) -> Path:
-    """Read the scales of `model_dir` (any convention) and write them to `out_dir` in convention `to`."""
+    """Read the scales of `model_dir` (any convention) and write them to `out_dir` in convention `to`.
+
+    Query scales (q_scale) have a home only in compressed-tensors; other targets leave them out.
+    """
     readout = read_kv_scales(model_dir)
     if readout.scales is None:
         raise Fp8kvError(f"{readout.source.path}: holds no KV scales to convert; run fp8kv calibrate first")
-    return write_checkpoint(model_dir, out_dir, readout.scales, convention=to, mode=mode, overwrite=overwrite)
+    scales = readout.scales if to == "compressed-tensors" else replace(readout.scales, q=None)
+    return write_checkpoint(model_dir, out_dir, scales, convention=to, mode=mode, overwrite=overwrite)
 
 
 def engine_flag(out_dir: Path) -> str:
@@ -72,6 +77,8 @@ def _layer_rows(readout: ScaleReadout, provenance: dict[int, dict[str, Any]] | N
         k, v = readout.scales.values(layer)
         row: dict[str, Any] = {"layer": layer, "k_scale": k[0] if len(k) == 1 else k,
                                "v_scale": v[0] if len(v) == 1 else v}
+        if readout.scales.q is not None:
+            row["q_scale"] = readout.scales.q_value(layer)
         extra = (provenance or {}).get(layer, {})
         for key in ("k_amax", "v_amax", "k_saturation", "v_saturation"):
             if key in extra:
@@ -151,7 +158,7 @@ def print_report(report: dict[str, Any]) -> None:
                   f"strategy: {report['strategy'] or '-'}   kv heads: {report['num_kv_heads']}")
     if report["layers"]:
         table = Table()
-        keys = [k for k in ("k_scale", "v_scale", "k_amax", "v_amax", "k_saturation", "v_saturation")
+        keys = [k for k in ("k_scale", "v_scale", "q_scale", "k_amax", "v_amax", "k_saturation", "v_saturation")
                 if any(k in row for row in report["layers"])]
         for key in ("layer", *keys):
             table.add_column(key, justify="right")

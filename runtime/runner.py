@@ -23,7 +23,7 @@ import torch
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.runtime.attention import ragged_paged_attention
-from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale
+from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale, quantize
 from fp8kv.runtime.cache import cache_dtype as _cache_dtype
 from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
 
@@ -51,6 +51,7 @@ class PagedStep:
     cache: PagedKVCache
     meta: StepMetadata
     backend: str
+    q_scales: dict[int, torch.Tensor] | None = None  # fp8 attention: the query is read as fp8(q / q_scale)
 
 
 def _paged_attention(
@@ -70,8 +71,11 @@ def _paged_attention(
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d]
     step.cache.write(layer, k, v, meta.slot_mapping, meta.valid)
     k_scale, v_scale = step.cache.scale_args(layer)
+    q = query[0].transpose(0, 1)  # [T, q_heads, d]
+    if step.q_scales is not None:  # what an fp8 attention kernel computes with: fp8(q / q_scale) * q_scale
+        q = (quantize(q, step.q_scales[layer], torch.float8_e4m3fn).float() * step.q_scales[layer]).to(q.dtype)
     out = ragged_paged_attention(
-        query[0].transpose(0, 1),
+        q,
         step.cache.layer_pages(layer),
         meta.kv_lens,
         meta.page_indices,
@@ -110,6 +114,8 @@ class PagedModelRunner:
             XLA shapes static), "torch" or "xla" (torch_xla's function; its reference off TPU).
         model: weights from `load_model` to share between runners (each runner owns only its cache);
             None loads them from `model_dir`.
+        q_scales: {kv layer index: float}: quantize the query to fp8 e4m3 with these scales before
+            attention, as fp8 attention kernels do (None: the query stays in the model dtype).
     """
 
     def __init__(
@@ -128,6 +134,7 @@ class PagedModelRunner:
         dtype: torch.dtype | None = None,
         attention_backend: str = "auto",
         model: torch.nn.Module | None = None,
+        q_scales: Mapping[int, float] | None = None,
     ) -> None:
         self.runtime_device: RuntimeDevice = resolve_device(device)
         self.geometry = AttentionGeometry.from_dir(model_dir)
@@ -150,6 +157,10 @@ class PagedModelRunner:
             saturate=saturate,
         )
         self.allocator = PageAllocator(self.cache.pages[0].shape[0], page_size)
+        if q_scales is not None and sorted(q_scales) != sorted(g.kv_layers):
+            raise Fp8kvError(f"q_scales cover layers {sorted(q_scales)}; give one per KV layer {list(g.kv_layers)}")
+        self.q_scales = None if q_scales is None else {
+            layer: torch.tensor(float(q_scales[layer]), device=self.device) for layer in g.kv_layers}
         self._next_id = 0
         self._sync()  # materialize the zeroed caches, so the first step compiles the same graph as later ones
 
@@ -185,7 +196,7 @@ class PagedModelRunner:
         """
         self._check_batch(batch)
         ids, positions, meta = self._prepare(batch)
-        step = PagedStep(self.cache, meta, self.backend)
+        step = PagedStep(self.cache, meta, self.backend, self.q_scales)
         logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, **{STEP_KWARG: step}).logits
         self._sync()  # cut the graph here: cache writes and logits of this step, one compile per shape
         logits = logits[0].float().cpu()
@@ -281,10 +292,15 @@ def _resolve_backend(choice: str, device: RuntimeDevice) -> str:
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The checkpoint's causal LM on `device`, wired to the paged attention (shareable between runners)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fp8kv.checkpoint.conventions import without_attention_schemes
 
     _register()
+    config = AutoConfig.from_pretrained(model_dir)
+    if isinstance(getattr(config, "quantization_config", None), dict):
+        config.quantization_config = without_attention_schemes(config.quantization_config)
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype or "auto", attn_implementation=ATTN_IMPLEMENTATION
+        model_dir, config=config, dtype=dtype or "auto", attn_implementation=ATTN_IMPLEMENTATION
     )
     return model.to(device).eval()

@@ -60,6 +60,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     if accuracy:
         rows = [[label, _fmt(accuracy.get(key), spec)] for label, key, spec in _ACCURACY]
         parts.append("## Accuracy\n\n" + _table(["Metric", "Value"], rows))
+    query = report.get("query") or {}
+    if query:
+        rows = [[key.replace("_", " "), _fmt(value, "{:.6g}")] for key, value in query.items()]
+        parts.append("## Query quantized with q_scale (fp8 attention)\n\n" + _table(["Metric", "Value"], rows))
     gen = report.get("generation") or {}
     if gen:
         rows = [[phase, _fmt(gen.get(f"{phase}_match"), "{:.2%}")] for phase in ("prefill", "decode", "prefix")]
@@ -177,4 +181,8 @@ def show(result: Any, json_output: bool = False) -> None:
     accuracy = report.get("accuracy") or {}
     if accuracy:
         print("  " + ", ".join(f"{key} {_fmt(accuracy.get(key), spec)}" for _, key, spec in _ACCURACY[:6]))
+    query = report.get("query") or {}
+    if query:
+        print(f"  with Q quantized by q_scale: kl_mean {_fmt(query['kl_mean'], '{:.3g}')} "
+              f"(K/V only {_fmt(query['kl_mean_kv_only'], '{:.3g}')}), top1 {_fmt(query['top1_agreement'], '{:.2%}')}")
     print(f"  report: {result.report_dir / REPORT_MD}")

@@ -44,6 +44,7 @@ class VerifyRequest:
     page_size: int = 16
     report_dir: Path | None = None  # None: model_dir / "verify"
     thresholds: Thresholds | None = None  # None: configs/verify.toml
+    quantize_query: bool = False  # also run attention with Q quantized by the checkpoint's q_scale
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
                                                    _stage(progress, "comparing caches"))
     counts = accuracy.cache_counts(runners.fp8)
     timings["accuracy"] = time.perf_counter() - clock
+    reasons += _query_cost(request, runners, scales, data.samples, report, timings)
     report["layers"] = [{**row, **counts[row["layer"]]} for row in rows]
 
     clock = time.perf_counter()
@@ -161,6 +163,20 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
     nan_with_clamp = {row["layer"]: row["nan_with_clamp"] for row in report["layers"] if row["nan_with_clamp"]}
     reasons += accuracy_reasons(report["accuracy"], nan_with_clamp, thresholds)
     return reasons + heldout_reasons(report["layers"], thresholds)
+
+
+def _query_cost(request: VerifyRequest, runners: accuracy.Runners, scales: KVScales, samples: list[list[int]],
+                report: dict[str, Any], timings: dict[str, float]) -> list[Reason]:
+    """With --quantize-query: the accuracy cost of also quantizing Q with q_scale (report["query"])."""
+    if not request.quantize_query:
+        return []
+    if scales.q is None:
+        return [Reason(WARN, "--quantize-query: the checkpoint has no q_scale (calibrate with --attention fp8)")]
+    clock = time.perf_counter()
+    report["query"] = accuracy.query_cost(request.model_dir, runners, scales, samples, request.batch_size)
+    report["query"]["kl_mean_kv_only"] = report["accuracy"]["kl_mean"]
+    timings["query"] = time.perf_counter() - clock
+    return []
 
 
 def _prompts(request: VerifyRequest, data: CalibrationData, tokenizer: Any) -> list[list[int]]:
