@@ -112,3 +112,19 @@ def test_attention_fp8_needs_compressed_tensors(factory_checkpoint, corpus: str,
     with pytest.raises(Fp8kvError, match="--attention fp8 writes q_scale, which only the compressed-tensors"):
         calibrate(request)
     assert not (tmp_path / "o").exists()
+
+
+def test_verify_reports_the_cost_of_quantizing_q(calibrated, corpus: str, tmp_path: Path) -> None:
+    from fp8kv.verify.run import VerifyRequest, verify
+
+    _, out, _ = calibrated
+    common = dict(data=DataRequest(corpus, num_samples=4, seq_len=48), batch_size=4, num_prompts=2, prompt_len=8,
+                  new_tokens=2, device="cpu")
+    plain = verify(VerifyRequest(out, report_dir=tmp_path / "plain", **common)).report
+    asked = verify(VerifyRequest(out, report_dir=tmp_path / "q", quantize_query=True, **common)).report
+    assert "query" not in plain
+    query = asked["query"]
+    assert query["kl_mean_kv_only"] == plain["accuracy"]["kl_mean"]
+    assert query["kl_mean"] > 0 and query["kl_mean"] != query["kl_mean_kv_only"]
+    assert 0 <= query["top1_agreement"] <= 1
+    assert "## Query quantized with q_scale (fp8 attention)" in (tmp_path / "q" / "report.md").read_text()
