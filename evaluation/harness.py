@@ -122,6 +122,9 @@ class Fp8kvLM(TemplateLM):
             inputs = [(requests[i][1] + requests[i][2])[-(self.max_length + 1):][:-1] for i in chunk]
             for i, rows in zip(chunk, self._prefill(inputs)):
                 key, _, continuation = requests[i]
+                if not continuation:  # nothing to score: log 1, and trivially greedy
+                    results[i] = (0.0, True)
+                    continue
                 target = torch.tensor(continuation)
                 logp = torch.log_softmax(rows[-len(continuation):], dim=-1)  # [len(continuation), vocab]
                 score = float(logp.gather(1, target[:, None]).double().sum())

@@ -91,22 +91,47 @@ def test_bundled_model_scores_above_chance_through_lm_eval(weights: torch.nn.Mod
     assert out["results"]["test_pydoc_gen"]["exact_match,first_word"] > 0.0
 
 
-def test_quarter_scales_score_lower_under_the_raw_cast_than_clamped(
-        tmp_path: Path, weights: torch.nn.Module, tasks: TaskManager) -> None:
+@pytest.fixture(scope="module")
+def quarter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled model with K/V scales a quarter of its calibrated ones: many values pass the fp8 range."""
     data = DataRequest(str(BUNDLED_CALIBRATION_TEXT), num_samples=8, seq_len=128)
     scales = calibrate(CalibrationRequest(model=str(BUNDLED_MODEL_DIR), data=data, device="cpu")).scales
     quarter = KVScales(k={i: t / 4 for i, t in scales.k.items()}, v={i: t / 4 for i, t in scales.v.items()})
-    ckpt = write_checkpoint(BUNDLED_MODEL_DIR, tmp_path / "quarter", quarter)
+    return write_checkpoint(BUNDLED_MODEL_DIR, tmp_path_factory.mktemp("quarter") / "ckpt", quarter)
+
+
+def test_quarter_scales_score_lower_under_the_raw_cast_than_clamped(
+        quarter: Path, weights: torch.nn.Module, tasks: TaskManager) -> None:
     acc, nonfinite = {}, {}
     for engine in ("clamp", "raw"):
-        lm = Fp8kvLM(str(ckpt), kv_cache="fp8", scales="checkpoint", engine=engine, device="cpu", batch_size=16,
+        lm = Fp8kvLM(str(quarter), kv_cache="fp8", scales="checkpoint", engine=engine, device="cpu", batch_size=16,
                      model=weights)
-        out = lm_eval.simple_evaluate(model=lm, tasks=["test_pydoc_mc"], task_manager=tasks, log_samples=False,
-                                      bootstrap_iters=0)
+        out = lm_eval.simple_evaluate(model=lm, tasks=["test_pydoc_mc"], task_manager=tasks, limit=16,
+                                      log_samples=False, bootstrap_iters=0)
         acc[engine] = out["results"]["test_pydoc_mc"]["acc,none"]
         nonfinite[engine] = sum(k + v for k, v in lm.runner.counts()["nonfinite"].values())
     assert nonfinite["clamp"] == 0 and nonfinite["raw"] > 0
     assert acc["raw"] < acc["clamp"]
+
+
+def test_fp8kv_eval_command_writes_the_comparison(quarter: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from fp8kv.cli import app
+
+    result = CliRunner().invoke(app, ["eval", str(quarter), "--tasks", "fp8kv_pydoc_mc", "--limit", "8",
+                                      "--engines", "raw", "--device", "cpu", "--batch-size", "16",
+                                      "--report", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    back = EvalResults.from_json((tmp_path / "r" / "results.json").read_text())
+    assert [row.label for row in back.rows] == ["bf16", "fp8 unit raw", "fp8 checkpoint raw"]
+    assert back.tasks == ("fp8kv_pydoc_mc",) and back.limit == 8 and back.device == "cpu"
+    scores = {row.label: row.metrics["fp8kv_pydoc_mc acc"] for row in back.rows}
+    stored = {row.label: row.nonfinite_stored for row in back.rows}
+    assert stored == {"bf16": 0, "fp8 unit raw": 0, "fp8 checkpoint raw": stored["fp8 checkpoint raw"]}
+    assert stored["fp8 checkpoint raw"] > 0 and scores["fp8 checkpoint raw"] < scores["bf16"]
+    assert (tmp_path / "r" / "results.md").read_text() == back.markdown()
+    assert "| fp8 checkpoint raw |" in result.output
 
 
 def test_unknown_engine_and_missing_scales_are_one_line_errors(weights: torch.nn.Module) -> None:
