@@ -36,13 +36,16 @@ class EvalRequest:
 
 
 def cache_specs(model_dir: Path, engines: tuple[str, ...]) -> list[CacheSpec]:
-    """bf16, then per engine fp8 with unit scales and (when the checkpoint has scales) its own."""
-    has_scales = read_kv_scales(model_dir).scales is not None
+    """bf16, then per engine fp8 with unit scales and (when the checkpoint has scales) its own, and with Q in fp8
+    too when it has query scales."""
+    scales = read_kv_scales(model_dir).scales
     specs = [CacheSpec.parse("bf16")]
     for engine in engines:
         specs.append(CacheSpec.parse("fp8", "unit", engine))
-        if has_scales:
+        if scales is not None:
             specs.append(CacheSpec.parse("fp8", "checkpoint", engine))
+        if scales is not None and scales.q is not None:
+            specs.append(CacheSpec.parse("fp8", "checkpoint", engine, query=True))
     return specs
 
 
@@ -82,13 +85,13 @@ def evaluate(request: EvalRequest, progress: Callable[[str], None] | None = None
     for spec in specs:
         if progress is not None:
             progress(spec.label)
-        lm = Fp8kvLM(str(model_dir), spec.kv_cache, spec.scales, spec.engine, device=runtime.kind,
+        lm = Fp8kvLM(str(model_dir), spec.kv_cache, spec.scales, spec.engine, spec.query, device=runtime.kind,
                      batch_size=request.batch_size, max_length=request.max_length, model=model)
         out = lm_eval.simple_evaluate(model=lm, tasks=list(request.tasks), limit=request.limit, task_manager=manager,
                                       log_samples=False, bootstrap_iters=0)
         nonfinite = sum(k + v for k, v in lm.runner.counts()["nonfinite"].values())
         rows.append(ConfigScores(spec.label, spec.kv_cache, spec.scales, spec.engine,
-                                 metric_values(out["results"]), nonfinite))
+                                 metric_values(out["results"]), nonfinite, spec.query))
         del lm  # free this configuration's cache before the next one is allocated
     result = EvalResults(str(model_dir), tuple(request.tasks), request.limit, runtime.kind, tuple(rows))
     folder.mkdir(parents=True, exist_ok=True)

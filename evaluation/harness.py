@@ -48,6 +48,7 @@ class Fp8kvLM(TemplateLM):
     Args (all lm_eval `--model_args` strings):
         pretrained: checkpoint folder (or `bundled`).
         kv_cache, scales, engine: see `CacheSpec` (bf16 | fp8; checkpoint | unit; clamp | raw | raw-bf16).
+        quantize_query: also read Q as fp8 with the checkpoint's q_scale (fp8 attention).
         device: auto, tpu, xla-cpu, cuda (or cuda:N) or cpu, as for `fp8kv verify`.
         batch_size: sequences per runner step (lm_eval's `--batch_size`; "auto" means 8).
         max_length: longest sequence (default: the model's, at most 2048).
@@ -57,12 +58,12 @@ class Fp8kvLM(TemplateLM):
     """
 
     def __init__(self, pretrained: str, kv_cache: str = "fp8", scales: str = "checkpoint", engine: str = "clamp",
-                 device: str | None = None, batch_size: int | str | None = None, max_batch_size: int | None = None,
+                 quantize_query: bool = False, device: str | None = None, batch_size: int | str | None = None, max_batch_size: int | None = None,
                  max_length: int | None = None, max_gen_toks: int = 256, page_size: int = 16,
                  add_bos_token: bool | None = None, model: torch.nn.Module | None = None) -> None:
         super().__init__()
         self.model_dir = resolve_model(str(pretrained))
-        self.spec = CacheSpec.parse(str(kv_cache), str(scales), str(engine))
+        self.spec = CacheSpec.parse(str(kv_cache), str(scales), str(engine), bool(quantize_query))
         self.tokenizer = load_tokenizer(self.model_dir, False)
         self.batch_size = _batch_size(batch_size)
         self.max_length = int(max_length or min(_model_context(self.model_dir), DEFAULT_MAX_LENGTH))

@@ -29,6 +29,7 @@ class ConfigScores:
     engine: str
     metrics: dict[str, float]
     nonfinite_stored: int  # NaN/inf values the cache stored over the whole run (0 for a clamping engine)
+    query: bool = False  # attention also read Q as fp8 with the checkpoint's q_scale
 
 
 @dataclass(frozen=True)

@@ -27,15 +27,20 @@ AVAILABLE_ENGINES = ("clamp", "raw")
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """One cache configuration: `kv_cache` bf16 or fp8; for fp8, the scale source and the engine's cast."""
+    """One cache configuration: `kv_cache` bf16 or fp8; for fp8, the scale source and the engine's cast.
+
+    `query`: attention also reads Q as fp8 with the checkpoint's q_scale (fp8 attention kernels).
+    """
 
     kv_cache: str = "fp8"
     scales: str = "checkpoint"
     engine: str = "clamp"
+    query: bool = False
 
     @classmethod
-    def parse(cls, kv_cache: str = "fp8", scales: str = "checkpoint", engine: str = "clamp") -> CacheSpec:
-        """Validate the three choices (one clear error naming the bad one)."""
+    def parse(cls, kv_cache: str = "fp8", scales: str = "checkpoint", engine: str = "clamp",
+              query: bool = False) -> CacheSpec:
+        """Validate the choices (one clear error naming the bad one)."""
         for name, value, choices in (("kv_cache", kv_cache, KV_CACHES), ("scales", scales, SCALE_SOURCES),
                                      ("engine", engine, ENGINES)):
             if value not in choices:
@@ -43,12 +48,16 @@ class CacheSpec:
         if engine not in AVAILABLE_ENGINES:
             raise Fp8kvError(f"engine={engine!r} is not modelled by this runtime yet; use one of "
                              f"{', '.join(AVAILABLE_ENGINES)}")
-        return cls(kv_cache, scales, engine)
+        if query and (kv_cache, scales) != ("fp8", "checkpoint"):
+            raise Fp8kvError("quantize_query needs kv_cache=fp8 and scales=checkpoint (q_scale comes from the checkpoint)")
+        return cls(kv_cache, scales, engine, bool(query))
 
     @property
     def label(self) -> str:
         """Short name for tables: `bf16`, `fp8 unit clamp`, `fp8 checkpoint raw`."""
-        return "bf16" if self.kv_cache == "bf16" else f"fp8 {self.scales} {self.engine}"
+        if self.kv_cache == "bf16":
+            return "bf16"
+        return f"fp8 {self.scales} {self.engine}" + (" + fp8 Q" if self.query else "")
 
 
 def engine_arguments(engine: str) -> dict[str, Any]:
@@ -71,6 +80,12 @@ def open_runner(model_dir: str | Path, spec: CacheSpec, *, device: str, max_mode
     problems = readout.scales.problems()
     if problems:
         raise Fp8kvError(f"{model_dir}: {problems[0]}")
-    k, v = runtime_scales(readout.scales, readout.source.geometry.kv_layers)
-    return PagedModelRunner(model_dir, cache_dtype=readout.scales.kv_dtype, k_scales=k, v_scales=v,
+    layers = readout.source.geometry.kv_layers
+    k, v = runtime_scales(readout.scales, layers)
+    q = None
+    if spec.query:
+        if readout.scales.q is None:
+            raise Fp8kvError(f"{model_dir}: no q_scale; calibrate with --attention fp8 or drop quantize_query")
+        q = {i: readout.scales.q_value(i) for i in layers}
+    return PagedModelRunner(model_dir, cache_dtype=readout.scales.kv_dtype, k_scales=k, v_scales=v, q_scales=q,
                             **engine_arguments(spec.engine), **common)

@@ -128,3 +128,19 @@ def test_verify_reports_the_cost_of_quantizing_q(calibrated, corpus: str, tmp_pa
     assert query["kl_mean"] > 0 and query["kl_mean"] != query["kl_mean_kv_only"]
     assert 0 <= query["top1_agreement"] <= 1
     assert "## Query quantized with q_scale (fp8 attention)" in (tmp_path / "q" / "report.md").read_text()
+
+
+def test_lm_eval_model_reads_q_as_fp8_when_asked(calibrated) -> None:
+    from lm_eval.api.instance import Instance
+
+    from fp8kv.evaluation.harness import Fp8kvLM
+    from fp8kv.evaluation.spec import CacheSpec
+
+    _, out, _ = calibrated
+    request = [Instance("loglikelihood", {}, ("The for statement", " is used to iterate"), 0)]
+    scores = {query: Fp8kvLM(str(out), quantize_query=query, device="cpu").loglikelihood(request, disable_tqdm=True)
+              for query in (False, True)}
+    assert scores[True][0][0] != scores[False][0][0]
+    assert CacheSpec.parse("fp8", "checkpoint", "clamp", query=True).label == "fp8 checkpoint clamp + fp8 Q"
+    with pytest.raises(Fp8kvError, match="quantize_query needs kv_cache=fp8 and scales=checkpoint"):
+        CacheSpec.parse("fp8", "unit", "clamp", query=True)
