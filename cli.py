@@ -247,8 +247,9 @@ def verify_command(
     max_saturation: float | None = typer.Option(
         None, "--max-saturation", help="WARN when a layer clamps a larger share of K or V [file: 1e-4]."
     ),
-    max_nan_without_clamp: float | None = typer.Option(
-        None, "--max-nan-without-clamp", help="WARN when a raw cast would make more NaN/inf values [file: 0]."
+    engine: str = typer.Option(
+        "all", "--engine", help="Engine cast model(s) to run: clamp (saturating), raw (plain cast), raw-bf16 "
+        "(bf16 division, plain cast) or all. Any engine whose logits go NaN/inf is a FAIL."
     ),
     unit_kl_ratio: float | None = typer.Option(
         None, "--unit-kl-ratio", help="WARN when mean KL exceeds this x the unit-scale KL [file: 1.25]."
@@ -264,17 +265,18 @@ def verify_command(
     """Check a checkpoint's KV scales: present, read back exactly, safe and cheap in accuracy. Exit 0 PASS, 1 WARN, 2 FAIL."""
     from fp8kv.calibrate.data import DataRequest
     from fp8kv.verify.report import show, verify_progress
+    from fp8kv.verify.engines import parse_engines
     from fp8kv.verify.run import VerifyRequest, verify
     from fp8kv.verify.verdict import load_thresholds
 
     thresholds = load_thresholds(
-        thresholds_file, kl_mean=max_kl_mean, saturation=max_saturation, nan_without_clamp=max_nan_without_clamp,
-        unit_kl_ratio=unit_kl_ratio, unit_ppl_ratio=unit_ppl_ratio,
+        thresholds_file, kl_mean=max_kl_mean, saturation=max_saturation, unit_kl_ratio=unit_kl_ratio, unit_ppl_ratio=unit_ppl_ratio,
     )
     request = VerifyRequest(
         model_dir=model_dir, data=DataRequest(dataset, split, text_column, num_samples, seq_len, seed),
         batch_size=batch_size, prompts=prompts, num_prompts=num_prompts, prompt_len=prompt_len,
         new_tokens=new_tokens, device=device, report_dir=report_dir, thresholds=thresholds,
+        engines=parse_engines(engine),
         quantize_query=quantize_query,
     )
     with verify_progress(enabled=not json_output) as progress:
@@ -291,7 +293,9 @@ def eval_command(
         help="Comma-separated lm_eval tasks (default: the bundled model's offline tasks).",
     ),
     limit: int | None = typer.Option(None, "--limit", help="At most N items per task."),
-    engines: str = typer.Option("clamp,raw", "--engines", help="Engine casts to compare: clamp, raw (raw-bf16 not modelled yet)."),
+    engines: str = typer.Option(
+        "clamp,raw,raw-bf16", "--engines", help="Engine cast models to compare: clamp, raw, raw-bf16 (comma-separated)."
+    ),
     device: str = typer.Option("auto", "--device", help="auto, tpu, xla-cpu, cuda or cpu."),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per runner step."),
     max_length: int | None = typer.Option(None, "--max-length", help="Longest sequence (default: the model's, at most 2048)."),

@@ -8,12 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from fp8kv.errors import Fp8kvError
+from fp8kv.fp8 import FP8_DTYPES, FP8_MAX, TORCH_DTYPE_NAME  # noqa: F401  (imported from here by other modules)
 
-# Each fp8 storage dtype and its largest finite value (FACTS §1).
-FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-FP8_MAX = {name: float(torch.finfo(dtype).max) for name, dtype in FP8_DTYPES.items()}  # 448, 57344
-# The torch dtype name engines print for each kv dtype (the vLLM JSON file stores it).
-TORCH_DTYPE_NAME = {name: str(dtype).removeprefix("torch.") for name, dtype in FP8_DTYPES.items()}
 
 
 @dataclass(frozen=True)

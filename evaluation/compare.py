@@ -17,7 +17,8 @@ from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_file_atomic
 from fp8kv.errors import Fp8kvError
 from fp8kv.evaluation.results import RESULTS_JSON, RESULTS_MD, RESULTS_SUBDIR, ConfigScores, EvalResults, metric_values
-from fp8kv.evaluation.spec import AVAILABLE_ENGINES, CacheSpec
+from fp8kv.evaluation.spec import CacheSpec
+from fp8kv.fp8 import ENGINES
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class EvalRequest:
     model_dir: Path
     tasks: tuple[str, ...]
     limit: int | None = None
-    engines: tuple[str, ...] = AVAILABLE_ENGINES
+    engines: tuple[str, ...] = ENGINES
     device: str = "auto"
     batch_size: int = 8
     max_length: int | None = None

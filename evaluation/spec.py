@@ -14,17 +14,12 @@ import torch
 
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.errors import Fp8kvError
+from fp8kv.fp8 import ENGINES
 from fp8kv.runtime.runner import PagedModelRunner
 from fp8kv.verify.accuracy import runtime_scales
 
 KV_CACHES = ("bf16", "fp8")
 SCALE_SOURCES = ("checkpoint", "unit")
-ENGINES = ("clamp", "raw", "raw-bf16")
-"""How an engine writes fp8: clamp to ±MAX first (vLLM CUDA/TPU), or the raw cast (NaN past the limit)."""
-AVAILABLE_ENGINES = ("clamp", "raw")
-"""The engines this runtime models today; raw-bf16 (divide in bf16, then the raw cast) needs engine models."""
-
-
 @dataclass(frozen=True)
 class CacheSpec:
     """One cache configuration: `kv_cache` bf16 or fp8; for fp8, the scale source and the engine's cast.
@@ -45,9 +40,6 @@ class CacheSpec:
                                      ("engine", engine, ENGINES)):
             if value not in choices:
                 raise Fp8kvError(f"{name}={value!r} is not one of {', '.join(choices)}")
-        if engine not in AVAILABLE_ENGINES:
-            raise Fp8kvError(f"engine={engine!r} is not modelled by this runtime yet; use one of "
-                             f"{', '.join(AVAILABLE_ENGINES)}")
         if query and (kv_cache, scales) != ("fp8", "checkpoint"):
             raise Fp8kvError("quantize_query needs kv_cache=fp8 and scales=checkpoint (q_scale comes from the checkpoint)")
         return cls(kv_cache, scales, engine, bool(query))
@@ -61,8 +53,8 @@ class CacheSpec:
 
 
 def engine_arguments(engine: str) -> dict[str, Any]:
-    """The runner's keyword for an engine's cast (the runner takes `saturate`: clamp or the raw cast)."""
-    return {"saturate": engine == "clamp"}
+    """The runner's keyword for an engine's cast model (`fp8kv.fp8.ENGINES`)."""
+    return {"engine": engine}
 
 
 def open_runner(model_dir: str | Path, spec: CacheSpec, *, device: str, max_model_len: int, max_num_seqs: int,

@@ -11,9 +11,7 @@ from __future__ import annotations
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.runtime.cache import is_fp8
-from fp8kv.runtime.device import tpu_version
-
+from fp8kv.fp8 import is_fp8
 BACKENDS = ("auto", "torch", "xla")
 Scale = float | torch.Tensor | None
 
@@ -33,6 +31,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     backend: str = "auto",
     max_q_len: int | None = None,
+    use_kernel: bool = False,
 ) -> torch.Tensor:
     """Attention of `q` `[T, q_heads, head_dim]` over `kv_pages` `[pages, page_size, 2*kv_heads, D]`.
 
@@ -41,10 +40,11 @@ def ragged_paged_attention(
     `[kv_heads]` tensor on the torch backend). `head_dim` may be smaller than the cache's padded D.
     Rows of `q` past `cu_q_lens[num_seqs]` are padding and come back as zeros.
 
-    backend: "xla" calls torch_xla's function (the Pallas kernel on TPU v5+, its reference
-    elsewhere); "torch" is a vectorized implementation for any device; "auto" picks "xla" on XLA
-    tensors and "torch" otherwise. `max_q_len` bounds the new tokens of one sequence (a static
-    bound keeps XLA shapes fixed; default: `tokens` on XLA, the exact maximum elsewhere).
+    backend: "xla" calls torch_xla's function as vLLM's TPU backend does (the Pallas kernel with
+    `use_kernel`, which needs a TPU: see `kernel_supported`; torch_xla's reference otherwise);
+    "torch" is a vectorized implementation for any device; "auto" picks "xla" on XLA tensors and
+    "torch" otherwise. `max_q_len` bounds the new tokens of one sequence on the torch backend (a
+    static bound keeps XLA shapes fixed; default: `tokens` on XLA, the exact maximum elsewhere).
     """
     if backend not in BACKENDS:
         raise Fp8kvError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -52,7 +52,8 @@ def ragged_paged_attention(
     q = torch.nn.functional.pad(q, (0, kv_pages.shape[-1] - head_dim))  # zeros leave q·k unchanged
     if backend == "xla" or (backend == "auto" and q.device.type == "xla"):
         out = _xla_attention(
-            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, sliding_window, soft_cap
+            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, sliding_window, soft_cap,
+            use_kernel,
         )
     else:
         out = _torch_attention(
@@ -62,14 +63,28 @@ def ragged_paged_attention(
     return out[..., :head_dim]
 
 
-def _xla_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, window, cap):
+def kernel_supported(tpu_generation: int, num_kv_heads: int, kv_dtype: torch.dtype) -> bool:
+    """Whether torch_xla 2.9's Pallas kernel (ragged_paged_attention_v2) can run this cache.
+
+    It needs a TPU v4 or newer, and the combined K/V heads (2 * kv_heads) must tile: divisible by
+    the dtype's packing (4 for fp8, 2 for bf16, 1 for fp32 in 32-bit words), the quotient in
+    {1, 2, 4, 8} or a multiple of 8. So fp8 fails for kv_heads 1, 3, 5, 6, 10, 12, 24 (per chip).
+    """
+    if tpu_generation < 4:
+        return False
+    packing = 32 // torch.finfo(kv_dtype).bits
+    combined = 2 * num_kv_heads
+    return combined % packing == 0 and (combined // packing in (1, 2, 4, 8) or combined // packing % 8 == 0)
+
+
+def _xla_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, window, cap,
+                   use_kernel):
     from torch_xla.experimental.custom_kernel import ragged_paged_attention as xla_rpa
 
     if isinstance(k_scale, torch.Tensor) or isinstance(v_scale, torch.Tensor):
         raise Fp8kvError("per-head KV scales are not supported by torch_xla's attention; use per-layer scales")
     if is_fp8(kv_pages.dtype):  # without scales torch_xla returns fp8 output
         k_scale, v_scale = k_scale or 1.0, v_scale or 1.0
-    use_kernel = tpu_version() >= 5
     out = xla_rpa(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
         sm_scale=sm_scale, sliding_window=window, soft_cap=cap,
@@ -114,8 +129,8 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
 
 def _gather_kv(kv_pages, page_indices, kv_lens, k_scale, v_scale):
     """Dequantized K and V `[S, pages_per_seq*page_size, kv_heads, D]`, zero past each kv_len."""
-    fp8 = is_fp8(kv_pages.dtype)
-    source = kv_pages.view(torch.uint8) if fp8 else kv_pages  # CPU torch 2.9 cannot gather fp8
+    fp8 = is_fp8(kv_pages.dtype) and kv_pages.device.type != "xla"  # CPU torch 2.9 cannot gather fp8; XLA can
+    source = kv_pages.view(torch.uint8) if fp8 else kv_pages
     pages = source[page_indices.long()]  # [S, pps, page_size, 2*kv_heads, D]
     if fp8:
         pages = pages.view(kv_pages.dtype)

@@ -15,42 +15,11 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from fp8kv.errors import Fp8kvError
+from fp8kv.fp8 import check_engine, is_fp8, quantize
 
-CACHE_DTYPES = {
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-    "bf16": torch.bfloat16,
-    "fp32": torch.float32,
-}
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCRATCH_PAGE = 0
 
 Scale = float | Sequence[float]
-
-
-def cache_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a cache dtype name ("fp8_e4m3", "fp8_e5m2", "bf16", "fp32")."""
-    if name not in CACHE_DTYPES:
-        raise Fp8kvError(f"unknown KV-cache dtype {name!r}; choose one of {', '.join(CACHE_DTYPES)}")
-    return CACHE_DTYPES[name]
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_DTYPES
-
-
-def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, saturate: bool = True) -> torch.Tensor:
-    """`dtype(clamp(x / scale, -MAX, MAX))` for fp8; without `saturate` the raw cast (NaN/inf on overflow).
-
-    bf16/fp32 caches store `x` unscaled, as engines do.
-    """
-    if not is_fp8(dtype):
-        return x.to(dtype)
-    y = x.float() / scale
-    if saturate:
-        limit = torch.finfo(dtype).max
-        y = y.clamp(-limit, limit)
-    return y.to(dtype)
 
 
 class PageAllocator:
@@ -119,6 +88,7 @@ class PagedKVCache:
 
     `k_scales`/`v_scales` map each KV layer index to a float or a per-KV-head list of floats
     (dequantization multipliers); None means 1.0 everywhere. Scales only apply to fp8 caches.
+    `engine` is how writes cast to fp8 (`fp8kv.fp8.ENGINES`: "clamp", "raw", "raw-bf16").
     Counters (int64 tensors on the cache device, `[num_kv_layers, 2]` for K and V):
     `clamped` counts values with |x / scale| > MAX, `nonfinite` counts NaN/inf values stored.
     """
@@ -136,7 +106,7 @@ class PagedKVCache:
         head_dim_multiple: int = 1,
         k_scales: Mapping[int, Scale] | None = None,
         v_scales: Mapping[int, Scale] | None = None,
-        saturate: bool = True,
+        engine: str = "clamp",
     ) -> None:
         self.kv_layers = tuple(kv_layers)
         self.page_size = page_size
@@ -144,7 +114,7 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.head_dim_padded = math.ceil(head_dim / head_dim_multiple) * head_dim_multiple
         self.dtype = dtype
-        self.saturate = saturate
+        self.engine = check_engine(engine)
         self.k_scales = _layer_scales(k_scales, self.kv_layers, num_kv_heads, "k_scale")
         self.v_scales = _layer_scales(v_scales, self.kv_layers, num_kv_heads, "v_scale")
         shape = (num_pages, page_size, 2 * num_kv_heads, self.head_dim_padded)
@@ -174,10 +144,12 @@ class PagedKVCache:
         row = self._row[layer]
         kv = torch.stack([k, v], dim=2).flatten(1, 2)  # [T, 2*kv_heads, head_dim]
         kv = torch.nn.functional.pad(kv, (0, self.head_dim_padded - self.head_dim))
-        stored = quantize(kv, self._write_scales[row], self.dtype, self.saturate)
+        stored = quantize(kv, self._write_scales[row], self.dtype, self.engine)
         self._count(row, kv, stored, valid)
         flat = self.pages[row].flatten(0, 1)  # [num_pages*page_size, 2*kv_heads, head_dim_padded]
-        if is_fp8(self.dtype):  # CPU torch 2.9 has no fp8 index_copy_; bytes are bytes
+        # CPU torch 2.9 has no fp8 index_copy_, so copy bytes there; XLA copies fp8 natively, and a
+        # dtype view on XLA would fall back to the CPU and round-trip the cache through the host.
+        if is_fp8(self.dtype) and flat.device.type != "xla":
             flat.view(torch.uint8).index_copy_(0, slots, stored.view(torch.uint8))
         else:
             flat.index_copy_(0, slots, stored)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -38,7 +39,8 @@ def resolve_device(choice: str = "auto") -> RuntimeDevice:
     if choice not in DEVICE_CHOICES:
         raise Fp8kvError(f"unknown device {choice!r}; choose one of {', '.join(DEVICE_CHOICES)}")
     if choice == "auto":
-        choice = "tpu" if _tpu_chips() > 0 else "cuda" if torch.cuda.is_available() else "cpu"
+        on_tpu = os.environ.get("PJRT_DEVICE", "TPU").upper() == "TPU" and tpu_chips() > 0
+        choice = "tpu" if on_tpu else "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cpu":
         return RuntimeDevice("cpu", torch.device("cpu"))
     if choice == "cuda":
@@ -49,26 +51,45 @@ def resolve_device(choice: str = "auto") -> RuntimeDevice:
 
 
 def tpu_version() -> int:
-    """The TPU generation (4, 5, 6, ...), or 0 when torch_xla runs on something else."""
-    try:
-        import torch_xla.tpu
+    """The TPU generation (4, 5, 6, ...) through torch_xla's public `torch_xla.tpu`, or 0 without a TPU."""
+    if tpu_chips() == 0:  # version() asks the cloud metadata server: only worth it with chips attached
+        return 0
+    import torch_xla  # torch_xla 2.9: `torch_xla.tpu` is an attribute; `import torch_xla.tpu` fails
 
+    try:
         return int(torch_xla.tpu.version())
-    except Exception:  # torch_xla raises different errors off-TPU; any of them means "no TPU"
+    except (OSError, KeyError):  # no metadata (not a Cloud TPU VM) or an unknown accelerator type
         return 0
 
 
-def _tpu_chips() -> int:
-    if os.environ.get("PJRT_DEVICE", "TPU").upper() != "TPU":
-        return 0
+def tpu_chips() -> int:
+    """TPU chips attached to this host (0 without torch_xla)."""
     try:
-        from torch_xla._internal import tpu
+        import torch_xla
     except ImportError:
         return 0
-    return tpu.num_available_chips()
+    return torch_xla.tpu.num_available_chips()
+
+
+def missing_for_tpu() -> str | None:
+    """What keeps torch_xla from running on a TPU here, in one phrase, or None when nothing does."""
+    if importlib.util.find_spec("torch_xla") is None:
+        return "torch_xla is not installed (pip install 'fp8kv[tpu]')"
+    if importlib.util.find_spec("libtpu") is None:
+        return "libtpu is not installed (pip install 'fp8kv[tpu]')"
+    pjrt = os.environ.get("PJRT_DEVICE", "TPU")  # read first: importing torch_xla sets it when unset
+    if tpu_chips() == 0:
+        return "no TPU chips are attached to this host (use --device xla-cpu for the same code path on the CPU)"
+    if pjrt.upper() != "TPU":
+        return f"PJRT_DEVICE={pjrt} is set (unset it or set it to TPU)"
+    return None
 
 
 def _xla_device(pjrt: str) -> torch.device:
+    if pjrt == "TPU":
+        missing = missing_for_tpu()
+        if missing:
+            raise Fp8kvError(f"device 'tpu' requested but {missing}")
     current = os.environ.setdefault("PJRT_DEVICE", pjrt)
     if current.upper() != pjrt:
         raise Fp8kvError(

@@ -22,9 +22,10 @@ import torch
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry
-from fp8kv.runtime.attention import ragged_paged_attention
-from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale, quantize
-from fp8kv.runtime.cache import cache_dtype as _cache_dtype
+from fp8kv.runtime.attention import kernel_supported, ragged_paged_attention
+from fp8kv.fp8 import cache_dtype as _cache_dtype
+from fp8kv.fp8 import quantize
+from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale
 from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
 
 ATTN_IMPLEMENTATION = "fp8kv_paged"
@@ -51,6 +52,7 @@ class PagedStep:
     cache: PagedKVCache
     meta: StepMetadata
     backend: str
+    use_kernel: bool
     q_scales: dict[int, torch.Tensor] | None = None  # fp8 attention: the query is read as fp8(q / q_scale)
 
 
@@ -88,6 +90,7 @@ def _paged_attention(
         soft_cap=softcap,
         backend=step.backend,
         max_q_len=meta.max_q_len,
+        use_kernel=step.use_kernel,
     )
     return out.unsqueeze(0), None  # [1, T, q_heads, d]
 
@@ -104,14 +107,16 @@ class PagedModelRunner:
     Args:
         model_dir: a local checkpoint folder.
         device: "auto", "tpu", "xla-cpu", "cuda" or "cpu".
-        cache_dtype: "fp8_e4m3", "fp8_e5m2", "bf16" or "fp32".
+        cache_dtype: "fp8_e4m3" (or vLLM's "fp8"), "fp8_e5m2", "bf16" or "fp32".
         k_scales, v_scales: {kv layer index: float or per-KV-head list}; None = 1.0 (fp8 only).
-        saturate: clamp to ±MAX before the fp8 cast; False reproduces the raw cast (NaN/inf).
+        engine: how writes cast to fp8, as an engine does (`fp8kv.fp8.ENGINES`): "clamp" saturates
+            at ±MAX; "raw" and "raw-bf16" reproduce a plain cast (NaN/inf past the limits).
         page_size, max_model_len, max_num_seqs: cache geometry; `num_pages` defaults to enough
             pages for `max_num_seqs` sequences of `max_model_len` tokens (plus the scratch page).
         dtype: model weights dtype (default: the checkpoint's).
-        attention_backend: "auto" (Pallas kernel on TPU v5+, vectorized torch elsewhere, which keeps
-            XLA shapes static), "torch" or "xla" (torch_xla's function; its reference off TPU).
+        attention_backend: "auto" (torch_xla's ragged_paged_attention on XLA devices: the Pallas
+            kernel on a TPU it supports, torch_xla's reference elsewhere; vectorized torch on CPU and
+            CUDA), "torch" (vectorized torch everywhere; static shapes on XLA) or "xla".
         model: weights from `load_model` to share between runners (each runner owns only its cache);
             None loads them from `model_dir`.
         q_scales: {kv layer index: float}: quantize the query to fp8 e4m3 with these scales before
@@ -126,7 +131,7 @@ class PagedModelRunner:
         cache_dtype: str = "bf16",
         k_scales: Mapping[int, Scale] | None = None,
         v_scales: Mapping[int, Scale] | None = None,
-        saturate: bool = True,
+        engine: str = "clamp",
         page_size: int = 16,
         max_model_len: int = 512,
         max_num_seqs: int = 8,
@@ -154,8 +159,11 @@ class PagedModelRunner:
             head_dim_multiple=self.runtime_device.head_dim_multiple,
             k_scales=k_scales,
             v_scales=v_scales,
-            saturate=saturate,
+            engine=engine,
         )
+        # The Pallas kernel where vLLM's TPU backend would run it; torch_xla's reference elsewhere.
+        self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu"
+                           and kernel_supported(tpu_version(), g.num_kv_heads, self.cache.dtype))
         self.allocator = PageAllocator(self.cache.pages[0].shape[0], page_size)
         if q_scales is not None and sorted(q_scales) != sorted(g.kv_layers):
             raise Fp8kvError(f"q_scales cover layers {sorted(q_scales)}; give one per KV layer {list(g.kv_layers)}")
@@ -163,6 +171,11 @@ class PagedModelRunner:
             layer: torch.tensor(float(q_scales[layer]), device=self.device) for layer in g.kv_layers}
         self._next_id = 0
         self._sync()  # materialize the zeroed caches, so the first step compiles the same graph as later ones
+
+    @property
+    def attention(self) -> str:
+        """The attention function that runs: "torch_xla.ragged_paged_attention" or "fp8kv.torch"."""
+        return "torch_xla.ragged_paged_attention" if self.backend == "xla" else "fp8kv.torch"
 
     @property
     def device(self) -> torch.device:
@@ -196,7 +209,7 @@ class PagedModelRunner:
         """
         self._check_batch(batch)
         ids, positions, meta = self._prepare(batch)
-        step = PagedStep(self.cache, meta, self.backend, self.q_scales)
+        step = PagedStep(self.cache, meta, self.backend, self.use_kernel, self.q_scales)
         logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, **{STEP_KWARG: step}).logits
         self._sync()  # cut the graph here: cache writes and logits of this step, one compile per shape
         logits = logits[0].float().cpu()
@@ -281,8 +294,8 @@ def _bucket(n: int, smallest: int = 8) -> int:
 
 
 def _resolve_backend(choice: str, device: RuntimeDevice) -> str:
-    if choice == "auto":
-        return "xla" if device.kind == "tpu" and tpu_version() >= 5 else "torch"
+    if choice == "auto":  # on any XLA device the attention vLLM's TPU backend calls
+        return "xla" if device.is_xla else "torch"
     if choice == "xla" and not device.is_xla:
         raise Fp8kvError(f"attention backend 'xla' needs an XLA device, not {device.kind!r}; use --device xla-cpu")
     if choice not in ("torch", "xla"):

@@ -97,7 +97,7 @@ def test_fp8_cache_clamps_and_raw_cast_turns_to_nan(checkpoints):
     assert logits.isfinite().all()
     assert all(k > 0 and v == 0 for k, v in counts["clamped"].values())
     assert all(pair == (0, 0) for pair in counts["nonfinite"].values())
-    raw = _runner(model, cache_dtype="fp8_e4m3", k_scales=tiny, v_scales=ones, saturate=False)
+    raw = _runner(model, cache_dtype="fp8_e4m3", k_scales=tiny, v_scales=ones, engine="raw")
     seq, _ = raw.start()
     logits = raw.step([(seq, PROMPTS[0])])[0]
     assert logits.isnan().all()
@@ -150,10 +150,11 @@ def _compiles() -> int:
 
 
 def test_xla_cpu_matches_cpu_and_compiles_per_bucket_only(checkpoints):
+    """The torch attention on XLA keeps shapes static: one compile per token bucket, fp8 like bf16."""
     model = checkpoints["gemma3"]
     cpu = _runner(model, cache_dtype="fp8_e4m3", k_scales={0: 0.05, 1: 0.05}, v_scales={0: 0.05, 1: 0.05})
     xla = _runner(model, device="xla-cpu", cache_dtype="fp8_e4m3", k_scales={0: 0.05, 1: 0.05},
-                  v_scales={0: 0.05, 1: 0.05})
+                  v_scales={0: 0.05, 1: 0.05}, attention_backend="torch")
     assert xla.cache.pages[0].shape[-1] == 128  # head_dim 16 padded as on TPU
     lengths = [5, 7, 11, 13, 9]  # token buckets 8, 8, 16, 16, 16
     after = []
@@ -173,11 +174,30 @@ def test_xla_cpu_matches_cpu_and_compiles_per_bucket_only(checkpoints):
 
 
 def test_runner_through_torch_xla_reference_attention(checkpoints):
+    """`auto` on XLA:CPU is torch_xla's function (its reference): same logits, compiles bounded per step."""
     scales = {0: 0.05, 1: 0.05}
     outs = []
-    for backend in ("xla", "torch"):
+    for backend in ("auto", "torch"):
         runner = _runner(checkpoints["mistral"], device="xla-cpu", cache_dtype="fp8_e4m3", k_scales=scales,
                          v_scales=scales, attention_backend=backend)
+        assert runner.attention == ("torch_xla.ragged_paged_attention" if backend == "auto" else "fp8kv.torch")
+        assert not runner.use_kernel  # no TPU here
         outs.append(runner.step([(runner.start()[0], PROMPTS[0][:6]), (runner.start()[0], PROMPTS[1][:3])]))
     for reference, ours in zip(*outs):
         torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+    reference = _runner(checkpoints["mistral"], device="xla-cpu", cache_dtype="fp8_e4m3", k_scales=scales,
+                        v_scales=scales)
+    seqs = [reference.start()[0] for _ in range(2)]
+    reference.step([(seqs[0], PROMPTS[0][:6]), (seqs[1], PROMPTS[1][:3])])
+    start = _compiles()
+    for _ in range(3):  # the reference slices by the real lengths: each new kv length is one new graph
+        reference.step([(s, [5]) for s in seqs])
+    assert _compiles() - start <= 3
+    again = _runner(checkpoints["mistral"], device="xla-cpu", cache_dtype="fp8_e4m3", k_scales=scales,
+                    v_scales=scales, model=reference.model)
+    seqs = [again.start()[0] for _ in range(2)]
+    start = _compiles()
+    again.step([(seqs[0], PROMPTS[0][:6]), (seqs[1], PROMPTS[1][:3])])
+    for _ in range(3):  # the same lengths again: every graph is cached
+        again.step([(s, [5]) for s in seqs])
+    assert _compiles() == start

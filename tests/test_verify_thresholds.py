@@ -15,7 +15,7 @@ ACCURACY = {"ppl_fp8": 10.0, "ppl_fp8_unit": 10.0, "kl_mean": 0.001, "kl_mean_un
 
 def test_packaged_defaults_then_file_then_flags(tmp_path):
     defaults = load_thresholds()
-    assert defaults.as_dict() == {"kl_mean": 0.05, "saturation": 1e-4, "nan_without_clamp": 0.0,
+    assert defaults.as_dict() == {"kl_mean": 0.05, "saturation": 1e-4,
                                   "unit_kl_ratio": 1.25, "unit_ppl_ratio": 1.01}
     path = tmp_path / "t.toml"
     path.write_text("[fail]\nkl_mean = 0.2\n[warn]\nsaturation = 0.01\n")

@@ -1,7 +1,8 @@
 """Runtime checks on fp8kv's paged cache: scale read-back, saturation, NaN with clamping, accuracy.
 
 Three runners hold the same model: a bf16 cache (the reference), an fp8 cache with the
-checkpoint's scales (clamped writes, as engines should do) and an fp8 cache with unit scales.
+checkpoint's scales (clamped writes, as engines should do) and an fp8 cache with unit scales;
+one more per non-clamping engine model (`verify.engines`) with the checkpoint's scales.
 Every held-out sample is prefilled on each; the logits give perplexity, KL(bf16 || fp8) of every
 next-token distribution and top-1 agreement. The fp8 cache's counters give the exact share of
 values clamped at ±MAX and any NaN/inf stored.
@@ -20,28 +21,38 @@ from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.runtime.cache import Scale
 from fp8kv.runtime.device import resolve_device
 from fp8kv.runtime.runner import PagedModelRunner, load_model
+from fp8kv.verify.engines import EngineResult, EngineTotals
 
 
 @dataclass
 class Runners:
-    """The reference (bf16 cache), the checkpoint's scales and unit scales, on one device."""
+    """The reference (bf16 cache), the checkpoint's scales and unit scales, on one device.
+
+    `engines` maps each engine model to its runner; "clamp" is `fp8` itself.
+    """
 
     bf16: PagedModelRunner
     fp8: PagedModelRunner
     unit: PagedModelRunner
+    engines: dict[str, PagedModelRunner]
 
     @classmethod
     def open(cls, model_dir: Path, scales: KVScales, kv_layers: tuple[int, ...], *, device: str,
-             max_model_len: int, max_num_seqs: int, page_size: int = 16) -> Runners:
+             max_model_len: int, max_num_seqs: int, page_size: int = 16,
+             engines: tuple[str, ...] = ("clamp",)) -> Runners:
         # One copy of the weights serves the three caches: only the caches differ.
         model = load_model(model_dir, resolve_device(device).device)
         common = dict(device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size,
                       model=model)
         k, v = runtime_scales(scales, kv_layers)
+        fp8 = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v, **common)
+        others = {e: PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v, engine=e, **common)
+                  for e in engines if e != "clamp"}
         return cls(
             bf16=PagedModelRunner(model_dir, cache_dtype="bf16", **common),
-            fp8=PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v, **common),
+            fp8=fp8,
             unit=PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, **common),
+            engines={**({"clamp": fp8} if "clamp" in engines else {}), **others},
         )
 
 
@@ -133,18 +144,28 @@ class _Totals:
 
 
 def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int,
-                     progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
-    """Prefill every sample on the three runners (`batch_size` sequences per step) and compare logits."""
+                     progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, float], list[EngineResult]]:
+    """Prefill every sample on every runner (`batch_size` sequences per step) and compare logits.
+
+    Returns the comparison with the bf16 cache and one result per engine model.
+    """
     totals = _Totals()
+    engine_totals = {engine: EngineTotals() for engine in runners.engines}
     named = {"bf16": runners.bf16, "fp8": runners.fp8, "unit": runners.unit}
+    extra = {engine: runner for engine, runner in runners.engines.items() if runner is not runners.fp8}
     for start in range(0, len(samples), batch_size):
         batch = samples[start : start + batch_size]
         outputs = {name: _prefill(runner, batch) for name, runner in named.items()}
+        engine_outputs = {engine: _prefill(runner, batch) for engine, runner in extra.items()}
+        engine_outputs.update({engine: outputs["fp8"] for engine in runners.engines if engine not in extra})
         for i, ids in enumerate(batch):
             totals.add(ids, {name: out[i] for name, out in outputs.items()})
+            for engine, out in engine_outputs.items():
+                engine_totals[engine].add(ids, out[i])
         if progress is not None:
             progress(start + len(batch), len(samples))
-    return totals.summary()
+    results = [engine_totals[e].result(e, runners.engines[e]) for e in runners.engines]
+    return totals.summary(), results
 
 
 def query_cost(model_dir: Path, runners: Runners, scales: KVScales, samples: list[list[int]],
@@ -161,7 +182,7 @@ def query_cost(model_dir: Path, runners: Runners, scales: KVScales, samples: lis
         q_scales={i: scales.q_value(i) for i in layers}, max_model_len=fp8.max_model_len,
         max_num_seqs=fp8.max_num_seqs, page_size=fp8.cache.page_size, model=fp8.model,
     )
-    summary = measure_accuracy(Runners(runners.bf16, with_query, runners.unit), samples, batch_size)
+    summary, _ = measure_accuracy(Runners(runners.bf16, with_query, runners.unit, {}), samples, batch_size)
     return {"kl_mean": summary["kl_mean"], "kl_max": summary["kl_max"], "top1_agreement": summary["top1_agreement"],
             "ppl": summary["ppl_fp8"], "max_q_scale": max(scales.q_value(i) for i in layers)}
 

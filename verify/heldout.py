@@ -1,4 +1,4 @@
-"""Held-out text and what the checkpoint's scales do to its K/V: max |x|/scale and NaN risk per layer.
+"""Held-out text and what the checkpoint's scales do to its K/V: max |x|/scale per layer.
 
 The text is the bundled model's held-out split or `--dataset`, never silently the calibration data.
 K and V are observed exactly as the cache stores them (calibrate's observer: after k_norm and
@@ -15,15 +15,11 @@ import torch
 from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_data
 from fp8kv.calibrate.observe import KVStatistics
 from fp8kv.calibrate.pipeline import CalibrationRequest, Progress, observe
-from fp8kv.calibrate.scales import saturation_share
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import SourceCheckpoint, read_json
 from fp8kv.errors import Fp8kvError
 from fp8kv.models import BUNDLED_HELDOUT_TEXT
 
-# |x| / scale above which a raw (non-saturating) cast stops giving MAX: e4m3 rounds 448 < y <= 464
-# down to 448 and gives NaN above; e5m2 gives inf from 59392 (halfway from 57344 to 2**16) up (FACTS §2).
-RAW_CAST_LIMIT = {"fp8_e4m3": 464.0, "fp8_e5m2": 59392.0}
 
 
 def load_heldout(request: DataRequest, tokenizer: Any) -> CalibrationData:
@@ -60,24 +56,14 @@ def observe_heldout(
 
 
 def layer_rows(statistics: KVStatistics, scales: KVScales, kv_layers: tuple[int, ...]) -> list[dict[str, Any]]:
-    """Per cache-owning layer: max |x|/scale and the NaN/inf count of a raw cast, for K and V.
-
-    The counts come from the |x| histograms (bins 2**(1/32) wide, a bin counts when its geometric
-    midpoint lies above the limit); they are exactly 0 when amax / scale <= the limit.
-    """
+    """Per cache-owning layer: the largest |x| / scale of K and of V over the held-out text."""
     rows = []
     for layer in kv_layers:
         row: dict[str, Any] = {"layer": layer}
         for kind, name in ((0, "k"), (1, "v")):
             amax = statistics.amax[layer, kind].double()  # [kv_heads]
-            hist = statistics.hist[layer, kind]  # [kv_heads, bins]
             scale = (scales.k if kind == 0 else scales.v)[layer].flatten().double().expand_as(amax)
-            ratio = amax / scale
-            limit = scale * RAW_CAST_LIMIT[scales.kv_dtype]
-            over = saturation_share(hist, amax, limit) * hist.sum(-1).double()  # [kv_heads]
-            row[f"{name}_max_ratio"] = float(ratio.max())
-            row[f"{name}_nan_without_clamp"] = int(torch.round(over.sum()))
-        row["nan_without_clamp"] = row["k_nan_without_clamp"] + row["v_nan_without_clamp"]
+            row[f"{name}_max_ratio"] = float((amax / scale).max())
         rows.append(row)
     return rows
 

@@ -68,10 +68,18 @@ def render_markdown(report: dict[str, Any]) -> str:
     if gen:
         rows = [[phase, _fmt(gen.get(f"{phase}_match"), "{:.2%}")] for phase in ("prefill", "decode", "prefix")]
         parts.append("## Greedy tokens matching the bf16 cache\n\n" + _table(["Phase", "Match"], rows))
+    if report.get("engines"):
+        parts.append("## Engine cast models, run on the held-out text\n\n" + _engine_table(report["engines"])
+                     + "\n\nclamp: divide in float32, clamp to ±MAX, cast (vLLM CUDA and TPU). raw: divide in "
+                     "float32, plain cast (NaN past 464 for e4m3, inf from 61440 for e5m2). raw-bf16: divide in "
+                     "bf16, plain cast (in-place division of the bf16 tensor). Any NaN/inf row fails that engine.")
+    runtime = report.get("runtime")
+    if runtime:
+        rows = [[key.replace("_", " "), _fmt(value)] for key, value in runtime.items()]
+        parts.append("## Runtime\n\n" + _table(["Setting", "Value"], rows))
     if report.get("layers"):
         parts.append("## Per layer\n\n" + _layer_table(report) + "\n\nSaturation: exact share of values the fp8 "
-                     "cache clamped at ±MAX. Max |x|/scale and NaN/inf without clamp: from K/V observed on the "
-                     "same text (counts estimated from |x| histograms with bins 2^(1/32) wide).")
+                     "cache clamped at ±MAX. Max |x|/scale: from K/V observed on the same text.")
     parts.append("## Thresholds\n\n" + _table(["Threshold", "Value"],
                                                [[k, _fmt(v)] for k, v in report["thresholds"].items()]))
     return "\n\n".join(parts) + "\n"
@@ -79,15 +87,20 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def _layer_table(report: dict[str, Any]) -> str:
     scales = {row["layer"]: row for row in report.get("scales") or []}
-    head = ["layer", "k_scale", "v_scale", "K sat.", "V sat.", r"K max \|x\|/scale", r"V max \|x\|/scale",
-            "NaN/inf without clamp"]
+    head = ["layer", "k_scale", "v_scale", "K sat.", "V sat.", r"K max \|x\|/scale", r"V max \|x\|/scale"]
     rows = []
     for row in report["layers"]:
         s = scales.get(row["layer"], {})
         rows.append([str(row["layer"]), _fmt(s.get("k_scale"), "{:.6g}"), _fmt(s.get("v_scale"), "{:.6g}"),
                      _fmt(row.get("k_saturation"), "{:.4%}"), _fmt(row.get("v_saturation"), "{:.4%}"),
-                     _fmt(row.get("k_max_ratio"), "{:.4g}"), _fmt(row.get("v_max_ratio"), "{:.4g}"),
-                     _fmt(row.get("nan_without_clamp"))])
+                     _fmt(row.get("k_max_ratio"), "{:.4g}"), _fmt(row.get("v_max_ratio"), "{:.4g}")])
+    return _table(head, rows)
+
+
+def _engine_table(engines: list[dict[str, Any]]) -> str:
+    head = ["engine", "perplexity", "NaN/inf logit rows", "sequences lost", "first non-finite layer"]
+    rows = [[e["engine"], _fmt(e["ppl"], "{:.4f}"), f"{e['nan_rows']} of {e['rows']}",
+             f"{e['sequences_lost']} of {e['sequences']}", _fmt(e["first_nonfinite_layer"])] for e in engines]
     return _table(head, rows)
 
 
@@ -181,6 +194,9 @@ def show(result: Any, json_output: bool = False) -> None:
     accuracy = report.get("accuracy") or {}
     if accuracy:
         print("  " + ", ".join(f"{key} {_fmt(accuracy.get(key), spec)}" for _, key, spec in _ACCURACY[:6]))
+    for e in report.get("engines") or []:
+        print(f"  engine {e['engine']}: ppl {_fmt(e['ppl'], '{:.4f}')}, NaN/inf rows {e['nan_rows']} of {e['rows']}, "
+              f"sequences lost {e['sequences_lost']} of {e['sequences']}")
     query = report.get("query") or {}
     if query:
         print(f"  with Q quantized by q_scale: kl_mean {_fmt(query['kl_mean'], '{:.3g}')} "

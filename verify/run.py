@@ -16,8 +16,10 @@ from fp8kv.calibrate.data import CalibrationData, DataRequest
 from fp8kv.calibrate.pipeline import load_tokenizer
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.errors import Fp8kvError
+from fp8kv.fp8 import ENGINES
+from fp8kv.runtime import xla_cost
 from fp8kv.runtime.device import resolve_device
-from fp8kv.verify import accuracy, generation, heldout
+from fp8kv.verify import accuracy, engines, generation, heldout
 from fp8kv.verify.report import write_report
 from fp8kv.verify.static import StaticResult, static_checks
 from fp8kv.verify.verdict import (
@@ -44,6 +46,7 @@ class VerifyRequest:
     page_size: int = 16
     report_dir: Path | None = None  # None: model_dir / "verify"
     thresholds: Thresholds | None = None  # None: configs/verify.toml
+    engines: tuple[str, ...] = ENGINES  # engine cast models run through the runtime (verify.engines)
     quantize_query: bool = False  # also run attention with Q quantized by the checkpoint's q_scale
 
 
@@ -102,7 +105,7 @@ def _base_report(static: StaticResult, device: str, thresholds: Thresholds) -> d
         "static": static.summary(),
         "scales": _scale_rows(scales) if scales else [],
         "text_source": None, "num_samples": 0, "num_tokens": 0,
-        "accuracy": None, "generation": None, "readback": None, "layers": [],
+        "accuracy": None, "generation": None, "readback": None, "layers": [], "runtime": None, "engines": [],
     }
 
 
@@ -136,9 +139,10 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
     clock = time.perf_counter()
     prompts = _prompts(request, data, tokenizer)
     longest = max(max(len(s) for s in data.samples), max(len(p) for p in prompts) + request.new_tokens)
+    compiles_before = xla_cost.compiles() if resolve_device(request.device).is_xla else None
     runners = accuracy.Runners.open(
         source.path, scales, kv_layers, device=request.device, page_size=request.page_size,
-        max_model_len=longest, max_num_seqs=max(request.batch_size, 2 * len(prompts)),
+        max_model_len=longest, max_num_seqs=max(request.batch_size, 2 * len(prompts)), engines=request.engines,
     )
     timings["load_runners"] = time.perf_counter() - clock
     report["readback"] = accuracy.readback(runners.fp8, scales)
@@ -147,8 +151,9 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
                                     + "; ".join(report["readback"]["mismatches"][:3])))
 
     clock = time.perf_counter()
-    report["accuracy"] = accuracy.measure_accuracy(runners, data.samples, request.batch_size,
-                                                   _stage(progress, "comparing caches"))
+    report["accuracy"], engine_results = accuracy.measure_accuracy(runners, data.samples, request.batch_size,
+                                                                   _stage(progress, "comparing caches"))
+    report["engines"] = [result.as_dict() for result in engine_results]
     counts = accuracy.cache_counts(runners.fp8)
     timings["accuracy"] = time.perf_counter() - clock
     reasons += _query_cost(request, runners, scales, data.samples, report, timings)
@@ -160,8 +165,10 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
     report["generation"] = {key: gen[key] for key in ("prefill_match", "decode_match", "prefix_match")}
     report["generation_details"] = {key: gen[key] for key in ("prompts", "new_tokens", "shared_tokens",
                                                                "greedy_tokens")}
+    report["runtime"] = xla_cost.summarize(runners.fp8, prompts[0], compiles_before).as_dict()
     nan_with_clamp = {row["layer"]: row["nan_with_clamp"] for row in report["layers"] if row["nan_with_clamp"]}
     reasons += accuracy_reasons(report["accuracy"], nan_with_clamp, thresholds)
+    reasons += engines.engine_reasons(engine_results)
     return reasons + heldout_reasons(report["layers"], thresholds)
 
 

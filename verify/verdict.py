@@ -19,8 +19,7 @@ FAIL, WARN, INFO = "FAIL", "WARN", "INFO"
 EXIT_CODES = {"PASS": 0, "WARN": 1, "FAIL": 2}
 DEFAULTS_FILE = "verify.toml"
 # Which TOML table each threshold lives in.
-_SECTIONS = {"kl_mean": "fail", "saturation": "warn", "nan_without_clamp": "warn",
-             "unit_kl_ratio": "warn", "unit_ppl_ratio": "warn"}
+_SECTIONS = {"kl_mean": "fail", "saturation": "warn", "unit_kl_ratio": "warn", "unit_ppl_ratio": "warn"}
 
 
 @dataclass(frozen=True)
@@ -29,7 +28,6 @@ class Thresholds:
 
     kl_mean: float
     saturation: float
-    nan_without_clamp: float
     unit_kl_ratio: float
     unit_ppl_ratio: float
 
@@ -83,7 +81,7 @@ def verdict(reasons: list[Reason]) -> str:
 
 
 def heldout_reasons(layers: list[dict[str, Any]], thresholds: Thresholds) -> list[Reason]:
-    """Saturation above its bound, and NaN/inf a non-clamping engine would make, named per layer."""
+    """Saturation above its bound, named per layer."""
     reasons = []
     for row in layers:
         for kind in ("k", "v"):
@@ -92,11 +90,6 @@ def heldout_reasons(layers: list[dict[str, Any]], thresholds: Thresholds) -> lis
                 reasons.append(Reason(WARN, f"layer {row['layer']}: {share:.3%} of {kind.upper()} values saturate "
                                             f"at ±MAX (bound {thresholds.saturation:g}); max |x|/scale "
                                             f"{row[f'{kind}_max_ratio']:.4g}"))
-    risky = [row for row in layers if row.get("nan_without_clamp", 0) > thresholds.nan_without_clamp]
-    if risky:
-        named = ", ".join(f"layer {row['layer']} ({row['nan_without_clamp']})" for row in risky)
-        reasons.append(Reason(WARN, f"NaN risk on engines that do not clamp: a raw fp8 cast would write NaN/inf "
-                                    f"values in {named}"))
     return reasons
 
 

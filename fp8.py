@@ -1,0 +1,73 @@
+"""FP8 facts in one place: cache dtype names, MAX, what a plain cast does past MAX, and how engines cast.
+
+A KV scale is a dequantization multiplier: an engine stores `fp8(x / scale)` and reads
+`float(stored) * scale`. How it turns `x / scale` into fp8 differs between engines, and only a
+saturating conversion is safe: torch's cast (torch 2.9, CPU and XLA) does not saturate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8kv.errors import Fp8kvError
+
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+CACHE_DTYPES = {**FP8_DTYPES, "bf16": torch.bfloat16, "fp32": torch.float32}
+# vLLM's --kv-cache-dtype spelling "fp8" means e4m3.
+ALIASES = {"fp8": "fp8_e4m3"}
+FP8_MAX = {name: float(torch.finfo(dtype).max) for name, dtype in FP8_DTYPES.items()}  # 448, 57344
+# The torch dtype name engines print for each kv dtype (the vLLM JSON file stores it).
+TORCH_DTYPE_NAME = {name: str(dtype).removeprefix("torch.") for name, dtype in FP8_DTYPES.items()}
+
+# The largest |x / scale| a plain (non-saturating) cast still turns into a finite value.
+# e4m3fn: 448 < y <= 464 rounds down to 448, anything above is NaN (e4m3fn has no inf).
+# e5m2: y rounds to 57344 below 61440 (halfway to 2**16) and to inf from 61440 on.
+RAW_CAST_FINITE_LIMIT = {"fp8_e4m3": 464.0, "fp8_e5m2": 61439.99609375}  # float32 just below 61440
+
+# How an engine turns `x / scale` into fp8 (chosen with `fp8kv verify --engine`):
+#   clamp     divide in float32, clamp to ±MAX, cast (vLLM CUDA's saturating conversion, vLLM's TPU
+#             Pallas write path; tpu-inference clips too).
+#   raw       divide in float32, plain cast: NaN (e4m3) or inf (e5m2) past the limits above.
+#   raw-bf16  divide the bf16 tensor in bf16, then a plain cast (engines that divide the cached
+#             tensor in place, such as SGLang's `cache_k.div_(k_scale)`).
+ENGINES = ("clamp", "raw", "raw-bf16")
+
+
+def canonical_cache_dtype(name: str) -> str:
+    """The cache dtype name fp8kv uses for `name` ("fp8" is vLLM's spelling of "fp8_e4m3")."""
+    name = ALIASES.get(name, name)
+    if name not in CACHE_DTYPES:
+        choices = ", ".join([*CACHE_DTYPES, *ALIASES])
+        raise Fp8kvError(f"unknown KV-cache dtype {name!r}; choose one of {choices}")
+    return name
+
+
+def cache_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a cache dtype name ("fp8_e4m3" or "fp8", "fp8_e5m2", "bf16", "fp32")."""
+    return CACHE_DTYPES[canonical_cache_dtype(name)]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether `dtype` is one of the fp8 cache dtypes."""
+    return dtype in FP8_DTYPES.values()
+
+
+def check_engine(engine: str) -> str:
+    """`engine` if it is a known cast model, else a one-line error listing them."""
+    if engine not in ENGINES:
+        raise Fp8kvError(f"unknown engine cast model {engine!r}; choose one of {', '.join(ENGINES)}")
+    return engine
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, engine: str = "clamp") -> torch.Tensor:
+    """`x / scale` cast to the fp8 `dtype` the way `engine` casts it; other dtypes store `x` unscaled."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    check_engine(engine)
+    if engine == "raw-bf16":
+        return (x.to(torch.bfloat16) / scale).to(torch.bfloat16).to(dtype)
+    y = x.float() / scale
+    if engine == "clamp":
+        limit = torch.finfo(dtype).max
+        y = y.clamp(-limit, limit)
+    return y.to(dtype)

@@ -1,0 +1,95 @@
+"""Engine models of the fp8 cast, run through the runtime on the held-out text (`fp8kv verify --engine`).
+
+Each engine model (`fp8kv.fp8.ENGINES`) is a runner whose cache writes cast the way that engine
+does; "clamp" is verify's fp8 runner itself. Per engine: perplexity, logit rows with a NaN/inf,
+sequences with any non-finite logit (lost to the user), and the first layer whose cache holds a
+NaN/inf value (later layers inherit it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from fp8kv.fp8 import ENGINES, check_engine
+from fp8kv.runtime.runner import PagedModelRunner
+from fp8kv.verify.verdict import FAIL, Reason
+
+ALL = "all"
+# What each engine model stands for, as the report names it.
+DESCRIPTIONS = {
+    "clamp": "divide in float32, clamp to ±MAX, cast (vLLM CUDA and TPU)",
+    "raw": "divide in float32, plain cast",
+    "raw-bf16": "divide in bf16, plain cast (in-place division of the bf16 tensor, as SGLang does)",
+}
+
+
+def parse_engines(choice: str) -> tuple[str, ...]:
+    """`--engine` value: one engine model, or "all" of them."""
+    return ENGINES if choice == ALL else (check_engine(choice),)
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    """One engine model's run over the held-out samples."""
+
+    engine: str
+    ppl: float
+    nan_rows: int  # logit rows (one per token) with any NaN/inf
+    rows: int
+    sequences_lost: int  # samples with any non-finite logit
+    sequences: int
+    first_nonfinite_layer: int | None  # first KV layer whose cache holds a NaN/inf value
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class EngineTotals:
+    """Running sums of one engine over samples."""
+
+    nll: float = 0.0
+    predicted: int = 0
+    nan_rows: int = 0
+    rows: int = 0
+    lost: int = 0
+    sequences: int = 0
+
+    def add(self, ids: list[int], logits: torch.Tensor) -> None:
+        """Fold one sample: `ids` [L] and float32 logits [L, vocab]."""
+        bad_rows = int((~torch.isfinite(logits)).any(-1).sum())
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        self.nll -= float(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).double().sum())
+        self.predicted += len(ids) - 1
+        self.nan_rows += bad_rows
+        self.rows += len(ids)
+        self.lost += bad_rows > 0
+        self.sequences += 1
+
+    def result(self, engine: str, runner: PagedModelRunner) -> EngineResult:
+        ppl = math.exp(self.nll / max(self.predicted, 1)) if math.isfinite(self.nll) else math.nan
+        return EngineResult(engine, ppl, self.nan_rows, self.rows, self.lost, self.sequences,
+                            first_nonfinite_layer(runner))
+
+
+def first_nonfinite_layer(runner: PagedModelRunner) -> int | None:
+    """The lowest KV layer whose cache was written a NaN/inf value, or None."""
+    bad = [layer for layer, pair in runner.counts()["nonfinite"].items() if sum(pair)]
+    return min(bad) if bad else None
+
+
+def engine_reasons(results: list[EngineResult]) -> list[Reason]:
+    """FAIL for each engine model whose logits went non-finite, naming the engine."""
+    reasons = []
+    for r in results:
+        if r.nan_rows:
+            where = f"; first NaN/inf in the cache of layer {r.first_nonfinite_layer}" \
+                if r.first_nonfinite_layer is not None else ""
+            reasons.append(Reason(FAIL, f"engine {r.engine} ({DESCRIPTIONS[r.engine]}): {r.nan_rows} of {r.rows} "
+                                        f"logit rows NaN/inf, {r.sequences_lost} of {r.sequences} sequences lost"
+                                        f"{where}"))
+    return reasons
