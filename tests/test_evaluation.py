@@ -135,6 +135,10 @@ def test_fp8kv_eval_command_writes_the_comparison(quarter: Path, tmp_path: Path)
 
 
 def test_unknown_engine_and_missing_scales_are_one_line_errors(weights: torch.nn.Module) -> None:
+    from fp8kv.evaluation.spec import CacheSpec, engine_arguments
+
+    assert CacheSpec.parse("fp8", "checkpoint", "raw-bf16").label == "fp8 checkpoint raw-bf16"
+    assert engine_arguments("raw-bf16") == {"engine": "raw-bf16"}
     with pytest.raises(Fp8kvError, match=r"engine='fast' is not one of clamp, raw, raw-bf16"):
         Fp8kvLM(str(BUNDLED_MODEL_DIR), engine="fast", device="cpu", model=weights)
     with pytest.raises(Fp8kvError, match="no KV scales in any convention; use scales=unit"):
