@@ -14,7 +14,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[tpu,dev]"
+	$(BIN)/python -m pip install --quiet -e ".[tpu,dev,eval]"
 	touch $(STAMP)
 
 # Calibrate the bundled model on its own calibration split, then verify the result on its held-out split.

@@ -10,7 +10,7 @@ from typer.core import TyperGroup
 
 from fp8kv import __version__
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError
-from fp8kv.options import Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, WriteMode, kv_dtype_name
+from fp8kv.options import AttentionChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, WriteMode, kv_dtype_name
 
 DEBUG_ENV = "FP8KV_DEBUG"
 
@@ -23,7 +23,7 @@ QUIET_HELP = ("No progress on stderr (notes and errors still print). Without a t
               "timestamped lines.")
 
 # `fp8kv --help` lists the commands in the order of the workflow.
-WORKFLOW = ("calibrate", "verify", "inspect", "convert", "card", "push")
+WORKFLOW = ("calibrate", "verify", "eval", "inspect", "convert", "card", "push")
 
 
 class _Group(TyperGroup):
@@ -158,10 +158,12 @@ def convert_command(
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
     from fp8kv.calibrate.report import command_line
-    from fp8kv.checkpoint.interop import convert_checkpoint, engine_flag
+    from fp8kv.checkpoint.interop import convert_checkpoint, engine_flag, inspect_checkpoint
 
     written = convert_checkpoint(model, out, to, overwrite=overwrite, mode=mode, command=command_line())
     typer.echo(f"wrote {written} ({to})")
+    if to != "compressed-tensors" and any("q_scale" in row for row in inspect_checkpoint(model)["layers"]):
+        typer.echo(f"note: {to} has no query-scale convention; q_scale was left out", err=True)
     if to == "vllm-json":
         typer.echo(f"load it with: vllm serve {written} {engine_flag(written)}")
 
@@ -210,6 +212,11 @@ def calibrate(
         False, "--trust-remote-code",
         help="Run Python code shipped inside the checkpoint (custom architectures). Only for checkpoints you trust.",
     ),
+    attention: AttentionChoice = typer.Option(
+        "kv", "--attention",
+        help="kv: K/V cache scales; fp8: also query scales (q_scale, after q_norm and RoPE) for fp8 attention "
+        "kernels (FlashAttention-3 / FlashInfer), written as compressed-tensors' attention scheme.",
+    ),
     layerwise: bool | None = typer.Option(
         None, "--layerwise/--no-layerwise", show_default="automatic",
         help="Load one decoder layer at a time (for models larger than memory). "
@@ -230,7 +237,7 @@ def calibrate(
         batch_size=batch_size, kv_dtype=kv_dtype_name(kv_dtype), strategy=strategy, headroom=headroom, per_head=per_head,
         allow_unobserved=allow_unobserved, mode=mode, convention=format, overwrite=overwrite,
         device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
-        base_model=base_model, command=report.command_line(),
+        base_model=base_model, attention=attention, command=report.command_line(),
     )
     with StageProgress(quiet=quiet or json_output) as progress:
         result = run_calibration(request, progress=progress if is_writer() else None)
@@ -285,6 +292,9 @@ def verify_command(
     ),
     json_output: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
+    quantize_query: bool = typer.Option(
+        False, "--quantize-query", help="Also quantize Q with the checkpoint's q_scale (fp8 attention) and report the cost."
+    ),
 ) -> None:
     from fp8kv.calibrate.data import DataRequest
     from fp8kv.progress import StageProgress
@@ -301,11 +311,44 @@ def verify_command(
         batch_size=batch_size, prompts=prompts, num_prompts=num_prompts, prompt_len=prompt_len,
         new_tokens=new_tokens, device=device, report_dir=report_dir, thresholds=thresholds,
         engines=parse_engines(engine),
+        quantize_query=quantize_query,
     )
     with StageProgress(quiet=quiet or json_output) as progress:
         result = verify(request, progress=progress)
     show(result, json_output=json_output)
     raise typer.Exit(result.exit_code)
+
+
+@app.command("eval")
+def eval_command(
+    model_dir: Path = typer.Argument(..., metavar="DIR", help="Checkpoint folder (KV scales in any convention), or 'bundled'."),
+    tasks: str = typer.Option(
+        "fp8kv_pydoc_mc,fp8kv_pydoc_gen,fp8kv_pydoc_ppl", "--tasks",
+        help="Comma-separated lm_eval tasks (default: the bundled model's offline tasks).",
+    ),
+    limit: int | None = typer.Option(None, "--limit", help="At most N items per task."),
+    engines: str = typer.Option(
+        "clamp,raw,raw-bf16", "--engines", help="Engine cast models to compare: clamp, raw, raw-bf16 (comma-separated)."
+    ),
+    device: RuntimeChoice = typer.Option("auto", "--device", help="Where the runtime runs."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per runner step."),
+    max_length: int | None = typer.Option(None, "--max-length", help="Longest sequence (default: the model's, at most 2048)."),
+    include_path: Path | None = typer.Option(None, "--include-path", help="Folder of extra lm_eval task YAMLs."),
+    report_dir: Path | None = typer.Option(
+        None, "--report", help="Results folder (default: DIR/eval, only when fp8kv wrote DIR)."
+    ),
+) -> None:
+    """Task scores (lm-evaluation-harness) on bf16, fp8 unit-scale and fp8 checkpoint-scale caches, per engine."""
+    from fp8kv.evaluation.compare import EvalRequest, evaluate
+
+    request = EvalRequest(
+        model_dir=model_dir, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit,
+        engines=tuple(e.strip() for e in engines.split(",") if e.strip()), device=device, batch_size=batch_size,
+        max_length=max_length, include_path=include_path, report_dir=report_dir,
+    )
+    result, folder = evaluate(request, progress=lambda label: typer.echo(f"evaluating {label} ...", err=True))
+    typer.echo(result.markdown())
+    typer.echo(f"Wrote {folder}")
 
 
 def main() -> None:

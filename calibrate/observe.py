@@ -118,6 +118,35 @@ class ObservationStep:
     layers: frozenset[int]
 
 
+QUERY_KWARG = "fp8kv_query_observation"
+"""The forward keyword that carries a `QueryObservation` (only when query scales are calibrated)."""
+
+
+@dataclass(frozen=True)
+class QueryObservation:
+    """Running max |Q| per layer, float32 [num_layers], and which tokens are real (bool [batch, seq] or None).
+
+    Q is taken as the attention function receives it, which is what an fp8 attention kernel
+    quantizes: after q_norm and RoPE, before the softmax scale (the kernel reads `fp8(q / q_scale)`
+    and multiplies `q_scale` back into the scores).
+    """
+
+    amax: torch.Tensor
+    valid: torch.Tensor | None
+
+
+def fold_query(module: torch.nn.Module, query: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    """Fold `query` [batch, heads, seq, head_dim] into the step's `QueryObservation`, if it carries one."""
+    observation: QueryObservation | None = kwargs.pop(QUERY_KWARG, None)
+    if observation is None:
+        return
+    magnitude = query.detach().float().abs()
+    if observation.valid is not None:
+        magnitude = magnitude.masked_fill(~observation.valid.to(query.device)[:, None, :, None], 0.0)
+    layer = module.layer_idx
+    observation.amax[layer] = torch.maximum(observation.amax[layer], magnitude.amax().to(observation.amax.device))
+
+
 def _observing(attend: Callable[..., Any] | None) -> Callable[..., Any]:
     """An attention function that folds K/V into the step's statistics, then runs `attend`.
 
@@ -126,6 +155,7 @@ def _observing(attend: Callable[..., Any] | None) -> Callable[..., Any]:
 
     def attention(module: torch.nn.Module, query, key, value, attention_mask, **kwargs):
         step: ObservationStep | None = kwargs.pop(OBSERVE_KWARG, None)
+        fold_query(module, query, kwargs)
         if step is not None and module.layer_idx in step.layers:
             step.statistics.fold(module.layer_idx, key, value, step.valid)
         inner = attend or sys.modules[type(module).__module__].eager_attention_forward
@@ -159,12 +189,15 @@ def observe_batch(
     attention_mask: torch.Tensor,
     statistics: KVStatistics,
     layers: frozenset[int],
+    query: torch.Tensor | None = None,
 ) -> None:
     """Run the base model (no LM head) over one right-padded batch, folding K/V of `layers`.
 
     `input_ids`, `attention_mask`: [batch, seq] on the model's device; the model must have been
-    loaded with `attn_implementation=observer_for(config)`.
+    loaded with `attn_implementation=observer_for(config)`. `query` (float32 [num_layers]), when
+    given, also folds max |Q| per layer.
     """
     valid = attention_mask.bool()
     step = ObservationStep(statistics, None if bool(valid.all()) else valid, layers)
-    base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **{OBSERVE_KWARG: step})
+    extra = {} if query is None else {QUERY_KWARG: QueryObservation(query, step.valid)}
+    base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **{OBSERVE_KWARG: step}, **extra)

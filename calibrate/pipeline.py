@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -18,7 +19,7 @@ from fp8kv.calibrate import distributed, layerwise
 from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_data, make_batches
 from fp8kv.calibrate.observe import KVStatistics, observe_batch, observer_for
 from fp8kv.calibrate.resolve import infer_base_model, resolve_model
-from fp8kv.calibrate.scales import ScaleTable, Strategy, compute_scales, fp8_max
+from fp8kv.calibrate.scales import ScaleTable, Strategy, compute_scales, fp8_max, scale_from_amax
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.conventions import CONVENTIONS, check_representable
 from fp8kv.checkpoint.kvscales import KVScales
@@ -58,6 +59,7 @@ class CalibrationRequest:
     trust_remote_code: bool = False
     layerwise: bool | None = None  # None: layer by layer when the weights do not fit in memory
     base_model: str | None = None  # Hub id of the source; None: inferred (`infer_base_model`)
+    attention: str = "kv"  # "fp8": also calibrate query scales (q_scale) for fp8 attention
     command: str | None = None  # the command line, recorded in fp8kv.json
 
 
@@ -99,10 +101,14 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
         by_layer = layerwise.choose_layerwise(request.layerwise, source, request.dtype)
         execution = {"layerwise": by_layer, "processes": distributed.world_size(), "device": str(device)}
         _stage(progress, "loading the model" + (" (one layer at a time)" if by_layer else ""))
+        query = torch.zeros(source.geometry.num_layers) if request.attention == "fp8" else None
+        if query is not None and (by_layer or distributed.world_size() > 1):
+            raise Fp8kvError("--attention fp8 runs in one process with the whole model (not --layerwise or torchrun)")
         if by_layer:
             statistics = layerwise.observe_layerwise(source, data, request, tokenizer, observing)
         else:
-            statistics = observe(source.path, source.config, source.geometry, data, request, tokenizer, observing)
+            statistics = observe(source.path, source.config, source.geometry, data, request, tokenizer, observing,
+                                 query)
         statistics = distributed.reduce_statistics(statistics, device)
     table = compute_scales(
         statistics,
@@ -113,12 +119,16 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
         per_head=request.per_head,
         allow_unobserved=request.allow_unobserved,
     )
-    scales = KVScales(k=table.tensors(0), v=table.tensors(1), kv_dtype=request.kv_dtype)
+    scales = KVScales(k=table.tensors(0), v=table.tensors(1), kv_dtype=request.kv_dtype,
+                      q=None if query is None else query_scales(query, source.geometry.kv_layers, request))
     warnings = [
         f"layer {layer}: nothing was observed (zero or no K/V); wrote scale 1.0 (--allow-unobserved)"
         for layer in table.defaulted
     ]
     record = provenance(request, source, data, table, strategy, execution)
+    if query is not None:
+        record["query_scales"] = [{"layer": i, "q_amax": float(query[i]), "q_scale": float(scales.q[i])}
+                                  for i in source.geometry.kv_layers]
     if request.out is not None and distributed.is_writer():
         _stage(progress, f"writing {request.out}")
         extra = {PROVENANCE_FILE: (json.dumps(record, indent=2) + "\n").encode()}
@@ -147,23 +157,39 @@ def observe(
     request: CalibrationRequest,
     tokenizer: Any,
     progress: Progress | None = None,
+    query: torch.Tensor | None = None,
 ) -> KVStatistics:
-    """Run the base model over every sample and return the folded K/V statistics (on the CPU)."""
+    """Run the base model over every sample and return the folded K/V statistics (on the CPU).
+
+    `query` (float32 [num_layers], CPU), when given, receives max |Q| per layer.
+    """
     device = resolve_device(request.device)
     model = load_model(model_dir, config, device, request.dtype, request.trust_remote_code)
     batches = distributed.shard_batches(make_batches(data.samples, request.batch_size, pad_id(tokenizer)))
     total = sum(batch.input_ids.shape[0] for batch in batches)
     statistics = KVStatistics.empty(geometry.num_layers, geometry.num_kv_heads, device)
     layers = frozenset(geometry.kv_layers)
+    query_on_device = None if query is None else query.to(device)
     done = 0
     with torch.no_grad():
         for batch in batches:
             ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-            observe_batch(model.base_model, ids, mask, statistics, layers)
+            observe_batch(model.base_model, ids, mask, statistics, layers, query_on_device)
             done += ids.shape[0]
             if progress is not None:
                 progress(done, total)
+    if query is not None:
+        query.copy_(query_on_device.cpu())
     return statistics.cpu()
+
+
+def query_scales(query_amax: torch.Tensor, kv_layers: tuple[int, ...],
+                 request: CalibrationRequest) -> dict[int, torch.Tensor]:
+    """q_scale per KV layer from max |Q| (the same formula and headroom as K/V); an unobserved Q is an error."""
+    bad = [i for i in kv_layers if not (math.isfinite(float(query_amax[i])) and float(query_amax[i]) > 0)]
+    if bad:
+        raise Fp8kvError(f"layers {bad}: the query was zero, NaN or never seen; no q_scale can be computed")
+    return {i: scale_from_amax(query_amax[i].reshape(1), request.kv_dtype, request.headroom) for i in kv_layers}
 
 
 def load_model(model_dir: Path, config: dict[str, Any], device: torch.device, dtype: str, trust_remote_code: bool):
@@ -286,6 +312,8 @@ def _validate(request: CalibrationRequest) -> Strategy:
         raise Fp8kvError(f"--format {request.convention!r}: choose one of {', '.join(CONVENTIONS)}")
     if request.mode not in MODES:
         raise Fp8kvError(f"--mode {request.mode!r}: choose one of {', '.join(MODES)}")
+    if request.attention == "fp8" and request.convention != "compressed-tensors":
+        raise Fp8kvError("--attention fp8 writes q_scale, which only the compressed-tensors format carries")
     if request.base_model is not None and not is_repo_id(request.base_model):
         raise Fp8kvError(f"--base-model {request.base_model!r}: not a Hub model id org/name")
     if request.out is not None:  # without --out nothing is written, so any format goes

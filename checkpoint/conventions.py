@@ -31,6 +31,7 @@ _SUFFIXES = {
     "k_proj.output_scale": ("quark", "k"),
     "v_proj.output_scale": ("quark", "v"),
     "kv_scale": ("kv_scale", "kv"),
+    "q_scale": ("compressed-tensors", "q"),  # the query of fp8 attention (llm-compressor's attention scheme)
 }
 _NAME = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.self_attn\.(?P<suffix>" + "|".join(
     re.escape(s) for s in _SUFFIXES) + r")$")
@@ -39,6 +40,7 @@ _LAYER_PREFIX = re.compile(r"^(?P<prefix>.*?)layers\.\d+\.self_attn\.")
 _CT_BASE = {"quant_method": "compressed-tensors", "format": "dense", "quantization_status": "frozen",
             "config_groups": {}, "ignore": []}
 _QUARK_GROUP = ["*k_proj", "*v_proj"]
+ATTENTION_GROUP = "fp8kv_attention"
 
 
 def parse_scale_name(name: str) -> tuple[int, str, str] | None:
@@ -70,6 +72,44 @@ def scale_names(convention: str, prefix: str, layer: int) -> tuple[str, str]:
     return base + k_suffix, base + v_suffix
 
 
+def query_scale_name(prefix: str, layer: int) -> str:
+    """The query-scale tensor name: on the attention module, as compressed-tensors registers `q_scale`."""
+    return f"{prefix}layers.{layer}.self_attn.q_scale"
+
+
+def is_query_scale_name(name: str) -> bool:
+    """Whether `name` is a query-scale tensor (`...layers.N.self_attn.q_scale`)."""
+    return re.search(r"layers\.\d+\.self_attn\.q_scale$", name) is not None
+
+
+def attention_scheme(config: dict[str, Any]) -> dict[str, Any]:
+    """The config group compressed-tensors writes for a static fp8 attention scheme (Q, and K/V through it).
+
+    Targets the model's attention class (`LlamaForCausalLM` -> `LlamaAttention`), as llm-compressor's
+    attention recipes do; `input_activations` is the query (and cache) quantization.
+    """
+    architecture = str((config.get("architectures") or ["Model"])[0])
+    target = re.sub(r"For(CausalLM|ConditionalGeneration)$", "", architecture) + "Attention"
+    return {"targets": [target], "weights": None, "output_activations": None,
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                  "symmetric": True}}
+
+
+def without_attention_schemes(quantization_config: dict[str, Any]) -> dict[str, Any]:
+    """`quantization_config` less its activation-only config groups (attention / query schemes).
+
+    transformers applies those through compressed-tensors' hooked attention, which would fake-quantize
+    Q inside any model that loads the checkpoint; fp8kv's runtime quantizes Q itself, only when asked.
+    """
+    qc = copy.deepcopy(quantization_config)
+    groups = qc.get("config_groups")
+    if isinstance(groups, dict):
+        qc["config_groups"] = {name: group for name, group in groups.items()
+                               if not (isinstance(group, dict) and group.get("weights") is None
+                                       and group.get("input_activations") is not None)}
+    return qc
+
+
 def is_vllm_json(path: Path) -> bool:
     """Whether `path` is a legacy vLLM KV-scale file (`{"kv_cache": {"scaling_factor": ...}}`)."""
     if path.stat().st_size > 2**20:
@@ -91,7 +131,7 @@ def weight_method(config: dict[str, Any], hf_quant: dict[str, Any] | None) -> st
         return None
     method = str(qc.get("quant_method") or "")
     if method == "compressed-tensors":
-        return method if qc.get("config_groups") else None
+        return method if without_attention_schemes(qc).get("config_groups") else None
     if method == "quark":
         layers = [qc.get("global_quant_config") or {}, *(qc.get("layer_quant_config") or {}).values()]
         return method if any(isinstance(spec, dict) and spec.get("weight") for spec in layers) else None
@@ -104,6 +144,9 @@ def quant_configs(
     """The new `quantization_config` (None: none) and `hf_quant_config.json` (None: none) to write."""
     method = check_method(convention, config, hf_quant)
     check_representable(convention, scales.strategy, scales.kv_dtype)
+    if scales.q is not None and convention != "compressed-tensors":
+        raise Fp8kvError(f"query scales (q_scale) are written only as compressed-tensors, not {convention!r}; "
+                         "write --format compressed-tensors or calibrate without --attention fp8")
     qc = copy.deepcopy(config.get("quantization_config")) if method else None
     if convention == "vllm-json":
         return qc, copy.deepcopy(hf_quant) if method else None
@@ -111,6 +154,8 @@ def quant_configs(
         qc = qc or copy.deepcopy(_CT_BASE)
         qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": scales.strategy,
                                  "dynamic": False, "symmetric": True}
+        if scales.q is not None:
+            qc.setdefault("config_groups", {})[ATTENTION_GROUP] = attention_scheme(config)
         return qc, None
     if convention == "modelopt":
         return _modelopt_configs(qc, hf_quant if method else None, version)

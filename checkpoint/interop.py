@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ def convert_checkpoint(
 
     The output's fp8kv.json is the source's (the scales are the same numbers) with the new format
     and where they came from; the source's verify report and card are not carried over.
+    Query scales (q_scale) have a home only in compressed-tensors; other targets leave them out.
     """
     readout = read_kv_scales(model_dir)
     if readout.scales is None:
@@ -60,7 +62,8 @@ def convert_checkpoint(
               "converted_from": {"path": str(readout.source.path), "conventions": list(readout.conventions)}}
     record.setdefault("layers", [])
     extra = {PROVENANCE_FILE: (json.dumps(record, indent=2) + "\n").encode()}
-    return write_checkpoint(model_dir, out_dir, readout.scales, convention=to, mode=mode, overwrite=overwrite,
+    scales = readout.scales if to == "compressed-tensors" else replace(readout.scales, q=None)
+    return write_checkpoint(model_dir, out_dir, scales, convention=to, mode=mode, overwrite=overwrite,
                             extra_files=extra)
 
 
@@ -87,6 +90,8 @@ def _layer_rows(readout: ScaleReadout, provenance: dict[int, dict[str, Any]] | N
         k, v = readout.scales.values(layer)
         row: dict[str, Any] = {"layer": layer, "k_scale": k[0] if len(k) == 1 else k,
                                "v_scale": v[0] if len(v) == 1 else v}
+        if readout.scales.q is not None:
+            row["q_scale"] = readout.scales.q_value(layer)
         extra = (provenance or {}).get(layer, {})
         for key in ("k_amax", "v_amax", "k_saturation", "v_saturation"):
             if key in extra:
@@ -166,7 +171,7 @@ def print_report(report: dict[str, Any]) -> None:
                   f"strategy: {report['strategy'] or '-'}   kv heads: {report['num_kv_heads']}")
     if report["layers"]:
         table = Table()
-        keys = [k for k in ("k_scale", "v_scale", "k_amax", "v_amax", "k_saturation", "v_saturation")
+        keys = [k for k in ("k_scale", "v_scale", "q_scale", "k_amax", "v_amax", "k_saturation", "v_saturation")
                 if any(k in row for row in report["layers"])]
         for key in ("layer", *keys):
             table.add_column(key, justify="right")

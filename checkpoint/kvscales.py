@@ -18,11 +18,14 @@ class KVScales:
 
     `k[layer]` / `v[layer]` are float32 tensors of shape `[1]` (the "tensor" strategy) or
     `[num_kv_heads, 1, 1]` (the "attn_head" strategy); `x ≈ float(fp8) * scale`.
+    `q[layer]` (optional, float32 `[1]`) scales the query for fp8 attention: the kernel reads
+    `fp8(q / q_scale)` and multiplies `q_scale` back into the scores.
     """
 
     k: dict[int, torch.Tensor]
     v: dict[int, torch.Tensor]
     kv_dtype: str = "fp8_e4m3"
+    q: dict[int, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in FP8_MAX:
@@ -40,7 +43,12 @@ class KVScales:
         (shape,) = shapes
         if shape != (1,) and not (len(shape) == 3 and shape[1:] == (1, 1)):
             raise Fp8kvError(f"K/V scale shape {list(shape)} is neither [1] nor [num_kv_heads, 1, 1]")
-        for name, table in (("K", self.k), ("V", self.v)):
+        if self.q is not None:
+            if sorted(self.q) != sorted(self.k):
+                raise Fp8kvError(f"Q scales cover layers {sorted(self.q)} but K/V scales cover {sorted(self.k)}")
+            if any(t.shape != (1,) for t in self.q.values()):
+                raise Fp8kvError("Q scales must have shape [1] (one per layer)")
+        for name, table in (("K", self.k), ("V", self.v), ("Q", self.q or {})):
             for layer, tensor in table.items():
                 if tensor.dtype != torch.float32:
                     raise Fp8kvError(f"layer {layer}: {name} scale has dtype {tensor.dtype}, expected float32")
@@ -64,11 +72,16 @@ class KVScales:
         """K and V scales of `layer` as Python floats (one per head for attn_head)."""
         return self.k[layer].flatten().tolist(), self.v[layer].flatten().tolist()
 
+    def q_value(self, layer: int) -> float | None:
+        """The query scale of `layer`, or None when the checkpoint has none."""
+        return None if self.q is None else float(self.q[layer])
+
     def problems(self) -> list[str]:
         """Layers whose scales are zero, negative or not finite, one line each."""
         lines = []
         for layer in self.layers:
-            for name, vals in zip(("k_scale", "v_scale"), self.values(layer)):
+            q = [] if self.q is None else [self.q[layer].tolist()]
+            for name, vals in zip(("k_scale", "v_scale", "q_scale"), (*self.values(layer), *q)):
                 bad = [x for x in vals if not (math.isfinite(x) and x > 0)]
                 if bad:
                     lines.append(f"layer {layer}: {name} {bad[0]!r} is not a positive finite number")

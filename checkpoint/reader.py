@@ -60,8 +60,10 @@ def read_kv_scales(model_dir: str | Path) -> ScaleReadout:
     complete = {i: kv for i, kv in merged.items() if "k" in kv and "v" in kv}
     scales = None
     if complete:
+        with_query = all("q" in kv for kv in complete.values())
         scales = KVScales(k={i: kv["k"] for i, kv in complete.items()},
-                          v={i: kv["v"] for i, kv in complete.items()}, kv_dtype=kv_dtype)
+                          v={i: kv["v"] for i, kv in complete.items()}, kv_dtype=kv_dtype,
+                          q={i: kv["q"] for i, kv in complete.items()} if with_query else None)
     kv_layers = source.geometry.kv_layers
     conventions = tuple(c for c in _ORDER if c in found)
     return ScaleReadout(
@@ -153,7 +155,7 @@ def _merge(found: dict[str, dict[int, dict[str, torch.Tensor]]]) -> dict[int, di
         for layer, table in sorted(found.get(convention, {}).items()):
             if "shared" in table:  # one value for K and V: compare with the larger of the two
                 _agree_shared(merged.get(layer), table["shared"], layer, convention, origin)
-            for kind in ("k", "v"):
+            for kind in ("k", "v", "q"):
                 if kind not in table:
                     continue
                 if (layer, kind) in origin:

@@ -21,7 +21,7 @@ from fp8kv import __version__
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, describes_source_only, is_fp8kv_output
 from fp8kv.checkpoint.conventions import (
     CONVENTIONS, HF_QUANT_CONFIG, SCALES_FILE, VLLM_JSON_FILE, check_method, is_vllm_json, layer_prefix,
-    parse_scale_name, quant_configs, scale_names, vllm_json,
+    parse_scale_name, quant_configs, query_scale_name, scale_names, vllm_json,
 )
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import INDEX_NAME, SourceCheckpoint, read_safetensors_header
@@ -198,6 +198,8 @@ def _write_scales(path: Path, source: SourceCheckpoint, scales: KVScales, conven
         if convention != "compressed-tensors":  # ModelOpt and Quark store 0-dim scalars
             k, v = k.reshape(()), v.reshape(())
         tensors[k_name], tensors[v_name] = k.contiguous(), v.contiguous()
+        if scales.q is not None:
+            tensors[query_scale_name(prefix, layer)] = scales.q[layer].contiguous()
     # Serialized in memory and written like every other file (safetensors' save_file creates it 0600).
     _write_bytes(path, save(tensors, metadata={"format": "pt"}))
     return dict.fromkeys(tensors, SCALES_FILE)

@@ -100,6 +100,7 @@ def render_card(out_dir: str | Path, *, repo_id: str | None = None, base_model: 
         _what_was_done(prov, base_model),
         _scales(out, prov),
         _verify(out, report),
+        _task_scores(out),
         _serve(str(repo_id or out), prov),
         _limitations(prov),
     ]
@@ -303,6 +304,14 @@ def _verify(out: Path, report: dict[str, Any] | None) -> str:
         rows = [[_fmt(layer.get(c)) for c in columns] for layer in layers]
         parts.append(_table([c.replace("_", " ") for c in columns], rows))
     return "\n\n".join(parts)
+
+
+def _task_scores(out: Path) -> str:
+    """The `fp8kv eval` table when DIR/eval/results.json exists, else nothing."""
+    from fp8kv.evaluation.results import read_results
+
+    results = read_results(out)
+    return "" if results is None else "## Task scores\n\n" + results.markdown().rstrip()
 
 
 def _serve(model: str, prov: dict[str, Any]) -> str:

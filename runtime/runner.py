@@ -22,6 +22,7 @@ import torch
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import cache_dtype as _cache_dtype
+from fp8kv.fp8 import quantize
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.runtime.attention import kernel_supported, ragged_paged_attention
 from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale
@@ -52,6 +53,7 @@ class PagedStep:
     meta: StepMetadata
     backend: str
     use_kernel: bool
+    q_scales: dict[int, torch.Tensor] | None = None  # fp8 attention: the query is read as fp8(q / q_scale)
 
 
 def _paged_attention(
@@ -71,8 +73,11 @@ def _paged_attention(
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d]
     step.cache.write(layer, k, v, meta.slot_mapping, meta.valid)
     k_scale, v_scale = step.cache.scale_args(layer)
+    q = query[0].transpose(0, 1)  # [T, q_heads, d]
+    if step.q_scales is not None:  # what an fp8 attention kernel computes with: fp8(q / q_scale) * q_scale
+        q = (quantize(q, step.q_scales[layer], torch.float8_e4m3fn).float() * step.q_scales[layer]).to(q.dtype)
     out = ragged_paged_attention(
-        query[0].transpose(0, 1),
+        q,
         step.cache.layer_pages(layer),
         meta.kv_lens,
         meta.page_indices,
@@ -124,6 +129,8 @@ class PagedModelRunner:
             CUDA), "torch" (vectorized torch everywhere; static shapes on XLA) or "xla".
         model: weights from `load_model` to share between runners (each runner owns only its cache);
             None loads them from `model_dir`.
+        q_scales: {kv layer index: float}: quantize the query to fp8 e4m3 with these scales before
+            attention, as fp8 attention kernels do (None: the query stays in the model dtype).
     """
 
     def __init__(
@@ -142,6 +149,7 @@ class PagedModelRunner:
         dtype: torch.dtype | None = None,
         attention_backend: str = "auto",
         model: torch.nn.Module | None = None,
+        q_scales: Mapping[int, float] | None = None,
     ) -> None:
         self.runtime_device: RuntimeDevice = resolve_device(device)
         self.geometry = AttentionGeometry.from_dir(model_dir)
@@ -167,6 +175,10 @@ class PagedModelRunner:
         self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu"
                            and kernel_supported(tpu_version(), g.num_kv_heads, self.cache.dtype))
         self.allocator = PageAllocator(self.cache.pages[0].shape[0], page_size)
+        if q_scales is not None and sorted(q_scales) != sorted(g.kv_layers):
+            raise Fp8kvError(f"q_scales cover layers {sorted(q_scales)}; give one per KV layer {list(g.kv_layers)}")
+        self.q_scales = None if q_scales is None else {
+            layer: torch.tensor(float(q_scales[layer]), device=self.device) for layer in g.kv_layers}
         self._next_id = 0
         self._sync()  # materialize the zeroed caches, so the first step compiles the same graph as later ones
 
@@ -207,7 +219,7 @@ class PagedModelRunner:
         """
         self._check_batch(batch)
         ids, positions, meta = self._prepare(batch)
-        step = PagedStep(self.cache, meta, self.backend, self.use_kernel)
+        step = PagedStep(self.cache, meta, self.backend, self.use_kernel, self.q_scales)
         logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, **{STEP_KWARG: step}).logits
         self._sync()  # cut the graph here: cache writes and logits of this step, one compile per shape
         logits = logits[0].float().cpu()

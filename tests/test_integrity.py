@@ -14,6 +14,7 @@ from fp8kv.checkpoint.artifacts import CARD_FILE, PROVENANCE_FILE, is_fp8kv_card
 from fp8kv.checkpoint.digest import checkpoint_digest
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode
+from fp8kv.evaluation.results import ConfigScores, EvalResults
 from fp8kv.hub.card import write_card
 
 DATA_ARGS = ["--num-samples", "4", "--seq-len", "16", "--batch-size", "2"]
@@ -33,7 +34,8 @@ def judged(tmp_path_factory, factory_checkpoint, corpus) -> Path:
     report = {"verdict": "WARN", "reasons": [], "checkpoint": str(out), "digest": checkpoint_digest(out).to_json()}
     (out / "verify" / "report.json").write_text(json.dumps(report))
     (out / "eval").mkdir()
-    (out / "eval" / "results.json").write_text("{}")
+    scores = ConfigScores("bf16", "bf16", "-", "-", {"task acc": 0.5}, nonfinite_stored=0)
+    (out / "eval" / "results.json").write_text(EvalResults(str(out), ("task",), None, "cpu", (scores,)).to_json())
     write_card(out)
     return out
 

@@ -168,6 +168,25 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
     return totals.summary(), results
 
 
+def query_cost(model_dir: Path, runners: Runners, scales: KVScales, samples: list[list[int]],
+               batch_size: int) -> dict[str, float]:
+    """What quantizing Q with the checkpoint's q_scale costs on top of the fp8 cache: KL, top-1 and PPL vs bf16.
+
+    A fourth runner holds the checkpoint's K/V scales and also reads the query as fp8(q / q_scale).
+    """
+    fp8 = runners.fp8
+    layers = fp8.cache.kv_layers
+    k, v = runtime_scales(scales, layers)
+    with_query = PagedModelRunner(
+        model_dir, device=fp8.runtime_device.kind, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
+        q_scales={i: scales.q_value(i) for i in layers}, max_model_len=fp8.max_model_len,
+        max_num_seqs=fp8.max_num_seqs, page_size=fp8.cache.page_size, model=fp8.model,
+    )
+    summary, _ = measure_accuracy(Runners(runners.bf16, with_query, runners.unit, {}), samples, batch_size)
+    return {"kl_mean": summary["kl_mean"], "kl_max": summary["kl_max"], "top1_agreement": summary["top1_agreement"],
+            "ppl": summary["ppl_fp8"], "max_q_scale": max(scales.q_value(i) for i in layers)}
+
+
 def _prefill(runner: PagedModelRunner, batch: list[list[int]]) -> list[torch.Tensor]:
     seqs = [runner.start()[0] for _ in batch]
     logits = runner.step(list(zip(seqs, batch)))

@@ -61,6 +61,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     if accuracy:
         rows = [[label, _fmt(accuracy.get(key), spec)] for label, key, spec in _ACCURACY]
         parts.append("## Accuracy\n\n" + _table(["Metric", "Value"], rows))
+    query = report.get("query") or {}
+    if query:
+        rows = [[key.replace("_", " "), _fmt(value, "{:.6g}")] for key, value in query.items()]
+        parts.append("## Query quantized with q_scale (fp8 attention)\n\n" + _table(["Metric", "Value"], rows))
     gen = report.get("generation") or {}
     if gen:
         rows = [[phase, _fmt(gen.get(f"{phase}_match"), "{:.2%}")] for phase in ("prefill", "decode", "prefix")]
@@ -176,4 +180,8 @@ def show(result: Any, json_output: bool = False) -> None:
     for e in report.get("engines") or []:
         print(f"  engine {e['engine']}: ppl {_fmt(e['ppl'], '{:.4f}')}, NaN/inf rows {e['nan_rows']} of {e['rows']}, "
               f"sequences lost {e['sequences_lost']} of {e['sequences']}")
+    query = report.get("query") or {}
+    if query:
+        print(f"  with Q quantized by q_scale: kl_mean {_fmt(query['kl_mean'], '{:.3g}')} "
+              f"(K/V only {_fmt(query['kl_mean_kv_only'], '{:.3g}')}), top1 {_fmt(query['top1_agreement'], '{:.2%}')}")
     print(f"  report: {result.report_dir / REPORT_MD}")

@@ -52,6 +52,7 @@ class VerifyRequest:
     report_dir: Path | None = None  # None: see `report_location`
     thresholds: Thresholds | None = None  # None: configs/verify.toml
     engines: tuple[str, ...] = ENGINES  # engine cast models run through the runtime (verify.engines)
+    quantize_query: bool = False  # also run attention with Q quantized by the checkpoint's q_scale
 
 
 @dataclass(frozen=True)
@@ -188,6 +189,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
     report["engines"] = [result.as_dict() for result in engine_results]
     counts = accuracy.cache_counts(runners.fp8)
     timings["accuracy"] = time.perf_counter() - clock
+    reasons += _query_cost(request, runners, scales, data.samples, report, timings)
     report["layers"] = [{**row, **counts[row["layer"]]} for row in rows]
 
     clock = time.perf_counter()
@@ -203,6 +205,20 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
     worst_ratio = max((max(row["k_max_ratio"], row["v_max_ratio"]) for row in report["layers"]), default=0.0)
     reasons += engines.engine_reasons(engine_results, worst_ratio, scales.fp8_max)
     return reasons + heldout_reasons(report["layers"], thresholds, scales.fp8_max)
+
+
+def _query_cost(request: VerifyRequest, runners: accuracy.Runners, scales: KVScales, samples: list[list[int]],
+                report: dict[str, Any], timings: dict[str, float]) -> list[Reason]:
+    """With --quantize-query: the accuracy cost of also quantizing Q with q_scale (report["query"])."""
+    if not request.quantize_query:
+        return []
+    if scales.q is None:
+        return [Reason(WARN, "--quantize-query: the checkpoint has no q_scale (calibrate with --attention fp8)")]
+    clock = time.perf_counter()
+    report["query"] = accuracy.query_cost(request.model_dir, runners, scales, samples, request.batch_size)
+    report["query"]["kl_mean_kv_only"] = report["accuracy"]["kl_mean"]
+    timings["query"] = time.perf_counter() - clock
+    return []
 
 
 def _prompts(request: VerifyRequest, data: CalibrationData, tokenizer: Any) -> list[list[int]]:

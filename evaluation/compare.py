@@ -1,0 +1,101 @@
+"""`fp8kv eval`: the same lm_eval tasks on a bf16 cache and on fp8 caches (unit and checkpoint scales, per engine).
+
+    result, folder = evaluate(EvalRequest(Path("ckpt"), tasks=("fp8kv_pydoc_mc",), limit=20))
+
+One copy of the weights serves every configuration; only the cache differs between runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from fp8kv.calibrate.pipeline import PROVENANCE_FILE
+from fp8kv.calibrate.resolve import resolve_model
+from fp8kv.checkpoint.reader import read_kv_scales
+from fp8kv.checkpoint.writer import write_file_atomic
+from fp8kv.errors import Fp8kvError
+from fp8kv.evaluation.results import RESULTS_JSON, RESULTS_MD, RESULTS_SUBDIR, ConfigScores, EvalResults, metric_values
+from fp8kv.evaluation.spec import CacheSpec
+from fp8kv.fp8 import ENGINES
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """What `fp8kv eval` runs: tasks (lm_eval names; the bundled ones need no include path) on every cache."""
+
+    model_dir: Path
+    tasks: tuple[str, ...]
+    limit: int | None = None
+    engines: tuple[str, ...] = ENGINES
+    device: str = "auto"
+    batch_size: int = 8
+    max_length: int | None = None
+    include_path: Path | None = None
+    report_dir: Path | None = None  # None: DIR/eval when fp8kv wrote DIR
+
+
+def cache_specs(model_dir: Path, engines: tuple[str, ...]) -> list[CacheSpec]:
+    """bf16, then per engine fp8 with unit scales and (when the checkpoint has scales) its own, and with Q in fp8
+    too when it has query scales."""
+    scales = read_kv_scales(model_dir).scales
+    specs = [CacheSpec.parse("bf16")]
+    for engine in engines:
+        specs.append(CacheSpec.parse("fp8", "unit", engine))
+        if scales is not None:
+            specs.append(CacheSpec.parse("fp8", "checkpoint", engine))
+        if scales is not None and scales.q is not None:
+            specs.append(CacheSpec.parse("fp8", "checkpoint", engine, query=True))
+    return specs
+
+
+def report_folder(model_dir: Path, report_dir: Path | None) -> Path:
+    """--report, else DIR/eval; writing inside DIR only when fp8kv wrote DIR (its fp8kv.json is there)."""
+    if report_dir is not None:
+        return Path(report_dir)
+    if not (Path(model_dir) / PROVENANCE_FILE).is_file():
+        raise Fp8kvError(f"{model_dir}: not written by fp8kv (no {PROVENANCE_FILE}); pass --report FOLDER "
+                         "so nothing is added to a checkpoint fp8kv does not own")
+    return Path(model_dir) / RESULTS_SUBDIR
+
+
+def evaluate(request: EvalRequest, progress: Callable[[str], None] | None = None) -> tuple[EvalResults, Path]:
+    """Run the tasks on every cache configuration; write results.json and results.md; return them and the folder."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from fp8kv.evaluation.bundled_tasks import TASKS_DIR
+    from fp8kv.evaluation.harness import Fp8kvLM
+    from fp8kv.runtime.device import resolve_device
+    from fp8kv.runtime.runner import load_model
+
+    model_dir = resolve_model(str(request.model_dir))
+    folder = report_folder(request.model_dir, request.report_dir)
+    if request.limit is not None and request.limit < 1:
+        raise Fp8kvError(f"--limit must be at least 1, got {request.limit}")
+    specs = cache_specs(model_dir, request.engines)
+    include = [str(TASKS_DIR)] + ([str(request.include_path)] if request.include_path else [])
+    manager = TaskManager(include_path=include)
+    unknown = sorted(set(request.tasks) - set(manager.all_tasks))
+    if unknown:
+        raise Fp8kvError(f"unknown lm_eval task(s) {', '.join(unknown)}; see `lm_eval ls tasks` or pass --include-path")
+    runtime = resolve_device(request.device)
+    model = load_model(model_dir, runtime.device)
+    rows = []
+    for spec in specs:
+        if progress is not None:
+            progress(spec.label)
+        lm = Fp8kvLM(str(model_dir), spec.kv_cache, spec.scales, spec.engine, spec.query, device=runtime.kind,
+                     batch_size=request.batch_size, max_length=request.max_length, model=model)
+        out = lm_eval.simple_evaluate(model=lm, tasks=list(request.tasks), limit=request.limit, task_manager=manager,
+                                      log_samples=False, bootstrap_iters=0)
+        nonfinite = sum(k + v for k, v in lm.runner.counts()["nonfinite"].values())
+        rows.append(ConfigScores(spec.label, spec.kv_cache, spec.scales, spec.engine,
+                                 metric_values(out["results"]), nonfinite, spec.query))
+        del lm  # free this configuration's cache before the next one is allocated
+    result = EvalResults(str(model_dir), tuple(request.tasks), request.limit, runtime.kind, tuple(rows))
+    folder.mkdir(parents=True, exist_ok=True)
+    write_file_atomic(folder / RESULTS_JSON, result.to_json().encode())
+    write_file_atomic(folder / RESULTS_MD, result.markdown().encode())
+    return result, folder

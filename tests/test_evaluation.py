@@ -1,0 +1,161 @@
+"""lm-evaluation-harness on fp8kv's runtime, offline: a task defined here over a local jsonl, the bundled model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import lm_eval  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from fp8kv.calibrate.data import DataRequest  # noqa: E402
+from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
+from fp8kv.checkpoint.kvscales import KVScales  # noqa: E402
+from fp8kv.checkpoint.writer import write_checkpoint  # noqa: E402
+from fp8kv.errors import Fp8kvError  # noqa: E402
+from fp8kv.evaluation.bundled_tasks import QUESTIONS  # noqa: E402
+from fp8kv.evaluation.compare import report_folder  # noqa: E402
+from fp8kv.evaluation.harness import Fp8kvLM  # noqa: E402
+from fp8kv.evaluation.results import ConfigScores, EvalResults, read_results  # noqa: E402
+from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_MODEL_DIR  # noqa: E402
+from fp8kv.runtime.runner import load_model  # noqa: E402
+
+TASK_YAML = """
+task: test_pydoc_{kind}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+doc_to_text: "{{{{question}}}}"
+target_delimiter: ""
+"""
+MC = "output_type: multiple_choice\ndoc_to_choice: \"{{choices}}\"\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n"
+GEN = ("output_type: generate_until\ndoc_to_target: \"{{choices[answer] | trim}}\"\n"
+       "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 4\n  do_sample: false\n"
+       "filter_list:\n  - name: first_word\n    filter:\n"
+       "      - function: regex\n        regex_pattern: \"^\\\\s*([^\\\\s.,:;]+)\"\n"
+       "      - function: take_first\n"
+       "metric_list:\n  - metric: exact_match\n")
+
+
+@pytest.fixture(scope="module")
+def weights() -> torch.nn.Module:
+    return load_model(BUNDLED_MODEL_DIR, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory: pytest.TempPathFactory) -> TaskManager:
+    """Two tasks written here: multiple choice and generation over a local jsonl of documentation questions."""
+    root = tmp_path_factory.mktemp("tasks")
+    data = root / "questions.jsonl"
+    data.write_text(QUESTIONS.read_text())
+    for kind, body in (("mc", MC), ("gen", GEN)):
+        (root / f"{kind}.yaml").write_text(TASK_YAML.format(kind=kind, data=data) + body)
+    return TaskManager(include_path=str(root))
+
+
+def _questions() -> list[dict]:
+    return [json.loads(line) for line in QUESTIONS.read_text().splitlines()]
+
+
+def test_loglikelihoods_equal_the_runtimes_own_with_a_bf16_cache(weights: torch.nn.Module) -> None:
+    lm = Fp8kvLM(str(BUNDLED_MODEL_DIR), kv_cache="bf16", device="cpu", batch_size=4, model=weights)
+    pairs = [(q["question"], c) for q in _questions()[:3] for c in q["choices"]]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, 0) for pair in pairs], disable_tqdm=True)
+    for (context, continuation), (score, greedy) in zip(pairs, got):
+        ctx = lm.tok_encode(context)
+        cont = lm.tok_encode(context + continuation)[len(ctx):]
+        seq, _ = lm.runner.start()
+        logits = lm.runner.step([(seq, ctx + cont[:-1])])[0]  # one sequence alone in its step
+        lm.runner.free(seq)
+        logp = torch.log_softmax(logits[-len(cont):], dim=-1)
+        expected = float(logp.gather(1, torch.tensor(cont)[:, None]).double().sum())
+        assert score == pytest.approx(expected, abs=1e-4)
+        assert greedy == bool((logp.argmax(-1) == torch.tensor(cont)).all())
+
+
+def test_bundled_model_scores_above_chance_through_lm_eval(weights: torch.nn.Module, tasks: TaskManager) -> None:
+    lm = Fp8kvLM(str(BUNDLED_MODEL_DIR), kv_cache="bf16", device="cpu", batch_size=16, model=weights)
+    out = lm_eval.simple_evaluate(model=lm, tasks=["test_pydoc_mc", "test_pydoc_gen"], task_manager=tasks,
+                                  log_samples=False, bootstrap_iters=0)
+    assert out["results"]["test_pydoc_mc"]["acc,none"] > 0.5  # four choices: chance is 0.25
+    assert out["results"]["test_pydoc_gen"]["exact_match,first_word"] > 0.0
+
+
+@pytest.fixture(scope="module")
+def quarter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled model with K/V scales a quarter of its calibrated ones: many values pass the fp8 range."""
+    data = DataRequest(str(BUNDLED_CALIBRATION_TEXT), num_samples=8, seq_len=128)
+    scales = calibrate(CalibrationRequest(model=str(BUNDLED_MODEL_DIR), data=data, device="cpu")).scales
+    quarter = KVScales(k={i: t / 4 for i, t in scales.k.items()}, v={i: t / 4 for i, t in scales.v.items()})
+    return write_checkpoint(BUNDLED_MODEL_DIR, tmp_path_factory.mktemp("quarter") / "ckpt", quarter)
+
+
+def test_quarter_scales_score_lower_under_the_raw_cast_than_clamped(
+        quarter: Path, weights: torch.nn.Module, tasks: TaskManager) -> None:
+    acc, nonfinite = {}, {}
+    for engine in ("clamp", "raw"):
+        lm = Fp8kvLM(str(quarter), kv_cache="fp8", scales="checkpoint", engine=engine, device="cpu", batch_size=16,
+                     model=weights)
+        out = lm_eval.simple_evaluate(model=lm, tasks=["test_pydoc_mc"], task_manager=tasks, limit=16,
+                                      log_samples=False, bootstrap_iters=0)
+        acc[engine] = out["results"]["test_pydoc_mc"]["acc,none"]
+        nonfinite[engine] = sum(k + v for k, v in lm.runner.counts()["nonfinite"].values())
+    assert nonfinite["clamp"] == 0 and nonfinite["raw"] > 0
+    assert acc["raw"] < acc["clamp"]
+
+
+def test_fp8kv_eval_command_writes_the_comparison(quarter: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from fp8kv.cli import app
+
+    result = CliRunner().invoke(app, ["eval", str(quarter), "--tasks", "fp8kv_pydoc_mc", "--limit", "8",
+                                      "--engines", "raw", "--device", "cpu", "--batch-size", "16",
+                                      "--report", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    back = EvalResults.from_json((tmp_path / "r" / "results.json").read_text())
+    assert [row.label for row in back.rows] == ["bf16", "fp8 unit raw", "fp8 checkpoint raw"]
+    assert back.tasks == ("fp8kv_pydoc_mc",) and back.limit == 8 and back.device == "cpu"
+    scores = {row.label: row.metrics["fp8kv_pydoc_mc acc"] for row in back.rows}
+    stored = {row.label: row.nonfinite_stored for row in back.rows}
+    assert stored == {"bf16": 0, "fp8 unit raw": 0, "fp8 checkpoint raw": stored["fp8 checkpoint raw"]}
+    assert stored["fp8 checkpoint raw"] > 0 and scores["fp8 checkpoint raw"] < scores["bf16"]
+    assert (tmp_path / "r" / "results.md").read_text() == back.markdown()
+    assert "| fp8 checkpoint raw |" in result.output
+
+
+def test_unknown_engine_and_missing_scales_are_one_line_errors(weights: torch.nn.Module) -> None:
+    from fp8kv.evaluation.spec import CacheSpec, engine_arguments
+
+    assert CacheSpec.parse("fp8", "checkpoint", "raw-bf16").label == "fp8 checkpoint raw-bf16"
+    assert engine_arguments("raw-bf16") == {"engine": "raw-bf16"}
+    with pytest.raises(Fp8kvError, match=r"engine='fast' is not one of clamp, raw, raw-bf16"):
+        Fp8kvLM(str(BUNDLED_MODEL_DIR), engine="fast", device="cpu", model=weights)
+    with pytest.raises(Fp8kvError, match="no KV scales in any convention; use scales=unit"):
+        Fp8kvLM(str(BUNDLED_MODEL_DIR), kv_cache="fp8", scales="checkpoint", device="cpu", model=weights)
+
+
+def test_results_round_trip_and_report_folder_rule(tmp_path: Path) -> None:
+    row = ConfigScores("fp8 checkpoint raw", "fp8", "checkpoint", "raw", {"t acc": 0.5, "t ppl": float("nan")}, 7)
+    result = EvalResults("ckpt", ("t",), 10, "cpu", (row,))
+    folder = tmp_path / "ckpt"
+    (folder / "eval").mkdir(parents=True)
+    (folder / "eval" / "results.json").write_text(result.to_json())
+    back = read_results(folder)
+    assert back is not None and back.rows[0].metrics["t acc"] == 0.5 and back.rows[0].nonfinite_stored == 7
+    assert "| fp8 checkpoint raw | 0.5 | NaN | 7 |" in back.markdown()
+    with pytest.raises(Fp8kvError, match="not written by fp8kv .no fp8kv.json.; pass --report"):
+        report_folder(folder, None)
+    assert report_folder(folder, tmp_path / "r") == tmp_path / "r"
+    (folder / "fp8kv.json").write_text("{}")
+    assert report_folder(folder, None) == folder / "eval"
