@@ -25,7 +25,10 @@ BATCH, PROMPT_LEN, DECODE_STEPS = 8, 512, 32
 def _peak_gb(device) -> float | None:
     import torch_xla.core.xla_model as xm
 
-    info = xm.get_memory_info(device)
+    try:
+        info = xm.get_memory_info(device)
+    except RuntimeError:  # XLA:CPU keeps no allocator statistics
+        return None
     peak = info.get("peak_bytes_used", info.get("bytes_used"))
     return peak / 1e9 if peak is not None else None
 

@@ -152,6 +152,8 @@ def test_cli_json_is_clean_and_flags_override_thresholds(calibrated, texts, tmp_
     assert report["verdict"] == "FAIL" and report["thresholds"]["kl_mean"] == 1e-12
     assert any(r["message"].startswith("mean KL to the bf16 cache") for r in report["reasons"])
     assert [e["engine"] for e in report["engines"]] == ["raw"]
+    bad = CliRunner().invoke(app, ["verify", str(calibrated), "--engine", "saturate"])
+    assert bad.exit_code == 2 and "'saturate' is not one of 'all', 'clamp', 'raw', 'raw-bf16'" in bad.output
     assert json.loads((tmp_path / "r" / "report.json").read_text())["verdict"] == "FAIL"
 
 
