@@ -146,7 +146,7 @@ def convert_command(
 
 @app.command()
 def calibrate(
-    model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint folder, a Hub id org/name[@revision] (from the local cache when offline), or 'bundled' for the bundled model."),
+    model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint folder, a Hub id org/name[@revision] (from the local cache when offline), or 'bundled' / 'bundled-outliers' for a bundled model."),
     out: Path | None = typer.Option(None, "--out", help="Output folder (created atomically). Omit to only report scales."),
     dataset: str | None = typer.Option(
         None, "--dataset",
