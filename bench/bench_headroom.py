@@ -90,6 +90,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict], shown: tuple[float, ...] = (1.0, 1.05, 1.1, 1.25, 1.5)) -> str:
+    """One line per model and calibration size: values over 464 per headroom, the margin needed, KL at each end."""
+    head = ("| model | calibration / held-out | held-out max abs(x) / calibration amax | values over 464 at "
+            + " / ".join(f"{h:g}" for h in shown) + " | mean KL at 1.0 | dKL at 1.25 (2se) |")
+    lines = [head, "|---|---|---|---|---|---|"]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["calibration"]), []).append(r)
+    for (model, calibration), group in groups.items():
+        by = {r["headroom"]: r for r in group}
+        over = " / ".join(str(by[h]["heldout_over_raw_limit"]) if h in by else "-" for h in shown)
+        quarter = by.get(1.25)
+        dkl = f"{quarter['dkl_vs_1']:+.1e} ({quarter['dkl_2se']:.1e})" if quarter else "-"
+        lines.append(f"| {model} | {calibration} / {group[0]['heldout']} | {by[1.0]['max_ratio'] / 448:.3f} | "
+                     f"{over} | {by[1.0]['kl_mean']:.2e} | {dkl} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     options = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     options.add_argument("--calibration", nargs="+", default=["64x512", "16x128"],
@@ -109,6 +127,8 @@ def main() -> None:
             common.write_results("headroom", rows, args, seconds=time.perf_counter() - started,
                                  threads=torch.get_num_threads())
     print(table(rows))
+    print()
+    print(summary(rows))
 
 
 if __name__ == "__main__":

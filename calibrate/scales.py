@@ -24,7 +24,7 @@ LAST_BATCH = "last-batch"
 # The default margin above amax / MAX, so unseen text of the calibration distribution stays inside
 # fp8's range (chosen from bench/bench_headroom.py). It costs no accuracy: e4m3 has the same
 # relative precision across its normal range.
-DEFAULT_HEADROOM = 1.1
+DEFAULT_HEADROOM = 1.25
 
 
 def fp8_max(kv_dtype: str) -> float:

@@ -122,3 +122,14 @@ def test_last_batch_strategy_refuses_layer_by_layer(factory_checkpoint):
                                  layerwise=True)
     with pytest.raises(Fp8kvError, match="last-batch .* pass --no-layerwise"):
         calibrate(request)
+
+
+def test_unit_scale_comparison_ignores_differences_within_rounding_noise():
+    from fp8kv.verify.verdict import accuracy_reasons, load_thresholds
+
+    def reasons(kl: float, unit_kl: float) -> list[str]:
+        accuracy = {"kl_mean": kl, "ppl_fp8": 10.0, "kl_mean_unit": unit_kl, "ppl_fp8_unit": 10.0}
+        return [r.message for r in accuracy_reasons(accuracy, {}, load_thresholds())]
+
+    assert reasons(4.0e-6, 3.0e-6) == []  # a random-weight llama: both negligible, the ratio is noise
+    assert reasons(0.01, 0.002) == ["calibrated scales do worse than unit scales: mean KL 0.01 vs 0.002 (ratio bound 1.25)"]
