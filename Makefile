@@ -17,12 +17,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[tpu,dev,eval]"
 	touch $(STAMP)
 
-# Calibrate the bundled model on its own calibration split, then verify the result on its held-out split.
-# verify exits 0 PASS, 1 WARN, 2 FAIL: the demo shows a WARN verdict and fails only on FAIL or an error.
+# What calibration buys (bench/demo_table.py: bf16, unit scales, calibrated with and without a margin,
+# llm-compressor's observer, on the bundled outlier model and the bundled model), then the default path:
+# calibrate the bundled model on its own calibration split and verify it on its held-out split (PASS).
 demo: $(STAMP)
+	$(BIN)/python bench/demo_table.py
 	$(BIN)/fp8kv calibrate bundled --dataset models/bundled/data/calibration.jsonl \
 		--num-samples 64 --seq-len 512 --out out/demo --overwrite
-	$(BIN)/fp8kv verify out/demo || [ $$? -eq 1 ]
+	$(BIN)/fp8kv verify out/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

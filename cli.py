@@ -170,7 +170,7 @@ def convert_command(
 
 @app.command()
 def calibrate(
-    model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint folder, a Hub id org/name[@revision] (from the local cache when offline), or 'bundled' for the bundled model."),
+    model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint folder, a Hub id org/name[@revision] (from the local cache when offline), or 'bundled' / 'bundled-outliers' for a bundled model."),
     out: Path | None = typer.Option(None, "--out", help="Output folder (created atomically). Omit to only report scales."),
     dataset: str | None = typer.Option(
         None, "--dataset",
@@ -192,10 +192,14 @@ def calibrate(
     strategy: str = typer.Option(
         "amax", "--strategy",
         help="Clip value mapped to MAX: amax (nothing saturates; amax/scale <= MAX guaranteed), "
-        "percentile:P (P-th percentile of |x|), or mse (least squared fp8 error). "
-        "percentile and mse give scales below amax/MAX on purpose, so some values saturate.",
+        "percentile:P (P-th percentile of |x|), mse (least squared fp8 error), or last-batch (the amax of the "
+        "last batch alone: llm-compressor's default observer, for comparison; use --batch-size 1 --headroom 1.0). "
+        "percentile, mse and last-batch give scales below amax/MAX, so some values saturate.",
     ),
-    headroom: float = typer.Option(1.0, "--headroom", min=1.0, help="Multiply every scale by F >= 1."),
+    headroom: float | None = typer.Option(
+        None, "--headroom", min=1.0, show_default="the measured margin (README: Scales)",
+        help="Multiply every scale by F >= 1, so unseen text stays inside fp8's range; 1.0 writes amax/MAX exactly.",
+    ),
     per_head: bool = typer.Option(False, "--per-head", help="One scale per KV head ([num_kv_heads,1,1], attn_head strategy)."),
     allow_unobserved: bool = typer.Option(
         False, "--allow-unobserved", help="Write 1.0 (with a warning) for layers whose K/V were all zero or never seen."
@@ -231,10 +235,11 @@ def calibrate(
     from fp8kv.calibrate.pipeline import calibrate as run_calibration
     from fp8kv.progress import StageProgress
 
+    margin = {} if headroom is None else {"headroom": headroom}  # None: the library's default
     request = CalibrationRequest(
         model=model, out=out,
         data=DataRequest(dataset, split, text_column, num_samples, seq_len, seed),
-        batch_size=batch_size, kv_dtype=kv_dtype_name(kv_dtype), strategy=strategy, headroom=headroom, per_head=per_head,
+        batch_size=batch_size, kv_dtype=kv_dtype_name(kv_dtype), strategy=strategy, **margin, per_head=per_head,
         allow_unobserved=allow_unobserved, mode=mode, convention=format, overwrite=overwrite,
         device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
         base_model=base_model, attention=attention, command=report.command_line(),

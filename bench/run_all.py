@@ -16,6 +16,7 @@ RUNS = (
     ["bench_verify.py"],
     ["bench_runtime.py"],
     ["bench_layerwise.py", "depth"],
+    ["bench_headroom.py"],
 )
 
 

@@ -19,7 +19,9 @@ from fp8kv.calibrate import distributed, layerwise
 from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_data, make_batches
 from fp8kv.calibrate.observe import KVStatistics, observe_batch, observer_for
 from fp8kv.calibrate.resolve import infer_base_model, resolve_model
-from fp8kv.calibrate.scales import ScaleTable, Strategy, compute_scales, fp8_max, scale_from_amax
+from fp8kv.calibrate.scales import (
+    DEFAULT_HEADROOM, LAST_BATCH, ScaleTable, Strategy, compute_scales, fp8_max, scale_from_amax,
+)
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.conventions import CONVENTIONS, check_representable
 from fp8kv.checkpoint.kvscales import KVScales
@@ -33,6 +35,10 @@ from fp8kv.geometry import AttentionGeometry
 from fp8kv.hub.resolve import is_repo_id
 from fp8kv.progress import StageProgress, stage_callback
 
+SCALE_FORMULA = (
+    "float32: scale = clip / fp8_max * headroom, then raised one float32 step at a time until clip / scale <= "
+    "fp8_max; clip is the amax with strategy amax"
+)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Progress = Callable[[int, int], None]
 """Called with (samples done, samples total) after every batch (one stage of a `StageProgress`)."""
@@ -48,7 +54,7 @@ class CalibrationRequest:
     batch_size: int = 8
     kv_dtype: str = "fp8_e4m3"
     strategy: str = "amax"
-    headroom: float = 1.0
+    headroom: float = DEFAULT_HEADROOM
     per_head: bool = False
     allow_unobserved: bool = False
     mode: str = "overlay"
@@ -104,11 +110,12 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
         query = torch.zeros(source.geometry.num_layers) if request.attention == "fp8" else None
         if query is not None and (by_layer or distributed.world_size() > 1):
             raise Fp8kvError("--attention fp8 runs in one process with the whole model (not --layerwise or torchrun)")
+        last_batch = _last_batch_statistics(strategy, source.geometry, by_layer)
         if by_layer:
             statistics = layerwise.observe_layerwise(source, data, request, tokenizer, observing)
         else:
             statistics = observe(source.path, source.config, source.geometry, data, request, tokenizer, observing,
-                                 query)
+                                 query, last_batch)
         statistics = distributed.reduce_statistics(statistics, device)
     table = compute_scales(
         statistics,
@@ -118,6 +125,7 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
         headroom=request.headroom,
         per_head=request.per_head,
         allow_unobserved=request.allow_unobserved,
+        last_batch=last_batch,
     )
     scales = KVScales(k=table.tensors(0), v=table.tensors(1), kv_dtype=request.kv_dtype,
                       q=None if query is None else query_scales(query, source.geometry.kv_layers, request))
@@ -158,10 +166,12 @@ def observe(
     tokenizer: Any,
     progress: Progress | None = None,
     query: torch.Tensor | None = None,
+    last_batch: KVStatistics | None = None,
 ) -> KVStatistics:
     """Run the base model over every sample and return the folded K/V statistics (on the CPU).
 
-    `query` (float32 [num_layers], CPU), when given, receives max |Q| per layer.
+    `query` (float32 [num_layers], CPU), when given, receives max |Q| per layer. With `last_batch`,
+    the final batch is also folded into it alone (for `--strategy last-batch`).
     """
     device = resolve_device(request.device)
     model = load_model(model_dir, config, device, request.dtype, request.trust_remote_code)
@@ -172,9 +182,15 @@ def observe(
     query_on_device = None if query is None else query.to(device)
     done = 0
     with torch.no_grad():
-        for batch in batches:
+        for index, batch in enumerate(batches):
             ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-            observe_batch(model.base_model, ids, mask, statistics, layers, query_on_device)
+            if last_batch is not None and index == len(batches) - 1:
+                alone = KVStatistics.empty(geometry.num_layers, geometry.num_kv_heads, device)
+                observe_batch(model.base_model, ids, mask, alone, layers, query_on_device)
+                statistics.merge(alone)
+                last_batch.merge(alone.cpu())
+            else:
+                observe_batch(model.base_model, ids, mask, statistics, layers, query_on_device)
             done += ids.shape[0]
             if progress is not None:
                 progress(done, total)
@@ -190,6 +206,18 @@ def query_scales(query_amax: torch.Tensor, kv_layers: tuple[int, ...],
     if bad:
         raise Fp8kvError(f"layers {bad}: the query was zero, NaN or never seen; no q_scale can be computed")
     return {i: scale_from_amax(query_amax[i].reshape(1), request.kv_dtype, request.headroom) for i in kv_layers}
+
+
+def _last_batch_statistics(strategy: Strategy, geometry: AttentionGeometry, by_layer: bool) -> KVStatistics | None:
+    """Empty statistics for the final batch when the strategy needs them (whole model, one process only)."""
+    if strategy.name != LAST_BATCH:
+        return None
+    if by_layer or distributed.world_size() > 1:
+        raise Fp8kvError(
+            "--strategy last-batch (llm-compressor's default observer, for comparison) runs the whole model in "
+            "one process; pass --no-layerwise and run without torchrun"
+        )
+    return KVStatistics.empty(geometry.num_layers, geometry.num_kv_heads)
 
 
 def load_model(model_dir: Path, config: dict[str, Any], device: torch.device, dtype: str, trust_remote_code: bool):
@@ -270,6 +298,7 @@ def provenance(
         },
         "strategy": str(strategy),
         "headroom": request.headroom,
+        "scale_formula": SCALE_FORMULA,
         "kv_dtype": request.kv_dtype,
         "fp8_max": fp8_max(request.kv_dtype),
         "per_head": request.per_head,
@@ -282,21 +311,24 @@ def provenance(
 
 
 def layer_rows(table: ScaleTable) -> list[dict[str, Any]]:
-    """One object per cache-owning layer, every value a float.
+    """One object per cache-owning layer, every value a float (float32 values are exact in JSON).
 
-    With --per-head, `k_scale`/`v_scale` are the largest head's scale (the layer's amax / MAX)
-    and `k_scale_per_head`/`v_scale_per_head` hold the written values.
+    `k_clip`/`v_clip` are the |x| the strategy mapped to MAX (the amax with `amax`), so
+    `scale_from_amax(clip, kv_dtype, headroom)` recomputes `k_scale`/`v_scale` bit for bit.
+    With --per-head, `k_scale`/`k_clip` are the largest head's and `*_per_head` hold the written values.
     """
     rows = []
     for i, layer in enumerate(table.layers):
-        row: dict[str, Any] = {"layer": layer}
+        row: dict[str, Any] = {"layer": layer, "headroom": table.headroom}
         for kind, name in ((0, "k"), (1, "v")):
-            scales = table.scales[i, kind]
+            scales, clip = table.scales[i, kind], table.clip[i, kind]
             row[f"{name}_amax"] = float(table.amax[i, kind].max())
+            row[f"{name}_clip"] = float(clip.max())
             row[f"{name}_scale"] = float(scales.max())
             row[f"{name}_saturation"] = float(table.saturation[i, kind])
             row[f"{name}_amax_per_head"] = table.amax[i, kind].tolist()
             if table.per_head:
+                row[f"{name}_clip_per_head"] = clip.tolist()
                 row[f"{name}_scale_per_head"] = scales.tolist()
         rows.append(row)
     return rows

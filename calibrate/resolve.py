@@ -8,15 +8,18 @@ from fp8kv.errors import Fp8kvError
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, is_fp8kv_output
 from fp8kv.geometry import read_json
 from fp8kv.hub.resolve import is_repo_id, looks_like_hub_id, repo_id_from_cache_path, resolve_hub_model, split_hub_id
-from fp8kv.models import BUNDLED_MODEL_ALIAS, BUNDLED_MODEL_DIR
+from fp8kv.models import BUNDLED_MODEL_ALIAS, BUNDLED_MODEL_DIR, BUNDLED_OUTLIERS_ALIAS, BUNDLED_OUTLIERS_DIR
+
+BUNDLED_MODELS = {BUNDLED_MODEL_ALIAS: BUNDLED_MODEL_DIR, BUNDLED_OUTLIERS_ALIAS: BUNDLED_OUTLIERS_DIR}
 
 
 def resolve_model(model: str) -> Path:
-    """`bundled` -> the bundled model; a local folder -> itself; `org/name[@rev]` -> its Hub snapshot."""
-    if model == BUNDLED_MODEL_ALIAS:
-        if not (BUNDLED_MODEL_DIR / "config.json").is_file():
-            raise Fp8kvError(f"{BUNDLED_MODEL_DIR}: the bundled model is not installed; pass a checkpoint folder")
-        return BUNDLED_MODEL_DIR
+    """`bundled` / `bundled-outliers` -> a bundled model; a local folder -> itself; `org/name[@rev]` -> its Hub snapshot."""
+    if model in BUNDLED_MODELS:
+        folder = BUNDLED_MODELS[model]
+        if not (folder / "config.json").is_file():
+            raise Fp8kvError(f"{folder}: the bundled model {model!r} is not installed; pass a checkpoint folder")
+        return folder
     if looks_like_hub_id(model):
         return resolve_hub_model(model)
     path = Path(model).expanduser()

@@ -1,10 +1,12 @@
 """Scale math: from observed K/V statistics to float32 dequantization scales.
 
-`scale = amax / MAX` (FACTS §1) is `scale_from_amax`, the one place the formula lives. A strategy
-only chooses the value that maps to MAX (the clip value): the observed amax (default, nothing
-saturates), a percentile of |x|, or the clip that minimises the squared fp8 quantization error on
-the histogram. Percentile and mse clip below the amax on purpose; only `amax` guarantees
-amax / scale <= MAX.
+`scale = amax / MAX` is `scale_from_amax`, the one place the formula lives. A strategy only chooses
+the value that maps to MAX (the clip value): the observed amax (default, nothing saturates), a
+percentile of |x|, the clip that minimises the squared fp8 quantization error on the histogram, or
+the amax of the last calibration batch alone (`last-batch`, llm-compressor's default kv-cache
+observer `memoryless_minmax`: it recomputes the scale from every forward's K/V and the last forward
+wins; its default batch is one sample). Percentile, mse and last-batch clip below the amax; only
+`amax` guarantees amax / scale <= MAX.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from fp8kv.checkpoint.kvscales import FP8_DTYPES, FP8_MAX
 from fp8kv.errors import Fp8kvError
 
 MSE_CANDIDATES = 256  # clip candidates amax * 2**(-j/32), j < 256: down to amax / 256
+LAST_BATCH = "last-batch"
+# The default margin above amax / MAX, so unseen text of the calibration distribution stays inside
+# fp8's range (chosen from bench/bench_headroom.py). It costs no accuracy: e4m3 has the same
+# relative precision across its normal range.
+DEFAULT_HEADROOM = 1.25
 
 
 def fp8_max(kv_dtype: str) -> float:
@@ -49,16 +56,16 @@ def scale_from_amax(amax: torch.Tensor, kv_dtype: str = "fp8_e4m3", headroom: fl
 
 @dataclass(frozen=True)
 class Strategy:
-    """How the clip value (the |x| that maps to MAX) is chosen: amax, percentile:P or mse."""
+    """How the clip value (the |x| that maps to MAX) is chosen: amax, percentile:P, mse or last-batch."""
 
     name: str
     percentile: float | None = None
 
     @classmethod
     def parse(cls, text: str) -> Strategy:
-        """Parse `amax`, `mse` or `percentile:P` with 0 < P <= 100."""
+        """Parse `amax`, `mse`, `last-batch` or `percentile:P` with 0 < P <= 100."""
         name, _, arg = text.strip().partition(":")
-        if name in ("amax", "mse") and not arg:
+        if name in ("amax", "mse", LAST_BATCH) and not arg:
             return cls(name)
         if name == "percentile":
             try:
@@ -67,15 +74,20 @@ class Strategy:
                 value = float("nan")
             if 0.0 < value <= 100.0:
                 return cls(name, value)
-        raise Fp8kvError(f"--strategy {text!r}: use amax, mse, or percentile:P with 0 < P <= 100 (e.g. percentile:99.99)")
+        raise Fp8kvError(
+            f"--strategy {text!r}: use amax, mse, last-batch, or percentile:P with 0 < P <= 100 (e.g. percentile:99.99)"
+        )
 
     def __str__(self) -> str:
         return f"percentile:{self.percentile:g}" if self.name == "percentile" else self.name
 
 
 def clip_values(amax: torch.Tensor, hist: torch.Tensor, strategy: Strategy, kv_dtype: str) -> torch.Tensor:
-    """The clip value per entry: `amax` [...], `hist` [..., NUM_BINS] -> float32 [...]."""
-    if strategy.name == "amax":
+    """The clip value per entry: `amax` [...], `hist` [..., NUM_BINS] -> float32 [...].
+
+    `last-batch` is resolved by `compute_scales` (it needs the last batch's statistics).
+    """
+    if strategy.name in ("amax", LAST_BATCH):
         return amax.float()
     if strategy.name == "percentile":
         return torch.minimum(_percentile(hist, strategy.percentile / 100.0), amax.float())
@@ -127,13 +139,16 @@ def saturation_share(hist: torch.Tensor, amax: torch.Tensor, threshold: torch.Te
 class ScaleTable:
     """Scales for the layers that own a cache.
 
-    `amax`: float32 [layers, 2, kv_heads] (index 0 = K, 1 = V); `scales`: float32 [layers, 2, G] with
-    G = kv_heads per head or 1 per tensor; `saturation`: float64 [layers, 2]; `defaulted`: layers
-    written with 1.0 because nothing was observed (only with allow_unobserved).
+    `amax`: float32 [layers, 2, kv_heads] (index 0 = K, 1 = V); `clip`: float32 [layers, 2, G], the
+    |x| the strategy chose to map to MAX, with G = kv_heads per head or 1 per tensor; `scales`:
+    float32 [layers, 2, G] = `scale_from_amax(clip, kv_dtype, headroom)` except in `defaulted`
+    layers (1.0: nothing was observed, only with allow_unobserved); `saturation`: float64 [layers, 2].
     """
 
     layers: tuple[int, ...]
     amax: torch.Tensor
+    clip: torch.Tensor
+    headroom: float
     scales: torch.Tensor
     saturation: torch.Tensor
     per_head: bool
@@ -154,21 +169,35 @@ def compute_scales(
     headroom: float = 1.0,
     per_head: bool = False,
     allow_unobserved: bool = False,
+    last_batch: KVStatistics | None = None,
 ) -> ScaleTable:
-    """Scales for `layers` from `statistics`, refusing zero, non-finite or never-observed layers."""
+    """Scales for `layers` from `statistics`, refusing zero, non-finite or never-observed layers.
+
+    `last_batch`: the statistics of the final calibration batch alone, required by `last-batch`.
+    """
     stats = statistics.cpu()
     amax, hist = stats.amax[list(layers)], stats.hist[list(layers)]  # [n, 2, H], [n, 2, H, bins]
-    group_amax = amax if per_head else amax.amax(-1, keepdim=True)  # [n, 2, G]
+    group_amax = _grouped_amax(amax, per_head)  # [n, 2, G]
     group_hist = hist if per_head else hist.sum(-2, keepdim=True)  # [n, 2, G, bins]
     unobserved = stats.tokens[list(layers)] == 0
     defaulted = _check_observed(layers, group_amax, unobserved, allow_unobserved)
-    clip = clip_values(group_amax, group_hist, strategy, kv_dtype)
+    clip_amax = group_amax
+    if strategy.name == LAST_BATCH:
+        if last_batch is None:
+            raise Fp8kvError("--strategy last-batch needs the statistics of the last calibration batch")
+        clip_amax = _grouped_amax(last_batch.cpu().amax[list(layers)], per_head)
+    clip = clip_values(clip_amax, group_hist, strategy, kv_dtype)
     scales = scale_from_amax(clip, kv_dtype, headroom)
     scales[_indices(layers, defaulted)] = 1.0
     threshold = scales.double() * fp8_max(kv_dtype)
     over = saturation_share(group_hist, group_amax, threshold) * group_hist.sum(-1)  # values over, [n, 2, G]
     saturation = over.sum(-1) / group_hist.sum((-1, -2)).clamp(min=1)
-    return ScaleTable(layers, amax, scales, saturation, per_head, defaulted)
+    return ScaleTable(layers, amax, clip, headroom, scales, saturation, per_head, defaulted)
+
+
+def _grouped_amax(amax: torch.Tensor, per_head: bool) -> torch.Tensor:
+    """[n, 2, kv_heads] -> [n, 2, G]: per head, or the max over heads."""
+    return amax if per_head else amax.amax(-1, keepdim=True)
 
 
 def _indices(layers: tuple[int, ...], chosen: tuple[int, ...]) -> list[int]:

@@ -46,7 +46,7 @@ def cache_amax(model_dir, samples: list[list[int]]) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_scales_match_transformers_cache(arch, tmp_path, corpus):
     src = make_checkpoint(arch, tmp_path / arch)
-    request = CalibrationRequest(model=str(src), data=data_request(corpus), batch_size=4)
+    request = CalibrationRequest(model=str(src), data=data_request(corpus), batch_size=4, headroom=1.0)
     result = calibrate(request)
     samples = load_calibration_data(request.data, AutoTokenizer.from_pretrained(src)).samples
     reference = cache_amax(src, samples)  # [layers, 2, kv_heads]
@@ -86,7 +86,8 @@ def test_sharded_overlay_links_weights_and_per_head_shapes(tmp_path, corpus):
     shards = sorted(p.name for p in src.glob("model-*.safetensors"))
     assert len(shards) > 1
     out = tmp_path / "out"
-    result = calibrate(CalibrationRequest(model=str(src), out=out, data=data_request(corpus, 3), per_head=True))
+    result = calibrate(CalibrationRequest(model=str(src), out=out, data=data_request(corpus, 3), per_head=True,
+                                          headroom=1.0))
     for name in shards:
         assert os.stat(out / name).st_ino == os.stat(src / name).st_ino
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]

@@ -6,6 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
+from fp8kv.calibrate.scales import DEFAULT_HEADROOM
 from fp8kv.cli import app
 from fp8kv.models.factory import make_checkpoint
 
@@ -26,12 +27,12 @@ def test_calibrate_json_summary_and_provenance(tmp_path):
         "num_tokens": summary["dataset"]["num_tokens"], "seq_len": 16, "seed": 3, "note": None,
     }
     assert [row["layer"] for row in summary["layers"]] == [0, 1]
-    keys = {"layer", "k_amax", "v_amax", "k_scale", "v_scale", "k_saturation", "v_saturation",
-            "k_amax_per_head", "v_amax_per_head"}
+    keys = {"layer", "headroom", "k_amax", "v_amax", "k_clip", "v_clip", "k_scale", "v_scale", "k_saturation",
+            "v_saturation", "k_amax_per_head", "v_amax_per_head"}
     assert set(summary["layers"][0]) == keys
     written = json.loads((out / "fp8kv.json").read_text())
     assert written["layers"] == summary["layers"] and written["strategy"] == "amax"
-    assert written["kv_dtype"] == "fp8_e4m3" and written["headroom"] == 1.0
+    assert written["kv_dtype"] == "fp8_e4m3" and written["headroom"] == DEFAULT_HEADROOM
 
 
 def test_calibrate_table_and_refusals(tmp_path):
@@ -44,4 +45,4 @@ def test_calibrate_table_and_refusals(tmp_path):
     assert "k_scale" in ok.stdout and "v_scale" in ok.stdout
     bad = runner.invoke(app, ["calibrate", str(src), "--dataset", str(data), "--num-samples", "1", "--strategy", "p99"])
     assert bad.exit_code != 0
-    assert "use amax, mse, or percentile:P" in (bad.output + str(bad.exception))
+    assert "use amax, mse, last-batch, or percentile:P" in (bad.output + str(bad.exception))

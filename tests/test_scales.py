@@ -46,7 +46,7 @@ def test_strategy_round_trips(text):
 
 @pytest.mark.parametrize("text", ["max", "percentile", "percentile:0", "percentile:101", "percentile:x", "mse:3"])
 def test_bad_strategy_is_one_clear_error(text):
-    with pytest.raises(Fp8kvError, match="use amax, mse, or percentile:P"):
+    with pytest.raises(Fp8kvError, match="use amax, mse, last-batch, or percentile:P"):
         Strategy.parse(text)
 
 

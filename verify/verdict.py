@@ -17,6 +17,10 @@ except ModuleNotFoundError:  # Python 3.10
 
 FAIL, WARN, INFO = "FAIL", "WARN", "INFO"
 EXIT_CODES = {name: int(ExitCode[name]) for name in ("PASS", "WARN", "FAIL")}
+# Below this many nats the calibrated and unit-scale KLs differ by fp8 rounding noise alone: on the
+# bundled model, scales that differ only in their margin moved mean KL by up to 8e-5 either way, and
+# random-weight models (KL near 1e-6) flip the ratio from one held-out draw to the next.
+UNIT_KL_NOISE = 1e-4
 DEFAULTS_FILE = "verify.toml"
 # Which TOML table each threshold lives in.
 _SECTIONS = {"kl_mean": "fail", "saturation": "warn", "unit_kl_ratio": "warn", "unit_ppl_ratio": "warn"}
@@ -115,7 +119,7 @@ def accuracy_reasons(accuracy: dict[str, Any], nan_with_clamp: dict[int, int], t
     if kl > thresholds.kl_mean:
         reasons.append(Reason(FAIL, f"mean KL to the bf16 cache {kl:.4g} nats exceeds the bound {thresholds.kl_mean:g}"))
     unit_kl, unit_ppl = accuracy["kl_mean_unit"], accuracy["ppl_fp8_unit"]
-    if _finite(unit_kl) and kl > unit_kl * thresholds.unit_kl_ratio:
+    if _finite(unit_kl) and kl > unit_kl * thresholds.unit_kl_ratio and kl - unit_kl > UNIT_KL_NOISE:
         reasons.append(Reason(WARN, f"calibrated scales do worse than unit scales: mean KL {kl:.4g} vs {unit_kl:.4g} "
                                     f"(ratio bound {thresholds.unit_kl_ratio:g})"))
     if _finite(unit_ppl) and accuracy["ppl_fp8"] > unit_ppl * thresholds.unit_ppl_ratio:

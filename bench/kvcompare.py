@@ -1,0 +1,129 @@
+"""What the headroom study and the demo table share: calibration statistics, scales, and fp8 runs against bf16.
+
+A run prefills held-out samples on fp8kv's paged runtime with one cache (bf16, or fp8 with given
+scales and a write engine) and keeps float32 logits per sample; `compare` scores them against the
+bf16 cache's logits: perplexity, mean KL(bf16 || fp8) of the next-token distributions, top-1
+agreement, and sequences lost (any NaN/inf logit in the sequence).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_data
+from fp8kv.calibrate.observe import KVStatistics
+from fp8kv.calibrate.pipeline import CalibrationRequest, load_tokenizer, observe
+from fp8kv.calibrate.scales import ScaleTable, Strategy, compute_scales
+from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.checkpoint.source import SourceCheckpoint
+from fp8kv.runtime.runner import PagedModelRunner, load_model
+from fp8kv.verify import heldout
+from fp8kv.verify.accuracy import runtime_scales
+
+BATCH = 8  # sequences per prefill step
+
+
+@dataclass
+class Model:
+    """A checkpoint, its tokenizer, and one copy of its weights on the CPU shared by every runner."""
+
+    source: SourceCheckpoint
+    tokenizer: Any
+    weights: torch.nn.Module
+
+    @classmethod
+    def open(cls, path: Path) -> Model:
+        source = SourceCheckpoint.open(path)
+        return cls(source, load_tokenizer(source.path, False), load_model(source.path, torch.device("cpu")))
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        return self.source.geometry.kv_layers
+
+    def data(self, path: Path, num_samples: int, seq_len: int) -> CalibrationData:
+        return load_calibration_data(DataRequest(str(path), num_samples=num_samples, seq_len=seq_len), self.tokenizer)
+
+    def observe(self, data: CalibrationData, batch_size: int = 8,
+                last_batch: KVStatistics | None = None) -> KVStatistics:
+        """K/V statistics over `data`, exactly as `fp8kv calibrate` folds them."""
+        request = CalibrationRequest(model=str(self.source.path), batch_size=batch_size, device="cpu")
+        s = self.source
+        return observe(s.path, s.config, s.geometry, data, request, self.tokenizer, None, last_batch)
+
+    def scales(self, statistics: KVStatistics, headroom: float, strategy: str = "amax",
+               last_batch: KVStatistics | None = None) -> tuple[ScaleTable, KVScales]:
+        table = compute_scales(statistics, self.kv_layers, strategy=Strategy.parse(strategy), headroom=headroom,
+                               last_batch=last_batch)
+        return table, KVScales(k=table.tensors(0), v=table.tensors(1))
+
+    def run(self, samples: list[list[int]], scales: KVScales | None, engine: str = "clamp") -> Run:
+        """Prefill `samples` on a bf16 cache (`scales=None`) or an fp8 cache with `scales` and `engine`."""
+        longest = max(len(s) for s in samples)
+        common: dict[str, Any] = dict(device="cpu", max_model_len=longest, max_num_seqs=BATCH, model=self.weights)
+        if scales is None:
+            runner = PagedModelRunner(self.source.path, cache_dtype="bf16", **common)
+        else:
+            k, v = runtime_scales(scales, self.kv_layers)
+            runner = PagedModelRunner(self.source.path, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
+                                      engine=engine, **common)
+        logits = []
+        for start in range(0, len(samples), BATCH):
+            batch = samples[start : start + BATCH]
+            seqs = [runner.start()[0] for _ in batch]
+            logits += runner.step(list(zip(seqs, batch)))
+            for seq in seqs:
+                runner.free(seq)
+        nonfinite = int(runner.cache.nonfinite.sum()) if scales is not None else 0
+        return Run(logits, nonfinite)
+
+
+def overflow(model: Model, held: KVStatistics, scales: KVScales) -> tuple[int, float]:
+    """(held-out values with |x|/scale above the raw-cast limit, largest |x|/scale) under `scales`."""
+    rows = heldout.layer_rows(held, scales, model.kv_layers)
+    return sum(r["nan_without_clamp"] for r in rows), max(max(r["k_max_ratio"], r["v_max_ratio"]) for r in rows)
+
+
+@dataclass
+class Run:
+    """Float32 logits [len(sample), vocab] per sample, and NaN/inf values the fp8 cache stored."""
+
+    logits: list[torch.Tensor]
+    nonfinite_stored: int
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One run scored against the bf16 run; `kl_per_sample` lets two runs be compared pairwise."""
+
+    ppl: float
+    kl_mean: float
+    top1: float
+    sequences_lost: int
+    kl_per_sample: tuple[float, ...]
+
+
+def compare(samples: list[list[int]], run: Run, reference: Run) -> Scores:
+    """Perplexity of `run`, and its KL / top-1 against `reference` over every token of every sample."""
+    nll, predicted, kl_sum, agree, tokens, lost, per_sample = 0.0, 0, 0.0, 0, 0, 0, []
+    for ids, logits, ref_logits in zip(samples, run.logits, reference.logits):
+        logp, ref = torch.log_softmax(logits, -1), torch.log_softmax(ref_logits, -1)
+        lost += int(not bool(torch.isfinite(logits).all()))
+        nll -= float(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).double().sum())
+        kl = float((ref.exp() * (ref - logp)).sum(-1).double().sum())
+        kl_sum += kl
+        per_sample.append(kl / len(ids))
+        agree += int((logp.argmax(-1) == ref.argmax(-1)).sum())
+        predicted, tokens = predicted + len(ids) - 1, tokens + len(ids)
+    ppl = math.exp(nll / predicted) if math.isfinite(nll) else math.nan
+    return Scores(ppl, kl_sum / tokens, agree / tokens, lost, tuple(per_sample))
+
+
+def paired_se(a: Scores, b: Scores) -> float:
+    """Standard error of the mean per-sample KL difference a - b (the noise of comparing two scales)."""
+    diff = torch.tensor(a.kl_per_sample, dtype=torch.float64) - torch.tensor(b.kl_per_sample, dtype=torch.float64)
+    return float(diff.std() / math.sqrt(len(diff))) if len(diff) > 1 else math.nan
