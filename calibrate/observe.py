@@ -1,10 +1,12 @@
 """Observation: fold K and V, exactly as the KV cache stores them, into running statistics.
 
-A function registered with transformers' `AttentionInterface` sees every attention layer's
-`key`/`value` after k_norm and RoPE and before any GQA repeat — the tensors a cache stores.
-It folds them into `KVStatistics` and then runs the model's own attention, so the forward
-pass is unchanged. Only statistics are kept (per layer: amax and a histogram of |x| per KV
-head), never K or V: memory is O(layers).
+Every transformers model with a KV cache hands each layer's new K and V to its cache object's
+`update(key, value, layer_idx)`: after k_norm and RoPE, before any GQA repeat, whatever attention
+code the model runs (the shared attention interface, its own, a hybrid's attention blocks).
+`ObservingCache` is transformers' own `DynamicCache` (built from the model's config, so Mamba,
+linear-attention and KV-sharing layers get the cache layers they expect) whose `update` first folds
+the tensors into `KVStatistics`. The forward pass is the model's own, unchanged. The statistics
+(per layer: amax and a histogram of |x| per KV head) outlive the batch; the cache is dropped after it.
 
 The statistics are plain tensors that reduce by `max` (amax) and `sum` (histogram, token
 counts), so partial statistics from several processes or layer groups merge with `merge`.
@@ -12,9 +14,9 @@ counts), so partial statistics from several processes or layer groups merge with
 
 from __future__ import annotations
 
-import sys
+import inspect
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -29,11 +31,6 @@ NUM_BINS = (LOG2_HIGH - LOG2_LOW) * BINS_PER_OCTAVE
 _FIRST_BIN_BITS = (127 + LOG2_LOW) * BINS_PER_OCTAVE  # (biased exponent, mantissa top bits) of bin 0
 _ABS_MASK = 0x7FFFFFFF
 
-OBSERVE_KWARG = "fp8kv_observation"
-"""The forward keyword that carries an `ObservationStep` down to the attention function."""
-
-SDPA_OBSERVER = "fp8kv_observe"
-EAGER_OBSERVER = "fp8kv_observe_eager"
 K, V = 0, 1
 
 
@@ -68,14 +65,18 @@ class KVStatistics:
         )
 
     def fold(self, layer: int, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """Fold one layer's `key`/`value` [batch, kv_heads, seq, head_dim]; `valid` [batch, seq] marks real tokens."""
+        """Fold one layer's `key`/`value` [batch, kv_heads, seq, head_dim]; `valid` [batch, seq] marks real tokens.
+
+        A layer with fewer KV heads than the widest layer fills the first `kv_heads` slots.
+        """
+        heads = key.shape[1]
         keep = None if valid is None else valid.to(key.device)[:, None, :, None]  # [batch, 1, seq, 1]
         for kind, states in ((K, key), (V, value)):
             bits = _magnitude_bits(states.detach(), keep)
             # |x| orders like its bits (NaN above inf), so an integer max is the exact amax and keeps NaN.
             amax = bits.amax(dim=(0, 2, 3)).view(torch.float32)
-            self.amax[layer, kind] = torch.maximum(self.amax[layer, kind], amax)
-            self.hist[layer, kind] += _histogram(bits, keep)
+            self.amax[layer, kind, :heads] = torch.maximum(self.amax[layer, kind, :heads], amax)
+            self.hist[layer, kind, :heads] += _histogram(bits, keep)
         self.tokens[layer] += key.shape[0] * key.shape[2] if valid is None else valid.sum().to(self.tokens.device)
 
     def merge(self, other: KVStatistics) -> None:
@@ -107,10 +108,10 @@ def _histogram(bits: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ObservationStep:
-    """What the attention function needs for one forward: where to fold, and which tokens are real.
+    """What the observing cache needs for one forward: where to fold, and which tokens are real.
 
     `valid`: bool [batch, seq], True for real tokens (None: all real). `layers`: the layers that own
-    a cache; others (KV-sharing layers) are not folded.
+    a cache; others are not folded.
     """
 
     statistics: KVStatistics
@@ -118,39 +119,23 @@ class ObservationStep:
     layers: frozenset[int]
 
 
-def _observing(attend: Callable[..., Any] | None) -> Callable[..., Any]:
-    """An attention function that folds K/V into the step's statistics, then runs `attend`.
+def observing_cache(config: Any, step: ObservationStep):
+    """A fresh `DynamicCache` for `config` whose `update` folds each cache-owning layer's K/V into `step`."""
+    from transformers import DynamicCache
 
-    `attend=None` runs the model file's own `eager_attention_forward` (needed for softcapping).
-    """
+    class ObservingCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if layer_idx in step.layers:
+                step.statistics.fold(layer_idx, key_states, value_states, step.valid)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def attention(module: torch.nn.Module, query, key, value, attention_mask, **kwargs):
-        step: ObservationStep | None = kwargs.pop(OBSERVE_KWARG, None)
-        if step is not None and module.layer_idx in step.layers:
-            step.statistics.fold(module.layer_idx, key, value, step.valid)
-        inner = attend or sys.modules[type(module).__module__].eager_attention_forward
-        return inner(module, query, key, value, attention_mask, **kwargs)
-
-    return attention
+    return ObservingCache(config=config)
 
 
-def register_observers() -> None:
-    """Register the observing attention functions (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
-
-    AttentionInterface.register(SDPA_OBSERVER, _observing(sdpa_attention_forward))
-    AttentionMaskInterface.register(SDPA_OBSERVER, sdpa_mask)
-    AttentionInterface.register(EAGER_OBSERVER, _observing(None))
-    AttentionMaskInterface.register(EAGER_OBSERVER, eager_mask)
-
-
-def observer_for(config: dict[str, Any]) -> str:
-    """The attn_implementation to load a model with: eager where SDPA cannot run it (logit softcapping)."""
-    register_observers()
-    text = config.get("text_config") or config
-    return EAGER_OBSERVER if text.get("attn_logit_softcapping") is not None else SDPA_OBSERVER
+def cache_kwargs(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
+    """The forward keywords that hand `cache` to `model`: `cache=` (newer models) or `past_key_values=`."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
 
 
 def observe_batch(
@@ -162,9 +147,9 @@ def observe_batch(
 ) -> None:
     """Run the base model (no LM head) over one right-padded batch, folding K/V of `layers`.
 
-    `input_ids`, `attention_mask`: [batch, seq] on the model's device; the model must have been
-    loaded with `attn_implementation=observer_for(config)`.
+    `input_ids`, `attention_mask`: [batch, seq] on the model's device.
     """
     valid = attention_mask.bool()
     step = ObservationStep(statistics, None if bool(valid.all()) else valid, layers)
-    base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **{OBSERVE_KWARG: step})
+    cache = observing_cache(base_model.config, step)
+    base_model(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(base_model, cache))

@@ -16,7 +16,7 @@ import torch
 from fp8kv import __version__
 from fp8kv.calibrate import distributed, layerwise
 from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_data, make_batches
-from fp8kv.calibrate.observe import KVStatistics, observe_batch, observer_for
+from fp8kv.calibrate.observe import KVStatistics, observe_batch
 from fp8kv.calibrate.resolve import resolve_model
 from fp8kv.calibrate.scales import ScaleTable, Strategy, compute_scales, fp8_max
 from fp8kv.checkpoint.conventions import CONVENTIONS
@@ -130,7 +130,7 @@ def observe(
 ) -> KVStatistics:
     """Run the base model over every sample and return the folded K/V statistics (on the CPU)."""
     device = resolve_device(request.device)
-    model = load_model(model_dir, config, device, request.dtype, request.trust_remote_code)
+    model = load_model(model_dir, device, request.dtype, request.trust_remote_code)
     batches = distributed.shard_batches(make_batches(data.samples, request.batch_size, pad_id(tokenizer)))
     total = sum(batch.input_ids.shape[0] for batch in batches)
     statistics = KVStatistics.empty(geometry.num_layers, geometry.num_kv_heads, device)
@@ -146,15 +146,14 @@ def observe(
     return statistics.cpu()
 
 
-def load_model(model_dir: Path, config: dict[str, Any], device: torch.device, dtype: str, trust_remote_code: bool):
-    """The causal LM with the observing attention; only its base model is ever run."""
+def load_model(model_dir: Path, device: torch.device, dtype: str, trust_remote_code: bool):
+    """The causal LM (transformers' default attention); only its base model is ever run."""
     from transformers import AutoModelForCausalLM
 
     if dtype != "auto" and dtype not in DTYPES:
         raise Fp8kvError(f"--dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
-        attn_implementation=observer_for(config),
         dtype=DTYPES.get(dtype, "auto"),
         trust_remote_code=trust_remote_code,
     )

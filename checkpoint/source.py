@@ -199,24 +199,29 @@ def _check_index_tensors(root: Path, headers: dict[str, dict[str, Any]]) -> None
         )
 
 
-_PROJECTION = re.compile(r"layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
+_PROJECTION = re.compile(r"layers\.(\d+)\.self_attn\.([kv])_proj\.weight$")
 # Towers of multimodal checkpoints have their own attention geometry, not the text config's.
 _OTHER_TOWER = re.compile(r"vision|visual|audio|encoder\.")
 
 
 def _check_projections(root: Path, geometry: AttentionGeometry, headers: dict[str, dict[str, Any]]) -> None:
-    """q/k/v_proj weights ([heads * head_dim, hidden]) must have the rows config.json's geometry implies."""
-    heads = {"q": geometry.num_heads, "k": geometry.num_kv_heads, "v": geometry.num_kv_heads}
+    """k/v_proj weights ([kv_heads * head_dim, hidden]) must have the rows the config's geometry implies.
+
+    Only K and V, the tensors the cache stores: q_proj may carry more (gated attention's output gate).
+    """
     for file, header in headers.items():
         for tensor, entry in header.items():
             match = _PROJECTION.search(tensor)
             if match is None or not entry["shape"] or _OTHER_TOWER.search(tensor):
                 continue
-            expected = heads[match[2]] * geometry.head_dim
-            if entry["shape"][0] != expected:
+            layer = int(match[1])
+            if layer not in geometry.kv_layers:
+                continue
+            heads, head_dim = geometry.layer_kv_heads(layer), geometry.layer_head_dim(layer)
+            if entry["shape"][0] != heads * head_dim:
                 raise Fp8kvError(
                     f"{root / 'config.json'}: {tensor} in {file} has {entry['shape'][0]} rows but the config's "
-                    f"{heads[match[2]]} heads x head_dim {geometry.head_dim} need {expected}; "
+                    f"{heads} KV heads x head_dim {head_dim} need {heads * head_dim}; "
                     "the config does not match the weights"
                 )
 
