@@ -108,7 +108,8 @@ def config_object(config: dict[str, Any], source: str = "config.json"):
     model_type = config.get("model_type")
     cls = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else PretrainedConfig
     try:
-        return cls.from_dict(dict(config))
+        # as from_pretrained reads config.json: special floats (Infinity) are stored as {"__float__": ...}
+        return cls.from_dict(cls._decode_special_floats(dict(config)))
     except Exception as exc:  # the config class validates with its own exception types (strict dataclasses)
         reason = str(exc).strip().splitlines()[-1].strip()
         raise Fp8kvError(f"{source}: transformers' {cls.__name__} rejects it: {reason[:300]}") from None
@@ -146,9 +147,11 @@ def _require_keys(config: dict[str, Any], text: Any, keys: tuple[str, ...], sour
     raw = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     if "text_config" in config and not isinstance(config["text_config"], dict):
         raise Fp8kvError(f"{source}: 'text_config' must be an object")
-    aliases = getattr(text, "attribute_map", {})
+    stored_as = getattr(text, "attribute_map", {})  # e.g. gpt2: num_hidden_layers is stored as n_layer
     for key in keys:
-        if key not in raw and not any(short in raw for short, long in aliases.items() if long == key):
+        if key not in raw and stored_as.get(key) not in raw:
+            if key == "num_attention_heads" and not hasattr(text, key):
+                raise Fp8kvError(f"{source}: {text.model_type} has no attention layers, so no K/V cache to scale")
             raise Fp8kvError(f"{source}: '{key}' is missing")
 
 
@@ -210,11 +213,11 @@ def _optional_int(config: Any, key: str, source: str) -> int:
 
 def _kv_heads(config: Any, num_heads: int, source: str) -> int:
     """KV heads: num_key_value_heads (the config classes derive it for multi-query models), else all heads."""
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        return 1  # Falcon-7B style multi-query attention ignores num_kv_heads
     for key in ("num_key_value_heads", "num_kv_heads"):
         if getattr(config, key, None) is not None:
             return _positive_int(config, key, source)
-    if getattr(config, "multi_query", False):
-        return 1
     return num_heads
 
 

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from fp8kv import __version__
 from fp8kv.checkpoint.conventions import (
-    CONVENTIONS, HF_QUANT_CONFIG, SCALES_FILE, VLLM_JSON_FILE, is_vllm_json, layer_prefix, parse_scale_name, quant_configs,
+    CONVENTIONS, HF_QUANT_CONFIG, SCALES_FILE, VLLM_JSON_FILE, attention_modules, is_vllm_json, parse_scale_name, quant_configs,
     scale_names, vllm_json,
 )
 from fp8kv.checkpoint.kvscales import KVScales
@@ -167,10 +167,10 @@ def _regenerated(source: SourceCheckpoint, name: str) -> bool:
 
 
 def _write_scales(path: Path, source: SourceCheckpoint, scales: KVScales, convention: str) -> dict[str, str]:
-    prefix = layer_prefix(list(source.weight_map))
+    modules = attention_modules(list(source.weight_map), scales.layers)
     tensors: dict[str, torch.Tensor] = {}
     for layer in scales.layers:
-        k_name, v_name = scale_names(convention, prefix, layer)
+        k_name, v_name = scale_names(convention, modules[layer])
         k, v = scales.k[layer], scales.v[layer]
         if convention != "compressed-tensors":  # ModelOpt and Quark store 0-dim scalars
             k, v = k.reshape(()), v.reshape(())

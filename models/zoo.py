@@ -24,7 +24,7 @@ TOKENIZER_VOCAB = 512
 # Sizes set on every config that has the attribute (transformers' attribute maps apply: n_layer, n_head, ...).
 _SIZES: dict[str, Any] = {
     "num_hidden_layers": NUM_LAYERS, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "intermediate_size": 128, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "head_dim": 16, "num_kv_heads": 2, "intermediate_size": 128, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
     "ffn_hidden_size": 128, "n_inner": 128, "ffn_dim": 128, "num_local_experts": 4, "num_experts": 4,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "max_position_embeddings": 512,
     "num_kv_shared_layers": 0, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
@@ -34,7 +34,7 @@ _SIZES: dict[str, Any] = {
     "mamba_n_groups": 1, "ssm_state_size": 16, "state_size": 16, "mamba_expand": 2, "n_mamba_heads": 8,
     "mamba_dt_rank": 8, "time_step_rank": 8, "hidden_size_per_layer_input": 16,
     "laurel_rank": 8, "altup_num_inputs": 2, "n_positions": 512, "n_ctx": 512, "rotary_dim": 8,
-    "attention_chunk_size": 16, "sliding_window": 16, "tie_word_embeddings": False, "use_cache": True,
+    "attention_chunk_size": 64, "sliding_window": 64, "tie_word_embeddings": False, "use_cache": True,
     "d_model": 64, "encoder_layers": NUM_LAYERS, "decoder_layers": NUM_LAYERS, "encoder_ffn_dim": 128,
     "decoder_ffn_dim": 128, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "n_embd": 64,
 }
@@ -42,6 +42,7 @@ _SIZES: dict[str, Any] = {
 _OVERRIDES: dict[str, dict[str, Any]] = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     "zamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "bamba": {"attn_layer_indices": [1]},
     "llama4_text": {"interleave_moe_layer_step": 2, "no_rope_layers": [1, 0]},
 }
 _MULTIMODAL_TOWERS = ("vision_config", "audio_config", "vq_config", "speech_config")
@@ -75,7 +76,7 @@ def _shrunk(text: Any, vocab_size: int, tokenizer: Any) -> dict[str, Any]:
     """The size attributes `text` has, set to the tiny sizes (names as the config class spells them)."""
     values: dict[str, Any] = {}
     for name, value in _SIZES.items():
-        if hasattr(text, name):
+        if hasattr(text, name) and not isinstance(getattr(type(text), name, None), property):
             values[_spelled(text, name)] = value
     values[_spelled(text, "vocab_size")] = vocab_size
     if hasattr(text, "vocab_size_per_layer_input"):
@@ -88,10 +89,7 @@ def _shrunk(text: Any, vocab_size: int, tokenizer: Any) -> dict[str, Any]:
 
 def _spelled(config: Any, name: str) -> str:
     """The key config.json uses for `name` (gpt2 writes n_layer for num_hidden_layers)."""
-    for short, long in getattr(config, "attribute_map", {}).items():
-        if long == name and short in config.to_dict():
-            return short
-    return name
+    return getattr(config, "attribute_map", {}).get(name, name)
 
 
 def _per_layer_lists(text: Any) -> dict[str, list]:
@@ -99,13 +97,24 @@ def _per_layer_lists(text: Any) -> dict[str, list]:
     data = text.to_dict()
     count = getattr(text, "num_hidden_layers", None)
     lists = {k: v for k, v in data.items() if isinstance(v, list) and len(v) == count and k != "architectures"}
-    types = lists.get("layer_types") or [0] * (count or 0)
+    types = getattr(text, "layer_types", None) or [0] * (count or 0)
     other = next((i for i, t in enumerate(types) if t != types[0]), 1)
     return {k: [v[0], v[other]] for k, v in lists.items()} if lists else {}
 
 
+def make_zoo_config(model_type: str, out_dir: str | Path) -> Path:
+    """Write only the tiny config.json of `model_type` (enough for fp8kv to accept or refuse it)."""
+    tokenizer = make_tokenizer(TOKENIZER_VOCAB)
+    tiny_config(model_type, len(tokenizer), tokenizer).save_pretrained(out_dir)
+    return Path(out_dir)
+
+
 def make_zoo_checkpoint(model_type: str, out_dir: str | Path, *, seed: int = 0) -> Path:
-    """Write a tiny random bf16 checkpoint of `model_type` with the factory tokenizer; returns `out_dir`."""
+    """Write a tiny random bf16 checkpoint of `model_type` with the factory tokenizer; returns `out_dir`.
+
+    The sliding window and attention chunk (64) exceed the zoo's samples, so a `DynamicCache` keeps
+    every token: the cache's contents are then an independent reference for the K/V amax.
+    """
     from transformers import AutoModelForCausalLM
 
     tokenizer = make_tokenizer(TOKENIZER_VOCAB)

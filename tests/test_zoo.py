@@ -1,0 +1,63 @@
+"""Every causal-LM architecture of the installed transformers: exact scales, or one clear refusal.
+
+Each architecture is built tiny from transformers' own config class and calibrated; its amax must
+equal what transformers' DynamicCache stores (exact, or within one bf16 step), and fp8kv's output
+must load in transformers. A representative subset runs by default; FP8KV_ZOO=all runs them all
+(`python -m fp8kv.models.zoo_matrix` prints the README table from the same code).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fp8kv.models.zoo import causal_lm_types
+from fp8kv.models.zoo_matrix import EXACT, FAILING, REFUSED, REPRESENTATIVE, TOLERANCE, judge
+
+ALL = os.environ.get("FP8KV_ZOO") == "all"
+
+# The representative subset's outcomes, pinned: each names what makes that architecture different.
+EXPECTED = {
+    "llama": (EXACT, "layers [0, 1]"),
+    "gpt2": (EXACT, "layers [0, 1]"),  # n_layer / n_head through the config class's attribute map
+    "gpt_neox": (EXACT, "layers [0, 1]"),
+    "falcon": (EXACT, "layers [0, 1]"),  # its own attention code, multi-query: observed through the cache
+    "stablelm": (EXACT, "layers [0, 1]"),
+    "qwen3": (EXACT, "layers [0, 1]"),
+    "gemma3_text": (EXACT, "layers [0, 1]"),
+    "mixtral": (EXACT, "layers [0, 1]"),
+    "olmoe": (EXACT, "layers [0, 1]"),
+    "qwen2_moe": (EXACT, "layers [0, 1]"),
+    "jamba": (EXACT, "layers [1], skipped [0]"),  # Mamba layer 0 has no K/V cache
+    "bamba": (EXACT, "layers [1], skipped [0]"),
+    "deepseek_v3": (REFUSED, "multi-head latent attention"),
+    "bart": (REFUSED, "encoder-decoder"),
+    "mamba": (REFUSED, "no attention layers"),
+}
+# transformers 5.24 cannot load a compressed-tensors config without weight groups on MoE models
+# stored per expert: its expert-merge converter runs compressed-tensors' dequantization, which
+# looks up a weight group that does not exist (IndexError in get_experts_scheme).
+TRANSFORMERS_MOE_LOAD_BUG = {"mixtral", "olmoe", "qwen2_moe", "jamba"}
+
+
+def test_expected_covers_the_representative_subset() -> None:
+    assert set(EXPECTED) == set(REPRESENTATIVE)
+    assert set(REPRESENTATIVE) <= set(causal_lm_types())
+
+
+@pytest.mark.parametrize("model_type", causal_lm_types() if ALL else REPRESENTATIVE)
+def test_architecture(model_type: str, tmp_path) -> None:
+    result = judge(model_type, tmp_path)
+    assert result.status != FAILING, result.detail
+    if model_type in EXPECTED:
+        status, detail = EXPECTED[model_type]
+        assert result.status == status and detail in result.detail, result
+    if result.status == REFUSED:
+        assert "config.json: " in result.detail and "\n" not in result.detail
+        return
+    assert result.status in (EXACT, TOLERANCE)
+    if model_type in TRANSFORMERS_MOE_LOAD_BUG:
+        assert "automatic conversion of the weights" in (result.load_error or ""), result.load_error
+    else:
+        assert result.load_error is None, result.load_error
