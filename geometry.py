@@ -61,10 +61,11 @@ class AttentionGeometry:
         _require_keys(config, text, ("num_hidden_layers", "num_attention_heads", "hidden_size"), source)
         model_type = str(getattr(text, "model_type", "") or config.get("model_type") or "")
         num_layers = _positive_int(text, "num_hidden_layers", source)
-        num_heads = _positive_int(text, "num_attention_heads", source)
-        hidden_size = _positive_int(text, "hidden_size", source)
-        kinds, owns_cache = cache_layout(text, num_layers, source)
         per_layer = _per_layer_configs(text, num_layers)
+        # heterogeneous configs (Gemma 4) hold sizes per layer; the first layer's are the model's
+        num_heads = _positive_int(per_layer[0], "num_attention_heads", source)
+        hidden_size = _positive_int(per_layer[0], "hidden_size", source)
+        kinds, owns_cache = cache_layout(text, num_layers, source)
         kv_heads = tuple(_kv_heads(layer, num_heads, source) for layer in per_layer)
         head_dims = tuple(_head_dim(layer, hidden_size, num_heads, source) for layer in per_layer)
         kv_layers = tuple(i for i in range(num_layers) if owns_cache[i])
@@ -156,8 +157,10 @@ def _require_keys(config: dict[str, Any], text: Any, keys: tuple[str, ...], sour
 
 
 def _per_layer_configs(text: Any, num_layers: int) -> list[Any]:
-    layers = getattr(text, "per_layer_config", None)
-    return list(layers) if layers is not None and len(layers) == num_layers else [text] * num_layers
+    """Each layer's config: transformers' per-layer views for heterogeneous configs, else the config itself."""
+    if not getattr(text, "is_heterogeneous", False):
+        return [text] * num_layers
+    return list(text.per_layer_config)
 
 
 def _refuse_unsupported(text: Any, source: str) -> None:

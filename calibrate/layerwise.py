@@ -136,7 +136,7 @@ def run_layer(
     hidden = store.get(slot, device)  # [batch, seq, hidden]
     valid = mask.bool()
     step = ObservationStep(statistics, None if bool(valid.all()) else valid, observed)
-    cache = observing_cache(base.config, step)
+    cache = observing_cache(base, step)
     _, args, kwargs = capture(base, layers, index, inputs_embeds=hidden, attention_mask=mask, **cache_kwargs(base, cache))
     out = layers[index](hidden, *args, **kwargs)
     store.put(slot, out[0] if isinstance(out, tuple) else out)
@@ -144,11 +144,11 @@ def run_layer(
 
 def build_skeleton(source: SourceCheckpoint, dtype: str, trust_remote_code: bool) -> torch.nn.Module:
     """The causal LM, every parameter and buffer on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
+        model = pipeline.model_class(source.config).from_config(
             config,
             dtype=resolve_dtype(source, config, dtype),
             trust_remote_code=trust_remote_code,

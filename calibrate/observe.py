@@ -15,6 +15,7 @@ counts), so partial statistics from several processes or layer groups merge with
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,17 +120,33 @@ class ObservationStep:
     layers: frozenset[int]
 
 
-def observing_cache(config: Any, step: ObservationStep):
-    """A fresh `DynamicCache` for `config` whose `update` folds each cache-owning layer's K/V into `step`."""
-    from transformers import DynamicCache
+def observing_cache(model: torch.nn.Module, step: ObservationStep):
+    """A fresh cache for `model` whose `update` folds each cache-owning layer's K/V into `step`.
 
-    class ObservingCache(DynamicCache):
+    transformers' `DynamicCache` built from the model's config, or the cache class the model's file
+    defines for itself (MiniMax), which its forward insists on.
+    """
+    base = model_cache_class(model)
+
+    class ObservingCache(base):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             if layer_idx in step.layers:
                 step.statistics.fold(layer_idx, key_states, value_states, step.valid)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    return ObservingCache(config=config)
+    takes_config = "config" in inspect.signature(base.__init__).parameters
+    return ObservingCache(config=model.config) if takes_config else ObservingCache()
+
+
+def model_cache_class(model: torch.nn.Module) -> type:
+    """The DynamicCache subclass the model's own file defines (one at most), else DynamicCache."""
+    from transformers import DynamicCache
+
+    module = sys.modules[type(model).__module__]
+    own = [c for c in vars(module).values()
+           if isinstance(c, type) and issubclass(c, DynamicCache) and c.__module__ == module.__name__]
+    return own[0] if len(own) == 1 else DynamicCache
+
 
 
 def cache_kwargs(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
@@ -151,5 +168,5 @@ def observe_batch(
     """
     valid = attention_mask.bool()
     step = ObservationStep(statistics, None if bool(valid.all()) else valid, layers)
-    cache = observing_cache(base_model.config, step)
+    cache = observing_cache(base_model, step)
     base_model(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(base_model, cache))

@@ -146,13 +146,27 @@ def observe(
     return statistics.cpu()
 
 
+def model_class(config: dict[str, Any]):
+    """The transformers auto class that builds this checkpoint's language model.
+
+    Vision-language checkpoints (llava, qwen2-vl, gemma3, mllama, ...) load as `AutoModelForImageTextToText`
+    (for some, `AutoModelForCausalLM` would build only the text model, which their weight names do not
+    fit); its base model runs the language model on text alone. Everything else is a causal LM.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as VLM
+
+    model_type = config.get("model_type")
+    return AutoModelForImageTextToText if model_type in VLM else AutoModelForCausalLM
+
+
 def load_model(model_dir: Path, device: torch.device, dtype: str, trust_remote_code: bool):
     """The causal LM (transformers' default attention); only its base model is ever run."""
-    from transformers import AutoModelForCausalLM
+    from fp8kv.geometry import read_config
 
     if dtype != "auto" and dtype not in DTYPES:
         raise Fp8kvError(f"--dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
-    model = AutoModelForCausalLM.from_pretrained(
+    model = model_class(read_config(model_dir)).from_pretrained(
         model_dir,
         dtype=DTYPES.get(dtype, "auto"),
         trust_remote_code=trust_remote_code,

@@ -48,11 +48,15 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
 _MULTIMODAL_TOWERS = ("vision_config", "audio_config", "vq_config", "speech_config")
 
 
+# Vision-language wrappers transformers does not list as causal LMs, judged with them.
+VISION_LANGUAGE = ("llava", "qwen2_vl", "qwen2_5_vl", "mistral3", "idefics3", "paligemma", "llava_next")
+
+
 def causal_lm_types() -> list[str]:
-    """Every model_type the installed transformers maps to a causal LM, sorted."""
+    """Every model_type the installed transformers maps to a causal LM, then VISION_LANGUAGE, sorted."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(VISION_LANGUAGE))
 
 
 def tiny_config(model_type: str, vocab_size: int, tokenizer: Any):
@@ -75,11 +79,12 @@ def tiny_config(model_type: str, vocab_size: int, tokenizer: Any):
 def _shrunk(text: Any, vocab_size: int, tokenizer: Any) -> dict[str, Any]:
     """The size attributes `text` has, set to the tiny sizes (names as the config class spells them)."""
     values: dict[str, Any] = {}
+    stored = text.to_dict()
     for name, value in _SIZES.items():
-        if hasattr(text, name) and not isinstance(getattr(type(text), name, None), property):
+        if _spelled(text, name) in stored and not isinstance(getattr(type(text), name, None), property):
             values[_spelled(text, name)] = value
     values[_spelled(text, "vocab_size")] = vocab_size
-    if hasattr(text, "vocab_size_per_layer_input"):
+    if "vocab_size_per_layer_input" in stored:
         values["vocab_size_per_layer_input"] = vocab_size
     for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
         values[token] = getattr(tokenizer, token)
@@ -99,7 +104,12 @@ def _per_layer_lists(text: Any) -> dict[str, list]:
     lists = {k: v for k, v in data.items() if isinstance(v, list) and len(v) == count and k != "architectures"}
     types = getattr(text, "layer_types", None) or [0] * (count or 0)
     other = next((i for i, t in enumerate(types) if t != types[0]), 1)
-    return {k: [v[0], v[other]] for k, v in lists.items()} if lists else {}
+    kept = {k: [v[0], v[other]] for k, v in lists.items()}
+    overrides = data.get("per_layer_config")
+    if isinstance(overrides, dict):  # heterogeneous configs (Gemma 4): overrides keyed by layer index
+        by_index = {int(i): v for i, v in overrides.items()}
+        kept["per_layer_config"] = {new: by_index[old] for new, old in enumerate((0, other)) if old in by_index}
+    return kept
 
 
 def make_zoo_config(model_type: str, out_dir: str | Path) -> Path:
@@ -115,12 +125,12 @@ def make_zoo_checkpoint(model_type: str, out_dir: str | Path, *, seed: int = 0) 
     The sliding window and attention chunk (64) exceed the zoo's samples, so a `DynamicCache` keeps
     every token: the cache's contents are then an independent reference for the K/V amax.
     """
-    from transformers import AutoModelForCausalLM
+    from fp8kv.calibrate.pipeline import model_class
 
     tokenizer = make_tokenizer(TOKENIZER_VOCAB)
     config = tiny_config(model_type, len(tokenizer), tokenizer)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = model_class(config.to_dict()).from_config(config, dtype=torch.bfloat16)
     _spread_norm_weights(model)
     out = Path(out_dir)
     model.save_pretrained(out)

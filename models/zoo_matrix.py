@@ -1,5 +1,8 @@
 """Judge fp8kv on a tiny checkpoint of one transformers architecture: the zoo test and README table.
 
+The loader is the one calibration uses (`AutoModelForCausalLM`, or `AutoModelForImageTextToText` for
+vision-language wrappers).
+
 For each architecture: fp8kv accepts or refuses its config (refusal: one `Fp8kvError` line naming
 the feature); an accepted one is built tiny, calibrated, its scales compared with the K/V amax that
 transformers' own `DynamicCache` stores after a forward with `use_cache=True` (one sample per
@@ -11,7 +14,6 @@ forward, as the calibration batches them), and the output folder is loaded back 
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
 import sys
@@ -31,7 +33,7 @@ BF16_STEP = 2.0**-8
 # A representative subset, run by default (FP8KV_ZOO=all runs every architecture).
 REPRESENTATIVE = (
     "llama", "gpt2", "gpt_neox", "falcon", "stablelm", "qwen3", "gemma3_text", "mixtral", "olmoe",
-    "qwen2_moe", "jamba", "bamba", "deepseek_v3", "bart", "mamba",
+    "qwen2_moe", "jamba", "bamba", "deepseek_v3", "bart", "mamba", "llava", "gemma4_text", "minimax",
 )
 EXACT, TOLERANCE, REFUSED, FAILING = "exact", "within tolerance", "refused", "failing"
 
@@ -71,7 +73,7 @@ def judge(model_type: str, folder: Path) -> ZooResult:
 
 
 def _calibrate_and_compare(model_type: str, folder: Path) -> ZooResult:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from fp8kv.calibrate.data import DataRequest, load_calibration_data
     from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
@@ -97,27 +99,28 @@ def _calibrate_and_compare(model_type: str, folder: Path) -> ZooResult:
 
 
 def loads_in_transformers(model_dir: Path) -> str | None:
-    """None when `AutoModelForCausalLM.from_pretrained` loads `model_dir`, else its error in one line."""
-    from transformers import AutoModelForCausalLM
+    """None when transformers' auto class loads `model_dir`, else its error in one line."""
+    from fp8kv.calibrate.pipeline import model_class
+    from fp8kv.geometry import read_config
 
     try:
-        AutoModelForCausalLM.from_pretrained(model_dir)
+        model_class(read_config(model_dir)).from_pretrained(model_dir)
     except Exception as exc:  # any failure is the finding
         return _one_line(f"{type(exc).__name__}: {exc}")
     return None
 
 
 def cache_amax(model_dir: Path, samples: list[list[int]]) -> dict[int, torch.Tensor]:
-    """Independent reference: per layer that caches K/V, float32 [2] max |K|, |V| in transformers' DynamicCache."""
-    from transformers import AutoModelForCausalLM, DynamicCache
+    """Independent reference: per layer that caches K/V, float32 [2] max |K|, |V| in the cache the model returns."""
+    from fp8kv.calibrate.pipeline import model_class
+    from fp8kv.geometry import read_config
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    model = model_class(read_config(model_dir)).from_pretrained(model_dir).eval()
     running: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for sample in samples:
-            cache = DynamicCache(config=model.config)
-            model(input_ids=torch.tensor([sample]), use_cache=True, **{keyword: cache})
+            out = model(input_ids=torch.tensor([sample]), use_cache=True)  # the model builds its own cache
+            cache = out.past_key_values
             for index, layer in enumerate(cache.layers):
                 if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
                     continue
