@@ -90,6 +90,8 @@ def calibrate(request: CalibrationRequest, progress: Progress | None = None) -> 
         else:
             statistics = observe(source.path, source.config, source.geometry, data, request, tokenizer, progress)
         statistics = distributed.reduce_statistics(statistics, device)
+    if not request.allow_unobserved:
+        check_every_cache_seen(statistics, source)
     table = compute_scales(
         statistics,
         source.geometry.kv_layers,
@@ -158,6 +160,18 @@ def model_class(config: dict[str, Any]):
 
     model_type = config.get("model_type")
     return AutoModelForImageTextToText if model_type in VLM else AutoModelForCausalLM
+
+
+def check_every_cache_seen(statistics: KVStatistics, source: SourceCheckpoint) -> None:
+    """Refuse when a layer the config gives a K/V cache never handed K/V to the cache during the forward."""
+    silent = [layer for layer in source.geometry.kv_layers if int(statistics.tokens[layer]) == 0]
+    if silent:
+        raise Fp8kvError(
+            f"{source.path / 'config.json'}: layers {silent} own a K/V cache by the config "
+            f"(layer types {sorted({source.geometry.layer_types[i] for i in silent})}) but never passed K/V to "
+            f"the cache's update in the {source.geometry.model_type} forward, so fp8kv cannot see what they "
+            "would cache; no checkpoint written"
+        )
 
 
 def load_model(model_dir: Path, device: torch.device, dtype: str, trust_remote_code: bool):

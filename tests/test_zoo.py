@@ -70,3 +70,19 @@ def test_architecture(model_type: str, tmp_path) -> None:
         assert KNOWN_LOAD_FAILURES[model_type] in (result.load_error or ""), result.load_error
     else:
         assert result.load_error is None, result.load_error
+
+
+def test_a_cache_layer_that_never_updates_is_named_not_defaulted(factory_checkpoint) -> None:
+    from fp8kv.calibrate.observe import KVStatistics
+    from fp8kv.calibrate.pipeline import check_every_cache_seen
+    from fp8kv.checkpoint.source import SourceCheckpoint
+    from fp8kv.errors import Fp8kvError
+
+    source = SourceCheckpoint.open(factory_checkpoint("llama"))
+    statistics = KVStatistics.empty(2, 2)
+    statistics.tokens[0] = 5
+    with pytest.raises(Fp8kvError, match=r"config.json: layers \[1\] own a K/V cache by the config \(layer types "
+                       r"\['full_attention'\]\) but never passed K/V to the cache's update in the llama forward"):
+        check_every_cache_seen(statistics, source)
+    statistics.tokens[1] = 5
+    check_every_cache_seen(statistics, source)
