@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,16 +68,18 @@ class SourceCheckpoint:
         return {tensor: file for file, header in self.headers.items() for tensor in header}
 
     def content_hash(self) -> str:
-        """sha256 over every file's relative path and bytes, in sorted order (streamed)."""
+        """sha256 over every file's relative path, size and sha256, in sorted order.
+
+        A file in the Hugging Face cache that links to `blobs/<sha256>` (how the hub stores LFS
+        files: weights) is named by its sha256 already; that name is used instead of reading it.
+        """
         digest = hashlib.sha256()
         for name in sorted(self.files):
             encoded = name.encode()
             digest.update(len(encoded).to_bytes(8, "little") + encoded)
             path = self.path / name
             digest.update(path.stat().st_size.to_bytes(8, "little"))
-            with open(path, "rb") as handle:
-                while chunk := handle.read(_HASH_CHUNK):
-                    digest.update(chunk)
+            digest.update(file_sha256(path))
         return "sha256:" + digest.hexdigest()
 
 
@@ -224,6 +227,21 @@ def _check_projections(root: Path, geometry: AttentionGeometry, headers: dict[st
                     f"{heads} KV heads x head_dim {head_dim} need {heads * head_dim}; "
                     "the config does not match the weights"
                 )
+
+
+_BLOB_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def file_sha256(path: Path) -> bytes:
+    """The sha256 of a file's bytes: from its Hugging Face cache blob name when it has one, else read."""
+    target = Path(os.readlink(path)) if path.is_symlink() else None
+    if target is not None and target.parent.name == "blobs" and _BLOB_SHA256.fullmatch(target.name):
+        return bytes.fromhex(target.name)
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.digest()
 
 
 def _check_unique_tensors(headers: dict[str, dict[str, Any]]) -> None:
