@@ -93,6 +93,24 @@ def scale_names(convention: str, module: str) -> tuple[str, str]:
     return f"{module}.{k_suffix}", f"{module}.{v_suffix}"
 
 
+def weights_config(model_dir: str | Path):
+    """transformers' config of `model_dir` for loading its weights, without a KV-cache-only quantization_config.
+
+    vLLM needs that compressed-tensors config to load k_scale/v_scale, but transformers 5.24 then runs
+    the compressed-tensors quantizer, which fails on MoE checkpoints stored per expert (its expert
+    merge looks up a weight group that does not exist) and on configs whose head counts live in a
+    sub-config (vision-language wrappers). The scales are not weights, so the runtime loads without it.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    qc = getattr(config, "quantization_config", None)
+    qc = qc.to_dict() if hasattr(qc, "to_dict") else qc
+    if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors" and not qc.get("config_groups"):
+        del config.quantization_config
+    return config
+
+
 def is_vllm_json(path: Path) -> bool:
     """Whether `path` is a legacy vLLM KV-scale file (`{"kv_cache": {"scaling_factor": ...}}`)."""
     if path.stat().st_size > 2**20:

@@ -283,8 +283,10 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype |
     """The checkpoint's causal LM on `device`, wired to the paged attention (shareable between runners)."""
     from transformers import AutoModelForCausalLM
 
+    from fp8kv.checkpoint.conventions import weights_config
+
     _register()
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype or "auto", attn_implementation=ATTN_IMPLEMENTATION
+        model_dir, config=weights_config(model_dir), dtype=dtype or "auto", attn_implementation=ATTN_IMPLEMENTATION
     )
     return model.to(device).eval()

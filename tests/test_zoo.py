@@ -86,3 +86,22 @@ def test_a_cache_layer_that_never_updates_is_named_not_defaulted(factory_checkpo
         check_every_cache_seen(statistics, source)
     statistics.tokens[1] = 5
     check_every_cache_seen(statistics, source)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_runtime_loads_fp8kv_output_of_moe_models(model_type: str, tmp_path) -> None:
+    import torch
+
+    from fp8kv.checkpoint.reader import read_kv_scales
+    from fp8kv.runtime.runner import PagedModelRunner
+
+    result = judge(model_type, tmp_path)
+    assert result.status == EXACT and MOE_BUG in (result.load_error or "")
+    scales = read_kv_scales(tmp_path / "out").scales
+    k = {layer: scales.values(layer)[0][0] for layer in scales.layers}
+    v = {layer: scales.values(layer)[1][0] for layer in scales.layers}
+    runner = PagedModelRunner(tmp_path / "out", device="cpu", cache_dtype="fp8_e4m3", k_scales=k, v_scales=v,
+                              max_model_len=64, max_num_seqs=1)
+    seq, _ = runner.start()
+    logits = runner.step([(seq, list(range(5, 17)))])[0]
+    assert logits.shape[0] == 12 and torch.isfinite(logits).all()
