@@ -149,17 +149,18 @@ def observe(
 
 
 def model_class(config: dict[str, Any]):
-    """The transformers auto class that builds this checkpoint's language model.
+    """The transformers auto class that builds this checkpoint's language model with its weight names.
 
-    Vision-language checkpoints (llava, qwen2-vl, gemma3, mllama, ...) load as `AutoModelForImageTextToText`
-    (for some, `AutoModelForCausalLM` would build only the text model, which their weight names do not
-    fit); its base model runs the language model on text alone. Everything else is a causal LM.
+    `AutoModelForCausalLM` for every model_type it lists; vision-language wrappers it does not list
+    (llava, qwen2-vl, ...) load as `AutoModelForImageTextToText`, whose base model runs the language
+    model on text alone.
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as VLM
 
     model_type = config.get("model_type")
-    return AutoModelForImageTextToText if model_type in VLM else AutoModelForCausalLM
+    return AutoModelForImageTextToText if model_type in VLM and model_type not in CAUSAL else AutoModelForCausalLM
 
 
 def check_every_cache_seen(statistics: KVStatistics, source: SourceCheckpoint) -> None:

@@ -112,6 +112,8 @@ def loads_in_transformers(model_dir: Path) -> str | None:
 
 def cache_amax(model_dir: Path, samples: list[list[int]]) -> dict[int, torch.Tensor]:
     """Independent reference: per layer that caches K/V, float32 [2] max |K|, |V| in the cache the model returns."""
+    from transformers import DynamicCache
+
     from fp8kv.calibrate.pipeline import model_class
     from fp8kv.geometry import read_config
 
@@ -121,6 +123,9 @@ def cache_amax(model_dir: Path, samples: list[list[int]]) -> dict[int, torch.Ten
         for sample in samples:
             out = model(input_ids=torch.tensor([sample]), use_cache=True)  # the model builds its own cache
             cache = out.past_key_values
+            if cache is None:  # decoders of encoder families (BERT) cache only into a cache they are given
+                cache = DynamicCache(config=model.config)
+                model(input_ids=torch.tensor([sample]), use_cache=True, past_key_values=cache)
             for index, layer in enumerate(cache.layers):
                 if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
                     continue
