@@ -154,7 +154,7 @@ def markdown_table(results: list[ZooResult]) -> str:
     counts = {status: sum(r.status == status for r in results) for status in (EXACT, TOLERANCE, REFUSED, FAILING)}
     head = ", ".join(f"{n} {status}" for status, n in counts.items())
     unloadable = sum(r.load_error is not None for r in results)
-    rows = [f"| `{r.model_type}` | {r.status} | {'no' if r.load_error else '-' if r.status == REFUSED else 'yes'} "
+    rows = [f"| `{r.model_type}` | {r.status} | {'no' if r.load_error else '-' if r.status in (REFUSED, FAILING) else 'yes'} "
             f"| {_cell(r.detail)} |" for r in results]
     return "\n".join([f"{len(results)} causal-LM architectures: {head}; {unloadable} of the outputs do not load "
                       "in transformers.", "", "| architecture | scales | output loads in transformers | detail |",
