@@ -1,4 +1,4 @@
-"""The attention geometry of a checkpoint, derived once from its config.json."""
+"""The attention geometry of a checkpoint, derived once from its config.json through transformers' config class."""
 
 from __future__ import annotations
 
@@ -9,17 +9,14 @@ from typing import Any
 
 from fp8kv.errors import Fp8kvError
 
-# Layer types in transformers' `layer_types` that own a K/V cache.
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-
-
 @dataclass(frozen=True)
 class AttentionGeometry:
-    """What the KV cache of a decoder looks like, layer by layer.
+    """What the KV cache of a decoder looks like, layer by layer, as transformers reads config.json.
 
-    `layer_types[i]` is transformers' name for layer i ("full_attention",
-    "sliding_attention", "linear_attention", ...). `kv_layers` are the layers
-    that own a K/V cache, in order; only those get scales.
+    `layer_types[i]` is transformers' name for layer i ("full_attention", "sliding_attention",
+    "linear_attention", ...). `kv_layers` are the layers that own a K/V cache, in order; only those
+    get scales. `kv_heads_per_layer` / `head_dim_per_layer` give each layer's cached K/V shape where
+    layers differ (Gemma 4 global layers); `num_kv_heads` / `head_dim` are the largest over `kv_layers`.
     """
 
     model_type: str
@@ -32,6 +29,8 @@ class AttentionGeometry:
     layer_types: tuple[str, ...]
     sliding_window: int | None
     kv_layers: tuple[int, ...]
+    kv_heads_per_layer: tuple[int, ...] = ()
+    head_dim_per_layer: tuple[int, ...] = ()
 
     @property
     def skipped_layers(self) -> tuple[int, ...]:
@@ -42,53 +41,140 @@ class AttentionGeometry:
     def queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def layer_kv_heads(self, layer: int) -> int:
+        """KV heads layer `layer` caches."""
+        return self.kv_heads_per_layer[layer] if self.kv_heads_per_layer else self.num_kv_heads
+
+    def layer_head_dim(self, layer: int) -> int:
+        """head_dim of the K/V layer `layer` caches."""
+        return self.head_dim_per_layer[layer] if self.head_dim_per_layer else self.head_dim
+
     @classmethod
     def from_config(cls, config: dict[str, Any], source: str = "config.json") -> AttentionGeometry:
-        """Build the geometry from a config.json dictionary (multimodal configs use `text_config`)."""
-        text = config.get("text_config") or config
-        if not isinstance(text, dict):
-            raise Fp8kvError(f"{source}: 'text_config' must be an object")
-        if text.get("kv_lora_rank") is not None or config.get("kv_lora_rank") is not None:
-            raise Fp8kvError(
-                f"{source}: multi-head latent attention (MLA, kv_lora_rank) is not supported: "
-                "its cache stores a latent vector, not per-head K and V"
-            )
-        model_type = str(text.get("model_type") or config.get("model_type") or "")
+        """Build the geometry from a config.json dictionary, read through transformers' config class.
+
+        The config class applies its attribute maps (gpt2's n_layer, n_head), its defaults and its
+        derived fields (multi-query KV heads, per-layer overrides), exactly as the model will see them.
+        """
+        text = text_config(config, source)
+        _refuse_unsupported(text, source)
+        _require_keys(config, text, ("num_hidden_layers", "num_attention_heads", "hidden_size"), source)
+        model_type = str(getattr(text, "model_type", "") or config.get("model_type") or "")
         num_layers = _positive_int(text, "num_hidden_layers", source)
-        num_heads = _positive_int(text, "num_attention_heads", source)
-        num_kv_heads = _positive_int(text, "num_key_value_heads", source, default=num_heads)
-        hidden_size = _positive_int(text, "hidden_size", source)
-        head_dim = _head_dim(text, hidden_size, num_heads, source)
-        if num_heads % num_kv_heads:
-            raise Fp8kvError(
-                f"{source}: num_attention_heads={num_heads} is not a multiple of "
-                f"num_key_value_heads={num_kv_heads}"
-            )
-        layer_types = _layer_types(text, num_layers, source)
-        shared = _optional_int(text, "num_kv_shared_layers", source)
-        owners = [i for i, kind in enumerate(layer_types) if kind in ATTENTION_LAYER_TYPES]
-        # KV-sharing layers (Gemma 3n) are the last ones; they read an earlier layer's cache.
-        kv_layers = tuple(i for i in owners if i < num_layers - shared)
+        per_layer = _per_layer_configs(text, num_layers)
+        # heterogeneous configs (Gemma 4) hold sizes per layer; the first layer's are the model's
+        num_heads = _positive_int(per_layer[0], "num_attention_heads", source)
+        hidden_size = _positive_int(per_layer[0], "hidden_size", source)
+        kinds, owns_cache = cache_layout(text, num_layers, source)
+        kv_heads = tuple(_kv_heads(layer, num_heads, source) for layer in per_layer)
+        head_dims = tuple(_head_dim(layer, hidden_size, num_heads, source) for layer in per_layer)
+        kv_layers = tuple(i for i in range(num_layers) if owns_cache[i])
         if not kv_layers:
-            raise Fp8kvError(f"{source}: no layer owns a K/V cache (layer_types={list(layer_types)})")
-        window = _optional_int(text, "sliding_window", source)
+            raise Fp8kvError(f"{source}: no layer owns a K/V cache (layer types {sorted(set(kinds))})")
+        for i in kv_layers:
+            if num_heads % kv_heads[i]:
+                raise Fp8kvError(
+                    f"{source}: num_attention_heads={num_heads} is not a multiple of "
+                    f"num_key_value_heads={kv_heads[i]} (layer {i})"
+                )
         return cls(
             model_type=model_type,
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+            num_kv_heads=max(kv_heads[i] for i in kv_layers),
+            head_dim=max(head_dims[i] for i in kv_layers),
             hidden_size=hidden_size,
             vocab_size=_optional_int(text, "vocab_size", source),
-            layer_types=layer_types,
-            sliding_window=window or None,
+            layer_types=kinds,
+            sliding_window=_optional_int(text, "sliding_window", source) or None,
             kv_layers=kv_layers,
+            kv_heads_per_layer=kv_heads,
+            head_dim_per_layer=head_dims,
         )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> AttentionGeometry:
         """Read `model_dir/config.json` and build the geometry."""
         return cls.from_config(read_config(model_dir), source=str(Path(model_dir) / "config.json"))
+
+
+def config_object(config: dict[str, Any], source: str = "config.json"):
+    """transformers' config class instance for a config.json dictionary (its attribute maps applied).
+
+    An unknown model_type (a model with its own code) falls back to the generic `PretrainedConfig`.
+    """
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    cls = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else PretrainedConfig
+    try:
+        # as from_pretrained reads config.json: special floats (Infinity) are stored as {"__float__": ...}
+        return cls.from_dict(cls._decode_special_floats(dict(config)))
+    except Exception as exc:  # the config class validates with its own exception types (strict dataclasses)
+        reason = str(exc).strip().splitlines()[-1].strip()
+        raise Fp8kvError(f"{source}: transformers' {cls.__name__} rejects it: {reason[:300]}") from None
+
+
+def text_config(config: dict[str, Any], source: str = "config.json"):
+    """The decoder's config (the language model of a multimodal config), as a transformers config object."""
+    return config_object(config, source).get_text_config(decoder=True)
+
+
+def cache_layout(text: Any, num_layers: int, source: str) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+    """Per layer: transformers' layer type and whether its DynamicCache layer stores K/V.
+
+    Uses transformers' own table (the one DynamicCache builds its layers from), so Mamba, linear
+    attention, MoE-only and KV-sharing ("reuse") layers are told apart the way the model does.
+    """
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DynamicLayer, get_layer_types_and_kwargs
+
+    try:
+        kinds, _ = get_layer_types_and_kwargs(text)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise Fp8kvError(f"{source}: cannot read the layer types ({exc})") from None
+    kinds = tuple(str(kind) for kind in kinds)
+    if len(kinds) != num_layers:
+        raise Fp8kvError(f"{source}: 'layer_types' must list {num_layers} layers, found {len(kinds)}")
+    owns = tuple(
+        isinstance(DYNAMIC_LAYER_TYPE_MAPPING.get(kind), type) and issubclass(DYNAMIC_LAYER_TYPE_MAPPING[kind], DynamicLayer)
+        for kind in kinds
+    )
+    return kinds, owns
+
+
+def _require_keys(config: dict[str, Any], text: Any, keys: tuple[str, ...], source: str) -> None:
+    """The config class would fill a missing size with its default; a checkpoint must state it."""
+    raw = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if "text_config" in config and not isinstance(config["text_config"], dict):
+        raise Fp8kvError(f"{source}: 'text_config' must be an object")
+    stored_as = getattr(text, "attribute_map", {})  # e.g. gpt2: num_hidden_layers is stored as n_layer
+    for key in keys:
+        if key not in raw and stored_as.get(key) not in raw:
+            if key == "num_attention_heads" and not hasattr(text, key):
+                raise Fp8kvError(f"{source}: {text.model_type} has no attention layers, so no K/V cache to scale")
+            raise Fp8kvError(f"{source}: '{key}' is missing")
+
+
+def _per_layer_configs(text: Any, num_layers: int) -> list[Any]:
+    """Each layer's config: transformers' per-layer views for heterogeneous configs, else the config itself."""
+    if not getattr(text, "is_heterogeneous", False):
+        return [text] * num_layers
+    return list(text.per_layer_config)
+
+
+def _refuse_unsupported(text: Any, source: str) -> None:
+    if getattr(text, "is_encoder_decoder", False):
+        raise Fp8kvError(
+            f"{source}: {text.model_type} is an encoder-decoder model: its decoder also caches cross-attention "
+            "K/V of the encoder output, which fp8kv neither observes nor verifies"
+        )
+    if getattr(text, "kv_lora_rank", None) is not None:
+        raise Fp8kvError(
+            f"{source}: multi-head latent attention (MLA, kv_lora_rank) is not supported: its cache stores "
+            "one compressed latent plus a shared rope key per token, not per-head K and V, and fp8kv has no "
+            "MLA runtime to verify a scale for it"
+        )
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
@@ -110,8 +196,9 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _positive_int(config: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
-    value = config.get(key, default)
+def _positive_int(config: Any, key: str, source: str, default: int | None = None) -> int:
+    value = getattr(config, key, None)
+    value = default if value is None else value
     if value is None:
         raise Fp8kvError(f"{source}: '{key}' is missing")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -119,16 +206,26 @@ def _positive_int(config: dict[str, Any], key: str, source: str, default: int | 
     return value
 
 
-def _optional_int(config: dict[str, Any], key: str, source: str) -> int:
+def _optional_int(config: Any, key: str, source: str) -> int:
     """An optional count (0 when absent or null); anything but a non-negative integer is an error."""
-    value = config.get(key) or 0
+    value = getattr(config, key, None) or 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise Fp8kvError(f"{source}: '{key}' must be a non-negative integer, found {value!r}")
     return value
 
 
-def _head_dim(config: dict[str, Any], hidden_size: int, num_heads: int, source: str) -> int:
-    if config.get("head_dim") is not None:
+def _kv_heads(config: Any, num_heads: int, source: str) -> int:
+    """KV heads: num_key_value_heads (the config classes derive it for multi-query models), else all heads."""
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        return 1  # Falcon-7B style multi-query attention ignores num_kv_heads
+    for key in ("num_key_value_heads", "num_kv_heads"):
+        if getattr(config, key, None) is not None:
+            return _positive_int(config, key, source)
+    return num_heads
+
+
+def _head_dim(config: Any, hidden_size: int, num_heads: int, source: str) -> int:
+    if getattr(config, "head_dim", None) is not None:
         return _positive_int(config, "head_dim", source)
     if hidden_size % num_heads:
         raise Fp8kvError(
@@ -136,14 +233,3 @@ def _head_dim(config: dict[str, Any], hidden_size: int, num_heads: int, source: 
             "and no head_dim is given"
         )
     return hidden_size // num_heads
-
-
-def _layer_types(config: dict[str, Any], num_layers: int, source: str) -> tuple[str, ...]:
-    types = config.get("layer_types")
-    if types is None:
-        uses_window = config.get("sliding_window") and config.get("use_sliding_window", True)
-        kind = "sliding_attention" if uses_window else "full_attention"
-        return (kind,) * num_layers
-    if not isinstance(types, list) or len(types) != num_layers or not all(isinstance(t, str) for t in types):
-        raise Fp8kvError(f"{source}: 'layer_types' must be a list of {num_layers} strings")
-    return tuple(types)

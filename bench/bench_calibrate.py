@@ -78,7 +78,7 @@ def bench_model(name: str, model_dir: Path, data_path: Path, args) -> dict:
     data = load_calibration_data(request, tokenizer)
     batches = make_batches(data.samples, args.batch_size, pad_id(tokenizer))
     plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
-    observing = load_model(model_dir, config, device, "auto", False)
+    observing = load_model(model_dir, device, "auto", False)
     plain_forward(plain, batches[:1], device)  # warm-up both paths
     calibration(observing, batches[:1], geometry, device)
     plain_s, calib_s = [], []

@@ -30,7 +30,7 @@ from safetensors import safe_open
 from fp8kv.calibrate.data import Batch, CalibrationData, make_batches
 from fp8kv.calibrate import pipeline
 from fp8kv.calibrate.distributed import shard_batches
-from fp8kv.calibrate.observe import OBSERVE_KWARG, KVStatistics, ObservationStep, observer_for
+from fp8kv.calibrate.observe import KVStatistics, ObservationStep, cache_kwargs, observing_cache
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.errors import Fp8kvError
 
@@ -134,23 +134,23 @@ def run_layer(
     """Run batch `slot`'s hidden states through `layers[index]`, folding its K/V, and store the output."""
     mask = batch.attention_mask.to(device)
     hidden = store.get(slot, device)  # [batch, seq, hidden]
-    _, args, kwargs = capture(base, layers, index, inputs_embeds=hidden, attention_mask=mask)
     valid = mask.bool()
     step = ObservationStep(statistics, None if bool(valid.all()) else valid, observed)
-    out = layers[index](hidden, *args, **kwargs, **{OBSERVE_KWARG: step})
+    cache = observing_cache(base, step)
+    _, args, kwargs = capture(base, layers, index, inputs_embeds=hidden, attention_mask=mask, **cache_kwargs(base, cache))
+    out = layers[index](hidden, *args, **kwargs)
     store.put(slot, out[0] if isinstance(out, tuple) else out)
 
 
 def build_skeleton(source: SourceCheckpoint, dtype: str, trust_remote_code: bool) -> torch.nn.Module:
-    """The causal LM with the observing attention, every parameter and buffer on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The causal LM, every parameter and buffer on the meta device."""
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
+        model = pipeline.model_class(source.config).from_config(
             config,
             dtype=resolve_dtype(source, config, dtype),
-            attn_implementation=observer_for(source.config),
             trust_remote_code=trust_remote_code,
         )
     return model.eval()
@@ -248,12 +248,13 @@ class _Caught(Exception):
 
 
 def capture(
-    base: torch.nn.Module, layers: torch.nn.ModuleList, index: int, **inputs: torch.Tensor
+    base: torch.nn.Module, layers: torch.nn.ModuleList, index: int, **inputs: Any
 ) -> tuple[torch.Tensor, tuple, dict]:
     """Run the base model's forward until it calls `layers[index]`; return that call's (hidden, args, kwargs).
 
     Earlier layers are skipped (identity): only the arguments matter, and they do not depend on
     the hidden states' values. For index 0 with `input_ids`, the hidden states are the embeddings.
+    With an observing cache among `inputs`, the layer's call carries it, as in the whole-model path.
     """
 
     def skip(hidden_states, *args, **kwargs):
@@ -265,7 +266,7 @@ def capture(
     for i, layer in enumerate(layers[: index + 1]):
         layer.forward = catch if i == index else skip
     try:
-        base(**inputs, use_cache=False)
+        base(**{"use_cache": False, **inputs})
     except _Caught as caught:
         hidden, *args = caught.args_
         return hidden, tuple(args), caught.kwargs_

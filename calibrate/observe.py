@@ -1,10 +1,12 @@
 """Observation: fold K and V, exactly as the KV cache stores them, into running statistics.
 
-A function registered with transformers' `AttentionInterface` sees every attention layer's
-`key`/`value` after k_norm and RoPE and before any GQA repeat — the tensors a cache stores.
-It folds them into `KVStatistics` and then runs the model's own attention, so the forward
-pass is unchanged. Only statistics are kept (per layer: amax and a histogram of |x| per KV
-head), never K or V: memory is O(layers).
+Every transformers model with a KV cache hands each layer's new K and V to its cache object's
+`update(key, value, layer_idx)`: after k_norm and RoPE, before any GQA repeat, whatever attention
+code the model runs (the shared attention interface, its own, a hybrid's attention blocks).
+`ObservingCache` is transformers' own `DynamicCache` (built from the model's config, so Mamba,
+linear-attention and KV-sharing layers get the cache layers they expect) whose `update` first folds
+the tensors into `KVStatistics`. The forward pass is the model's own, unchanged. The statistics
+(per layer: amax and a histogram of |x| per KV head) outlive the batch; the cache is dropped after it.
 
 The statistics are plain tensors that reduce by `max` (amax) and `sum` (histogram, token
 counts), so partial statistics from several processes or layer groups merge with `merge`.
@@ -12,6 +14,7 @@ counts), so partial statistics from several processes or layer groups merge with
 
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -29,11 +32,6 @@ NUM_BINS = (LOG2_HIGH - LOG2_LOW) * BINS_PER_OCTAVE
 _FIRST_BIN_BITS = (127 + LOG2_LOW) * BINS_PER_OCTAVE  # (biased exponent, mantissa top bits) of bin 0
 _ABS_MASK = 0x7FFFFFFF
 
-OBSERVE_KWARG = "fp8kv_observation"
-"""The forward keyword that carries an `ObservationStep` down to the attention function."""
-
-SDPA_OBSERVER = "fp8kv_observe"
-EAGER_OBSERVER = "fp8kv_observe_eager"
 K, V = 0, 1
 
 
@@ -68,14 +66,18 @@ class KVStatistics:
         )
 
     def fold(self, layer: int, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """Fold one layer's `key`/`value` [batch, kv_heads, seq, head_dim]; `valid` [batch, seq] marks real tokens."""
+        """Fold one layer's `key`/`value` [batch, kv_heads, seq, head_dim]; `valid` [batch, seq] marks real tokens.
+
+        A layer with fewer KV heads than the widest layer fills the first `kv_heads` slots.
+        """
+        heads = key.shape[1]
         keep = None if valid is None else valid.to(key.device)[:, None, :, None]  # [batch, 1, seq, 1]
         for kind, states in ((K, key), (V, value)):
             bits = _magnitude_bits(states.detach(), keep)
             # |x| orders like its bits (NaN above inf), so an integer max is the exact amax and keeps NaN.
             amax = bits.amax(dim=(0, 2, 3)).view(torch.float32)
-            self.amax[layer, kind] = torch.maximum(self.amax[layer, kind], amax)
-            self.hist[layer, kind] += _histogram(bits, keep)
+            self.amax[layer, kind, :heads] = torch.maximum(self.amax[layer, kind, :heads], amax)
+            self.hist[layer, kind, :heads] += _histogram(bits, keep)
         self.tokens[layer] += key.shape[0] * key.shape[2] if valid is None else valid.sum().to(self.tokens.device)
 
     def merge(self, other: KVStatistics) -> None:
@@ -107,10 +109,10 @@ def _histogram(bits: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ObservationStep:
-    """What the attention function needs for one forward: where to fold, and which tokens are real.
+    """What the observing cache needs for one forward: where to fold, and which tokens are real.
 
     `valid`: bool [batch, seq], True for real tokens (None: all real). `layers`: the layers that own
-    a cache; others (KV-sharing layers) are not folded.
+    a cache; others are not folded.
     """
 
     statistics: KVStatistics
@@ -118,6 +120,8 @@ class ObservationStep:
     layers: frozenset[int]
 
 
+SDPA_QUERY_OBSERVER = "fp8kv_observe_query"
+EAGER_QUERY_OBSERVER = "fp8kv_observe_query_eager"
 QUERY_KWARG = "fp8kv_query_observation"
 """The forward keyword that carries a `QueryObservation` (only when query scales are calibrated)."""
 
@@ -147,40 +151,67 @@ def fold_query(module: torch.nn.Module, query: torch.Tensor, kwargs: dict[str, A
     observation.amax[layer] = torch.maximum(observation.amax[layer], magnitude.amax().to(observation.amax.device))
 
 
-def _observing(attend: Callable[..., Any] | None) -> Callable[..., Any]:
-    """An attention function that folds K/V into the step's statistics, then runs `attend`.
+def _query_observing(attend: Callable[..., Any] | None) -> Callable[..., Any]:
+    """An attention function that folds Q into the step's `QueryObservation`, then runs `attend`.
 
     `attend=None` runs the model file's own `eager_attention_forward` (needed for softcapping).
     """
 
     def attention(module: torch.nn.Module, query, key, value, attention_mask, **kwargs):
-        step: ObservationStep | None = kwargs.pop(OBSERVE_KWARG, None)
         fold_query(module, query, kwargs)
-        if step is not None and module.layer_idx in step.layers:
-            step.statistics.fold(module.layer_idx, key, value, step.valid)
         inner = attend or sys.modules[type(module).__module__].eager_attention_forward
         return inner(module, query, key, value, attention_mask, **kwargs)
 
     return attention
 
 
-def register_observers() -> None:
-    """Register the observing attention functions (idempotent)."""
+def query_observer_for(config: dict[str, Any]) -> str:
+    """The attn_implementation that observes Q: eager where SDPA cannot run the model (logit softcapping)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-    AttentionInterface.register(SDPA_OBSERVER, _observing(sdpa_attention_forward))
-    AttentionMaskInterface.register(SDPA_OBSERVER, sdpa_mask)
-    AttentionInterface.register(EAGER_OBSERVER, _observing(None))
-    AttentionMaskInterface.register(EAGER_OBSERVER, eager_mask)
-
-
-def observer_for(config: dict[str, Any]) -> str:
-    """The attn_implementation to load a model with: eager where SDPA cannot run it (logit softcapping)."""
-    register_observers()
+    AttentionInterface.register(SDPA_QUERY_OBSERVER, _query_observing(sdpa_attention_forward))
+    AttentionMaskInterface.register(SDPA_QUERY_OBSERVER, sdpa_mask)
+    AttentionInterface.register(EAGER_QUERY_OBSERVER, _query_observing(None))
+    AttentionMaskInterface.register(EAGER_QUERY_OBSERVER, eager_mask)
     text = config.get("text_config") or config
-    return EAGER_OBSERVER if text.get("attn_logit_softcapping") is not None else SDPA_OBSERVER
+    return EAGER_QUERY_OBSERVER if text.get("attn_logit_softcapping") is not None else SDPA_QUERY_OBSERVER
+
+
+def observing_cache(model: torch.nn.Module, step: ObservationStep):
+    """A fresh cache for `model` whose `update` folds each cache-owning layer's K/V into `step`.
+
+    transformers' `DynamicCache` built from the model's config, or the cache class the model's file
+    defines for itself (MiniMax), which its forward insists on.
+    """
+    base = model_cache_class(model)
+
+    class ObservingCache(base):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if layer_idx in step.layers:
+                step.statistics.fold(layer_idx, key_states, value_states, step.valid)
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    takes_config = "config" in inspect.signature(base.__init__).parameters
+    return ObservingCache(config=model.config) if takes_config else ObservingCache()
+
+
+def model_cache_class(model: torch.nn.Module) -> type:
+    """The DynamicCache subclass the model's own file defines (one at most), else DynamicCache."""
+    from transformers import DynamicCache
+
+    module = sys.modules[type(model).__module__]
+    own = [c for c in vars(module).values()
+           if isinstance(c, type) and issubclass(c, DynamicCache) and c.__module__ == module.__name__]
+    return own[0] if len(own) == 1 else DynamicCache
+
+
+
+def cache_kwargs(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
+    """The forward keywords that hand `cache` to `model`: `cache=` (newer models) or `past_key_values=`."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
 
 
 def observe_batch(
@@ -193,11 +224,12 @@ def observe_batch(
 ) -> None:
     """Run the base model (no LM head) over one right-padded batch, folding K/V of `layers`.
 
-    `input_ids`, `attention_mask`: [batch, seq] on the model's device; the model must have been
-    loaded with `attn_implementation=observer_for(config)`. `query` (float32 [num_layers]), when
-    given, also folds max |Q| per layer.
+    `input_ids`, `attention_mask`: [batch, seq] on the model's device. `query` (float32 [num_layers]),
+    when given, also folds max |Q| per layer; the model must then have been loaded with
+    `attn_implementation=query_observer_for(config)`.
     """
     valid = attention_mask.bool()
     step = ObservationStep(statistics, None if bool(valid.all()) else valid, layers)
+    cache = observing_cache(base_model, step)
     extra = {} if query is None else {QUERY_KWARG: QueryObservation(query, step.valid)}
-    base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **{OBSERVE_KWARG: step}, **extra)
+    base_model(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(base_model, cache), **extra)

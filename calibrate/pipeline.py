@@ -17,7 +17,7 @@ import torch
 from fp8kv import __version__
 from fp8kv.calibrate import distributed, layerwise
 from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_data, make_batches
-from fp8kv.calibrate.observe import KVStatistics, observe_batch, observer_for
+from fp8kv.calibrate.observe import KVStatistics, observe_batch, query_observer_for
 from fp8kv.calibrate.resolve import infer_base_model, resolve_model
 from fp8kv.calibrate.scales import (
     DEFAULT_HEADROOM, LAST_BATCH, ScaleTable, Strategy, compute_scales, fp8_max, scale_from_amax,
@@ -117,6 +117,8 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
             statistics = observe(source.path, source.config, source.geometry, data, request, tokenizer, observing,
                                  query, last_batch)
         statistics = distributed.reduce_statistics(statistics, device)
+    if not request.allow_unobserved:
+        check_every_cache_seen(statistics, source)
     table = compute_scales(
         statistics,
         source.geometry.kv_layers,
@@ -174,7 +176,8 @@ def observe(
     the final batch is also folded into it alone (for `--strategy last-batch`).
     """
     device = resolve_device(request.device)
-    model = load_model(model_dir, config, device, request.dtype, request.trust_remote_code)
+    observer = None if query is None else query_observer_for(config)
+    model = load_model(model_dir, device, request.dtype, request.trust_remote_code, observer)
     batches = distributed.shard_batches(make_batches(data.samples, request.batch_size, pad_id(tokenizer)))
     total = sum(batch.input_ids.shape[0] for batch in batches)
     statistics = KVStatistics.empty(geometry.num_layers, geometry.num_kv_heads, device)
@@ -220,13 +223,45 @@ def _last_batch_statistics(strategy: Strategy, geometry: AttentionGeometry, by_l
     return KVStatistics.empty(geometry.num_layers, geometry.num_kv_heads)
 
 
-def load_model(model_dir: Path, config: dict[str, Any], device: torch.device, dtype: str, trust_remote_code: bool):
-    """The causal LM with the observing attention; only its base model is ever run."""
+def model_class(config: dict[str, Any]):
+    """The transformers auto class that builds this checkpoint's language model with its weight names.
+
+    `AutoModelForCausalLM` for every model_type it lists; vision-language wrappers it does not list
+    (llava, qwen2-vl, ...) load as `AutoModelForImageTextToText`, whose base model runs the language
+    model on text alone.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as VLM
+
+    model_type = config.get("model_type")
+    return AutoModelForImageTextToText if model_type in VLM and model_type not in CAUSAL else AutoModelForCausalLM
+
+
+def check_every_cache_seen(statistics: KVStatistics, source: SourceCheckpoint) -> None:
+    """Refuse when a layer the config gives a K/V cache never handed K/V to the cache during the forward."""
+    silent = [layer for layer in source.geometry.kv_layers if int(statistics.tokens[layer]) == 0]
+    if silent:
+        raise Fp8kvError(
+            f"{source.path / 'config.json'}: layers {silent} own a K/V cache by the config "
+            f"(layer types {sorted({source.geometry.layer_types[i] for i in silent})}) but never passed K/V to "
+            f"the cache's update in the {source.geometry.model_type} forward, so fp8kv cannot see what they "
+            "would cache; no checkpoint written"
+        )
+
+
+def load_model(model_dir: Path, device: torch.device, dtype: str, trust_remote_code: bool,
+               attn_implementation: str | None = None):
+    """The language model (transformers' default attention unless given); only its base model is ever run."""
+    from fp8kv.geometry import read_config
+
     if dtype != "auto" and dtype not in DTYPES:
         raise Fp8kvError(f"--dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     model = load_causal_lm(
         model_dir,
-        attn_implementation=observer_for(config),
+        model_class(read_config(model_dir)),
+        **extra,
         dtype=DTYPES.get(dtype, "auto"),
         trust_remote_code=trust_remote_code,
     )

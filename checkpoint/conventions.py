@@ -22,7 +22,7 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 SCALES_FILE = "kv_scales.safetensors"
 VLLM_JSON_FILE = "kv_cache_scales.json"
 
-# Suffix after `layers.N.self_attn.` -> (convention, which cache it scales).
+# Suffix after the attention module's path -> (convention, which cache it scales).
 _SUFFIXES = {
     "k_scale": ("compressed-tensors", "k"),
     "v_scale": ("compressed-tensors", "v"),
@@ -33,9 +33,16 @@ _SUFFIXES = {
     "kv_scale": ("kv_scale", "kv"),
     "q_scale": ("compressed-tensors", "q"),  # the query of fp8 attention (llm-compressor's attention scheme)
 }
-_NAME = re.compile(r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.self_attn\.(?P<suffix>" + "|".join(
-    re.escape(s) for s in _SUFFIXES) + r")$")
-_LAYER_PREFIX = re.compile(r"^(?P<prefix>.*?)layers\.\d+\.self_attn\.")
+# `<prefix>.<N>.<attention module>.<suffix>`: the first integer in the name is the layer; the module part is
+# as short as possible, so "self_attn.k_proj.k_scale" reads as ModelOpt's suffix, not a module named k_proj.
+_NAME = re.compile(r"^(?P<prefix>(?:[^.]+\.)*?)(?P<layer>\d+)\.(?P<module>(?:[A-Za-z_]\w*\.)+?)(?P<suffix>"
+                   + "|".join(re.escape(s) for s in sorted(_SUFFIXES, key=len, reverse=True)) + r")$")
+# The weight of the projection that makes K (alone or fused with Q and V), under its attention module.
+_K_PROJECTION = re.compile(
+    r"^(?P<module>(?P<prefix>(?:[^.]+\.)*?)(?P<layer>\d+)\.(?:[A-Za-z_]\w*\.)*?[A-Za-z_]\w*)"
+    r"\.(?:k_proj|key|c_attn|query_key_value|qkv_proj|Wqkv|qkv|attn\.k_proj)\.weight$"
+)
+_OTHER_TOWER = re.compile(r"vision|visual|audio|encoder\.|mtp")
 
 _CT_BASE = {"quant_method": "compressed-tensors", "format": "dense", "quantization_status": "frozen",
             "config_groups": {}, "ignore": []}
@@ -46,40 +53,76 @@ ATTENTION_GROUP = "fp8kv_attention"
 def parse_scale_name(name: str) -> tuple[int, str, str] | None:
     """(layer, "k"|"v"|"kv", convention) for a KV-scale tensor name, the way vLLM maps it; else None."""
     match = _NAME.match(name)
-    if match is None:
+    if match is None or _OTHER_TOWER.search(name):
         return None
     convention, kind = _SUFFIXES[match["suffix"]]
     return int(match["layer"]), kind, convention
 
 
-def layer_prefix(tensor_names: list[str]) -> str:
-    """The prefix in front of `layers.N.self_attn.` ("model.", "model.language_model.", ...)."""
+def attention_modules(tensor_names: list[str], layers: tuple[int, ...]) -> dict[int, str]:
+    """Each layer's attention module path, read from the checkpoint's own names (its module tree).
+
+    The attention module is the one that owns the K projection: `model.layers.N.self_attn` (Llama),
+    `transformer.h.N.attn` (GPT-2, c_attn), `gpt_neox.layers.N.attention` (query_key_value),
+    `transformer.blocks.N.norm_attn_norm.attn` (DBRX, Wqkv), `model.language_model.layers.N.self_attn`
+    (vision-language wrappers). A layer whose K projection is not found gets the Llama path under
+    the checkpoint's layer prefix.
+    """
+    found: dict[int, str] = {}
     for name in sorted(tensor_names):
-        match = _LAYER_PREFIX.match(name)
-        if match:
+        match = _K_PROJECTION.match(name)
+        if match and not _OTHER_TOWER.search(name):
+            found.setdefault(int(match["layer"]), match["module"])
+    prefix = layer_prefix(tensor_names)
+    return {layer: found.get(layer, f"{prefix}layers.{layer}.self_attn") for layer in layers}
+
+
+def layer_prefix(tensor_names: list[str]) -> str:
+    """The prefix in front of `layers.N.` ("model.", "model.language_model.", ...)."""
+    for name in sorted(tensor_names):
+        match = re.match(r"^(?P<prefix>.*?)layers\.\d+\.", name)
+        if match and not _OTHER_TOWER.search(name):
             return match["prefix"]
     return "model."
 
 
-def scale_names(convention: str, prefix: str, layer: int) -> tuple[str, str]:
-    """The K and V tensor names `convention` uses for `layer`."""
-    base = f"{prefix}layers.{layer}.self_attn."
+def scale_names(convention: str, module: str) -> tuple[str, str]:
+    """The K and V tensor names `convention` uses for the attention module at path `module`."""
     k_suffix, v_suffix = {
         "compressed-tensors": ("k_scale", "v_scale"),
         "modelopt": ("k_proj.k_scale", "v_proj.v_scale"),
         "quark": ("k_proj.output_scale", "v_proj.output_scale"),
     }[convention]
-    return base + k_suffix, base + v_suffix
+    return f"{module}.{k_suffix}", f"{module}.{v_suffix}"
 
 
-def query_scale_name(prefix: str, layer: int) -> str:
-    """The query-scale tensor name: on the attention module, as compressed-tensors registers `q_scale`."""
-    return f"{prefix}layers.{layer}.self_attn.q_scale"
+def weights_config(model_dir: str | Path, trust_remote_code: bool = False):
+    """transformers' config of `model_dir` for loading its weights, less what is not about the weights.
+
+    vLLM needs the compressed-tensors config to load k_scale/v_scale (and q_scale), but transformers
+    5.24 acts on it: a KV-cache-only config runs the compressed-tensors quantizer, which fails on MoE
+    checkpoints stored per expert (its expert merge looks up a weight group that does not exist) and on
+    configs whose head counts live in a sub-config (vision-language wrappers); an attention scheme
+    hooks attention and fake-quantizes Q in every model, a bf16 reference included. The scales are not
+    weights, so fp8kv loads without either and reads the scales itself.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    qc = getattr(config, "quantization_config", None)
+    qc = qc.to_dict() if hasattr(qc, "to_dict") else qc
+    if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
+        qc = without_attention_schemes(qc)
+        if qc.get("config_groups"):
+            config.quantization_config = qc
+        else:
+            del config.quantization_config
+    return config
 
 
-def is_query_scale_name(name: str) -> bool:
-    """Whether `name` is a query-scale tensor (`...layers.N.self_attn.q_scale`)."""
-    return re.search(r"layers\.\d+\.self_attn\.q_scale$", name) is not None
+def query_scale_name(module: str) -> str:
+    """The query-scale tensor name of the attention module at path `module`, as compressed-tensors registers it."""
+    return f"{module}.q_scale"
 
 
 def attention_scheme(config: dict[str, Any]) -> dict[str, Any]:

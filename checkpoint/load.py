@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fp8kv.checkpoint.conventions import is_query_scale_name, parse_scale_name, without_attention_schemes
+from fp8kv.checkpoint.conventions import parse_scale_name, weights_config
 from fp8kv.errors import Fp8kvError
 
 _SHOWN = 5
@@ -20,23 +20,19 @@ class WeightsMismatch(Fp8kvError):
     """The weight files do not match the model config.json describes (missing, unexpected or misshapen)."""
 
 
-def load_causal_lm(model_dir: str | Path, **kwargs: Any) -> Any:
-    """`AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)`; `WeightsMismatch` naming the tensors
-    transformers reports missing, unexpected or of the wrong shape (K/V/Q scales are read by fp8kv itself).
-
-    A compressed-tensors attention scheme (query scales) is left out of the config: transformers would
-    hook it into attention and fake-quantize Q in every model, the bf16 reference included.
+def load_causal_lm(model_dir: str | Path, model_class: Any = None, **kwargs: Any) -> Any:
+    """`model_class.from_pretrained(model_dir, **kwargs)` (default `AutoModelForCausalLM`) on the weights'
+    config (`weights_config`); `WeightsMismatch` naming the tensors transformers reports missing,
+    unexpected or of the wrong shape (K/V/Q scales are read by fp8kv itself).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=kwargs.get("trust_remote_code", False))
-    if isinstance(getattr(config, "quantization_config", None), dict):
-        config.quantization_config = without_attention_schemes(config.quantization_config)
-    model, info = AutoModelForCausalLM.from_pretrained(model_dir, config=config, output_loading_info=True, **kwargs)
+    config = weights_config(model_dir, kwargs.get("trust_remote_code", False))
+    model_class = model_class or AutoModelForCausalLM
+    model, info = model_class.from_pretrained(model_dir, config=config, output_loading_info=True, **kwargs)
     problems = [
         _named("missing (randomly initialized)", info.get("missing_keys") or ()),
-        _named("unexpected (ignored)", [k for k in info.get("unexpected_keys") or ()
-                                          if parse_scale_name(k) is None and not is_query_scale_name(k)]),
+        _named("unexpected (ignored)", [k for k in info.get("unexpected_keys") or () if parse_scale_name(k) is None]),
         _named("of the wrong shape", [k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys") or ()]),
     ]
     problems = [p for p in problems if p]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,16 +68,18 @@ class SourceCheckpoint:
         return {tensor: file for file, header in self.headers.items() for tensor in header}
 
     def content_hash(self) -> str:
-        """sha256 over every file's relative path and bytes, in sorted order (streamed)."""
+        """sha256 over every file's relative path, size and sha256, in sorted order.
+
+        A file in the Hugging Face cache that links to `blobs/<sha256>` (how the hub stores LFS
+        files: weights) is named by its sha256 already; that name is used instead of reading it.
+        """
         digest = hashlib.sha256()
         for name in sorted(self.files):
             encoded = name.encode()
             digest.update(len(encoded).to_bytes(8, "little") + encoded)
             path = self.path / name
             digest.update(path.stat().st_size.to_bytes(8, "little"))
-            with open(path, "rb") as handle:
-                while chunk := handle.read(_HASH_CHUNK):
-                    digest.update(chunk)
+            digest.update(file_sha256(path))
         return "sha256:" + digest.hexdigest()
 
 
@@ -199,26 +202,46 @@ def _check_index_tensors(root: Path, headers: dict[str, dict[str, Any]]) -> None
         )
 
 
-_PROJECTION = re.compile(r"layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
+_PROJECTION = re.compile(r"layers\.(\d+)\.self_attn\.([kv])_proj\.weight$")
 # Towers of multimodal checkpoints have their own attention geometry, not the text config's.
 _OTHER_TOWER = re.compile(r"vision|visual|audio|encoder\.")
 
 
 def _check_projections(root: Path, geometry: AttentionGeometry, headers: dict[str, dict[str, Any]]) -> None:
-    """q/k/v_proj weights ([heads * head_dim, hidden]) must have the rows config.json's geometry implies."""
-    heads = {"q": geometry.num_heads, "k": geometry.num_kv_heads, "v": geometry.num_kv_heads}
+    """k/v_proj weights ([kv_heads * head_dim, hidden]) must have the rows the config's geometry implies.
+
+    Only K and V, the tensors the cache stores: q_proj may carry more (gated attention's output gate).
+    """
     for file, header in headers.items():
         for tensor, entry in header.items():
             match = _PROJECTION.search(tensor)
             if match is None or not entry["shape"] or _OTHER_TOWER.search(tensor):
                 continue
-            expected = heads[match[2]] * geometry.head_dim
-            if entry["shape"][0] != expected:
+            layer = int(match[1])
+            if layer not in geometry.kv_layers:
+                continue
+            heads, head_dim = geometry.layer_kv_heads(layer), geometry.layer_head_dim(layer)
+            if entry["shape"][0] != heads * head_dim:
                 raise Fp8kvError(
                     f"{root / 'config.json'}: {tensor} in {file} has {entry['shape'][0]} rows but the config's "
-                    f"{heads[match[2]]} heads x head_dim {geometry.head_dim} need {expected}; "
+                    f"{heads} KV heads x head_dim {head_dim} need {heads * head_dim}; "
                     "the config does not match the weights"
                 )
+
+
+_BLOB_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def file_sha256(path: Path) -> bytes:
+    """The sha256 of a file's bytes: from its Hugging Face cache blob name when it has one, else read."""
+    target = Path(os.readlink(path)) if path.is_symlink() else None
+    if target is not None and target.parent.name == "blobs" and _BLOB_SHA256.fullmatch(target.name):
+        return bytes.fromhex(target.name)
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.digest()
 
 
 def _check_unique_tensors(headers: dict[str, dict[str, Any]]) -> None:

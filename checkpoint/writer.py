@@ -20,7 +20,7 @@ from safetensors.torch import save
 from fp8kv import __version__
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, describes_source_only, is_fp8kv_output
 from fp8kv.checkpoint.conventions import (
-    CONVENTIONS, HF_QUANT_CONFIG, SCALES_FILE, VLLM_JSON_FILE, check_method, is_vllm_json, layer_prefix,
+    CONVENTIONS, HF_QUANT_CONFIG, SCALES_FILE, VLLM_JSON_FILE, attention_modules, check_method, is_vllm_json,
     parse_scale_name, quant_configs, query_scale_name, scale_names, vllm_json,
 )
 from fp8kv.checkpoint.kvscales import KVScales
@@ -190,16 +190,16 @@ def _regenerated(source: SourceCheckpoint, name: str) -> bool:
 
 
 def _write_scales(path: Path, source: SourceCheckpoint, scales: KVScales, convention: str) -> dict[str, str]:
-    prefix = layer_prefix(list(source.weight_map))
+    modules = attention_modules(list(source.weight_map), scales.layers)
     tensors: dict[str, torch.Tensor] = {}
     for layer in scales.layers:
-        k_name, v_name = scale_names(convention, prefix, layer)
+        k_name, v_name = scale_names(convention, modules[layer])
         k, v = scales.k[layer], scales.v[layer]
         if convention != "compressed-tensors":  # ModelOpt and Quark store 0-dim scalars
             k, v = k.reshape(()), v.reshape(())
         tensors[k_name], tensors[v_name] = k.contiguous(), v.contiguous()
         if scales.q is not None:
-            tensors[query_scale_name(prefix, layer)] = scales.q[layer].contiguous()
+            tensors[query_scale_name(modules[layer])] = scales.q[layer].contiguous()
     # Serialized in memory and written like every other file (safetensors' save_file creates it 0600).
     _write_bytes(path, save(tensors, metadata={"format": "pt"}))
     return dict.fromkeys(tensors, SCALES_FILE)

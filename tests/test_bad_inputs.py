@@ -232,7 +232,7 @@ def config_head_dim_inconsistent(env):
 def config_hidden_not_divisible(env):
     src = env.copy("src")
     edit_config(src, hidden_size=66, head_dim=None)
-    return ["inspect", str(src)], str(src / "config.json"), "not divisible by num_attention_heads"
+    return ["inspect", str(src)], str(src / "config.json"), r"hidden size \(66\) is not a multiple of the number of attention heads"
 
 
 # ---- safetensors ------------------------------------------------------------------------------

@@ -159,6 +159,32 @@ def test_language_model_prefix_maps_to_layers():
         "model.language_model."
 
 
+def test_scale_names_follow_each_architectures_attention_module():
+    from fp8kv.checkpoint.conventions import attention_modules, parse_scale_name, scale_names
+
+    names = {
+        "gpt2": "transformer.h.1.attn.c_attn.weight",
+        "gpt_neox": "gpt_neox.layers.1.attention.query_key_value.weight",
+        "dbrx": "transformer.blocks.1.norm_attn_norm.attn.Wqkv.weight",
+        "falcon": "transformer.h.1.self_attention.query_key_value.weight",
+        "llava": "model.language_model.layers.1.self_attn.k_proj.weight",
+    }
+    expected = {
+        "gpt2": "transformer.h.1.attn", "gpt_neox": "gpt_neox.layers.1.attention",
+        "dbrx": "transformer.blocks.1.norm_attn_norm.attn", "falcon": "transformer.h.1.self_attention",
+        "llava": "model.language_model.layers.1.self_attn",
+    }
+    for arch, weight in names.items():
+        vision = "model.vision_tower.vision_model.encoder.layers.1.self_attn.k_proj.weight"
+        modules = attention_modules([vision, weight], (1,))
+        assert modules == {1: expected[arch]}, arch
+        k_name, v_name = scale_names("compressed-tensors", modules[1])
+        assert (parse_scale_name(k_name), parse_scale_name(v_name)) == ((1, "k", "compressed-tensors"),
+                                                                        (1, "v", "compressed-tensors"))
+    assert attention_modules(["model.embed_tokens.weight"], (0,)) == {0: "model.layers.0.self_attn"}
+    assert parse_scale_name("transformer.h.0.attn.k_proj.k_scale") == (0, "k", "modelopt")
+
+
 # --- checkpoints whose weights are already quantized --------------------------------------------------
 
 FP8_GROUP = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}

@@ -1,0 +1,138 @@
+"""Tiny checkpoints of every causal-LM architecture the installed transformers knows.
+
+Each one is built from transformers' own config class (its defaults, shrunk: 2 layers, hidden 64,
+4 heads of 16, 2 KV heads, a vocabulary matching the factory tokenizer), seeded, saved as bf16
+safetensors with the factory tokenizer. Tests and the README table enumerate them from
+`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, so a new transformers release brings its new architectures.
+
+    from fp8kv.models.zoo import causal_lm_types, make_zoo_checkpoint
+    path = make_zoo_checkpoint("gpt2", tmp_path / "gpt2")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8kv.models.factory import _spread_norm_weights, make_tokenizer
+
+NUM_LAYERS = 2
+TOKENIZER_VOCAB = 512
+
+# Sizes set on every config that has the attribute (transformers' attribute maps apply: n_layer, n_head, ...).
+_SIZES: dict[str, Any] = {
+    "num_hidden_layers": NUM_LAYERS, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "num_kv_heads": 2, "intermediate_size": 128, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "ffn_hidden_size": 128, "n_inner": 128, "ffn_dim": 128, "num_local_experts": 4, "num_experts": 4,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "max_position_embeddings": 512,
+    "num_kv_shared_layers": 0, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+    "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "global_head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "mamba_d_state": 16, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_headdim": 16,
+    "mamba_n_groups": 1, "ssm_state_size": 16, "state_size": 16, "mamba_expand": 2, "n_mamba_heads": 8,
+    "mamba_dt_rank": 8, "time_step_rank": 8, "hidden_size_per_layer_input": 16,
+    "laurel_rank": 8, "altup_num_inputs": 2, "n_positions": 512, "n_ctx": 512, "rotary_dim": 8,
+    "attention_chunk_size": 64, "sliding_window": 64, "tie_word_embeddings": False, "use_cache": True,
+    "d_model": 64, "encoder_layers": NUM_LAYERS, "decoder_layers": NUM_LAYERS, "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "n_embd": 64,
+}
+# Architecture-specific settings so the 2 tiny layers keep what makes the architecture what it is.
+_OVERRIDES: dict[str, dict[str, Any]] = {
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    "zamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "bamba": {"attn_layer_indices": [1]},
+    "llama4_text": {"interleave_moe_layer_step": 2, "no_rope_layers": [1, 0]},
+}
+_MULTIMODAL_TOWERS = ("vision_config", "audio_config", "vq_config", "speech_config")
+
+
+# Vision-language wrappers transformers does not list as causal LMs, judged with them.
+VISION_LANGUAGE = ("llava", "qwen2_vl", "qwen2_5_vl", "mistral3", "idefics3", "paligemma", "llava_next")
+
+
+def causal_lm_types() -> list[str]:
+    """Every model_type the installed transformers maps to a causal LM, then VISION_LANGUAGE, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(VISION_LANGUAGE))
+
+
+def tiny_config(model_type: str, vocab_size: int, tokenizer: Any):
+    """transformers' config for `model_type`, shrunk to a tiny model with `vocab_size` tokens."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    text = config.get_text_config(decoder=True)
+    values = _shrunk(text, vocab_size, tokenizer) | _OVERRIDES.get(model_type, {})
+    if text is config:
+        return type(config).from_dict({**config.to_dict(), **values})
+    data = config.to_dict()
+    for name, sub in config.sub_configs.items():
+        if getattr(config, name, None) is getattr(config, "text_config", None) and name in data:
+            data[name] = {**data[name], **values}
+    data.update({k: v for k, v in values.items() if k in ("vocab_size",) and "vocab_size" in data})
+    return type(config).from_dict(data)
+
+
+def _shrunk(text: Any, vocab_size: int, tokenizer: Any) -> dict[str, Any]:
+    """The size attributes `text` has, set to the tiny sizes (names as the config class spells them)."""
+    values: dict[str, Any] = {}
+    stored = text.to_dict()
+    for name, value in _SIZES.items():
+        if _spelled(text, name) in stored and not isinstance(getattr(type(text), name, None), property):
+            values[_spelled(text, name)] = value
+    values[_spelled(text, "vocab_size")] = vocab_size
+    if "vocab_size_per_layer_input" in stored:
+        values["vocab_size_per_layer_input"] = vocab_size
+    for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        values[token] = getattr(tokenizer, token)
+    values.update(_per_layer_lists(text))
+    return values
+
+
+def _spelled(config: Any, name: str) -> str:
+    """The key config.json uses for `name` (gpt2 writes n_layer for num_hidden_layers)."""
+    return getattr(config, "attribute_map", {}).get(name, name)
+
+
+def _per_layer_lists(text: Any) -> dict[str, list]:
+    """Per-layer lists cut to NUM_LAYERS entries: layer 0 and the first layer of another type, if any."""
+    data = text.to_dict()
+    count = getattr(text, "num_hidden_layers", None)
+    lists = {k: v for k, v in data.items() if isinstance(v, list) and len(v) == count and k != "architectures"}
+    types = getattr(text, "layer_types", None) or [0] * (count or 0)
+    other = next((i for i, t in enumerate(types) if t != types[0]), 1)
+    kept = {k: [v[0], v[other]] for k, v in lists.items()}
+    overrides = data.get("per_layer_config")
+    if isinstance(overrides, dict):  # heterogeneous configs (Gemma 4): overrides keyed by layer index
+        by_index = {int(i): v for i, v in overrides.items()}
+        kept["per_layer_config"] = {new: by_index[old] for new, old in enumerate((0, other)) if old in by_index}
+    return kept
+
+
+def make_zoo_config(model_type: str, out_dir: str | Path) -> Path:
+    """Write only the tiny config.json of `model_type` (enough for fp8kv to accept or refuse it)."""
+    tokenizer = make_tokenizer(TOKENIZER_VOCAB)
+    tiny_config(model_type, len(tokenizer), tokenizer).save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+def make_zoo_checkpoint(model_type: str, out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Write a tiny random bf16 checkpoint of `model_type` with the factory tokenizer; returns `out_dir`.
+
+    The sliding window and attention chunk (64) exceed the zoo's samples, so a `DynamicCache` keeps
+    every token: the cache's contents are then an independent reference for the K/V amax.
+    """
+    from fp8kv.calibrate.pipeline import model_class
+
+    tokenizer = make_tokenizer(TOKENIZER_VOCAB)
+    config = tiny_config(model_type, len(tokenizer), tokenizer)
+    torch.manual_seed(seed)
+    model = model_class(config.to_dict()).from_config(config, dtype=torch.bfloat16)
+    _spread_norm_weights(model)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

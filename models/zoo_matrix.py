@@ -1,0 +1,175 @@
+"""Judge fp8kv on a tiny checkpoint of one transformers architecture: the zoo test and README table.
+
+The loader is the one calibration uses (`AutoModelForCausalLM`, or `AutoModelForImageTextToText` for
+vision-language wrappers).
+
+For each architecture: fp8kv accepts or refuses its config (refusal: one `Fp8kvError` line naming
+the feature); an accepted one is built tiny, calibrated, its scales compared with the K/V amax that
+transformers' own `DynamicCache` stores after a forward with `use_cache=True` (one sample per
+forward, as the calibration batches them), and the output folder is loaded back with
+`AutoModelForCausalLM.from_pretrained`.
+
+    python -m fp8kv.models.zoo_matrix            # prints the README table for every architecture
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fp8kv.errors import Fp8kvError
+from fp8kv.models.zoo import causal_lm_types, make_zoo_checkpoint, make_zoo_config
+
+# Calibration data of the matrix: short records of Python's documentation (no download).
+NUM_SAMPLES, SEQ_LEN = 3, 48
+# "within tolerance": amax within one bf16 step (2**-8 relative) of the cache's; anything else fails.
+BF16_STEP = 2.0**-8
+# A representative subset, run by default (FP8KV_ZOO=all runs every architecture).
+REPRESENTATIVE = (
+    "llama", "gpt2", "gpt_neox", "falcon", "stablelm", "qwen3", "gemma3_text", "mixtral", "olmoe",
+    "qwen2_moe", "jamba", "bamba", "deepseek_v3", "bart", "mamba", "llava", "gemma4_text", "minimax",
+)
+EXACT, TOLERANCE, REFUSED, FAILING = "exact", "within tolerance", "refused", "failing"
+
+
+@dataclass(frozen=True)
+class ZooResult:
+    """What happened to one architecture: `status` is one of EXACT, TOLERANCE, REFUSED, FAILING."""
+
+    model_type: str
+    status: str
+    detail: str
+    load_error: str | None = None  # why transformers cannot load fp8kv's output (None: it loads)
+
+
+def corpus(folder: Path) -> str:
+    """A jsonl of NUM_SAMPLES records, each longer than SEQ_LEN tokens."""
+    from pydoc_data.topics import topics
+
+    path = folder / "zoo-corpus.jsonl"
+    texts = [topics[key][:600] for key in sorted(topics)[:NUM_SAMPLES]]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return str(path)
+
+
+def judge(model_type: str, folder: Path) -> ZooResult:
+    """Calibrate a tiny `model_type` in `folder` and compare with transformers' cache (never raises)."""
+    try:
+        make_zoo_config(model_type, folder / "config-only")
+        from fp8kv.geometry import AttentionGeometry
+
+        AttentionGeometry.from_dir(folder / "config-only")
+        return _calibrate_and_compare(model_type, folder)
+    except Fp8kvError as exc:
+        return ZooResult(model_type, REFUSED, _one_line(str(exc)))
+    except Exception as exc:  # the matrix reports every other failure instead of stopping
+        return ZooResult(model_type, FAILING, _one_line(f"{type(exc).__name__}: {exc}"))
+
+
+def _calibrate_and_compare(model_type: str, folder: Path) -> ZooResult:
+    from transformers import AutoTokenizer
+
+    from fp8kv.calibrate.data import DataRequest, load_calibration_data
+    from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
+
+    src = make_zoo_checkpoint(model_type, folder / "src")
+    data = DataRequest(dataset=corpus(folder), num_samples=NUM_SAMPLES, seq_len=SEQ_LEN)
+    request = CalibrationRequest(model=str(src), out=folder / "out", data=data, batch_size=1, device="cpu")
+    result = calibrate(request)
+    samples = load_calibration_data(data, AutoTokenizer.from_pretrained(src)).samples
+    reference = cache_amax(src, samples)
+    got = {layer: result.table.amax[i].amax(-1) for i, layer in enumerate(result.table.layers)}
+    if sorted(reference) != sorted(got):
+        return ZooResult(model_type, FAILING, f"cached layers {sorted(reference)} but fp8kv scaled {sorted(got)}")
+    load_error = loads_in_transformers(folder / "out")
+    worst = max(float(((got[l] - reference[l]).abs() / reference[l]).max()) for l in got)
+    skipped = result.provenance["skipped_layers"]
+    note = f"layers {sorted(got)}" + (f", skipped {skipped}" if skipped else "")
+    if worst == 0.0:
+        return ZooResult(model_type, EXACT, note, load_error)
+    if worst <= BF16_STEP:
+        return ZooResult(model_type, TOLERANCE, f"{note}; amax off by {worst:.2e} relative", load_error)
+    return ZooResult(model_type, FAILING, f"{note}; amax off by {worst:.2e} relative", load_error)
+
+
+def loads_in_transformers(model_dir: Path) -> str | None:
+    """None when transformers' auto class loads `model_dir`, else its error in one line."""
+    from fp8kv.calibrate.pipeline import model_class
+    from fp8kv.geometry import read_config
+
+    try:
+        model_class(read_config(model_dir)).from_pretrained(model_dir)
+    except Exception as exc:  # any failure is the finding
+        return _one_line(f"{type(exc).__name__}: {exc}")
+    return None
+
+
+def cache_amax(model_dir: Path, samples: list[list[int]]) -> dict[int, torch.Tensor]:
+    """Independent reference: per layer that caches K/V, float32 [2] max |K|, |V| in the cache the model returns."""
+    from transformers import DynamicCache
+
+    from fp8kv.calibrate.pipeline import model_class
+    from fp8kv.geometry import read_config
+
+    model = model_class(read_config(model_dir)).from_pretrained(model_dir).eval()
+    running: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for sample in samples:
+            out = model(input_ids=torch.tensor([sample]), use_cache=True)  # the model builds its own cache
+            cache = out.past_key_values
+            if cache is None:  # decoders of encoder families (BERT) cache only into a cache they are given
+                cache = DynamicCache(config=model.config)
+                model(input_ids=torch.tensor([sample]), use_cache=True, past_key_values=cache)
+            for index, layer in enumerate(cache.layers):
+                if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                    continue
+                assert layer.keys.shape[2] == len(sample), "the cache dropped tokens; the reference needs them all"
+                amax = torch.stack([layer.keys.abs().amax(), layer.values.abs().amax()]).float()
+                running[index] = amax if index not in running else torch.maximum(running[index], amax)
+    return running
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:240]
+
+
+def run_matrix(model_types: list[str]) -> list[ZooResult]:
+    """Judge every architecture in its own temporary folder."""
+    results = []
+    for model_type in model_types:
+        with tempfile.TemporaryDirectory(prefix=f"fp8kv-zoo-{model_type}-") as folder:
+            results.append(judge(model_type, Path(folder)))
+        print(f"{results[-1].model_type}: {results[-1].status}", file=sys.stderr, flush=True)
+    return results
+
+
+def markdown_table(results: list[ZooResult]) -> str:
+    """The README table: a count line, then one row per architecture."""
+    counts = {status: sum(r.status == status for r in results) for status in (EXACT, TOLERANCE, REFUSED, FAILING)}
+    head = ", ".join(f"{n} {status}" for status, n in counts.items())
+    unloadable = sum(r.load_error is not None for r in results)
+    rows = [f"| `{r.model_type}` | {r.status} | {'no' if r.load_error else '-' if r.status in (REFUSED, FAILING) else 'yes'} "
+            f"| {_cell(r.detail)} |" for r in results]
+    return "\n".join([f"{len(results)} causal-LM architectures: {head}; {unloadable} of the outputs do not load "
+                      "in transformers.", "", "| architecture | scales | output loads in transformers | detail |",
+                      "|---|---|---|---|", *rows])
+
+
+def _cell(text: str) -> str:
+    """A table cell without the temporary folder and without pipes."""
+    return re.sub(r"/\S*/config-only/", "", text).replace("|", "/")
+
+
+if __name__ == "__main__":
+    chosen = sys.argv[1:] or causal_lm_types()
+    results = run_matrix(chosen)
+    print(markdown_table(results))
+    for r in results:
+        if r.load_error:
+            print(f"{r.model_type}: {r.load_error}", file=sys.stderr)
