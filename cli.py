@@ -139,13 +139,14 @@ def inspect_command(
     """Show which KV-scale conventions a checkpoint uses, its per-layer K/V scales, and what looks wrong."""
     import json
 
-    from fp8kv.checkpoint.interop import inspect_checkpoint, print_report
+    from fp8kv.console import print_inspect_report
+    from fp8kv.inspection import inspect_checkpoint
 
     report = inspect_checkpoint(model)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
-        print_report(report)
+        print_inspect_report(report)
 
 
 @app.command("convert")
@@ -158,7 +159,8 @@ def convert_command(
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
     from fp8kv.calibrate.report import command_line
-    from fp8kv.checkpoint.interop import convert_checkpoint, engine_flag, inspect_checkpoint
+    from fp8kv.checkpoint.convert import convert_checkpoint, engine_flag
+    from fp8kv.inspection import inspect_checkpoint
 
     written = convert_checkpoint(model, out, to, overwrite=overwrite, mode=mode, command=command_line())
     typer.echo(f"wrote {written} ({to})")

@@ -76,6 +76,18 @@ class KVScales:
         """The query scale of `layer`, or None when the checkpoint has none."""
         return None if self.q is None else float(self.q[layer])
 
+    def rows(self) -> list[dict[str, object]]:
+        """One JSON-ready row per layer: k_scale and v_scale (a float, or a list per head), q_scale if present."""
+        rows = []
+        for layer in self.layers:
+            k, v = self.values(layer)
+            row: dict[str, object] = {"layer": layer, "k_scale": k[0] if len(k) == 1 else k,
+                                      "v_scale": v[0] if len(v) == 1 else v}
+            if self.q is not None:
+                row["q_scale"] = self.q_value(layer)
+            rows.append(row)
+        return rows
+
     def problems(self) -> list[str]:
         """Layers whose scales are zero, negative or not finite, one line each."""
         lines = []

@@ -13,7 +13,8 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 from fp8kv.calibrate.data import DataRequest, load_calibration_data
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.checkpoint.conventions import ATTENTION_GROUP
-from fp8kv.checkpoint.interop import convert_checkpoint, inspect_checkpoint
+from fp8kv.checkpoint.convert import convert_checkpoint
+from fp8kv.inspection import inspect_checkpoint
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.errors import Fp8kvError
 from fp8kv.runtime.runner import PagedModelRunner

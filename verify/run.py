@@ -29,8 +29,9 @@ from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, engines, generation, heldout
 from fp8kv.verify.report import REPORT_JSON, write_report
 from fp8kv.verify.static import StaticResult, static_checks
+from fp8kv.checks import FAIL, WARN, Finding
 from fp8kv.verify.verdict import (
-    EXIT_CODES, FAIL, WARN, Reason, Thresholds, accuracy_reasons, heldout_reasons, load_thresholds, verdict,
+    EXIT_CODES, Thresholds, accuracy_reasons, heldout_reasons, load_thresholds, verdict,
 )
 
 DEFAULT_REPORT_ROOT = "fp8kv-verify"
@@ -83,9 +84,9 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
         try:
             reasons += _heldout_checks(request, static, runtime.kind, thresholds, report, timings, progress)
         except WeightsMismatch as exc:  # numbers from invented weights would judge nothing
-            reasons.append(Reason(FAIL, f"{exc}; held-out checks skipped"))
+            reasons.append(Finding(FAIL, f"{exc}; held-out checks skipped"))
     else:
-        reasons.append(Reason(FAIL, "held-out checks skipped: the scales cannot drive an fp8 cache"))
+        reasons.append(Finding(FAIL, "held-out checks skipped: the scales cannot drive an fp8 cache"))
     timings["total"] = time.perf_counter() - clock
     outcome = verdict(reasons)
     report.update(verdict=outcome, exit_code=EXIT_CODES[outcome], timings_s=timings,
@@ -146,7 +147,7 @@ def _scale_rows(scales: KVScales) -> list[dict[str, Any]]:
 
 def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, thresholds: Thresholds,
                     report: dict[str, Any], timings: dict[str, float],
-                    progress: StageProgress | None) -> list[Reason]:
+                    progress: StageProgress | None) -> list[Finding]:
     """Observe K/V on held-out text, run the three caches, compare generations; fills `report`."""
     source, scales = static.readout.source, static.readout.scales
     assert scales is not None  # runnable implies scales
@@ -157,7 +158,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
     if data.note and progress is not None:
         progress.note(data.note)
     report.update(text_source=heldout.text_source(data), num_samples=len(data.samples), num_tokens=data.num_tokens)
-    reasons = [Reason(WARN, note) for note in [heldout.calibration_overlap(source, data)] if note]
+    reasons = [Finding(WARN, note) for note in [heldout.calibration_overlap(source, data)] if note]
 
     clock = time.perf_counter()
     stats_device = "cuda" if device == "cuda" else "cpu"  # the observer runs on torch devices
@@ -179,7 +180,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
     timings["load_runners"] = time.perf_counter() - clock
     report["readback"] = accuracy.readback(runners.fp8, scales)
     if not report["readback"]["equal"]:
-        reasons.append(Reason(FAIL, "the runtime's scales differ from the file's: "
+        reasons.append(Finding(FAIL, "the runtime's scales differ from the file's: "
                                     + "; ".join(report["readback"]["mismatches"][:3])))
 
     clock = time.perf_counter()
@@ -208,12 +209,12 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
 
 
 def _query_cost(request: VerifyRequest, runners: accuracy.Runners, scales: KVScales, samples: list[list[int]],
-                report: dict[str, Any], timings: dict[str, float]) -> list[Reason]:
+                report: dict[str, Any], timings: dict[str, float]) -> list[Finding]:
     """With --quantize-query: the accuracy cost of also quantizing Q with q_scale (report["query"])."""
     if not request.quantize_query:
         return []
     if scales.q is None:
-        return [Reason(WARN, "--quantize-query: the checkpoint has no q_scale (calibrate with --attention fp8)")]
+        return [Finding(WARN, "--quantize-query: the checkpoint has no q_scale (calibrate with --attention fp8)")]
     clock = time.perf_counter()
     report["query"] = accuracy.query_cost(request.model_dir, runners, scales, samples, request.batch_size)
     report["query"]["kl_mean_kv_only"] = report["accuracy"]["kl_mean"]
