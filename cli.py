@@ -10,7 +10,7 @@ from typer.core import TyperGroup
 
 from fp8kv import __version__
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError
-from fp8kv.options import AttentionChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, WriteMode, kv_dtype_name
+from fp8kv.options import DEFAULT_KV_DTYPE, AttentionChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, WriteMode, kv_dtype_name
 
 DEBUG_ENV = "FP8KV_DEBUG"
 
@@ -189,7 +189,7 @@ def calibrate(
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Samples per forward pass (right-padded; padding is never observed)."),
     seed: int = typer.Option(42, "--seed", help="Shuffle seed: same inputs, same samples, same scales."),
     kv_dtype: KvDtypeSpelling = typer.Option(
-        "fp8_e4m3", "--kv-dtype", help="KV-cache dtype: fp8_e4m3 (MAX 448; vLLM's 'fp8') or fp8_e5m2 (MAX 57344)."
+        DEFAULT_KV_DTYPE, "--kv-dtype", help="KV-cache dtype: fp8_e4m3 (MAX 448; vLLM's 'fp8') or fp8_e5m2 (MAX 57344)."
     ),
     strategy: str = typer.Option(
         "amax", "--strategy",

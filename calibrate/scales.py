@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fp8kv.calibrate.observe import BINS_PER_OCTAVE, KVStatistics, bin_edges
-from fp8kv.checkpoint.kvscales import FP8_DTYPES, FP8_MAX
+from fp8kv.fp8 import FP8_DTYPES, FP8_MAX
 from fp8kv.errors import Fp8kvError
 
 MSE_CANDIDATES = 256  # clip candidates amax * 2**(-j/32), j < 256: down to amax / 256

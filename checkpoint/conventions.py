@@ -13,7 +13,8 @@ import re
 from pathlib import Path
 from typing import Any, get_args
 
-from fp8kv.checkpoint.kvscales import TORCH_DTYPE_NAME, KVScales
+from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.fp8 import TORCH_DTYPE_NAME
 from fp8kv.errors import Fp8kvError
 from fp8kv.options import Convention
 

@@ -10,15 +10,16 @@ import torch
 from safetensors import safe_open
 
 from fp8kv.checkpoint.conventions import HF_QUANT_CONFIG, is_vllm_json, parse_scale_name
-from fp8kv.checkpoint.kvscales import TORCH_DTYPE_NAME, KVScales
+from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.geometry import read_json
 from fp8kv.errors import Fp8kvError
+from fp8kv.fp8 import TORCH_DTYPE_NAME, kv_dtype_from_file
+from fp8kv.options import DEFAULT_KV_DTYPE
 
 # Reading order: exact per-K/V conventions first, the one-value-per-layer ones last.
 _ORDER = ("compressed-tensors", "modelopt", "quark", "kv_scale", "vllm-json")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_KV_DTYPE_BY_NAME = {name: kv for kv, name in TORCH_DTYPE_NAME.items()} | {kv: kv for kv in TORCH_DTYPE_NAME}
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ def _checked(tensor: torch.Tensor, name: str, file: str) -> torch.Tensor:
 def _vllm_json_scales(path: Path) -> tuple[dict[int, dict[str, torch.Tensor]], str]:
     data = read_json(path)
     cache = data["kv_cache"]  # a dict: is_vllm_json checked it
-    dtype = _KV_DTYPE_BY_NAME.get(str(cache.get("dtype", "float8_e4m3fn")))
+    dtype = kv_dtype_from_file(str(cache.get("dtype", TORCH_DTYPE_NAME[DEFAULT_KV_DTYPE])))
     if dtype is None:
         raise Fp8kvError(f"{path}: kv_cache.dtype {cache.get('dtype')!r} is not an fp8 dtype fp8kv knows")
     ranks = cache["scaling_factor"]
@@ -191,8 +192,8 @@ def _kv_dtype(config: dict[str, Any]) -> str:
     qc = config.get("quantization_config")
     if isinstance(qc, dict) and qc.get("quant_method") == "quark":
         spec = ((qc.get("layer_quant_config") or {}).get("*k_proj") or {}).get("output_tensors") or {}
-        return _KV_DTYPE_BY_NAME.get(str(spec.get("dtype")), "fp8_e4m3")
-    return "fp8_e4m3"
+        return kv_dtype_from_file(str(spec.get("dtype"))) or DEFAULT_KV_DTYPE
+    return DEFAULT_KV_DTYPE
 
 
 def _declared(config: dict[str, Any], hf_quant: dict[str, Any] | None) -> dict[str, bool]:

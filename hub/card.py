@@ -14,7 +14,8 @@ from typing import Any
 
 from fp8kv.checkpoint.artifacts import CARD_FILE, CARD_MARKER, PROVENANCE_FILE, VERIFY_DIR, is_fp8kv_card
 from fp8kv.checkpoint.digest import check_unchanged
-from fp8kv.checkpoint.kvscales import FP8_MAX
+from fp8kv.fp8 import FP8_MAX, VLLM_KV_CACHE_DTYPE
+from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.checkpoint.writer import write_file_atomic
 from fp8kv.errors import Fp8kvError
 from fp8kv.hub.resolve import is_repo_id, repo_id_from_cache_path
@@ -258,7 +259,7 @@ def _what_was_done(prov: dict[str, Any], base_model: str | None) -> str:
 
 
 def _scales(out: Path, prov: dict[str, Any]) -> str:
-    dtype_max = f"{FP8_MAX.get(prov.get('kv_dtype'), FP8_MAX['fp8_e4m3']):g}"
+    dtype_max = f"{FP8_MAX[_kv_dtype(prov)]:g}"
     parts = ["## KV-cache scales", (
         "Each scale is a dequantization multiplier: the engine stores "
         f"`fp8(clamp(x / scale, -{dtype_max}, {dtype_max}))` and reads back `fp8 × scale`. "
@@ -314,9 +315,15 @@ def _task_scores(out: Path) -> str:
     return "" if results is None else "## Task scores\n\n" + results.markdown().rstrip()
 
 
+def _kv_dtype(prov: dict[str, Any]) -> str:
+    """The provenance's kv dtype; the default when it names none fp8kv knows."""
+    kv_dtype = prov.get("kv_dtype")
+    return kv_dtype if kv_dtype in FP8_MAX else DEFAULT_KV_DTYPE
+
+
 def _serve(model: str, prov: dict[str, Any]) -> str:
-    e5m2 = prov.get("kv_dtype") == "fp8_e5m2"
-    vllm_dtype, sglang_dtype = ("fp8_e5m2", "fp8_e5m2") if e5m2 else ("fp8", "fp8_e4m3")
+    sglang_dtype = _kv_dtype(prov)
+    vllm_dtype = VLLM_KV_CACHE_DTYPE[sglang_dtype]
     return (
         "## How to serve\n\n"
         "The scales are only used when the KV cache is FP8, so pass the KV-cache dtype.\n\n"

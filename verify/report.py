@@ -13,9 +13,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fp8kv.checkpoint.kvscales import FP8_MAX
 from fp8kv.checkpoint.writer import write_file_atomic
-from fp8kv.fp8 import RAW_CAST_FINITE_LIMIT
+from fp8kv.fp8 import FP8_MAX, RAW_CAST_FINITE_LIMIT
+from fp8kv.options import DEFAULT_KV_DTYPE
 
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "scales.png"
 _ACCURACY = [("Perplexity, bf16 cache", "ppl_bf16", "{:.4f}"), ("Perplexity, fp8 + these scales", "ppl_fp8", "{:.4f}"),
@@ -72,7 +72,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("engines"):
         parts.append("## Engine cast models, run on the held-out text\n\n" + _engine_table(report["engines"])
                      + "\n\nclamp: divide in float32, clamp to ±MAX, cast (vLLM CUDA and TPU). raw: divide in "
-                     "float32, plain cast (NaN past 464 for e4m3, inf from 61440 for e5m2). raw-bf16: divide in "
+                     f"float32, plain cast (NaN past {RAW_CAST_FINITE_LIMIT['fp8_e4m3']:g} for e4m3, inf from "
+                     f"{RAW_CAST_FINITE_LIMIT['fp8_e5m2']:.5g} for e5m2). raw-bf16: divide in "
                      "bf16, plain cast (in-place division of the bf16 tensor). Any NaN/inf row fails that engine.")
     runtime = report.get("runtime")
     if runtime:
@@ -138,7 +139,7 @@ def plot_png(report: dict[str, Any]) -> bytes:
     top, bottom = fig.subplots(2, 1, sharex=True)
     rows = report.get("layers") or []
     layers = [row["layer"] for row in rows]
-    kv_dtype = report.get("kv_dtype") or "fp8_e4m3"
+    kv_dtype = report.get("kv_dtype") or DEFAULT_KV_DTYPE
     fp8_max, raw_limit = FP8_MAX[kv_dtype], RAW_CAST_FINITE_LIMIT[kv_dtype]
     for kind, marker in (("k", "o"), ("v", "s")):
         top.plot(layers, [row.get(f"{kind}_max_ratio") or 0.0 for row in rows], marker=marker, linestyle="none",
