@@ -12,7 +12,7 @@ from typing import get_args
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.options import DEFAULT_KV_DTYPE, KV_DTYPE_SPELLINGS, EngineName
+from fp8kv.options import KV_DTYPE_SPELLINGS, EngineName
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 CACHE_DTYPES = {**FP8_DTYPES, "bf16": torch.bfloat16, "fp32": torch.float32}
