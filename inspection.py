@@ -37,6 +37,8 @@ def _layer_rows(readout: ScaleReadout, provenance: dict[int, dict[str, Any]]) ->
         return []
     rows = readout.scales.rows()
     for row in rows:
+        if readout.scales.q is not None:
+            row["q_scale"] = readout.scales.q_value(row["layer"])
         extra = provenance.get(row["layer"], {})
         row.update({key: extra[key] for key in _PROVENANCE_KEYS if key in extra})
     return rows

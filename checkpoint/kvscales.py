@@ -77,15 +77,11 @@ class KVScales:
         return None if self.q is None else float(self.q[layer])
 
     def rows(self) -> list[dict[str, object]]:
-        """One JSON-ready row per layer: k_scale and v_scale (a float, or a list per head), q_scale if present."""
+        """One JSON-ready row per layer: k_scale and v_scale, each a float or a list (one per head)."""
         rows = []
         for layer in self.layers:
             k, v = self.values(layer)
-            row: dict[str, object] = {"layer": layer, "k_scale": k[0] if len(k) == 1 else k,
-                                      "v_scale": v[0] if len(v) == 1 else v}
-            if self.q is not None:
-                row["q_scale"] = self.q_value(layer)
-            rows.append(row)
+            rows.append({"layer": layer, "k_scale": k[0] if len(k) == 1 else k, "v_scale": v[0] if len(v) == 1 else v})
         return rows
 
     def problems(self) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from fp8kv.checkpoint.artifacts import CARD_FILE, CARD_MARKER, PROVENANCE_FILE, VERIFY_DIR, is_fp8kv_card
 from fp8kv.checkpoint.digest import check_unchanged
+from fp8kv.console import markdown_table
 from fp8kv.fp8 import FP8_MAX, VLLM_KV_CACHE_DTYPE
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.checkpoint.writer import write_file_atomic
@@ -210,12 +211,6 @@ def _fmt(value: Any, spec: str = "{:.6g}") -> str:
     return "" if value is None else str(value)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def _intro(out: Path, prov: dict[str, Any], base_model: str | None, repo_id: str | None) -> str:
     title = repo_id or (f"{base_model} with FP8 KV-cache scales" if base_model else out.name)
     source = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "the source model"
@@ -252,7 +247,7 @@ def _what_was_done(prov: dict[str, Any], base_model: str | None) -> str:
     ]
     shown = [[name, f"`{value}`" if isinstance(value, str) else _fmt(value)]
              for name, value in rows if value is not None]
-    parts.append(_table(["Setting", "Value"], shown))
+    parts.append(markdown_table(["Setting", "Value"], shown))
     if _get(prov, "dataset", "note"):
         parts.append(f"Note: {prov['dataset']['note']}.")
     return "\n\n".join(parts)
@@ -273,7 +268,7 @@ def _scales(out: Path, prov: dict[str, Any]) -> str:
     keys = [k for k in keys if any(k[0] in layer for layer in layers)]
     if keys:
         rows = [[_fmt(layer.get(key), spec) for key, _, spec in keys] for layer in layers]
-        parts.append(_table([label for _, label, _ in keys], rows))
+        parts.append(markdown_table([label for _, label, _ in keys], rows))
     if prov.get("skipped_layers"):
         skipped = ", ".join(str(i) for i in prov["skipped_layers"])
         parts.append(f"Layers without their own KV cache (no scale): {skipped}.")
@@ -297,13 +292,13 @@ def _verify(out: Path, report: dict[str, Any] | None) -> str:
     generation = report.get("generation") if isinstance(report.get("generation"), dict) else {}
     rows += [[f"Generation: {key.replace('_', ' ')}", _fmt(value)] for key, value in generation.items()]
     if rows:
-        parts.append(_table(["Check", "Result"], rows))
+        parts.append(markdown_table(["Check", "Result"], rows))
     layers = [layer for layer in report.get("layers") or [] if isinstance(layer, dict)]
     columns = [c for c in ("layer", "k_saturation", "v_saturation", "k_max_ratio", "v_max_ratio")
                if any(c in layer for layer in layers)]
     if columns:
         rows = [[_fmt(layer.get(c)) for c in columns] for layer in layers]
-        parts.append(_table([c.replace("_", " ") for c in columns], rows))
+        parts.append(markdown_table([c.replace("_", " ") for c in columns], rows))
     return "\n\n".join(parts)
 
 

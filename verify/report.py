@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8kv.checkpoint.writer import write_file_atomic
+from fp8kv.console import markdown_table
 from fp8kv.fp8 import FP8_MAX, RAW_CAST_FINITE_LIMIT
 from fp8kv.options import DEFAULT_KV_DTYPE
 
@@ -56,19 +57,19 @@ def render_markdown(report: dict[str, Any]) -> str:
     readback = report.get("readback")
     if readback:
         setup.append(("Runtime scales equal the file's (float32 bits)", "yes" if readback["equal"] else "NO"))
-    parts.append(_table(["Setting", "Value"], [[k, _fmt(v)] for k, v in setup]))
+    parts.append(markdown_table(["Setting", "Value"], [[k, _fmt(v)] for k, v in setup]))
     accuracy = report.get("accuracy") or {}
     if accuracy:
         rows = [[label, _fmt(accuracy.get(key), spec)] for label, key, spec in _ACCURACY]
-        parts.append("## Accuracy\n\n" + _table(["Metric", "Value"], rows))
+        parts.append("## Accuracy\n\n" + markdown_table(["Metric", "Value"], rows))
     query = report.get("query") or {}
     if query:
         rows = [[key.replace("_", " "), _fmt(value, "{:.6g}")] for key, value in query.items()]
-        parts.append("## Query quantized with q_scale (fp8 attention)\n\n" + _table(["Metric", "Value"], rows))
+        parts.append("## Query quantized with q_scale (fp8 attention)\n\n" + markdown_table(["Metric", "Value"], rows))
     gen = report.get("generation") or {}
     if gen:
         rows = [[phase, _fmt(gen.get(f"{phase}_match"), "{:.2%}")] for phase in ("prefill", "decode", "prefix")]
-        parts.append("## Greedy tokens matching the bf16 cache\n\n" + _table(["Phase", "Match"], rows))
+        parts.append("## Greedy tokens matching the bf16 cache\n\n" + markdown_table(["Phase", "Match"], rows))
     if report.get("engines"):
         parts.append("## Engine cast models, run on the held-out text\n\n" + _engine_table(report["engines"])
                      + "\n\nclamp: divide in float32, clamp to ±MAX, cast (vLLM CUDA and TPU). raw: divide in "
@@ -78,11 +79,11 @@ def render_markdown(report: dict[str, Any]) -> str:
     runtime = report.get("runtime")
     if runtime:
         rows = [[key.replace("_", " "), _fmt(value)] for key, value in runtime.items()]
-        parts.append("## Runtime\n\n" + _table(["Setting", "Value"], rows))
+        parts.append("## Runtime\n\n" + markdown_table(["Setting", "Value"], rows))
     if report.get("layers"):
         parts.append("## Per layer\n\n" + _layer_table(report) + "\n\nSaturation: exact share of values the fp8 "
                      "cache clamped at ±MAX. Max |x|/scale: from K/V observed on the same text.")
-    parts.append("## Thresholds\n\n" + _table(["Threshold", "Value"],
+    parts.append("## Thresholds\n\n" + markdown_table(["Threshold", "Value"],
                                                [[k, _fmt(v)] for k, v in report["thresholds"].items()]))
     return "\n\n".join(parts) + "\n"
 
@@ -96,19 +97,14 @@ def _layer_table(report: dict[str, Any]) -> str:
         rows.append([str(row["layer"]), _fmt(s.get("k_scale"), "{:.6g}"), _fmt(s.get("v_scale"), "{:.6g}"),
                      _fmt(row.get("k_saturation"), "{:.4%}"), _fmt(row.get("v_saturation"), "{:.4%}"),
                      _fmt(row.get("k_max_ratio"), "{:.4g}"), _fmt(row.get("v_max_ratio"), "{:.4g}")])
-    return _table(head, rows)
+    return markdown_table(head, rows)
 
 
 def _engine_table(engines: list[dict[str, Any]]) -> str:
     head = ["engine", "perplexity", "NaN/inf logit rows", "sequences lost", "first non-finite layer"]
     rows = [[e["engine"], _fmt(e["ppl"], "{:.4f}"), f"{e['nan_rows']} of {e['rows']}",
              f"{e['sequences_lost']} of {e['sequences']}", _fmt(e["first_nonfinite_layer"])] for e in engines]
-    return _table(head, rows)
-
-
-def _table(head: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    return markdown_table(head, rows)
 
 
 def _fmt(value: Any, spec: str = "{}") -> str:

@@ -131,18 +131,10 @@ def _base_report(static: StaticResult, device: str, thresholds: Thresholds) -> d
         "kv_dtype": readout.kv_dtype,
         "thresholds": thresholds.as_dict(),
         "static": static.summary(),
-        "scales": _scale_rows(scales) if scales else [],
+        "scales": scales.rows() if scales else [],
         "text_source": None, "num_samples": 0, "num_tokens": 0,
         "accuracy": None, "generation": None, "readback": None, "layers": [], "runtime": None, "engines": [],
     }
-
-
-def _scale_rows(scales: KVScales) -> list[dict[str, Any]]:
-    rows = []
-    for layer in scales.layers:
-        k, v = scales.values(layer)
-        rows.append({"layer": layer, "k_scale": k[0] if len(k) == 1 else k, "v_scale": v[0] if len(v) == 1 else v})
-    return rows
 
 
 def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, thresholds: Thresholds,
@@ -165,7 +157,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
     _stage(progress, "loading the model")
     statistics = heldout.observe_heldout(source, data, tokenizer, stats_device, request.batch_size,
                                          stage_callback(progress, "observing K/V (samples)"))
-    rows = heldout.layer_rows(statistics, scales, kv_layers)
+    rows = heldout.max_ratio_rows(statistics, scales, kv_layers)
     timings["observe"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
