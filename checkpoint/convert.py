@@ -16,10 +16,10 @@ from fp8kv.errors import Fp8kvError
 
 
 def convert_checkpoint(
-    model_dir: str | Path, out_dir: str | Path, to: str, *, overwrite: bool = False, mode: str = "overlay",
+    model_dir: str | Path, out_dir: str | Path, convention: str, *, overwrite: bool = False, mode: str = "overlay",
     command: str | None = None,
 ) -> Path:
-    """Read the scales of `model_dir` (any convention) and write them to `out_dir` in convention `to`.
+    """Read the scales of `model_dir` (any convention) and write them to `out_dir` in `convention`.
 
     The output's fp8kv.json is the source's (the scales are the same numbers) with the new format
     and where they came from; the source's verify report and card are not carried over.
@@ -29,12 +29,12 @@ def convert_checkpoint(
     if readout.scales is None:
         raise Fp8kvError(f"{readout.source.path}: holds no KV scales to convert; run fp8kv calibrate first")
     source_record = read_json(readout.source.path / PROVENANCE_FILE) if is_fp8kv_output(readout.source.path) else {}
-    record = {**source_record, "tool": "fp8kv", "version": __version__, "command": command, "format": to,
+    record = {**source_record, "tool": "fp8kv", "version": __version__, "command": command, "format": convention,
               "converted_from": {"path": str(readout.source.path), "conventions": list(readout.conventions)}}
     record.setdefault("layers", [])
     extra = {PROVENANCE_FILE: (json.dumps(record, indent=2) + "\n").encode()}
-    scales = readout.scales if to == "compressed-tensors" else replace(readout.scales, q=None)
-    return write_checkpoint(model_dir, out_dir, scales, convention=to, mode=mode, overwrite=overwrite,
+    scales = readout.scales if convention == "compressed-tensors" else replace(readout.scales, q=None)
+    return write_checkpoint(model_dir, out_dir, scales, convention=convention, mode=mode, overwrite=overwrite,
                             extra_files=extra)
 
 
