@@ -1,6 +1,6 @@
 """Scale math: from observed K/V statistics to float32 dequantization scales.
 
-`scale = amax / MAX` (FACTS §1) is `scale_from_amax`, the one place the formula lives. A strategy
+`scale = amax / MAX` (a dequantization multiplier: x ≈ float(fp8) * scale) is `scale_from_amax`, the one place the formula lives. A strategy
 only chooses the value that maps to MAX (the clip value): the observed amax (default, nothing
 saturates), a percentile of |x|, or the clip that minimises the squared fp8 quantization error on
 the histogram. Percentile and mse clip below the amax on purpose; only `amax` guarantees
@@ -104,7 +104,7 @@ def _mse_clip(amax: torch.Tensor, hist: torch.Tensor, kv_dtype: str) -> torch.Te
     clips = float(amax) * torch.exp2(-steps)  # [candidates]
     limit = fp8_max(kv_dtype)
     scale = (clips / limit)[:, None]
-    # Clamp before the cast: the fp8 cast does not saturate (FACTS §2).
+    # Clamp before the cast: torch's fp8 cast does not saturate (fp8.RAW_CAST_FINITE_LIMIT).
     stored = (x[None, :] / scale).clamp(max=limit).to(FP8_DTYPES[kv_dtype]).double()
     error = ((stored * scale - x[None, :]) ** 2 * weight).sum(-1)
     return clips[int(error.argmin())].float()

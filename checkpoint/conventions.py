@@ -1,4 +1,4 @@
-"""Where each tool puts KV scales: tensor names, shapes and config fields (FACTS §4).
+"""Where each tool puts KV scales: tensor names, shapes and config fields.
 
 Conventions: "compressed-tensors" (llm-compressor), "modelopt" (NVIDIA ModelOpt),
 "quark" (AMD Quark and AutoFP8, `k_proj.output_scale`), "vllm-json" (vLLM's legacy

@@ -1,4 +1,4 @@
-"""The catalogue of bad inputs (issue 9): every case gets one clear error line and damages nothing.
+"""The catalogue of bad inputs: every case gets one clear error line and damages nothing.
 
 Each case builds its inputs in a fresh folder, runs one fp8kv command through typer's runner and
 asserts: a non-zero exit, exactly one `fp8kv: error:` line on stderr naming the file (or tensor,
