@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,6 @@ class ScaleReadout:
     declared: dict[str, bool]
     missing_layers: tuple[int, ...]
     unexpected_layers: tuple[int, ...]
-    tensor_names: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def has_kv_cache_scheme(self) -> bool:
@@ -52,11 +51,10 @@ def read_kv_scales(model_dir: str | Path) -> ScaleReadout:
     source = SourceCheckpoint.open(model_dir)
     hf_quant = read_json(source.path / HF_QUANT_CONFIG) if HF_QUANT_CONFIG in source.files else None
     kv_dtype = _kv_dtype(source.config)
-    found, names = _tensor_scales(source)
+    found = _tensor_scales(source)
     for name in source.files:
         if name.endswith(".json") and "/" not in name and is_vllm_json(source.path / name):
             found["vllm-json"], kv_dtype = _vllm_json_scales(source.path / name)
-            names["vllm-json"] = [name]
     merged = _merge(found)
     complete = {i: kv for i, kv in merged.items() if "k" in kv and "v" in kv}
     scales = None
@@ -75,14 +73,12 @@ def read_kv_scales(model_dir: str | Path) -> ScaleReadout:
         declared=_declared(source.config, hf_quant),
         missing_layers=tuple(i for i in kv_layers if i not in complete) if conventions else (),
         unexpected_layers=tuple(sorted(i for i in merged if i not in kv_layers)),
-        tensor_names=names,
     )
 
 
-def _tensor_scales(source: SourceCheckpoint):
+def _tensor_scales(source: SourceCheckpoint) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
     """convention -> layer -> {"k"|"v": float32 tensor}, reading only the scale tensors."""
     found: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    names: dict[str, list[str]] = {}
     for file in source.weight_files:
         wanted = [(t, parse_scale_name(t)) for t in source.headers[file]]
         wanted = [(t, parsed) for t, parsed in wanted if parsed is not None]
@@ -91,10 +87,9 @@ def _tensor_scales(source: SourceCheckpoint):
         with safe_open(str(source.path / file), framework="pt") as handle:
             for tensor_name, (layer, kind, convention) in wanted:
                 tensor = _checked(handle.get_tensor(tensor_name), tensor_name, file)
-                names.setdefault(convention, []).append(tensor_name)
                 for part in ("k", "v") if kind == "kv" else (kind,):
                     found.setdefault(convention, {}).setdefault(layer, {})[part] = tensor
-    return found, names
+    return found
 
 
 def _checked(tensor: torch.Tensor, name: str, file: str) -> torch.Tensor:

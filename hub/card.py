@@ -19,6 +19,7 @@ from fp8kv.fp8 import FP8_MAX, VLLM_KV_CACHE_DTYPE
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.checkpoint.writer import write_file_atomic
 from fp8kv.errors import Fp8kvError
+from fp8kv.geometry import read_json
 from fp8kv.hub.resolve import is_repo_id, repo_id_from_cache_path
 from fp8kv.verify.report import PLOT, REPORT_JSON
 
@@ -39,24 +40,21 @@ _ACCURACY_ROWS = [
 ]
 
 
-def read_json(path: Path) -> dict[str, Any] | None:
+def _json_if_present(path: Path) -> dict[str, Any] | None:
     """The JSON object in `path`, None when the file is absent; `Fp8kvError` when it is not an object."""
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise Fp8kvError(f"{path}: not valid JSON ({exc}); rerun the fp8kv command that wrote it") from exc
-    if not isinstance(data, dict):
-        raise Fp8kvError(f"{path}: expected a JSON object; rerun the fp8kv command that wrote it")
-    return data
+        return read_json(path)
+    except Fp8kvError as exc:  # fp8kv wrote these files: writing them again is the fix
+        raise Fp8kvError(f"{exc}; rerun the fp8kv command that wrote it") from None
 
 
 def read_provenance(out_dir: Path) -> dict[str, Any]:
     """`DIR/fp8kv.json`; `Fp8kvError` when DIR is not an fp8kv calibrate output."""
     if Path(out_dir).is_file():
         raise Fp8kvError(f"{out_dir}: is a file, not a folder; pass the folder `fp8kv calibrate` wrote")
-    data = read_json(Path(out_dir) / PROVENANCE_FILE)
+    data = _json_if_present(Path(out_dir) / PROVENANCE_FILE)
     if data is None:
         raise Fp8kvError(f"{out_dir}: no {PROVENANCE_FILE}; pass a folder written by `fp8kv calibrate`")
     return data
@@ -67,7 +65,7 @@ def read_report(out_dir: Path) -> dict[str, Any] | None:
 
     `Fp8kvError` when the report judged other scales, config or weight files than DIR holds now.
     """
-    report = read_json(Path(out_dir) / REPORT_FILE)
+    report = _json_if_present(Path(out_dir) / REPORT_FILE)
     if report is not None:
         check_unchanged(Path(out_dir), report.get("digest"), Path(out_dir) / REPORT_FILE)
     return report
@@ -182,7 +180,7 @@ def _readme_metadata(readme: Path) -> dict[str, Any] | None:
 
 def _quiet_json(path: Path) -> dict[str, Any] | None:
     try:
-        return read_json(path)
+        return _json_if_present(path)
     except (Fp8kvError, OSError):
         return None
 

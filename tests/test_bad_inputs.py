@@ -602,7 +602,7 @@ def push_corrupt_report(env):
     ckpt = env.copy("calibrated")
     (ckpt / "verify").mkdir()
     (ckpt / "verify" / "report.json").write_text('{"verdict": "PA')
-    return ["push", str(ckpt), "--repo-id", "org/name", "--dry-run"], "report.json", "not valid JSON"
+    return ["push", str(ckpt), "--repo-id", "org/name", "--dry-run"], "report.json", "cannot be read as JSON"
 
 
 def push_failed_verdict(env):
