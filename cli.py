@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from typer.core import TyperGroup
 
 from fp8kv import __version__
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError
-from fp8kv.options import AttentionChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, WriteMode, kv_dtype_name
+from fp8kv.options import DEFAULT_KV_DTYPE, AttentionChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, WriteMode, kv_dtype_name
 
 DEBUG_ENV = "FP8KV_DEBUG"
 
@@ -21,6 +22,26 @@ BASE_MODEL_HELP = ("Hub id org/name of the model the scales are for (the card's 
 OVERWRITE_HELP = "Replace --out if it is empty or fp8kv wrote it (its fp8kv.json is there); never another folder."
 QUIET_HELP = ("No progress on stderr (notes and errors still print). Without a terminal, progress is plain "
               "timestamped lines.")
+
+# Options several commands share, one definition each (the huggingface_hub CLI's pattern); each
+# command gives its own default.
+DatasetOpt = Annotated[str | None, typer.Option(
+    "--dataset", help="Text to read: 'bundled', a local .txt/.jsonl/.json/.parquet/.csv file or folder, or a Hub "
+    "dataset org/name.")]
+SplitOpt = Annotated[str | None, typer.Option("--split", help="Dataset split (local files: train).")]
+TextColumnOpt = Annotated[str | None, typer.Option(
+    "--text-column", help="Column with the text (default: 'text', else chat 'messages').")]
+NumSamplesOpt = Annotated[int, typer.Option("--num-samples", min=1, help="Records to read; one record is one sample.")]
+SeqLenOpt = Annotated[int, typer.Option(
+    "--seq-len", min=1, help="Tokens per sample at most (longer records are truncated).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Shuffle seed: the same seed reads the same records.")]
+RuntimeDeviceOpt = Annotated[RuntimeChoice, typer.Option(
+    "--device", help="Where the fp8 runtime runs (auto: TPU, else CUDA, else CPU).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of text.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)]
+ModeOpt = Annotated[WriteMode, typer.Option(
+    "--mode", help="overlay: hard-link the source weights; copy: a self-contained copy.")]
 
 # `fp8kv --help` lists the commands in the order of the workflow.
 WORKFLOW = ("calibrate", "verify", "eval", "inspect", "convert", "card", "push")
@@ -134,37 +155,39 @@ def push(
 @app.command("inspect")
 def inspect_command(
     model: Path = typer.Argument(..., help="Checkpoint folder to inspect."),
-    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+    as_json: JsonOpt = False,
 ) -> None:
     """Show which KV-scale conventions a checkpoint uses, its per-layer K/V scales, and what looks wrong."""
     import json
 
-    from fp8kv.checkpoint.interop import inspect_checkpoint, print_report
+    from fp8kv.console import print_inspect_report
+    from fp8kv.inspection import inspect_checkpoint
 
     report = inspect_checkpoint(model)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
-        print_report(report)
+        print_inspect_report(report)
 
 
 @app.command("convert")
 def convert_command(
     model: Path = typer.Argument(..., help="Checkpoint folder holding KV scales in any convention."),
-    to: Convention = typer.Option(..., "--to", help="Target convention."),
+    convention: Convention = typer.Option(..., "--to", help="Target convention."),
     out: Path = typer.Option(..., "--out", help="Output folder (written atomically)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP),
-    mode: WriteMode = typer.Option("overlay", "--mode", help="overlay (hard-link weights) or copy."),
+    overwrite: OverwriteOpt = False,
+    mode: ModeOpt = "overlay",
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
     from fp8kv.calibrate.report import command_line
-    from fp8kv.checkpoint.interop import convert_checkpoint, engine_flag, inspect_checkpoint
+    from fp8kv.checkpoint.convert import convert_checkpoint, engine_flag
+    from fp8kv.checkpoint.reader import read_kv_scales
 
-    written = convert_checkpoint(model, out, to, overwrite=overwrite, mode=mode, command=command_line())
-    typer.echo(f"wrote {written} ({to})")
-    if to != "compressed-tensors" and any("q_scale" in row for row in inspect_checkpoint(model)["layers"]):
-        typer.echo(f"note: {to} has no query-scale convention; q_scale was left out", err=True)
-    if to == "vllm-json":
+    written = convert_checkpoint(model, out, convention, overwrite=overwrite, mode=mode, command=command_line())
+    typer.echo(f"wrote {written} ({convention})")
+    if convention != "compressed-tensors" and read_kv_scales(model).scales.q is not None:
+        typer.echo(f"note: {convention} has no query-scale convention; q_scale was left out", err=True)
+    if convention == "vllm-json":
         typer.echo(f"load it with: vllm serve {written} {engine_flag(written)}")
 
 
@@ -172,22 +195,15 @@ def convert_command(
 def calibrate(
     model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint folder, a Hub id org/name[@revision] (from the local cache when offline), or 'bundled' / 'bundled-outliers' for a bundled model."),
     out: Path | None = typer.Option(None, "--out", help="Output folder (created atomically). Omit to only report scales."),
-    dataset: str | None = typer.Option(
-        None, "--dataset",
-        help="'bundled' (the bundled calibration split), a local .txt/.jsonl/.json/.parquet/.csv file or folder, "
-        "or a Hub dataset org/name. Default: HuggingFaceH4/ultrachat_200k (train_sft); the bundled corpus, "
-        "announced before the work, when that cannot be loaded.",
-    ),
-    split: str | None = typer.Option(None, "--split", help="Dataset split (default train_sft; local files: train)."),
-    text_column: str | None = typer.Option(
-        None, "--text-column", help="Column with the text (default: 'text', else chat 'messages')."
-    ),
-    num_samples: int = typer.Option(512, "--num-samples", min=1, help="Records to calibrate on; one record is one sample."),
-    seq_len: int = typer.Option(2048, "--seq-len", min=1, help="Tokens per sample at most (longer records are truncated)."),
+    dataset: DatasetOpt = None,
+    split: SplitOpt = None,
+    text_column: TextColumnOpt = None,
+    num_samples: NumSamplesOpt = 512,
+    seq_len: SeqLenOpt = 2048,
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Samples per forward pass (right-padded; padding is never observed)."),
-    seed: int = typer.Option(42, "--seed", help="Shuffle seed: same inputs, same samples, same scales."),
+    seed: SeedOpt = 42,
     kv_dtype: KvDtypeSpelling = typer.Option(
-        "fp8_e4m3", "--kv-dtype", help="KV-cache dtype: fp8_e4m3 (MAX 448; vLLM's 'fp8') or fp8_e5m2 (MAX 57344)."
+        DEFAULT_KV_DTYPE, "--kv-dtype", help="KV-cache dtype: fp8_e4m3 (MAX 448; vLLM's 'fp8') or fp8_e5m2 (MAX 57344)."
     ),
     strategy: str = typer.Option(
         "amax", "--strategy",
@@ -204,12 +220,12 @@ def calibrate(
     allow_unobserved: bool = typer.Option(
         False, "--allow-unobserved", help="Write 1.0 (with a warning) for layers whose K/V were all zero or never seen."
     ),
-    mode: WriteMode = typer.Option("overlay", "--mode", help="overlay: hard-link the source weights; copy: a self-contained copy."),
-    format: Convention = typer.Option("compressed-tensors", "--format", help="Scale convention."),
-    overwrite: bool = typer.Option(False, "--overwrite", help=OVERWRITE_HELP),
+    mode: ModeOpt = "overlay",
+    convention: Convention = typer.Option("compressed-tensors", "--format", help="Scale convention."),
+    overwrite: OverwriteOpt = False,
     base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
-    json_output: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout instead of the table."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
     device: str = typer.Option("auto", "--device", help="auto (cuda when available), cpu or cuda."),
     dtype: ModelDtype = typer.Option("auto", "--dtype", help="Model dtype (auto: the checkpoint's)."),
     trust_remote_code: bool = typer.Option(
@@ -227,7 +243,11 @@ def calibrate(
         "Default: layer by layer when the weights exceed 60% of available RAM.",
     ),
 ) -> None:
-    """Calibrate static FP8 K/V scales over calibration text and write them as a checkpoint."""
+    """Calibrate static FP8 K/V scales over calibration text and write them as a checkpoint.
+
+    The text defaults to HuggingFaceH4/ultrachat_200k (split train_sft); when that cannot be loaded, the
+    bundled calibration split, announced before the work.
+    """
     from fp8kv.calibrate import report
     from fp8kv.calibrate.data import DataRequest
     from fp8kv.calibrate.distributed import is_writer
@@ -240,7 +260,7 @@ def calibrate(
         model=model, out=out,
         data=DataRequest(dataset, split, text_column, num_samples, seq_len, seed),
         batch_size=batch_size, kv_dtype=kv_dtype_name(kv_dtype), strategy=strategy, **margin, per_head=per_head,
-        allow_unobserved=allow_unobserved, mode=mode, convention=format, overwrite=overwrite,
+        allow_unobserved=allow_unobserved, mode=mode, convention=convention, overwrite=overwrite,
         device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
         base_model=base_model, attention=attention, command=report.command_line(),
     )
@@ -251,23 +271,21 @@ def calibrate(
 
 
 @app.command("verify", help="Check a checkpoint's KV scales: present, read back exactly, safe and cheap in "
-             f"accuracy.\n\n{EXIT_CODE_TABLE}")
+             "accuracy. The held-out text defaults to the bundled held-out split, never the calibration data."
+             f"\n\n{EXIT_CODE_TABLE}")
 def verify_command(
     model_dir: str = typer.Argument(
         ..., metavar="MODEL", help="Checkpoint with KV scales (any convention): a folder, a Hub id org/name[@revision], "
         "or 'bundled'.",
     ),
-    dataset: str | None = typer.Option(
-        None, "--dataset", help="Held-out text: 'bundled' (the bundled held-out split, the default; never the "
-        "calibration data), a local .txt/.jsonl/.json/.parquet/.csv file or folder, or a Hub dataset org/name.",
-    ),
-    split: str | None = typer.Option(None, "--split", help="Dataset split (local files: train)."),
-    text_column: str | None = typer.Option(None, "--text-column", help="Column with the text (default: 'text', else 'messages')."),
-    num_samples: int = typer.Option(16, "--num-samples", min=1, help="Held-out records to evaluate; one record is one sample."),
-    seq_len: int = typer.Option(256, "--seq-len", min=1, help="Tokens per sample at most."),
+    dataset: DatasetOpt = None,
+    split: SplitOpt = None,
+    text_column: TextColumnOpt = None,
+    num_samples: NumSamplesOpt = 16,
+    seq_len: SeqLenOpt = 256,
     batch_size: int = typer.Option(4, "--batch-size", min=1, help="Samples per step."),
-    seed: int = typer.Option(42, "--seed", help="Shuffle seed of the held-out records."),
-    device: RuntimeChoice = typer.Option("auto", "--device", help="Where the fp8 runtime runs (auto: TPU, else CUDA, else CPU)."),
+    seed: SeedOpt = 42,
+    device: RuntimeDeviceOpt = "auto",
     prompts: Path | None = typer.Option(
         None, "--prompts", help="Text file, one prompt per line, for the greedy generations (default: held-out prefixes)."
     ),
@@ -295,8 +313,8 @@ def verify_command(
     unit_ppl_ratio: float | None = typer.Option(
         None, "--unit-ppl-ratio", help="WARN when perplexity exceeds this x the unit-scale one [file: 1.01]."
     ),
-    json_output: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
+    json_output: JsonOpt = False,
+    quiet: QuietOpt = False,
     quantize_query: bool = typer.Option(
         False, "--quantize-query", help="Also quantize Q with the checkpoint's q_scale (fp8 attention) and report the cost."
     ),
@@ -335,7 +353,7 @@ def eval_command(
     engines: str = typer.Option(
         "clamp,raw,raw-bf16", "--engines", help="Engine cast models to compare: clamp, raw, raw-bf16 (comma-separated)."
     ),
-    device: RuntimeChoice = typer.Option("auto", "--device", help="Where the runtime runs."),
+    device: RuntimeDeviceOpt = "auto",
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per runner step."),
     max_length: int | None = typer.Option(None, "--max-length", help="Longest sequence (default: the model's, at most 2048)."),
     include_path: Path | None = typer.Option(None, "--include-path", help="Folder of extra lm_eval task YAMLs."),

@@ -20,6 +20,10 @@ ALIASES = KV_DTYPE_SPELLINGS
 FP8_MAX = {name: float(torch.finfo(dtype).max) for name, dtype in FP8_DTYPES.items()}  # 448, 57344
 # The torch dtype name engines print for each kv dtype (the vLLM JSON file stores it).
 TORCH_DTYPE_NAME = {name: str(dtype).removeprefix("torch.") for name, dtype in FP8_DTYPES.items()}
+# A kv dtype as checkpoint files name it: the torch name ("float8_e4m3fn") or fp8kv's ("fp8_e4m3").
+_KV_DTYPE_BY_FILE_NAME = {torch_name: kv for kv, torch_name in TORCH_DTYPE_NAME.items()} | {kv: kv for kv in FP8_DTYPES}
+# What `--kv-cache-dtype` takes for each kv dtype: vLLM spells e4m3 "fp8", SGLang uses fp8kv's names.
+VLLM_KV_CACHE_DTYPE = {kv: next((s for s, name in ALIASES.items() if name == kv), kv) for kv in FP8_DTYPES}
 
 # The largest |x / scale| a plain (non-saturating) cast still turns into a finite value.
 # e4m3fn: 448 < y <= 464 rounds down to 448, anything above is NaN (e4m3fn has no inf).
@@ -33,6 +37,11 @@ RAW_CAST_FINITE_LIMIT = {"fp8_e4m3": 464.0, "fp8_e5m2": 61439.99609375}  # float
 #   raw-bf16  divide the bf16 tensor in bf16, then a plain cast (engines that divide the cached
 #             tensor in place, such as SGLang's `cache_k.div_(k_scale)`).
 ENGINES: tuple[str, ...] = get_args(EngineName)
+
+
+def kv_dtype_from_file(name: str) -> str | None:
+    """The fp8 kv dtype a checkpoint file names ("float8_e4m3fn" or "fp8_e4m3"); None when it is no fp8 dtype."""
+    return _KV_DTYPE_BY_FILE_NAME.get(name)
 
 
 def canonical_cache_dtype(name: str) -> str:

@@ -9,6 +9,7 @@ from typing import Literal
 Convention = Literal["compressed-tensors", "modelopt", "quark", "vllm-json"]
 WriteMode = Literal["overlay", "copy"]
 KvDtype = Literal["fp8_e4m3", "fp8_e5m2"]
+DEFAULT_KV_DTYPE: KvDtype = "fp8_e4m3"
 KvDtypeSpelling = Literal["fp8_e4m3", "fp8_e5m2", "fp8"]
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 RuntimeChoice = Literal["auto", "tpu", "xla-cpu", "cuda", "cpu"]

@@ -164,7 +164,7 @@ def _load_local(path: Path, split: str | None):
     builder = builders.pop()
     options = {"sample_by": "paragraph"} if builder == "text" else {}
     try:
-        # Built in a private temp folder and held in memory: nothing lands in ~/.cache (see issue 9).
+        # Built in a private temp folder and held in memory: nothing lands in ~/.cache.
         with _quiet_datasets(), tempfile.TemporaryDirectory(prefix="fp8kv-data-") as cache:
             records = datasets.load_dataset(builder, data_files=[str(p) for p in files], split=LOCAL_SPLIT,
                                             cache_dir=cache, keep_in_memory=True, **options)

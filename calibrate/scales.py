@@ -1,12 +1,12 @@
 """Scale math: from observed K/V statistics to float32 dequantization scales.
 
-`scale = amax / MAX` is `scale_from_amax`, the one place the formula lives. A strategy only chooses
-the value that maps to MAX (the clip value): the observed amax (default, nothing saturates), a
-percentile of |x|, the clip that minimises the squared fp8 quantization error on the histogram, or
-the amax of the last calibration batch alone (`last-batch`, llm-compressor's default kv-cache
-observer `memoryless_minmax`: it recomputes the scale from every forward's K/V and the last forward
-wins; its default batch is one sample). Percentile, mse and last-batch clip below the amax; only
-`amax` guarantees amax / scale <= MAX.
+`scale = amax / MAX` (a dequantization multiplier: x ≈ float(fp8) * scale) is `scale_from_amax`, the one
+place the formula lives. A strategy only chooses the value that maps to MAX (the clip value): the
+observed amax (default, nothing saturates), a percentile of |x|, the clip that minimises the squared
+fp8 quantization error on the histogram, or the amax of the last calibration batch alone
+(`last-batch`, llm-compressor's default kv-cache observer `memoryless_minmax`: it recomputes the scale
+from every forward's K/V and the last forward wins; its default batch is one sample). Percentile, mse
+and last-batch clip below the amax; only `amax` guarantees amax / scale <= MAX.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from fp8kv.calibrate.observe import BINS_PER_OCTAVE, KVStatistics, bin_edges
-from fp8kv.checkpoint.kvscales import FP8_DTYPES, FP8_MAX
+from fp8kv.fp8 import FP8_DTYPES, FP8_MAX
 from fp8kv.errors import Fp8kvError
 
 MSE_CANDIDATES = 256  # clip candidates amax * 2**(-j/32), j < 256: down to amax / 256
@@ -116,7 +116,7 @@ def _mse_clip(amax: torch.Tensor, hist: torch.Tensor, kv_dtype: str) -> torch.Te
     clips = float(amax) * torch.exp2(-steps)  # [candidates]
     limit = fp8_max(kv_dtype)
     scale = (clips / limit)[:, None]
-    # Clamp before the cast: the fp8 cast does not saturate (FACTS §2).
+    # Clamp before the cast: torch's fp8 cast does not saturate (fp8.RAW_CAST_FINITE_LIMIT).
     stored = (x[None, :] / scale).clamp(max=limit).to(FP8_DTYPES[kv_dtype]).double()
     error = ((stored * scale - x[None, :]) ** 2 * weight).sum(-1)
     return clips[int(error.argmin())].float()

@@ -1,4 +1,4 @@
-"""Where each tool puts KV scales: tensor names, shapes and config fields (FACTS §4).
+"""Where each tool puts KV scales: tensor names, shapes and config fields.
 
 Conventions: "compressed-tensors" (llm-compressor), "modelopt" (NVIDIA ModelOpt),
 "quark" (AMD Quark and AutoFP8, `k_proj.output_scale`), "vllm-json" (vLLM's legacy
@@ -13,7 +13,8 @@ import re
 from pathlib import Path
 from typing import Any, get_args
 
-from fp8kv.checkpoint.kvscales import TORCH_DTYPE_NAME, KVScales
+from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.fp8 import TORCH_DTYPE_NAME
 from fp8kv.errors import Fp8kvError
 from fp8kv.options import Convention
 

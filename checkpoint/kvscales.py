@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.fp8 import FP8_DTYPES, FP8_MAX, TORCH_DTYPE_NAME  # noqa: F401  (imported from here by other modules)
-
+from fp8kv.fp8 import FP8_MAX
+from fp8kv.options import DEFAULT_KV_DTYPE
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class KVScales:
 
     k: dict[int, torch.Tensor]
     v: dict[int, torch.Tensor]
-    kv_dtype: str = "fp8_e4m3"
+    kv_dtype: str = DEFAULT_KV_DTYPE
     q: dict[int, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
@@ -65,7 +65,7 @@ class KVScales:
 
     @property
     def fp8_max(self) -> float:
-        """The largest finite value of the kv dtype (448 or 57344)."""
+        """The largest finite value of the kv dtype."""
         return FP8_MAX[self.kv_dtype]
 
     def values(self, layer: int) -> tuple[list[float], list[float]]:
@@ -75,6 +75,14 @@ class KVScales:
     def q_value(self, layer: int) -> float | None:
         """The query scale of `layer`, or None when the checkpoint has none."""
         return None if self.q is None else float(self.q[layer])
+
+    def rows(self) -> list[dict[str, object]]:
+        """One JSON-ready row per layer: k_scale and v_scale, each a float or a list (one per head)."""
+        rows = []
+        for layer in self.layers:
+            k, v = self.values(layer)
+            rows.append({"layer": layer, "k_scale": k[0] if len(k) == 1 else k, "v_scale": v[0] if len(v) == 1 else v})
+        return rows
 
     def problems(self) -> list[str]:
         """Layers whose scales are zero, negative or not finite, one line each."""
@@ -89,7 +97,7 @@ class KVScales:
 
     @classmethod
     def from_floats(
-        cls, k: dict[int, float | list[float]], v: dict[int, float | list[float]], kv_dtype: str = "fp8_e4m3"
+        cls, k: dict[int, float | list[float]], v: dict[int, float | list[float]], kv_dtype: str = DEFAULT_KV_DTYPE
     ) -> KVScales:
         """Build scales from plain numbers: a float per layer ("tensor") or a list per head ("attn_head")."""
         return cls(k={i: _tensor(x) for i, x in k.items()}, v={i: _tensor(x) for i, x in v.items()}, kv_dtype=kv_dtype)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -10,15 +10,16 @@ import torch
 from safetensors import safe_open
 
 from fp8kv.checkpoint.conventions import HF_QUANT_CONFIG, is_vllm_json, parse_scale_name
-from fp8kv.checkpoint.kvscales import TORCH_DTYPE_NAME, KVScales
+from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.geometry import read_json
 from fp8kv.errors import Fp8kvError
+from fp8kv.fp8 import TORCH_DTYPE_NAME, kv_dtype_from_file
+from fp8kv.options import DEFAULT_KV_DTYPE
 
 # Reading order: exact per-K/V conventions first, the one-value-per-layer ones last.
 _ORDER = ("compressed-tensors", "modelopt", "quark", "kv_scale", "vllm-json")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_KV_DTYPE_BY_NAME = {name: kv for kv, name in TORCH_DTYPE_NAME.items()} | {kv: kv for kv in TORCH_DTYPE_NAME}
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,6 @@ class ScaleReadout:
     declared: dict[str, bool]
     missing_layers: tuple[int, ...]
     unexpected_layers: tuple[int, ...]
-    tensor_names: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def has_kv_cache_scheme(self) -> bool:
@@ -51,11 +51,10 @@ def read_kv_scales(model_dir: str | Path) -> ScaleReadout:
     source = SourceCheckpoint.open(model_dir)
     hf_quant = read_json(source.path / HF_QUANT_CONFIG) if HF_QUANT_CONFIG in source.files else None
     kv_dtype = _kv_dtype(source.config)
-    found, names = _tensor_scales(source)
+    found = _tensor_scales(source)
     for name in source.files:
         if name.endswith(".json") and "/" not in name and is_vllm_json(source.path / name):
             found["vllm-json"], kv_dtype = _vllm_json_scales(source.path / name)
-            names["vllm-json"] = [name]
     merged = _merge(found)
     complete = {i: kv for i, kv in merged.items() if "k" in kv and "v" in kv}
     scales = None
@@ -74,14 +73,12 @@ def read_kv_scales(model_dir: str | Path) -> ScaleReadout:
         declared=_declared(source.config, hf_quant),
         missing_layers=tuple(i for i in kv_layers if i not in complete) if conventions else (),
         unexpected_layers=tuple(sorted(i for i in merged if i not in kv_layers)),
-        tensor_names=names,
     )
 
 
-def _tensor_scales(source: SourceCheckpoint):
+def _tensor_scales(source: SourceCheckpoint) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
     """convention -> layer -> {"k"|"v": float32 tensor}, reading only the scale tensors."""
     found: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    names: dict[str, list[str]] = {}
     for file in source.weight_files:
         wanted = [(t, parse_scale_name(t)) for t in source.headers[file]]
         wanted = [(t, parsed) for t, parsed in wanted if parsed is not None]
@@ -90,10 +87,9 @@ def _tensor_scales(source: SourceCheckpoint):
         with safe_open(str(source.path / file), framework="pt") as handle:
             for tensor_name, (layer, kind, convention) in wanted:
                 tensor = _checked(handle.get_tensor(tensor_name), tensor_name, file)
-                names.setdefault(convention, []).append(tensor_name)
                 for part in ("k", "v") if kind == "kv" else (kind,):
                     found.setdefault(convention, {}).setdefault(layer, {})[part] = tensor
-    return found, names
+    return found
 
 
 def _checked(tensor: torch.Tensor, name: str, file: str) -> torch.Tensor:
@@ -113,7 +109,7 @@ def _checked(tensor: torch.Tensor, name: str, file: str) -> torch.Tensor:
 def _vllm_json_scales(path: Path) -> tuple[dict[int, dict[str, torch.Tensor]], str]:
     data = read_json(path)
     cache = data["kv_cache"]  # a dict: is_vllm_json checked it
-    dtype = _KV_DTYPE_BY_NAME.get(str(cache.get("dtype", "float8_e4m3fn")))
+    dtype = kv_dtype_from_file(str(cache.get("dtype", TORCH_DTYPE_NAME[DEFAULT_KV_DTYPE])))
     if dtype is None:
         raise Fp8kvError(f"{path}: kv_cache.dtype {cache.get('dtype')!r} is not an fp8 dtype fp8kv knows")
     ranks = cache["scaling_factor"]
@@ -191,8 +187,8 @@ def _kv_dtype(config: dict[str, Any]) -> str:
     qc = config.get("quantization_config")
     if isinstance(qc, dict) and qc.get("quant_method") == "quark":
         spec = ((qc.get("layer_quant_config") or {}).get("*k_proj") or {}).get("output_tensors") or {}
-        return _KV_DTYPE_BY_NAME.get(str(spec.get("dtype")), "fp8_e4m3")
-    return "fp8_e4m3"
+        return kv_dtype_from_file(str(spec.get("dtype"))) or DEFAULT_KV_DTYPE
+    return DEFAULT_KV_DTYPE
 
 
 def _declared(config: dict[str, Any], hf_quant: dict[str, Any] | None) -> dict[str, bool]:

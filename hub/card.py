@@ -14,9 +14,12 @@ from typing import Any
 
 from fp8kv.checkpoint.artifacts import CARD_FILE, CARD_MARKER, PROVENANCE_FILE, VERIFY_DIR, is_fp8kv_card
 from fp8kv.checkpoint.digest import check_unchanged
-from fp8kv.checkpoint.kvscales import FP8_MAX
+from fp8kv.console import markdown_table
+from fp8kv.fp8 import FP8_MAX, VLLM_KV_CACHE_DTYPE
+from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.checkpoint.writer import write_file_atomic
 from fp8kv.errors import Fp8kvError
+from fp8kv.geometry import read_json
 from fp8kv.hub.resolve import is_repo_id, repo_id_from_cache_path
 from fp8kv.verify.report import PLOT, REPORT_JSON
 
@@ -37,24 +40,21 @@ _ACCURACY_ROWS = [
 ]
 
 
-def read_json(path: Path) -> dict[str, Any] | None:
+def _json_if_present(path: Path) -> dict[str, Any] | None:
     """The JSON object in `path`, None when the file is absent; `Fp8kvError` when it is not an object."""
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise Fp8kvError(f"{path}: not valid JSON ({exc}); rerun the fp8kv command that wrote it") from exc
-    if not isinstance(data, dict):
-        raise Fp8kvError(f"{path}: expected a JSON object; rerun the fp8kv command that wrote it")
-    return data
+        return read_json(path)
+    except Fp8kvError as exc:  # fp8kv wrote these files: writing them again is the fix
+        raise Fp8kvError(f"{exc}; rerun the fp8kv command that wrote it") from None
 
 
 def read_provenance(out_dir: Path) -> dict[str, Any]:
     """`DIR/fp8kv.json`; `Fp8kvError` when DIR is not an fp8kv calibrate output."""
     if Path(out_dir).is_file():
         raise Fp8kvError(f"{out_dir}: is a file, not a folder; pass the folder `fp8kv calibrate` wrote")
-    data = read_json(Path(out_dir) / PROVENANCE_FILE)
+    data = _json_if_present(Path(out_dir) / PROVENANCE_FILE)
     if data is None:
         raise Fp8kvError(f"{out_dir}: no {PROVENANCE_FILE}; pass a folder written by `fp8kv calibrate`")
     return data
@@ -65,7 +65,7 @@ def read_report(out_dir: Path) -> dict[str, Any] | None:
 
     `Fp8kvError` when the report judged other scales, config or weight files than DIR holds now.
     """
-    report = read_json(Path(out_dir) / REPORT_FILE)
+    report = _json_if_present(Path(out_dir) / REPORT_FILE)
     if report is not None:
         check_unchanged(Path(out_dir), report.get("digest"), Path(out_dir) / REPORT_FILE)
     return report
@@ -180,7 +180,7 @@ def _readme_metadata(readme: Path) -> dict[str, Any] | None:
 
 def _quiet_json(path: Path) -> dict[str, Any] | None:
     try:
-        return read_json(path)
+        return _json_if_present(path)
     except (Fp8kvError, OSError):
         return None
 
@@ -207,12 +207,6 @@ def _fmt(value: Any, spec: str = "{:.6g}") -> str:
     if isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
         return f"{spec.format(min(value))} – {spec.format(max(value))} ({len(value)} heads)"
     return "" if value is None else str(value)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _intro(out: Path, prov: dict[str, Any], base_model: str | None, repo_id: str | None) -> str:
@@ -251,14 +245,14 @@ def _what_was_done(prov: dict[str, Any], base_model: str | None) -> str:
     ]
     shown = [[name, f"`{value}`" if isinstance(value, str) else _fmt(value)]
              for name, value in rows if value is not None]
-    parts.append(_table(["Setting", "Value"], shown))
+    parts.append(markdown_table(["Setting", "Value"], shown))
     if _get(prov, "dataset", "note"):
         parts.append(f"Note: {prov['dataset']['note']}.")
     return "\n\n".join(parts)
 
 
 def _scales(out: Path, prov: dict[str, Any]) -> str:
-    dtype_max = f"{FP8_MAX.get(prov.get('kv_dtype'), FP8_MAX['fp8_e4m3']):g}"
+    dtype_max = f"{FP8_MAX[_kv_dtype(prov)]:g}"
     parts = ["## KV-cache scales", (
         "Each scale is a dequantization multiplier: the engine stores "
         f"`fp8(clamp(x / scale, -{dtype_max}, {dtype_max}))` and reads back `fp8 × scale`. "
@@ -272,7 +266,7 @@ def _scales(out: Path, prov: dict[str, Any]) -> str:
     keys = [k for k in keys if any(k[0] in layer for layer in layers)]
     if keys:
         rows = [[_fmt(layer.get(key), spec) for key, _, spec in keys] for layer in layers]
-        parts.append(_table([label for _, label, _ in keys], rows))
+        parts.append(markdown_table([label for _, label, _ in keys], rows))
     if prov.get("skipped_layers"):
         skipped = ", ".join(str(i) for i in prov["skipped_layers"])
         parts.append(f"Layers without their own KV cache (no scale): {skipped}.")
@@ -296,13 +290,13 @@ def _verify(out: Path, report: dict[str, Any] | None) -> str:
     generation = report.get("generation") if isinstance(report.get("generation"), dict) else {}
     rows += [[f"Generation: {key.replace('_', ' ')}", _fmt(value)] for key, value in generation.items()]
     if rows:
-        parts.append(_table(["Check", "Result"], rows))
+        parts.append(markdown_table(["Check", "Result"], rows))
     layers = [layer for layer in report.get("layers") or [] if isinstance(layer, dict)]
     columns = [c for c in ("layer", "k_saturation", "v_saturation", "k_max_ratio", "v_max_ratio")
                if any(c in layer for layer in layers)]
     if columns:
         rows = [[_fmt(layer.get(c)) for c in columns] for layer in layers]
-        parts.append(_table([c.replace("_", " ") for c in columns], rows))
+        parts.append(markdown_table([c.replace("_", " ") for c in columns], rows))
     return "\n\n".join(parts)
 
 
@@ -314,9 +308,15 @@ def _task_scores(out: Path) -> str:
     return "" if results is None else "## Task scores\n\n" + results.markdown().rstrip()
 
 
+def _kv_dtype(prov: dict[str, Any]) -> str:
+    """The provenance's kv dtype; the default when it names none fp8kv knows."""
+    kv_dtype = prov.get("kv_dtype")
+    return kv_dtype if kv_dtype in FP8_MAX else DEFAULT_KV_DTYPE
+
+
 def _serve(model: str, prov: dict[str, Any]) -> str:
-    e5m2 = prov.get("kv_dtype") == "fp8_e5m2"
-    vllm_dtype, sglang_dtype = ("fp8_e5m2", "fp8_e5m2") if e5m2 else ("fp8", "fp8_e4m3")
+    sglang_dtype = _kv_dtype(prov)
+    vllm_dtype = VLLM_KV_CACHE_DTYPE[sglang_dtype]
     return (
         "## How to serve\n\n"
         "The scales are only used when the KV cache is FP8, so pass the KV-cache dtype.\n\n"

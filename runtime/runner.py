@@ -22,8 +22,9 @@ import torch
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import cache_dtype as _cache_dtype
-from fp8kv.fp8 import quantize
+from fp8kv.fp8 import FP8_DTYPES, quantize
 from fp8kv.geometry import AttentionGeometry
+from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.attention import kernel_supported, ragged_paged_attention
 from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale
 from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
@@ -75,7 +76,7 @@ def _paged_attention(
     k_scale, v_scale = step.cache.scale_args(layer)
     q = query[0].transpose(0, 1)  # [T, q_heads, d]
     if step.q_scales is not None:  # what an fp8 attention kernel computes with: fp8(q / q_scale) * q_scale
-        q = (quantize(q, step.q_scales[layer], torch.float8_e4m3fn).float() * step.q_scales[layer]).to(q.dtype)
+        q = (quantize(q, step.q_scales[layer], FP8_DTYPES[DEFAULT_KV_DTYPE]).float() * step.q_scales[layer]).to(q.dtype)
     out = ragged_paged_attention(
         q,
         step.cache.layer_pages(layer),

@@ -1,4 +1,4 @@
-"""The catalogue of bad inputs (issue 9): every case gets one clear error line and damages nothing.
+"""The catalogue of bad inputs: every case gets one clear error line and damages nothing.
 
 Each case builds its inputs in a fresh folder, runs one fp8kv command through typer's runner and
 asserts: a non-zero exit, exactly one `fp8kv: error:` line on stderr naming the file (or tensor,
@@ -602,7 +602,7 @@ def push_corrupt_report(env):
     ckpt = env.copy("calibrated")
     (ckpt / "verify").mkdir()
     (ckpt / "verify" / "report.json").write_text('{"verdict": "PA')
-    return ["push", str(ckpt), "--repo-id", "org/name", "--dry-run"], "report.json", "not valid JSON"
+    return ["push", str(ckpt), "--repo-id", "org/name", "--dry-run"], "report.json", "cannot be read as JSON"
 
 
 def push_failed_verdict(env):

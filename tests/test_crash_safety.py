@@ -21,7 +21,7 @@ import pytest
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.models.factory import make_checkpoint
 from fp8kv.verify.static import static_checks
-from fp8kv.verify.verdict import FAIL
+from fp8kv.checks import FAIL
 
 RUNS = 4
 MAX_EXTRA_DELAY_S = 0.15

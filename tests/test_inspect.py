@@ -91,13 +91,13 @@ def test_inspect_warns_on_each_suspicious_pattern(llama, qwen3, tmp_path):
     config = json.loads((undeclared / "config.json").read_text())
     del config["quantization_config"]
     (undeclared / "config.json").write_text(json.dumps(config))
-    assert any("without quantization_config.kv_cache_scheme" in w for w in _inspect(undeclared)["warnings"])
+    assert any(w.startswith("config.json has no quantization_config with a kv_cache_scheme") for w in _inspect(undeclared)["warnings"])
 
 
 def test_inspect_without_scales_says_so(llama):
     report = _inspect(llama)
     assert report["conventions"] == [] and report["layers"] == []
-    assert report["warnings"] == ["no KV scales found: engines use 1.0 for every layer (uncalibrated)"]
+    assert report["warnings"] == ["no KV scales found: engines use 1.0 for every layer (uncalibrated; run fp8kv calibrate)"]
 
 
 def test_convert_to_vllm_json_prints_the_engine_flag(llama, tmp_path):

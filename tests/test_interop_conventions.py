@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fp8kv.checkpoint.conventions import CONVENTIONS
-from fp8kv.checkpoint.interop import convert_checkpoint
+from fp8kv.checkpoint.convert import convert_checkpoint
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import fp8kv.calibrate.pipeline as pipeline
 from fp8kv.checkpoint.conventions import CONVENTIONS
-from fp8kv.checkpoint.kvscales import FP8_MAX
+from fp8kv.fp8 import FP8_MAX
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode
 from fp8kv.options import KvDtype, ModelDtype

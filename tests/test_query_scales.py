@@ -13,8 +13,10 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 from fp8kv.calibrate.data import DataRequest, load_calibration_data
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.checkpoint.conventions import ATTENTION_GROUP
-from fp8kv.checkpoint.interop import convert_checkpoint, inspect_checkpoint
+from fp8kv.checkpoint.convert import convert_checkpoint
+from fp8kv.inspection import inspect_checkpoint
 from fp8kv.checkpoint.reader import read_kv_scales
+from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.errors import Fp8kvError
 from fp8kv.runtime.runner import PagedModelRunner
 
@@ -75,7 +77,7 @@ def test_q_scale_is_written_as_compressed_tensors_attention_scheme(calibrated) -
     assert group["input_activations"] == {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
                                           "symmetric": True}
     assert qc["kv_cache_scheme"]["strategy"] == "tensor"
-    names = sorted(read_kv_scales(out).tensor_names["compressed-tensors"])
+    names = sorted(SourceCheckpoint.open(out).weight_map)
     assert "model.layers.0.self_attn.q_scale" in names and "model.layers.1.self_attn.q_scale" in names
     rows = inspect_checkpoint(out)["layers"]
     assert all(row["q_scale"] > 0 for row in rows)

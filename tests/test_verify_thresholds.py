@@ -9,9 +9,8 @@ import pytest
 from fp8kv.errors import Fp8kvError
 from fp8kv.verify.engines import EngineResult, engine_reasons
 from fp8kv.verify.report import finite_json
-from fp8kv.verify.verdict import (
-    FAIL, INFO, WARN, Reason, accuracy_reasons, heldout_reasons, load_thresholds, verdict,
-)
+from fp8kv.checks import FAIL, INFO, WARN, Finding
+from fp8kv.verify.verdict import accuracy_reasons, heldout_reasons, load_thresholds, verdict
 
 ACCURACY = {"ppl_fp8": 10.0, "ppl_fp8_unit": 10.0, "kl_mean": 0.001, "kl_mean_unit": 0.001}
 
@@ -41,9 +40,9 @@ def test_bad_threshold_files_are_refused_naming_the_file(tmp_path, text, message
 
 
 def test_verdict_takes_the_worst_level_and_info_never_counts():
-    assert verdict([Reason(INFO, "x")]) == "PASS"
-    assert verdict([Reason(INFO, "x"), Reason(WARN, "y")]) == "WARN"
-    assert verdict([Reason(WARN, "y"), Reason(FAIL, "z")]) == "FAIL"
+    assert verdict([Finding(INFO, "x")]) == "PASS"
+    assert verdict([Finding(INFO, "x"), Finding(WARN, "y")]) == "WARN"
+    assert verdict([Finding(WARN, "y"), Finding(FAIL, "z")]) == "FAIL"
 
 
 def test_accuracy_reasons_bound_kl_nan_and_unit_scales():

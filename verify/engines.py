@@ -16,7 +16,8 @@ import torch
 
 from fp8kv.fp8 import ENGINES, check_engine
 from fp8kv.runtime.runner import PagedModelRunner
-from fp8kv.verify.verdict import FAIL, Reason, headroom_fix
+from fp8kv.checks import FAIL, Finding
+from fp8kv.verify.verdict import headroom_fix
 
 ALL = "all"
 # What each engine model stands for, as the report names it.
@@ -82,7 +83,7 @@ def first_nonfinite_layer(runner: PagedModelRunner) -> int | None:
     return min(bad) if bad else None
 
 
-def engine_reasons(results: list[EngineResult], worst_ratio: float, fp8_max: float) -> list[Reason]:
+def engine_reasons(results: list[EngineResult], worst_ratio: float, fp8_max: float) -> list[Finding]:
     """FAIL for each engine model whose logits went non-finite, naming the engine and the fix.
 
     `worst_ratio` is the largest |x|/scale seen on the held-out text, which sizes the `--headroom` advice.
@@ -92,7 +93,7 @@ def engine_reasons(results: list[EngineResult], worst_ratio: float, fp8_max: flo
         if r.nan_rows:
             where = f"; first NaN/inf in the cache of layer {r.first_nonfinite_layer}" \
                 if r.first_nonfinite_layer is not None else ""
-            reasons.append(Reason(FAIL, f"engine {r.engine} ({DESCRIPTIONS[r.engine]}): {r.nan_rows} of {r.rows} "
+            reasons.append(Finding(FAIL, f"engine {r.engine} ({DESCRIPTIONS[r.engine]}): {r.nan_rows} of {r.rows} "
                                         f"logit rows NaN/inf, {r.sequences_lost} of {r.sequences} sequences lost"
                                         f"{where}. " + headroom_fix(worst_ratio, fp8_max)))
     return reasons

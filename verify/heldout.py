@@ -10,15 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fp8kv.calibrate.data import BUNDLED_DATASET, CalibrationData, DataRequest, load_calibration_data
 from fp8kv.calibrate.observe import KVStatistics
 from fp8kv.calibrate.pipeline import CalibrationRequest, Progress, observe
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.kvscales import KVScales
-from fp8kv.checkpoint.source import SourceCheckpoint, read_json
+from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.errors import Fp8kvError
+from fp8kv.geometry import read_json
 from fp8kv.models import BUNDLED_HELDOUT_TEXT
 
 
@@ -55,7 +54,7 @@ def observe_heldout(
     return observe(source.path, source.config, source.geometry, data, request, tokenizer, progress)
 
 
-def layer_rows(statistics: KVStatistics, scales: KVScales, kv_layers: tuple[int, ...]) -> list[dict[str, Any]]:
+def max_ratio_rows(statistics: KVStatistics, scales: KVScales, kv_layers: tuple[int, ...]) -> list[dict[str, Any]]:
     """Per cache-owning layer: the largest |x| / scale of K and of V over the held-out text."""
     rows = []
     for layer in kv_layers:

@@ -13,9 +13,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fp8kv.checkpoint.kvscales import FP8_MAX
 from fp8kv.checkpoint.writer import write_file_atomic
-from fp8kv.fp8 import RAW_CAST_FINITE_LIMIT
+from fp8kv.console import markdown_table
+from fp8kv.fp8 import FP8_MAX, RAW_CAST_FINITE_LIMIT
+from fp8kv.options import DEFAULT_KV_DTYPE
 
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "scales.png"
 _ACCURACY = [("Perplexity, bf16 cache", "ppl_bf16", "{:.4f}"), ("Perplexity, fp8 + these scales", "ppl_fp8", "{:.4f}"),
@@ -56,32 +57,33 @@ def render_markdown(report: dict[str, Any]) -> str:
     readback = report.get("readback")
     if readback:
         setup.append(("Runtime scales equal the file's (float32 bits)", "yes" if readback["equal"] else "NO"))
-    parts.append(_table(["Setting", "Value"], [[k, _fmt(v)] for k, v in setup]))
+    parts.append(markdown_table(["Setting", "Value"], [[k, _fmt(v)] for k, v in setup]))
     accuracy = report.get("accuracy") or {}
     if accuracy:
         rows = [[label, _fmt(accuracy.get(key), spec)] for label, key, spec in _ACCURACY]
-        parts.append("## Accuracy\n\n" + _table(["Metric", "Value"], rows))
+        parts.append("## Accuracy\n\n" + markdown_table(["Metric", "Value"], rows))
     query = report.get("query") or {}
     if query:
         rows = [[key.replace("_", " "), _fmt(value, "{:.6g}")] for key, value in query.items()]
-        parts.append("## Query quantized with q_scale (fp8 attention)\n\n" + _table(["Metric", "Value"], rows))
+        parts.append("## Query quantized with q_scale (fp8 attention)\n\n" + markdown_table(["Metric", "Value"], rows))
     gen = report.get("generation") or {}
     if gen:
         rows = [[phase, _fmt(gen.get(f"{phase}_match"), "{:.2%}")] for phase in ("prefill", "decode", "prefix")]
-        parts.append("## Greedy tokens matching the bf16 cache\n\n" + _table(["Phase", "Match"], rows))
+        parts.append("## Greedy tokens matching the bf16 cache\n\n" + markdown_table(["Phase", "Match"], rows))
     if report.get("engines"):
         parts.append("## Engine cast models, run on the held-out text\n\n" + _engine_table(report["engines"])
                      + "\n\nclamp: divide in float32, clamp to ±MAX, cast (vLLM CUDA and TPU). raw: divide in "
-                     "float32, plain cast (NaN past 464 for e4m3, inf from 61440 for e5m2). raw-bf16: divide in "
+                     f"float32, plain cast (NaN past {RAW_CAST_FINITE_LIMIT['fp8_e4m3']:g} for e4m3, inf from "
+                     f"{RAW_CAST_FINITE_LIMIT['fp8_e5m2']:.5g} for e5m2). raw-bf16: divide in "
                      "bf16, plain cast (in-place division of the bf16 tensor). Any NaN/inf row fails that engine.")
     runtime = report.get("runtime")
     if runtime:
         rows = [[key.replace("_", " "), _fmt(value)] for key, value in runtime.items()]
-        parts.append("## Runtime\n\n" + _table(["Setting", "Value"], rows))
+        parts.append("## Runtime\n\n" + markdown_table(["Setting", "Value"], rows))
     if report.get("layers"):
         parts.append("## Per layer\n\n" + _layer_table(report) + "\n\nSaturation: exact share of values the fp8 "
                      "cache clamped at ±MAX. Max |x|/scale: from K/V observed on the same text.")
-    parts.append("## Thresholds\n\n" + _table(["Threshold", "Value"],
+    parts.append("## Thresholds\n\n" + markdown_table(["Threshold", "Value"],
                                                [[k, _fmt(v)] for k, v in report["thresholds"].items()]))
     return "\n\n".join(parts) + "\n"
 
@@ -95,19 +97,14 @@ def _layer_table(report: dict[str, Any]) -> str:
         rows.append([str(row["layer"]), _fmt(s.get("k_scale"), "{:.6g}"), _fmt(s.get("v_scale"), "{:.6g}"),
                      _fmt(row.get("k_saturation"), "{:.4%}"), _fmt(row.get("v_saturation"), "{:.4%}"),
                      _fmt(row.get("k_max_ratio"), "{:.4g}"), _fmt(row.get("v_max_ratio"), "{:.4g}")])
-    return _table(head, rows)
+    return markdown_table(head, rows)
 
 
 def _engine_table(engines: list[dict[str, Any]]) -> str:
     head = ["engine", "perplexity", "NaN/inf logit rows", "sequences lost", "first non-finite layer"]
     rows = [[e["engine"], _fmt(e["ppl"], "{:.4f}"), f"{e['nan_rows']} of {e['rows']}",
              f"{e['sequences_lost']} of {e['sequences']}", _fmt(e["first_nonfinite_layer"])] for e in engines]
-    return _table(head, rows)
-
-
-def _table(head: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    return markdown_table(head, rows)
 
 
 def _fmt(value: Any, spec: str = "{}") -> str:
@@ -138,7 +135,7 @@ def plot_png(report: dict[str, Any]) -> bytes:
     top, bottom = fig.subplots(2, 1, sharex=True)
     rows = report.get("layers") or []
     layers = [row["layer"] for row in rows]
-    kv_dtype = report.get("kv_dtype") or "fp8_e4m3"
+    kv_dtype = report.get("kv_dtype") or DEFAULT_KV_DTYPE
     fp8_max, raw_limit = FP8_MAX[kv_dtype], RAW_CAST_FINITE_LIMIT[kv_dtype]
     for kind, marker in (("k", "o"), ("v", "s")):
         top.plot(layers, [row.get(f"{kind}_max_ratio") or 0.0 for row in rows], marker=marker, linestyle="none",

@@ -29,8 +29,9 @@ from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, engines, generation, heldout
 from fp8kv.verify.report import REPORT_JSON, write_report
 from fp8kv.verify.static import StaticResult, static_checks
+from fp8kv.checks import FAIL, WARN, Finding
 from fp8kv.verify.verdict import (
-    EXIT_CODES, FAIL, WARN, Reason, Thresholds, accuracy_reasons, heldout_reasons, load_thresholds, verdict,
+    EXIT_CODES, Thresholds, accuracy_reasons, heldout_reasons, load_thresholds, verdict,
 )
 
 DEFAULT_REPORT_ROOT = "fp8kv-verify"
@@ -83,9 +84,9 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
         try:
             reasons += _heldout_checks(request, static, runtime.kind, thresholds, report, timings, progress)
         except WeightsMismatch as exc:  # numbers from invented weights would judge nothing
-            reasons.append(Reason(FAIL, f"{exc}; held-out checks skipped"))
+            reasons.append(Finding(FAIL, f"{exc}; held-out checks skipped"))
     else:
-        reasons.append(Reason(FAIL, "held-out checks skipped: the scales cannot drive an fp8 cache"))
+        reasons.append(Finding(FAIL, "held-out checks skipped: the scales cannot drive an fp8 cache"))
     timings["total"] = time.perf_counter() - clock
     outcome = verdict(reasons)
     report.update(verdict=outcome, exit_code=EXIT_CODES[outcome], timings_s=timings,
@@ -130,23 +131,15 @@ def _base_report(static: StaticResult, device: str, thresholds: Thresholds) -> d
         "kv_dtype": readout.kv_dtype,
         "thresholds": thresholds.as_dict(),
         "static": static.summary(),
-        "scales": _scale_rows(scales) if scales else [],
+        "scales": scales.rows() if scales else [],
         "text_source": None, "num_samples": 0, "num_tokens": 0,
         "accuracy": None, "generation": None, "readback": None, "layers": [], "runtime": None, "engines": [],
     }
 
 
-def _scale_rows(scales: KVScales) -> list[dict[str, Any]]:
-    rows = []
-    for layer in scales.layers:
-        k, v = scales.values(layer)
-        rows.append({"layer": layer, "k_scale": k[0] if len(k) == 1 else k, "v_scale": v[0] if len(v) == 1 else v})
-    return rows
-
-
 def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, thresholds: Thresholds,
                     report: dict[str, Any], timings: dict[str, float],
-                    progress: StageProgress | None) -> list[Reason]:
+                    progress: StageProgress | None) -> list[Finding]:
     """Observe K/V on held-out text, run the three caches, compare generations; fills `report`."""
     source, scales = static.readout.source, static.readout.scales
     assert scales is not None  # runnable implies scales
@@ -157,14 +150,14 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
     if data.note and progress is not None:
         progress.note(data.note)
     report.update(text_source=heldout.text_source(data), num_samples=len(data.samples), num_tokens=data.num_tokens)
-    reasons = [Reason(WARN, note) for note in [heldout.calibration_overlap(source, data)] if note]
+    reasons = [Finding(WARN, note) for note in [heldout.calibration_overlap(source, data)] if note]
 
     clock = time.perf_counter()
     stats_device = "cuda" if device == "cuda" else "cpu"  # the observer runs on torch devices
     _stage(progress, "loading the model")
     statistics = heldout.observe_heldout(source, data, tokenizer, stats_device, request.batch_size,
                                          stage_callback(progress, "observing K/V (samples)"))
-    rows = heldout.layer_rows(statistics, scales, kv_layers)
+    rows = heldout.max_ratio_rows(statistics, scales, kv_layers)
     timings["observe"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
@@ -179,7 +172,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
     timings["load_runners"] = time.perf_counter() - clock
     report["readback"] = accuracy.readback(runners.fp8, scales)
     if not report["readback"]["equal"]:
-        reasons.append(Reason(FAIL, "the runtime's scales differ from the file's: "
+        reasons.append(Finding(FAIL, "the runtime's scales differ from the file's: "
                                     + "; ".join(report["readback"]["mismatches"][:3])))
 
     clock = time.perf_counter()
@@ -208,12 +201,12 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
 
 
 def _query_cost(request: VerifyRequest, runners: accuracy.Runners, scales: KVScales, samples: list[list[int]],
-                report: dict[str, Any], timings: dict[str, float]) -> list[Reason]:
+                report: dict[str, Any], timings: dict[str, float]) -> list[Finding]:
     """With --quantize-query: the accuracy cost of also quantizing Q with q_scale (report["query"])."""
     if not request.quantize_query:
         return []
     if scales.q is None:
-        return [Reason(WARN, "--quantize-query: the checkpoint has no q_scale (calibrate with --attention fp8)")]
+        return [Finding(WARN, "--quantize-query: the checkpoint has no q_scale (calibrate with --attention fp8)")]
     clock = time.perf_counter()
     report["query"] = accuracy.query_cost(request.model_dir, runners, scales, samples, request.batch_size)
     report["query"]["kl_mean_kv_only"] = report["accuracy"]["kl_mean"]

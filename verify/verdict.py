@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from fp8kv.checks import FAIL, WARN, Finding
 from fp8kv.errors import ExitCode, Fp8kvError
 
 try:
@@ -15,7 +16,6 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-FAIL, WARN, INFO = "FAIL", "WARN", "INFO"
 EXIT_CODES = {name: int(ExitCode[name]) for name in ("PASS", "WARN", "FAIL")}
 # Below this many nats the calibrated and unit-scale KLs differ by fp8 rounding noise alone: on the
 # bundled model, scales that differ only in their margin moved mean KL by up to 8e-5 either way, and
@@ -37,14 +37,6 @@ class Thresholds:
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class Reason:
-    """One finding: `level` is FAIL, WARN or INFO (INFO never changes the verdict)."""
-
-    level: str
-    message: str
 
 
 def load_thresholds(path: Path | None = None, **overrides: float | None) -> Thresholds:
@@ -78,20 +70,20 @@ def _flatten(data: dict[str, Any], source: str) -> dict[str, float]:
     return values
 
 
-def verdict(reasons: list[Reason]) -> str:
+def verdict(reasons: list[Finding]) -> str:
     """FAIL if any reason fails, else WARN if any warns, else PASS."""
     levels = {r.level for r in reasons}
     return "FAIL" if FAIL in levels else "WARN" if WARN in levels else "PASS"
 
 
-def heldout_reasons(layers: list[dict[str, Any]], thresholds: Thresholds, fp8_max: float) -> list[Reason]:
+def heldout_reasons(layers: list[dict[str, Any]], thresholds: Thresholds, fp8_max: float) -> list[Finding]:
     """Saturation above its bound, named per layer with the fix; `fp8_max` is the dtype's largest value."""
     reasons = []
     for row in layers:
         for kind in ("k", "v"):
             share, ratio = row.get(f"{kind}_saturation"), row[f"{kind}_max_ratio"]
             if share is not None and share > thresholds.saturation:
-                reasons.append(Reason(WARN, f"layer {row['layer']}: {share:.3%} of {kind.upper()} values saturate at "
+                reasons.append(Finding(WARN, f"layer {row['layer']}: {share:.3%} of {kind.upper()} values saturate at "
                                             f"±{fp8_max:g} (WARN above {thresholds.saturation:.3%}); the largest "
                                             f"|x|/scale is {ratio:.4g}, {ratio / fp8_max - 1:.1%} past the calibrated "
                                             f"range. Engines that clamp store them as ±{fp8_max:g}. "
@@ -106,24 +98,24 @@ def headroom_fix(ratio: float, fp8_max: float) -> str:
             "precision is the same across its range, so this costs almost nothing) or on text like this.")
 
 
-def accuracy_reasons(accuracy: dict[str, Any], nan_with_clamp: dict[int, int], thresholds: Thresholds) -> list[Reason]:
+def accuracy_reasons(accuracy: dict[str, Any], nan_with_clamp: dict[int, int], thresholds: Thresholds) -> list[Finding]:
     """NaN with clamping and the KL bound (FAIL); calibrated scales worse than unit scales (WARN)."""
     reasons = []
     if nan_with_clamp:
         named = ", ".join(f"layer {layer} ({n})" for layer, n in sorted(nan_with_clamp.items()))
-        reasons.append(Reason(FAIL, f"NaN/inf values in the clamped fp8 cache: {named}"))
+        reasons.append(Finding(FAIL, f"NaN/inf values in the clamped fp8 cache: {named}"))
     kl = accuracy["kl_mean"]
     if not _finite(kl) or not _finite(accuracy["ppl_fp8"]):
-        reasons.append(Reason(FAIL, "the fp8 cache with these scales gives NaN/inf logits"))
+        reasons.append(Finding(FAIL, "the fp8 cache with these scales gives NaN/inf logits"))
         return reasons
     if kl > thresholds.kl_mean:
-        reasons.append(Reason(FAIL, f"mean KL to the bf16 cache {kl:.4g} nats exceeds the bound {thresholds.kl_mean:g}"))
+        reasons.append(Finding(FAIL, f"mean KL to the bf16 cache {kl:.4g} nats exceeds the bound {thresholds.kl_mean:g}"))
     unit_kl, unit_ppl = accuracy["kl_mean_unit"], accuracy["ppl_fp8_unit"]
     if _finite(unit_kl) and kl > unit_kl * thresholds.unit_kl_ratio and kl - unit_kl > UNIT_KL_NOISE:
-        reasons.append(Reason(WARN, f"calibrated scales do worse than unit scales: mean KL {kl:.4g} vs {unit_kl:.4g} "
+        reasons.append(Finding(WARN, f"calibrated scales do worse than unit scales: mean KL {kl:.4g} vs {unit_kl:.4g} "
                                     f"(ratio bound {thresholds.unit_kl_ratio:g})"))
     if _finite(unit_ppl) and accuracy["ppl_fp8"] > unit_ppl * thresholds.unit_ppl_ratio:
-        reasons.append(Reason(WARN, f"calibrated scales do worse than unit scales: perplexity "
+        reasons.append(Finding(WARN, f"calibrated scales do worse than unit scales: perplexity "
                                     f"{accuracy['ppl_fp8']:.4f} vs {unit_ppl:.4f} "
                                     f"(ratio bound {thresholds.unit_ppl_ratio:g})"))
     return reasons

@@ -1,0 +1,43 @@
+"""`fp8kv convert`: rewrite a checkpoint's KV scales in another convention."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from fp8kv import __version__
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, is_fp8kv_output
+from fp8kv.checkpoint.conventions import VLLM_JSON_FILE
+from fp8kv.checkpoint.reader import read_kv_scales
+from fp8kv.geometry import read_json
+from fp8kv.checkpoint.writer import write_checkpoint
+from fp8kv.errors import Fp8kvError
+
+
+def convert_checkpoint(
+    model_dir: str | Path, out_dir: str | Path, convention: str, *, overwrite: bool = False, mode: str = "overlay",
+    command: str | None = None,
+) -> Path:
+    """Read the scales of `model_dir` (any convention) and write them to `out_dir` in `convention`.
+
+    The output's fp8kv.json is the source's (the scales are the same numbers) with the new format
+    and where they came from; the source's verify report and card are not carried over.
+    Query scales (q_scale) have a home only in compressed-tensors; other targets leave them out.
+    """
+    readout = read_kv_scales(model_dir)
+    if readout.scales is None:
+        raise Fp8kvError(f"{readout.source.path}: holds no KV scales to convert; run fp8kv calibrate first")
+    source_record = read_json(readout.source.path / PROVENANCE_FILE) if is_fp8kv_output(readout.source.path) else {}
+    record = {**source_record, "tool": "fp8kv", "version": __version__, "command": command, "format": convention,
+              "converted_from": {"path": str(readout.source.path), "conventions": list(readout.conventions)}}
+    record.setdefault("layers", [])
+    extra = {PROVENANCE_FILE: (json.dumps(record, indent=2) + "\n").encode()}
+    scales = readout.scales if convention == "compressed-tensors" else replace(readout.scales, q=None)
+    return write_checkpoint(model_dir, out_dir, scales, convention=convention, mode=mode, overwrite=overwrite,
+                            extra_files=extra)
+
+
+def engine_flag(out_dir: Path) -> str:
+    """The vLLM flags that load a legacy JSON scale file written to `out_dir`."""
+    return f"--kv-cache-dtype fp8 --quantization-param-path {out_dir / VLLM_JSON_FILE}"

@@ -1,0 +1,138 @@
+"""The checks: what a checkpoint's scale readout gets wrong or should warn about, before any model runs.
+
+Each fact is graded once, here; `fp8kv inspect` and `fp8kv verify` only display the findings.
+FAIL and WARN decide verify's verdict; INFO never changes it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from fp8kv.checkpoint.reader import ScaleReadout
+from fp8kv.fp8 import FP8_DTYPES
+from fp8kv.runtime.attention import fp8_kernel_note
+from fp8kv.runtime.device import TPU_HEAD_DIM_MULTIPLE
+
+FAIL, WARN, INFO = "FAIL", "WARN", "INFO"
+_QK_NORM = re.compile(r"self_attn\.(k_norm|k_layernorm|key_layernorm)\.weight$")
+# Conventions whose tools observed k_proj's output: before k_norm and before RoPE.
+_PRE_ROPE = ("quark", "kv_scale")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One finding: `level` is FAIL, WARN or INFO (INFO never changes the verdict)."""
+
+    level: str
+    message: str
+
+
+def check_readout(readout: ScaleReadout, provenance: dict[int, dict[str, Any]] | None = None) -> list[Finding]:
+    """Every finding about the scales a checkpoint holds and how its config declares them.
+
+    `provenance` maps layer -> its row in fp8kv.json (None when fp8kv did not write the folder);
+    its amax values reveal scales doubled for e4m3fnuz.
+    """
+    return (_scale_findings(readout) + _advice(readout, provenance) + _declaration_findings(readout)
+            + _kernel_findings(readout))
+
+
+def tpu_layout_findings(readout: ScaleReadout) -> list[Finding]:
+    """How a TPU cache would pad this model's head_dim (a cost, never a fault)."""
+    g = readout.source.geometry
+    if not g.head_dim % TPU_HEAD_DIM_MULTIPLE:
+        return []
+    padded = -(-g.head_dim // TPU_HEAD_DIM_MULTIPLE) * TPU_HEAD_DIM_MULTIPLE
+    return [Finding(INFO, f"head_dim={g.head_dim} is padded to {padded} in a TPU cache "
+                          f"({padded / g.head_dim:.2g}x the cache memory)")]
+
+
+def scales_usable(readout: ScaleReadout) -> bool:
+    """Whether the scales can drive an fp8 cache at all: present, complete, positive, finite, right shape."""
+    return not any(f.level == FAIL for f in _scale_findings(readout))
+
+
+def _scale_findings(readout: ScaleReadout) -> list[Finding]:
+    """Missing, zero, negative or non-finite scales, and per-head scales of the wrong length."""
+    if not readout.conventions:
+        return [Finding(FAIL, "no KV scales found: engines use 1.0 for every layer (uncalibrated; "
+                              "run fp8kv calibrate)")]
+    findings = []
+    if readout.missing_layers:
+        findings.append(Finding(FAIL, f"layers {list(readout.missing_layers)} own a KV cache but have no K and V "
+                                      "scales; engines silently use 1.0 for them"))
+    if readout.scales is None:
+        return findings
+    findings += [Finding(FAIL, line) for line in readout.scales.problems()]
+    heads = readout.source.geometry.num_kv_heads
+    if readout.scales.strategy == "attn_head":
+        sizes = {layer: readout.scales.k[layer].shape[0] for layer in readout.scales.layers}
+        wrong = sorted(layer for layer, n in sizes.items() if n != heads)
+        if wrong:
+            findings.append(Finding(FAIL, f"layers {wrong}: per-head scales have {sizes[wrong[0]]} values but the "
+                                          f"model has {heads} KV heads; expected shape [{heads}, 1, 1]"))
+    if readout.unexpected_layers:
+        findings.append(Finding(WARN, f"scales for layers {list(readout.unexpected_layers)}, which own no KV "
+                                      "cache; engines may refuse the unexpected tensors"))
+    return findings
+
+
+def _advice(readout: ScaleReadout, provenance: dict[int, dict[str, Any]] | None) -> list[Finding]:
+    """Scales that load but were likely made wrong: all 1.0, observed before k_norm, doubled for fnuz."""
+    findings = []
+    scales = readout.scales
+    if scales is not None:
+        values = [x for layer in scales.layers for part in scales.values(layer) for x in part]
+        if values and all(x == 1.0 for x in values):
+            findings.append(Finding(INFO, "every scale is 1.0: the checkpoint is likely uncalibrated"))
+    pre_rope = [c for c in readout.conventions if c in _PRE_ROPE]
+    if pre_rope and provenance is None and any(_QK_NORM.search(t) for t in readout.source.weight_map):
+        findings.append(Finding(INFO, f"{pre_rope[0]} scales observe k_proj's output, but this model has a k norm: "
+                                      "the statistics were taken before k_norm and RoPE, not where the cache "
+                                      "stores K; recalibrate"))
+    if scales is not None and _look_doubled(readout, provenance or {}):
+        findings.append(Finding(INFO, "scales are about twice amax/MAX: they look doubled for e4m3fnuz; store OCP "
+                                      "e4m3 scales, AMD engines double them at load time"))
+    return findings
+
+
+def _look_doubled(readout: ScaleReadout, provenance: dict[int, dict[str, Any]]) -> bool:
+    """Scales twice amax/MAX look pre-doubled for e4m3fnuz; engines double them again themselves."""
+    scales = readout.scales
+    ratios = []
+    for layer in scales.layers:
+        for kind, values in zip(("k", "v"), scales.values(layer)):
+            amax = provenance.get(layer, {}).get(f"{kind}_amax")
+            if len(values) == 1 and isinstance(amax, (int, float)) and amax > 0 and math.isfinite(amax):
+                ratios.append(values[0] / (amax / scales.fp8_max))
+    return bool(ratios) and all(1.9 <= r <= 2.1 for r in ratios)
+
+
+def _declaration_findings(readout: ScaleReadout) -> list[Finding]:
+    """Scales whose config does not tell the engine to create the scale parameters."""
+    declared, findings = readout.declared, []
+    first = readout.source.geometry.kv_layers[0]
+    if "compressed-tensors" in readout.conventions and not readout.has_kv_cache_scheme:
+        findings.append(Finding(FAIL, (
+            "config.json has no quantization_config with a kv_cache_scheme: recent vLLM refuses to load this "
+            f"checkpoint (\"There is no module or parameter named 'layers.{first}.self_attn.k_scale'\") and "
+            "older engines silently ignored the scales; fp8kv convert --to compressed-tensors adds it")))
+    if "modelopt" in readout.conventions and not declared["modelopt"]:
+        findings.append(Finding(FAIL, "k_proj.k_scale tensors without kv_cache_quant_algo in hf_quant_config.json: "
+                                      "engines do not create the scale parameters and ignore or refuse the scales"))
+    if "quark" in readout.conventions and not (declared["quark"] or declared["fp8"]):
+        findings.append(Finding(FAIL, "k_proj.output_scale tensors without a Quark kv_cache_group or fp8 "
+                                      "kv_cache_scheme in config.json: engines ignore or refuse the scales"))
+    if "vllm-json" in readout.conventions:
+        findings.append(Finding(INFO, "scales in the legacy vLLM JSON file: engines read them only with "
+                                      "--quantization-param-path"))
+    return findings
+
+
+def _kernel_findings(readout: ScaleReadout) -> list[Finding]:
+    """Where vLLM's TPU backend would not run the fp8 Pallas kernel."""
+    note = fp8_kernel_note(readout.source.geometry.num_kv_heads, FP8_DTYPES[readout.kv_dtype])
+    return [Finding(WARN, note)] if note else []

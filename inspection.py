@@ -1,0 +1,44 @@
+"""`fp8kv inspect`: what a checkpoint's KV scales are, where they came from, and what the checks find."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fp8kv.checkpoint.artifacts import provenance_layers
+from fp8kv.checkpoint.reader import ScaleReadout, read_kv_scales
+from fp8kv.checks import check_readout
+
+_PROVENANCE_KEYS = ("k_amax", "v_amax", "k_saturation", "v_saturation")
+
+
+def inspect_checkpoint(model_dir: str | Path) -> dict[str, Any]:
+    """A JSON-ready report: conventions, kv dtype, per-layer scales (and amax/saturation), warnings."""
+    readout = read_kv_scales(model_dir)
+    source = readout.source
+    provenance = provenance_layers(source.path)
+    return {
+        "path": str(source.path),
+        "model_type": source.geometry.model_type,
+        "conventions": list(readout.conventions),
+        "declared": readout.declared,
+        "kv_dtype": readout.kv_dtype,
+        "strategy": readout.scales.strategy if readout.scales else None,
+        "num_kv_heads": source.geometry.num_kv_heads,
+        "kv_layers": list(source.geometry.kv_layers),
+        "layers": _layer_rows(readout, provenance or {}),
+        "warnings": [finding.message for finding in check_readout(readout, provenance)],
+    }
+
+
+def _layer_rows(readout: ScaleReadout, provenance: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The file's scales per layer, with the amax and saturation fp8kv recorded when it wrote them."""
+    if readout.scales is None:
+        return []
+    rows = readout.scales.rows()
+    for row in rows:
+        if readout.scales.q is not None:
+            row["q_scale"] = readout.scales.q_value(row["layer"])
+        extra = provenance.get(row["layer"], {})
+        row.update({key: extra[key] for key in _PROVENANCE_KEYS if key in extra})
+    return rows
