@@ -11,7 +11,7 @@ from typer.core import TyperGroup
 
 from fp8kv import __version__
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError
-from fp8kv.options import DEFAULT_KV_DTYPE, AttentionChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, WriteMode, kv_dtype_name
+from fp8kv.options import DEFAULT_KV_DTYPE, AttentionChoice, TorchDeviceChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, WriteMode, kv_dtype_name
 
 DEBUG_ENV = "FP8KV_DEBUG"
 
@@ -226,7 +226,7 @@ def calibrate(
     base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
-    device: str = typer.Option("auto", "--device", help="auto (cuda when available), cpu or cuda."),
+    device: TorchDeviceChoice = typer.Option("auto", "--device", help="Where calibration runs (auto: CUDA when available)."),
     dtype: ModelDtype = typer.Option("auto", "--dtype", help="Model dtype (auto: the checkpoint's)."),
     trust_remote_code: bool = typer.Option(
         False, "--trust-remote-code",
@@ -249,7 +249,7 @@ def calibrate(
     bundled calibration split, announced before the work.
     """
     from fp8kv.calibrate import report
-    from fp8kv.calibrate.data import DataRequest
+    from fp8kv.data import DataRequest
     from fp8kv.calibrate.distributed import is_writer
     from fp8kv.calibrate.pipeline import CalibrationRequest
     from fp8kv.calibrate.pipeline import calibrate as run_calibration
@@ -319,7 +319,7 @@ def verify_command(
         False, "--quantize-query", help="Also quantize Q with the checkpoint's q_scale (fp8 attention) and report the cost."
     ),
 ) -> None:
-    from fp8kv.calibrate.data import DataRequest
+    from fp8kv.data import DataRequest
     from fp8kv.progress import StageProgress
     from fp8kv.verify.engines import parse_engines
     from fp8kv.verify.report import show

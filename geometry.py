@@ -37,10 +37,6 @@ class AttentionGeometry:
         """Layers that own no K/V cache (linear attention, Mamba, KV sharing)."""
         return tuple(i for i in range(self.num_layers) if i not in self.kv_layers)
 
-    @property
-    def queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     def layer_kv_heads(self, layer: int) -> int:
         """KV heads layer `layer` caches."""
         return self.kv_heads_per_layer[layer] if self.kv_heads_per_layer else self.num_kv_heads

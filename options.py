@@ -13,6 +13,8 @@ DEFAULT_KV_DTYPE: KvDtype = "fp8_e4m3"
 KvDtypeSpelling = Literal["fp8_e4m3", "fp8_e5m2", "fp8"]
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 RuntimeChoice = Literal["auto", "tpu", "xla-cpu", "cuda", "cpu"]
+# Calibration runs transformers' own forward: CUDA or CPU.
+TorchDeviceChoice = Literal["auto", "cuda", "cpu"]
 # kv: K/V cache scales only; fp8: also query scales for fp8 attention kernels.
 AttentionChoice = Literal["kv", "fp8"]
 # How an engine casts `x / scale` to fp8; fp8kv.fp8 says what each one does.

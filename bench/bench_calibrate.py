@@ -20,9 +20,11 @@ from pathlib import Path
 
 import torch
 
-from fp8kv.calibrate.data import DataRequest, load_calibration_data, make_batches
-from fp8kv.calibrate.observe import KVStatistics, observe_batch
-from fp8kv.calibrate.pipeline import load_model, pad_id, resolve_device
+from fp8kv.data import DataRequest, load_calibration_data, make_batches
+from fp8kv.observe import KVStatistics, observe_batch
+from fp8kv.checkpoint.load import load_language_model
+from fp8kv.data import pad_id
+from fp8kv.runtime.device import resolve_device
 from fp8kv.calibrate.scales import compute_scales
 from fp8kv.geometry import AttentionGeometry, read_config
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_MODEL_DIR
@@ -70,7 +72,7 @@ def _sync(device: torch.device) -> None:
 def bench_model(name: str, model_dir: Path, data_path: Path, args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, torch_only=True).device
     config = read_config(model_dir)
     geometry = AttentionGeometry.from_config(config)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -78,7 +80,7 @@ def bench_model(name: str, model_dir: Path, data_path: Path, args) -> dict:
     data = load_calibration_data(request, tokenizer)
     batches = make_batches(data.samples, args.batch_size, pad_id(tokenizer))
     plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
-    observing = load_model(model_dir, device, "auto", False)
+    observing = load_language_model(model_dir, device)
     plain_forward(plain, batches[:1], device)  # warm-up both paths
     calibration(observing, batches[:1], geometry, device)
     plain_s, calib_s = [], []

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from fp8kv.calibrate.data import DataRequest, load_calibration_data, make_batches
-from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate, pad_id
+from fp8kv.data import DataRequest, load_calibration_data, make_batches
+from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
+from fp8kv.data import pad_id
 from fp8kv.models import BUNDLED_HELDOUT_TEXT, BUNDLED_MODEL_DIR
 from fp8kv.verify.run import VerifyRequest, verify
 

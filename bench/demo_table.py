@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8kv.calibrate.data import DataRequest
+from fp8kv.data import DataRequest
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.calibrate.resolve import resolve_model
 from fp8kv.calibrate.scales import DEFAULT_HEADROOM

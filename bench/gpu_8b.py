@@ -27,8 +27,9 @@ SAMPLES, SEQ_LEN, BATCH = 64, 512, 8
 def observe_once(model: Path, corpus: Path, mode: str, device: str) -> dict:
     """One observation (whole or layerwise) on `device`; figures for this process alone."""
     from fp8kv.calibrate import layerwise
-    from fp8kv.calibrate.data import DataRequest, load_calibration_data
-    from fp8kv.calibrate.pipeline import CalibrationRequest, load_tokenizer, observe
+    from fp8kv.data import DataRequest, load_calibration_data
+    from fp8kv.calibrate.pipeline import CalibrationRequest, observe_whole_model
+    from fp8kv.data import load_tokenizer
     from fp8kv.calibrate.scales import compute_scales
     from fp8kv.checkpoint.source import SourceCheckpoint
 
@@ -44,7 +45,7 @@ def observe_once(model: Path, corpus: Path, mode: str, device: str) -> dict:
     if mode == "layerwise":
         stats = layerwise.observe_layerwise(source, data, request, tokenizer)
     else:
-        stats = observe(source.path, source.config, source.geometry, data, request, tokenizer)
+        stats = observe_whole_model(source, data, request, tokenizer)
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_data
-from fp8kv.calibrate.observe import KVStatistics
-from fp8kv.calibrate.pipeline import CalibrationRequest, load_tokenizer, observe
+from fp8kv.data import CalibrationData, DataRequest, load_calibration_data
+from fp8kv.observe import KVStatistics
+from fp8kv.calibrate.pipeline import CalibrationRequest, observe_whole_model
+from fp8kv.data import load_tokenizer
 from fp8kv.calibrate.scales import ScaleTable, Strategy, compute_scales
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import SourceCheckpoint
@@ -53,7 +54,7 @@ class Model:
         """K/V statistics over `data`, exactly as `fp8kv calibrate` folds them."""
         request = CalibrationRequest(model=str(self.source.path), batch_size=batch_size, device="cpu")
         s = self.source
-        return observe(s.path, s.config, s.geometry, data, request, self.tokenizer, None, last_batch)
+        return observe_whole_model(s, data, request, self.tokenizer, last_batch=last_batch)
 
     def scales(self, statistics: KVStatistics, headroom: float, strategy: str = "amax",
                last_batch: KVStatistics | None = None) -> tuple[ScaleTable, KVScales]:
@@ -84,7 +85,7 @@ class Model:
 
 def overflow(model: Model, held: KVStatistics, scales: KVScales) -> tuple[int, float]:
     """(held-out values with |x|/scale above the raw-cast limit, largest |x|/scale) under `scales`."""
-    rows = heldout.layer_rows(held, scales, model.kv_layers)
+    rows = heldout.max_ratio_rows(held, scales, model.kv_layers)
     return sum(r["nan_without_clamp"] for r in rows), max(max(r["k_max_ratio"], r["v_max_ratio"]) for r in rows)
 
 

@@ -17,7 +17,7 @@ from typing import Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from fp8kv.calibrate.observe import KVStatistics
+from fp8kv.observe import KVStatistics
 
 T = TypeVar("T")
 

@@ -27,12 +27,14 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
-from fp8kv.calibrate.data import Batch, CalibrationData, make_batches
-from fp8kv.calibrate import pipeline
 from fp8kv.calibrate.distributed import shard_batches
-from fp8kv.calibrate.observe import KVStatistics, ObservationStep, cache_kwargs, observing_cache
+from fp8kv.calibrate.request import CalibrationRequest
+from fp8kv.checkpoint.load import MODEL_DTYPES, model_class
 from fp8kv.checkpoint.source import SourceCheckpoint
+from fp8kv.data import Batch, CalibrationData, make_batches, pad_id
 from fp8kv.errors import Fp8kvError
+from fp8kv.observe import KVStatistics, ObservationStep, Progress, cache_kwargs, observing_cache
+from fp8kv.runtime.device import resolve_device
 
 # Whole-model loading is chosen while the weights take at most this share of available memory.
 WHOLE_MODEL_SHARE = 0.6
@@ -60,7 +62,7 @@ def available_memory() -> int:
 
 def weight_bytes(source: SourceCheckpoint, dtype: str = "auto") -> int:
     """Bytes the model's weights take once loaded in `dtype` (from the safetensors headers)."""
-    target = pipeline.DTYPES.get(dtype)
+    target = MODEL_DTYPES.get(dtype)
     total = 0
     for header in source.headers.values():
         for entry in header.values():
@@ -83,9 +85,9 @@ def choose_layerwise(choice: bool | None, source: SourceCheckpoint, dtype: str =
 def observe_layerwise(
     source: SourceCheckpoint,
     data: CalibrationData,
-    request: pipeline.CalibrationRequest,
+    request: CalibrationRequest,
     tokenizer: Any,
-    progress: pipeline.Progress | None = None,
+    progress: Progress | None = None,
     spill: bool | None = None,
 ) -> KVStatistics:
     """K/V statistics of every sample, computed one decoder layer at a time.
@@ -93,12 +95,12 @@ def observe_layerwise(
     `spill`: True keeps the hidden states in a memory-mapped file, False in memory,
     None decides from their size and the available memory.
     """
-    device = pipeline.resolve_device(request.device)
+    device = resolve_device(request.device, torch_only=True).device
     model = build_skeleton(source, request.dtype, request.trust_remote_code)
     base, layers = model.base_model, decoder_layers(model)
     names = {module: name for name, module in model.named_modules()}
     materialize_buffers(model, device)
-    batches = shard_batches(make_batches(data.samples, request.batch_size, pipeline.pad_id(tokenizer)))
+    batches = shard_batches(make_batches(data.samples, request.batch_size, pad_id(tokenizer)))
     last = max(source.geometry.kv_layers, default=-1)  # layers after the last cache-owning one never matter
     statistics = KVStatistics.empty(len(layers), source.geometry.num_kv_heads, device)
     observed = frozenset(source.geometry.kv_layers)
@@ -108,7 +110,7 @@ def observe_layerwise(
         with loaded(source, [m for m in base.children() if m is not layers], names, device):
             firsts = [capture(base, layers, 0, input_ids=b.input_ids.to(device), attention_mask=b.attention_mask.to(device))
                       for b in batches]
-        store = HiddenStates([h for h, _, _ in firsts], spill, spill_root, device, _largest_layer(source, last))
+        store = HiddenStates([h for h, _, _ in firsts], spill, spill_root, device, _largest_layer(source))
         del firsts
         for index in range(last + 1):
             with loaded(source, [layers[index]], names, device):
@@ -148,7 +150,7 @@ def build_skeleton(source: SourceCheckpoint, dtype: str, trust_remote_code: bool
 
     config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        model = pipeline.model_class(source.config).from_config(
+        model = model_class(source.config).from_config(
             config,
             dtype=resolve_dtype(source, config, dtype),
             trust_remote_code=trust_remote_code,
@@ -159,9 +161,9 @@ def build_skeleton(source: SourceCheckpoint, dtype: str, trust_remote_code: bool
 def resolve_dtype(source: SourceCheckpoint, config: Any, dtype: str) -> torch.dtype:
     """The dtype `from_pretrained(dtype=...)` would load in: the named one, else config's, else the weights'."""
     if dtype != "auto":
-        if dtype not in pipeline.DTYPES:
-            raise Fp8kvError(f"--dtype {dtype!r}: choose auto, {', '.join(pipeline.DTYPES)}")
-        return pipeline.DTYPES[dtype]
+        if dtype not in MODEL_DTYPES:
+            raise Fp8kvError(f"--dtype {dtype!r}: choose auto, {', '.join(MODEL_DTYPES)}")
+        return MODEL_DTYPES[dtype]
     if getattr(config, "dtype", None) is not None:
         return getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
     for header in source.headers.values():
@@ -276,7 +278,7 @@ def capture(
     raise Fp8kvError(f"{type(base).__name__}: the forward never called decoder layer {index}; use --no-layerwise")
 
 
-def _largest_layer(source: SourceCheckpoint, last: int) -> int:
+def _largest_layer(source: SourceCheckpoint) -> int:
     """Bytes of the largest decoder layer's stored tensors (`model.layers.N.`), for the memory budget."""
     sizes: dict[str, int] = {}
     for header in source.headers.values():

@@ -16,8 +16,9 @@ import torch
 
 from fp8kv import __version__
 from fp8kv.calibrate import distributed, layerwise
-from fp8kv.calibrate.data import CalibrationData, DataRequest, load_calibration_data, make_batches
-from fp8kv.calibrate.observe import KVStatistics, observe_batch, query_observer_for
+from fp8kv.calibrate.request import CalibrationRequest
+from fp8kv.data import CalibrationData, load_calibration_data, load_tokenizer, make_batches, pad_id
+from fp8kv.observe import KVStatistics, Progress, observe, query_observer_for
 from fp8kv.calibrate.resolve import infer_base_model, resolve_model
 from fp8kv.calibrate.scales import (
     DEFAULT_HEADROOM, LAST_BATCH, ScaleTable, Strategy, compute_scales, fp8_max, scale_from_amax,
@@ -25,7 +26,7 @@ from fp8kv.calibrate.scales import (
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.conventions import CONVENTIONS, check_representable
 from fp8kv.checkpoint.kvscales import KVScales
-from fp8kv.checkpoint.load import load_causal_lm
+from fp8kv.checkpoint.load import load_language_model
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.checkpoint.writer import (
     MODES, check_output, check_weight_method, check_writable_location, write_checkpoint,
@@ -34,39 +35,12 @@ from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.hub.resolve import is_repo_id
 from fp8kv.progress import StageProgress, stage_callback
+from fp8kv.runtime.device import resolve_device
 
 SCALE_FORMULA = (
     "float32: scale = clip / fp8_max * headroom, then raised one float32 step at a time until clip / scale <= "
     "fp8_max; clip is the amax with strategy amax"
 )
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-Progress = Callable[[int, int], None]
-"""Called with (samples done, samples total) after every batch (one stage of a `StageProgress`)."""
-
-
-@dataclass(frozen=True)
-class CalibrationRequest:
-    """Everything `calibrate` needs; defaults match the CLI's."""
-
-    model: str
-    out: Path | None = None  # None: calibrate and report, write nothing
-    data: DataRequest = field(default_factory=DataRequest)
-    batch_size: int = 8
-    kv_dtype: str = "fp8_e4m3"
-    strategy: str = "amax"
-    headroom: float = DEFAULT_HEADROOM
-    per_head: bool = False
-    allow_unobserved: bool = False
-    mode: str = "overlay"
-    convention: str = "compressed-tensors"
-    overwrite: bool = False
-    device: str = "auto"
-    dtype: str = "auto"
-    trust_remote_code: bool = False
-    layerwise: bool | None = None  # None: layer by layer when the weights do not fit in memory
-    base_model: str | None = None  # Hub id of the source; None: inferred (`infer_base_model`)
-    attention: str = "kv"  # "fp8": also calibrate query scales (q_scale) for fp8 attention
-    command: str | None = None  # the command line, recorded in fp8kv.json
 
 
 @dataclass(frozen=True)
@@ -101,7 +75,7 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
     data = load_calibration_data(request.data, tokenizer)
     if data.note and progress is not None:
         progress.note(data.note)
-    device = resolve_device(request.device)
+    device = resolve_device(request.device, torch_only=True).device
     observing = stage_callback(progress, f"observing K/V over {len(data.samples)} samples")
     with distributed.process_group(device):
         by_layer = layerwise.choose_layerwise(request.layerwise, source, request.dtype)
@@ -114,8 +88,7 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
         if by_layer:
             statistics = layerwise.observe_layerwise(source, data, request, tokenizer, observing)
         else:
-            statistics = observe(source.path, source.config, source.geometry, data, request, tokenizer, observing,
-                                 query, last_batch)
+            statistics = observe_whole_model(source, data, request, tokenizer, observing, query, last_batch)
         statistics = distributed.reduce_statistics(statistics, device)
     if not request.allow_unobserved:
         check_every_cache_seen(statistics, source)
@@ -159,47 +132,15 @@ def _stage(progress: StageProgress | None, stage: str) -> None:
         progress(stage)
 
 
-def observe(
-    model_dir: Path,
-    config: dict[str, Any],
-    geometry: AttentionGeometry,
-    data: CalibrationData,
-    request: CalibrationRequest,
-    tokenizer: Any,
-    progress: Progress | None = None,
-    query: torch.Tensor | None = None,
-    last_batch: KVStatistics | None = None,
-) -> KVStatistics:
-    """Run the base model over every sample and return the folded K/V statistics (on the CPU).
-
-    `query` (float32 [num_layers], CPU), when given, receives max |Q| per layer. With `last_batch`,
-    the final batch is also folded into it alone (for `--strategy last-batch`).
-    """
-    device = resolve_device(request.device)
-    observer = None if query is None else query_observer_for(config)
-    model = load_model(model_dir, device, request.dtype, request.trust_remote_code, observer)
+def observe_whole_model(source: SourceCheckpoint, data: CalibrationData, request: CalibrationRequest,
+                        tokenizer: Any, progress: Progress | None = None, query: torch.Tensor | None = None,
+                        last_batch: KVStatistics | None = None) -> KVStatistics:
+    """Load the whole model once and observe this rank's share of the batches (see `fp8kv.observe.observe`)."""
+    device = resolve_device(request.device, torch_only=True).device
+    observer = None if query is None else query_observer_for(source.config)
+    model = load_language_model(source.path, device, request.dtype, request.trust_remote_code, observer)
     batches = distributed.shard_batches(make_batches(data.samples, request.batch_size, pad_id(tokenizer)))
-    total = sum(batch.input_ids.shape[0] for batch in batches)
-    statistics = KVStatistics.empty(geometry.num_layers, geometry.num_kv_heads, device)
-    layers = frozenset(geometry.kv_layers)
-    query_on_device = None if query is None else query.to(device)
-    done = 0
-    with torch.no_grad():
-        for index, batch in enumerate(batches):
-            ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-            if last_batch is not None and index == len(batches) - 1:
-                alone = KVStatistics.empty(geometry.num_layers, geometry.num_kv_heads, device)
-                observe_batch(model.base_model, ids, mask, alone, layers, query_on_device)
-                statistics.merge(alone)
-                last_batch.merge(alone.cpu())
-            else:
-                observe_batch(model.base_model, ids, mask, statistics, layers, query_on_device)
-            done += ids.shape[0]
-            if progress is not None:
-                progress(done, total)
-    if query is not None:
-        query.copy_(query_on_device.cpu())
-    return statistics.cpu()
+    return observe(model, batches, source.geometry, progress, query, last_batch)
 
 
 def query_scales(query_amax: torch.Tensor, kv_layers: tuple[int, ...],
@@ -223,21 +164,6 @@ def _last_batch_statistics(strategy: Strategy, geometry: AttentionGeometry, by_l
     return KVStatistics.empty(geometry.num_layers, geometry.num_kv_heads)
 
 
-def model_class(config: dict[str, Any]):
-    """The transformers auto class that builds this checkpoint's language model with its weight names.
-
-    `AutoModelForCausalLM` for every model_type it lists; vision-language wrappers it does not list
-    (llava, qwen2-vl, ...) load as `AutoModelForImageTextToText`, whose base model runs the language
-    model on text alone.
-    """
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as VLM
-
-    model_type = config.get("model_type")
-    return AutoModelForImageTextToText if model_type in VLM and model_type not in CAUSAL else AutoModelForCausalLM
-
-
 def check_every_cache_seen(statistics: KVStatistics, source: SourceCheckpoint) -> None:
     """Refuse when a layer the config gives a K/V cache never handed K/V to the cache during the forward."""
     silent = [layer for layer in source.geometry.kv_layers if int(statistics.tokens[layer]) == 0]
@@ -248,24 +174,6 @@ def check_every_cache_seen(statistics: KVStatistics, source: SourceCheckpoint) -
             f"the cache's update in the {source.geometry.model_type} forward, so fp8kv cannot see what they "
             "would cache; no checkpoint written"
         )
-
-
-def load_model(model_dir: Path, device: torch.device, dtype: str, trust_remote_code: bool,
-               attn_implementation: str | None = None):
-    """The language model (transformers' default attention unless given); only its base model is ever run."""
-    from fp8kv.geometry import read_config
-
-    if dtype != "auto" and dtype not in DTYPES:
-        raise Fp8kvError(f"--dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
-    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    model = load_causal_lm(
-        model_dir,
-        model_class(read_config(model_dir)),
-        **extra,
-        dtype=DTYPES.get(dtype, "auto"),
-        trust_remote_code=trust_remote_code,
-    )
-    return model.to(device).eval()
 
 
 def check_architecture(source: SourceCheckpoint, trust_remote_code: bool) -> None:
@@ -281,25 +189,6 @@ def check_architecture(source: SourceCheckpoint, trust_remote_code: bool) -> Non
         f"{source.path / 'config.json'}: model_type {model_type!r} is not an architecture transformers "
         f"{transformers_version} knows{hint}"
     )
-
-
-def resolve_device(device: str) -> torch.device:
-    """`auto` -> cuda when available, else cpu."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise Fp8kvError(f"--device {device!r}: choose auto, cpu or cuda")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise Fp8kvError("--device cuda: no CUDA device is available; use --device cpu")
-    return torch.device(device)
-
-
-def pad_id(tokenizer: Any) -> int:
-    """The id right padding uses (its value never matters: padding is masked and never observed)."""
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if candidate is not None:
-            return int(candidate)
-    return 0
 
 
 def provenance(
@@ -386,15 +275,5 @@ def _validate(request: CalibrationRequest) -> Strategy:
     if request.out is not None:  # without --out nothing is written, so any format goes
         check_representable(request.convention, "attn_head" if request.per_head else "tensor", request.kv_dtype)
         check_writable_location(Path(request.out).absolute())
-    resolve_device(request.device)
+    resolve_device(request.device, torch_only=True)
     return strategy
-
-
-def load_tokenizer(model_dir: Path, trust_remote_code: bool):
-    """The checkpoint's own tokenizer, or one clear error naming the folder."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise Fp8kvError(f"{model_dir}: no usable tokenizer ({exc})") from None

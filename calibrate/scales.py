@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8kv.calibrate.observe import BINS_PER_OCTAVE, KVStatistics, bin_edges
+from fp8kv.observe import BINS_PER_OCTAVE, KVStatistics, bin_edges
 from fp8kv.fp8 import FP8_DTYPES, FP8_MAX
 from fp8kv.errors import Fp8kvError
 

@@ -10,8 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fp8kv.checkpoint.conventions import parse_scale_name, weights_config
 from fp8kv.errors import Fp8kvError
+
+# `--dtype` names of the weights dtype ("auto": the checkpoint's own).
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _SHOWN = 5
 
@@ -47,3 +52,34 @@ def _named(what: str, keys: Any) -> str:
         return ""
     more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
     return f"{len(names)} weight(s) {what}: {', '.join(names[:_SHOWN])}{more}"
+
+
+def model_class(config: dict[str, Any]):
+    """The transformers auto class that builds this checkpoint's language model with its weight names.
+
+    `AutoModelForCausalLM` for every model_type it lists; vision-language wrappers it does not list
+    (llava, qwen2-vl, ...) load as `AutoModelForImageTextToText`, whose base model runs the language
+    model on text alone.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as VLM
+
+    model_type = config.get("model_type")
+    return AutoModelForImageTextToText if model_type in VLM and model_type not in CAUSAL else AutoModelForCausalLM
+
+
+def load_language_model(model_dir: str | Path, device: Any, dtype: str = "auto", trust_remote_code: bool = False,
+                        attn_implementation: str | None = None) -> Any:
+    """The checkpoint's language model (`model_class`) on `device` in eval mode, refusing mismatched weights.
+
+    `dtype` is a `--dtype` name or "auto" (the checkpoint's); `attn_implementation` None keeps
+    transformers' default attention.
+    """
+    if dtype != "auto" and dtype not in MODEL_DTYPES:
+        raise Fp8kvError(f"--dtype {dtype!r}: choose auto, {', '.join(MODEL_DTYPES)}")
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    config = weights_config(model_dir, trust_remote_code)
+    model = load_causal_lm(model_dir, model_class(config.to_dict()), dtype=MODEL_DTYPES.get(dtype, "auto"),
+                           trust_remote_code=trust_remote_code, **extra)
+    return model.to(device).eval()

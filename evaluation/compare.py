@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from fp8kv.calibrate.pipeline import PROVENANCE_FILE
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.calibrate.resolve import resolve_model
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_file_atomic

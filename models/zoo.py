@@ -125,7 +125,7 @@ def make_zoo_checkpoint(model_type: str, out_dir: str | Path, *, seed: int = 0) 
     The sliding window and attention chunk (64) exceed the zoo's samples, so a `DynamicCache` keeps
     every token: the cache's contents are then an independent reference for the K/V amax.
     """
-    from fp8kv.calibrate.pipeline import model_class
+    from fp8kv.checkpoint.load import model_class
 
     tokenizer = make_tokenizer(TOKENIZER_VOCAB)
     config = tiny_config(model_type, len(tokenizer), tokenizer)

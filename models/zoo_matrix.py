@@ -75,7 +75,7 @@ def judge(model_type: str, folder: Path) -> ZooResult:
 def _calibrate_and_compare(model_type: str, folder: Path) -> ZooResult:
     from transformers import AutoTokenizer
 
-    from fp8kv.calibrate.data import DataRequest, load_calibration_data
+    from fp8kv.data import DataRequest, load_calibration_data
     from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 
     src = make_zoo_checkpoint(model_type, folder / "src")
@@ -100,7 +100,7 @@ def _calibrate_and_compare(model_type: str, folder: Path) -> ZooResult:
 
 def loads_in_transformers(model_dir: Path) -> str | None:
     """None when transformers' auto class loads `model_dir`, else its error in one line."""
-    from fp8kv.calibrate.pipeline import model_class
+    from fp8kv.checkpoint.load import model_class
     from fp8kv.geometry import read_config
 
     try:
@@ -114,7 +114,7 @@ def cache_amax(model_dir: Path, samples: list[list[int]]) -> dict[int, torch.Ten
     """Independent reference: per layer that caches K/V, float32 [2] max |K|, |V| in the cache the model returns."""
     from transformers import DynamicCache
 
-    from fp8kv.calibrate.pipeline import model_class
+    from fp8kv.checkpoint.load import model_class
     from fp8kv.geometry import read_config
 
     model = model_class(read_config(model_dir)).from_pretrained(model_dir).eval()

@@ -10,9 +10,10 @@ from typing import get_args
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.options import RuntimeChoice
+from fp8kv.options import RuntimeChoice, TorchDeviceChoice
 
 DEVICE_CHOICES = get_args(RuntimeChoice)
+TORCH_DEVICE_CHOICES = get_args(TorchDeviceChoice)
 TPU_HEAD_DIM_MULTIPLE = 128  # vLLM's TPU backend pads head_dim to a multiple of 128
 
 
@@ -33,14 +34,18 @@ class RuntimeDevice:
         return TPU_HEAD_DIM_MULTIPLE if self.is_xla else 1
 
 
-def resolve_device(choice: str = "auto") -> RuntimeDevice:
+def resolve_device(choice: str = "auto", torch_only: bool = False) -> RuntimeDevice:
     """Turn a `--device` choice into a device.
 
     "auto" is the TPU when torch_xla sees one, else CUDA, else CPU. "xla-cpu" runs torch_xla on the
     host CPU (sets PJRT_DEVICE=CPU when unset), which is how TPU graphs are checked without a TPU.
+    `torch_only` (calibration's observer, which runs transformers' own forward): CUDA or CPU only.
     """
-    if choice not in DEVICE_CHOICES:
-        raise Fp8kvError(f"unknown device {choice!r}; choose one of {', '.join(DEVICE_CHOICES)}")
+    allowed = TORCH_DEVICE_CHOICES if torch_only else DEVICE_CHOICES
+    if choice not in allowed:
+        raise Fp8kvError(f"unknown device {choice!r}; choose one of {', '.join(allowed)}")
+    if choice == "auto" and torch_only:
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "auto":
         on_tpu = os.environ.get("PJRT_DEVICE", "TPU").upper() == "TPU" and tpu_chips() > 0
         choice = "tpu" if on_tpu else "cuda" if torch.cuda.is_available() else "cpu"

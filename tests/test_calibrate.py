@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from fp8kv.calibrate.data import DataRequest, load_calibration_data
+from fp8kv.data import DataRequest, load_calibration_data
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.errors import Fp8kvError
 from fp8kv.models.factory import ARCHITECTURES, make_checkpoint

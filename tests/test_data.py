@@ -7,8 +7,8 @@ import json
 import pandas as pd
 import pytest
 
-from fp8kv.calibrate import data as data_module
-from fp8kv.calibrate.data import DataRequest, load_calibration_data, make_batches
+from fp8kv import data as data_module
+from fp8kv.data import DataRequest, load_calibration_data, make_batches
 from fp8kv.errors import Fp8kvError
 from fp8kv.models.factory import make_tokenizer
 

@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from fp8kv.calibrate.data import DataRequest
-from fp8kv.calibrate.observe import KVStatistics
-from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate, load_tokenizer, observe
+from fp8kv.data import DataRequest
+from fp8kv.observe import KVStatistics
+from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate, observe_whole_model
+from fp8kv.data import load_tokenizer
 from fp8kv.calibrate.scales import DEFAULT_HEADROOM, Strategy, compute_scales
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.cli import app
@@ -91,22 +92,22 @@ def test_headroom_one_reproduces_amax_over_448_exactly(tmp_path):
 
 def test_headroom_option_takes_a_number_of_at_least_one(tmp_path):
     result = CliRunner().invoke(app, ["calibrate", "bundled", "--headroom", "0.9"])
-    assert result.exit_code == 2 and "--headroom must be at least 1.0, got 0.9" in result.output
+    assert result.exit_code == 2 and "Invalid value for '--headroom'" in result.output
 
 
 def test_last_batch_strategy_is_the_amax_of_the_last_batch_alone(factory_checkpoint):
     source = SourceCheckpoint.open(factory_checkpoint("llama"))
     tokenizer = load_tokenizer(source.path, False)
-    from fp8kv.calibrate.data import load_calibration_data
+    from fp8kv.data import load_calibration_data
 
     data = load_calibration_data(DataRequest(str(BUNDLED_CALIBRATION_TEXT), num_samples=6, seq_len=48), tokenizer)
     request = CalibrationRequest(model=str(source.path), batch_size=1, device="cpu")
     g = source.geometry
     last = KVStatistics.empty(g.num_layers, g.num_kv_heads)
-    everything = observe(source.path, source.config, g, data, request, tokenizer, None, last)
+    everything = observe_whole_model(source, data, request, tokenizer, last_batch=last)
     from dataclasses import replace
 
-    alone = observe(source.path, source.config, g, replace(data, samples=data.samples[-1:]), request, tokenizer)
+    alone = observe_whole_model(source, replace(data, samples=data.samples[-1:]), request, tokenizer)
     mimic = compute_scales(everything, g.kv_layers, strategy=Strategy.parse("last-batch"), last_batch=last)
     expected = compute_scales(alone, g.kv_layers)
     assert torch.equal(mimic.scales, expected.scales)

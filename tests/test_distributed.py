@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from fp8kv.calibrate import distributed
-from fp8kv.calibrate.observe import NUM_BINS, KVStatistics
+from fp8kv.observe import NUM_BINS, KVStatistics
 
 
 def calibrate_args(model: Path, corpus: str, out: Path) -> list[str]:
@@ -25,7 +25,7 @@ def calibrate_args(model: Path, corpus: str, out: Path) -> list[str]:
 
 def test_two_ranks_give_the_scales_of_one_process(corpus, tmp_path):
     """torchrun, 2 CPU ranks, layer by layer on gemma2 (sliding + full layers) against one whole-model process."""
-    from fp8kv.calibrate.data import DataRequest
+    from fp8kv.data import DataRequest
     from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
     from fp8kv.models.factory import make_checkpoint
 

@@ -16,7 +16,7 @@ import lm_eval  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from fp8kv.calibrate.data import DataRequest  # noqa: E402
+from fp8kv.data import DataRequest  # noqa: E402
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
 from fp8kv.checkpoint.kvscales import KVScales  # noqa: E402
 from fp8kv.checkpoint.writer import write_checkpoint  # noqa: E402

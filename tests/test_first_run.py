@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-import fp8kv.calibrate.data as data_module
+import fp8kv.data as data_module
 import fp8kv.calibrate.pipeline as pipeline
-from fp8kv.calibrate.data import DataRequest, load_calibration_data
-from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate, load_tokenizer
+from fp8kv.data import DataRequest, load_calibration_data
+from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
+from fp8kv.data import load_tokenizer
 from fp8kv.errors import Fp8kvError
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_MODEL_DIR
 from fp8kv.progress import StageProgress
@@ -44,13 +45,13 @@ def test_a_missing_path_is_never_looked_up_on_the_hub(tokenizer, monkeypatch, na
 def test_fallback_is_announced_before_the_work(monkeypatch, tmp_path):
     monkeypatch.setattr(data_module, "_hub_reachable", lambda: False)
     stream = io.StringIO()
-    real_observe = pipeline.observe
+    real_observe = pipeline.observe_whole_model
 
     def observe(*args, **kwargs):
         stream.write("OBSERVING\n")
         return real_observe(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "observe", observe)
+    monkeypatch.setattr(pipeline, "observe_whole_model", observe)
     request = CalibrationRequest(model="bundled", data=DataRequest(seq_len=8), device="cpu", out=tmp_path / "o")
     with StageProgress(stream=stream) as progress:
         calibrate(request, progress=progress)

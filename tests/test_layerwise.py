@@ -11,8 +11,9 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from fp8kv.calibrate import layerwise
-from fp8kv.calibrate.data import DataRequest, load_calibration_data
-from fp8kv.calibrate.pipeline import CalibrationRequest, load_tokenizer, calibrate, observe
+from fp8kv.data import DataRequest, load_calibration_data
+from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate, observe_whole_model
+from fp8kv.data import load_tokenizer
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.cli import app
 from fp8kv.errors import Fp8kvError
@@ -48,7 +49,7 @@ def both_paths(model: Path, corpus: str, spill: bool = False):
     request = request_for(model, corpus)
     data = load_calibration_data(request.data, tokenizer)
     assert max(len(s) for s in data.samples) > WINDOW
-    whole = observe(source.path, source.config, source.geometry, data, request, tokenizer)
+    whole = observe_whole_model(source, data, request, tokenizer)
     by_layer = layerwise.observe_layerwise(source, data, request, tokenizer, spill=spill)
     return whole, by_layer
 

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 import fp8kv.calibrate.pipeline as pipeline
 from fp8kv.checkpoint.conventions import CONVENTIONS
+from fp8kv.checkpoint.load import MODEL_DTYPES
 from fp8kv.fp8 import FP8_MAX
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode
@@ -48,7 +49,7 @@ def test_help_lists_the_choices():
 
 def test_choice_lists_match_the_library():
     assert set(get_args(KvDtype)) == set(FP8_MAX)
-    assert set(get_args(ModelDtype)) == {"auto", *pipeline.DTYPES}
+    assert set(get_args(ModelDtype)) == {"auto", *MODEL_DTYPES}
 
 
 @pytest.fixture
@@ -56,7 +57,7 @@ def nothing_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a tokenizer, data or model was loaded before the options were checked")
 
-    for name in ("load_tokenizer", "load_calibration_data", "load_model"):
+    for name in ("load_tokenizer", "load_calibration_data", "load_language_model"):
         monkeypatch.setattr(pipeline, name, refuse)
 
 

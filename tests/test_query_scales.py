@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
-from fp8kv.calibrate.data import DataRequest, load_calibration_data
+from fp8kv.data import DataRequest, load_calibration_data
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.checkpoint.conventions import ATTENTION_GROUP
 from fp8kv.checkpoint.convert import convert_checkpoint

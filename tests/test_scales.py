@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp8kv.calibrate.observe import NUM_BINS, KVStatistics
+from fp8kv.observe import NUM_BINS, KVStatistics
 from fp8kv.calibrate.scales import Strategy, compute_scales, saturation_share, scale_from_amax
 from fp8kv.errors import Fp8kvError
 

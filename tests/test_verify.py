@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-from fp8kv.calibrate.data import DataRequest  # noqa: E402
+from fp8kv.data import DataRequest  # noqa: E402
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
 from fp8kv.cli import app  # noqa: E402
 from fp8kv.models.factory import make_checkpoint  # noqa: E402

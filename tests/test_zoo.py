@@ -73,7 +73,7 @@ def test_architecture(model_type: str, tmp_path) -> None:
 
 
 def test_a_cache_layer_that_never_updates_is_named_not_defaulted(factory_checkpoint) -> None:
-    from fp8kv.calibrate.observe import KVStatistics
+    from fp8kv.observe import KVStatistics
     from fp8kv.calibrate.pipeline import check_every_cache_seen
     from fp8kv.checkpoint.source import SourceCheckpoint
     from fp8kv.errors import Fp8kvError

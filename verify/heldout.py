@@ -10,15 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fp8kv.calibrate.data import BUNDLED_DATASET, CalibrationData, DataRequest, load_calibration_data
-from fp8kv.calibrate.observe import KVStatistics
-from fp8kv.calibrate.pipeline import CalibrationRequest, Progress, observe
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.checkpoint.load import load_language_model
 from fp8kv.checkpoint.source import SourceCheckpoint
+from fp8kv.data import BUNDLED_DATASET, CalibrationData, DataRequest, load_calibration_data, make_batches, pad_id
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import read_json
 from fp8kv.models import BUNDLED_HELDOUT_TEXT
+from fp8kv.observe import KVStatistics, Progress, observe
+from fp8kv.runtime.device import resolve_device
 
 
 def load_heldout(request: DataRequest, tokenizer: Any) -> CalibrationData:
@@ -50,8 +51,9 @@ def observe_heldout(
     progress: Progress | None = None,
 ) -> KVStatistics:
     """Per-layer, per-head amax and |x| histograms of the cached K/V over `data` (calibrate's observer)."""
-    request = CalibrationRequest(model=str(source.path), batch_size=batch_size, device=device)
-    return observe(source.path, source.config, source.geometry, data, request, tokenizer, progress)
+    model = load_language_model(source.path, resolve_device(device, torch_only=True).device)
+    batches = make_batches(data.samples, batch_size, pad_id(tokenizer))
+    return observe(model, batches, source.geometry, progress)
 
 
 def max_ratio_rows(statistics: KVStatistics, scales: KVScales, kv_layers: tuple[int, ...]) -> list[dict[str, Any]]:

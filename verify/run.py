@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8kv.calibrate.data import CalibrationData, DataRequest
-from fp8kv.calibrate.pipeline import load_tokenizer
+from fp8kv.data import CalibrationData, DataRequest
+from fp8kv.data import load_tokenizer
 from fp8kv.calibrate.resolve import resolve_model
 from fp8kv.checkpoint.artifacts import VERIFY_DIR, is_fp8kv_output
 from fp8kv.checkpoint.digest import checkpoint_digest

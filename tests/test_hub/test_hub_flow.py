@@ -8,7 +8,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard
 
-from fp8kv.calibrate.data import DataRequest
+from fp8kv.data import DataRequest
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.hub.card import write_card
 from fp8kv.hub.push import push

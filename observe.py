@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -33,6 +33,8 @@ _FIRST_BIN_BITS = (127 + LOG2_LOW) * BINS_PER_OCTAVE  # (biased exponent, mantis
 _ABS_MASK = 0x7FFFFFFF
 
 K, V = 0, 1
+Progress = Callable[[int, int], None]
+"""Called with (samples done, samples total) after every batch."""
 
 
 def bin_edges() -> torch.Tensor:
@@ -233,3 +235,41 @@ def observe_batch(
     cache = observing_cache(base_model, step)
     extra = {} if query is None else {QUERY_KWARG: QueryObservation(query, step.valid)}
     base_model(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(base_model, cache), **extra)
+
+
+def observe(
+    model: torch.nn.Module,
+    batches: Sequence[Any],
+    geometry: Any,
+    progress: Progress | None = None,
+    query: torch.Tensor | None = None,
+    last_batch: KVStatistics | None = None,
+) -> KVStatistics:
+    """Run `model`'s base model over `batches` (`fp8kv.data.Batch`) and return the folded K/V statistics (CPU).
+
+    `geometry` (an `AttentionGeometry`) names the layers and heads. `query` (float32 [num_layers], CPU),
+    when given, receives max |Q| per layer (load the model with `query_observer_for`). With `last_batch`,
+    the final batch is also folded into it alone (for `--strategy last-batch`).
+    """
+    device = next(model.parameters()).device
+    total = sum(batch.input_ids.shape[0] for batch in batches)
+    statistics = KVStatistics.empty(geometry.num_layers, geometry.num_kv_heads, device)
+    layers = frozenset(geometry.kv_layers)
+    query_on_device = None if query is None else query.to(device)
+    done = 0
+    with torch.no_grad():
+        for index, batch in enumerate(batches):
+            ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+            if last_batch is not None and index == len(batches) - 1:
+                alone = KVStatistics.empty(geometry.num_layers, geometry.num_kv_heads, device)
+                observe_batch(model.base_model, ids, mask, alone, layers, query_on_device)
+                statistics.merge(alone)
+                last_batch.merge(alone.cpu())
+            else:
+                observe_batch(model.base_model, ids, mask, statistics, layers, query_on_device)
+            done += ids.shape[0]
+            if progress is not None:
+                progress(done, total)
+    if query is not None:
+        query.copy_(query_on_device.cpu())
+    return statistics.cpu()

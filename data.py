@@ -266,3 +266,21 @@ def _encode(value: Any, tokenizer: Any) -> list[int]:
     if value is None:
         return []
     raise Fp8kvError(f"column values must be text or chat messages, found {type(value).__name__}")
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The id right padding uses (its value never matters: padding is masked and never observed)."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool):
+    """The checkpoint's own tokenizer, or one clear error naming the folder."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise Fp8kvError(f"{model_dir}: no usable tokenizer ({exc})") from None
