@@ -19,7 +19,7 @@ from fp8kv.calibrate import distributed, layerwise
 from fp8kv.calibrate.request import CalibrationRequest
 from fp8kv.data import CalibrationData, load_calibration_data, load_tokenizer, make_batches, pad_id
 from fp8kv.observe import KVStatistics, Progress, observe, query_observer_for
-from fp8kv.calibrate.resolve import infer_base_model, resolve_model
+from fp8kv.checkpoint.locate import infer_base_model, resolve_model
 from fp8kv.calibrate.scales import (
     DEFAULT_HEADROOM, LAST_BATCH, ScaleTable, Strategy, compute_scales, fp8_max, scale_from_amax,
 )
@@ -33,7 +33,7 @@ from fp8kv.checkpoint.writer import (
 )
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry
-from fp8kv.hub.resolve import is_repo_id
+from fp8kv.checkpoint.hub_cache import is_repo_id
 from fp8kv.progress import StageProgress, stage_callback
 from fp8kv.runtime.device import resolve_device
 

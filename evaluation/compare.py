@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
-from fp8kv.calibrate.resolve import resolve_model
+from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_file_atomic
 from fp8kv.errors import Fp8kvError

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from fp8kv.data import load_tokenizer
-from fp8kv.calibrate.resolve import resolve_model
+from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.errors import Fp8kvError
 from fp8kv.evaluation.spec import CacheSpec, open_runner
 from fp8kv.geometry import read_config

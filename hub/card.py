@@ -20,7 +20,7 @@ from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.checkpoint.writer import write_file_atomic
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import read_json
-from fp8kv.hub.resolve import is_repo_id, repo_id_from_cache_path
+from fp8kv.checkpoint.hub_cache import is_repo_id, repo_id_from_cache_path
 from fp8kv.verify.report import PLOT, REPORT_JSON
 
 REPORT_FILE = Path(VERIFY_DIR) / REPORT_JSON

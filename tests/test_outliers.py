@@ -8,7 +8,7 @@ import torch
 
 from fp8kv.data import DataRequest
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
-from fp8kv.calibrate.resolve import resolve_model
+from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT, BUNDLED_MODEL_DIR, BUNDLED_OUTLIERS_DIR
 from fp8kv.models.outliers import OUTLIERS, build
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from fp8kv.data import CalibrationData, DataRequest
 from fp8kv.data import load_tokenizer
-from fp8kv.calibrate.resolve import resolve_model
+from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.checkpoint.artifacts import VERIFY_DIR, is_fp8kv_output
 from fp8kv.checkpoint.digest import checkpoint_digest
 from fp8kv.checkpoint.kvscales import KVScales
@@ -22,7 +22,7 @@ from fp8kv.checkpoint.load import WeightsMismatch
 from fp8kv.checkpoint.writer import check_writable_location
 from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import ENGINES
-from fp8kv.hub.resolve import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
+from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
 from fp8kv.progress import StageProgress, stage_callback
 from fp8kv.runtime import xla_cost
 from fp8kv.runtime.device import resolve_device

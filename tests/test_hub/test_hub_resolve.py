@@ -9,7 +9,7 @@ import pytest
 from huggingface_hub.utils import filter_repo_objects
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.hub.resolve import ALLOW_PATTERNS, looks_like_hub_id, repo_id_from_cache_path, resolve_hub_model, split_hub_id
+from fp8kv.checkpoint.hub_cache import ALLOW_PATTERNS, looks_like_hub_id, repo_id_from_cache_path, resolve_hub_model, split_hub_id
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

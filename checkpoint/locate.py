@@ -7,7 +7,7 @@ from pathlib import Path
 from fp8kv.errors import Fp8kvError
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, is_fp8kv_output
 from fp8kv.geometry import read_json
-from fp8kv.hub.resolve import is_repo_id, looks_like_hub_id, repo_id_from_cache_path, resolve_hub_model, split_hub_id
+from fp8kv.checkpoint.hub_cache import is_repo_id, looks_like_hub_id, repo_id_from_cache_path, resolve_hub_model, split_hub_id
 from fp8kv.models import BUNDLED_MODEL_ALIAS, BUNDLED_MODEL_DIR, BUNDLED_OUTLIERS_ALIAS, BUNDLED_OUTLIERS_DIR
 
 BUNDLED_MODELS = {BUNDLED_MODEL_ALIAS: BUNDLED_MODEL_DIR, BUNDLED_OUTLIERS_ALIAS: BUNDLED_OUTLIERS_DIR}
