@@ -103,6 +103,8 @@ def config_object(config: dict[str, Any], source: str = "config.json"):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type = config.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise Fp8kvError(f"{source}: 'model_type' must be a string, found {model_type!r}")
     cls = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else PretrainedConfig
     try:
         # as from_pretrained reads config.json: special floats (Infinity) are stored as {"__float__": ...}
