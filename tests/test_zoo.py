@@ -134,3 +134,8 @@ def test_kv_sharing_layers_read_their_source_layers_cache(tmp_path) -> None:
     assert torch.isfinite(fp8.step([(seq, samples[0])])[0]).all()
     written = fp8.counts()["written"]  # only the owners write: the sharing layers add nothing
     assert sorted(written) == [0, 1] and written[0] == written[1] == (40 * 2 * 16, 40 * 2 * 16)
+    from fp8kv.errors import Fp8kvError
+
+    with pytest.raises(Fp8kvError, match=r"^layer 4 has no K/V cache here: it owns none and shares none "
+                                         r"\(cache layers \[0, 1\], shared \{2: 0, 3: 1\}\)$"):
+        fp8.cache.owner(4)
