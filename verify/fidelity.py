@@ -8,7 +8,7 @@ on the same weights with its default attention, one sequence per forward. The me
 
 The bound scales with the model's own rounding noise: transformers against itself with another
 attention implementation (eager vs SDPA, same weights and dtype). On trained bf16 weights that
-noise is far from zero (the bundled model: 3.0e-4, while the runtime is at 1.6e-4), on tiny random
+noise is far from zero (the bundled model: 2.6e-4, while the runtime is at 1.7e-4), on tiny random
 weights it is near 1e-7; `MIN_BOUND` covers the latter. A model with a single attention implementation
 (Gemma 2: eager only) has no such noise to measure: its KL is reported against `MIN_BOUND` as a warning.
 """
