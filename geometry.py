@@ -31,6 +31,8 @@ class AttentionGeometry:
     kv_layers: tuple[int, ...]
     kv_heads_per_layer: tuple[int, ...] = ()
     head_dim_per_layer: tuple[int, ...] = ()
+    # (layer, source): the layer attends over the K/V cache of the earlier layer `source` (KV sharing)
+    shared_kv_sources: tuple[tuple[int, int], ...] = ()
 
     @property
     def skipped_layers(self) -> tuple[int, ...]:
@@ -86,6 +88,7 @@ class AttentionGeometry:
             kv_layers=kv_layers,
             kv_heads_per_layer=kv_heads,
             head_dim_per_layer=head_dims,
+            shared_kv_sources=_shared_kv_sources(text, num_layers, source),
         )
 
     @classmethod
@@ -139,6 +142,29 @@ def cache_layout(text: Any, num_layers: int, source: str) -> tuple[tuple[str, ..
         for kind in kinds
     )
     return kinds, owns
+
+
+def _shared_kv_sources(text: Any, num_layers: int, source: str) -> tuple[tuple[int, int], ...]:
+    """(layer, source) for each layer that reads an earlier layer's cache, from transformers' `kv_sharing_modes`.
+
+    A "reuse" layer (Gemma 3n, Gemma 4) attends over the K/V its model hands over by layer type: those
+    of the last earlier "store" layer of the same type.
+    """
+    try:
+        modes = getattr(text, "kv_sharing_modes", None) or [None] * num_layers
+    except ValueError as exc:  # the config class checks that every sharing layer type has a producer
+        raise Fp8kvError(f"{source}: cannot read the KV sharing layout ({exc})") from None
+    types = list(getattr(text, "layer_types", None) or [None] * num_layers)
+    pairs = []
+    for layer, mode in enumerate(modes):
+        if mode != "reuse":
+            continue
+        stores = [i for i in range(layer) if modes[i] == "store" and types[i] == types[layer]]
+        if not stores:
+            raise Fp8kvError(f"{source}: layer {layer} reuses the K/V cache of an earlier {types[layer]} layer, "
+                             "but no earlier layer of that type stores one")
+        pairs.append((layer, stores[-1]))
+    return tuple(pairs)
 
 
 def _require_keys(config: dict[str, Any], text: Any, keys: tuple[str, ...], source: str) -> None:

@@ -5,12 +5,14 @@ its own peak RSS (VmHWM) at exit. (`wait4`'s ru_maxrss would not do: Linux folds
 parent's RSS into the child's maximum at exec.)
 
     depth  factory llama (hidden 1024, bf16) at growing depth, whole-model and --layerwise
+    speed  wall time of --layerwise against the whole-model path on a factory llama that fits (median of 3)
     big    an 8B-shaped random llama written to disk shard by shard (never held in RAM),
            calibrated with the automatic choice (layer by layer when it does not fit), then
            written with --mode overlay and --mode copy; the checkpoint is deleted afterwards
     build  only write the 8B-shaped checkpoint (used by bench/gpu_8b.sh)
 
     .venv/bin/python bench/bench_layerwise.py depth [--depths 2 4 8 16]
+    .venv/bin/python bench/bench_layerwise.py speed [--layers 8] [--samples 16] [--seq-len 256]
     .venv/bin/python bench/bench_layerwise.py big [--root DIR] [--samples 4] [--seq-len 64]
 
 Prints a table per part and merges its figures into bench/results/layerwise.json.
@@ -120,6 +122,31 @@ def bench_depth(depths: list[int], hidden: int, samples: int, seq_len: int) -> d
               f"{r['whole_seconds']:>8.1f} {r['layerwise_seconds']:>9.1f} {str(r['scales_identical']):>11}"
               f" {r['write_overlay_seconds']:>9.3f} {r['write_copy_seconds']:>7.3f}")
     return {"hidden": hidden, "samples": samples, "seq_len": seq_len, "import_floor_mb": floor, "rows": rows}
+
+
+def bench_speed(layers: int, hidden: int, samples: int, seq_len: int, repeats: int) -> dict[str, Any]:
+    """Wall time of whole-model and --layerwise calibration of one factory llama: median of `repeats` fresh
+    processes each (alternating, so a load change on the machine hits both), and their ratio."""
+    import statistics
+
+    from fp8kv.models.factory import make_checkpoint
+
+    seconds: dict[str, list[float]] = {"whole": [], "layerwise": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = write_corpus(Path(tmp))
+        model = make_checkpoint("llama", Path(tmp) / "llama", num_layers=layers, hidden_size=hidden, num_heads=16,
+                                num_kv_heads=4, dtype=torch.bfloat16)
+        for _ in range(repeats):
+            for name, flag in (("whole", "--no-layerwise"), ("layerwise", "--layerwise")):
+                seconds[name].append(run_cli(calibrate_args(model, corpus, samples, seq_len, flag))["seconds"])
+    median = {name: statistics.median(times) for name, times in seconds.items()}
+    ratio = median["layerwise"] / median["whole"]
+    print(f"\nwall time (s), factory llama {layers}x{hidden}, bf16, {samples} x {seq_len} tokens, "
+          f"median of {repeats} processes each")
+    print(f"  whole-model {median['whole']:.1f} {seconds['whole']}\n  --layerwise {median['layerwise']:.1f} "
+          f"{seconds['layerwise']}\n  ratio {ratio:.3f} (target <= 1.15)")
+    return {"layers": layers, "hidden": hidden, "samples": samples, "seq_len": seq_len, "seconds": seconds,
+            "median_seconds": median, "layerwise_over_whole": ratio}
 
 
 def write_random_llama(out: Path, num_layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int,
@@ -246,17 +273,21 @@ def save(part: str, figures: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["depth", "big", "build"])
+    parser.add_argument("part", choices=["depth", "speed", "big", "build"])
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "fp8kv-bench-8b")
+    parser.add_argument("--layers", type=int, default=8, help="Depth of the llama speed times.")
+    parser.add_argument("--repeats", type=int, default=3, help="Processes per mode (speed).")
     parser.add_argument("--keep", action="store_true", help="Keep the 8B-shaped checkpoint (big).")
     parser.add_argument("--device", default="cpu", help="Where build draws the random tensors.")
     args = parser.parse_args()
     if args.part == "depth":
         save("depth", bench_depth(args.depths, args.hidden, args.samples, args.seq_len))
+    elif args.part == "speed":
+        save("speed", bench_speed(args.layers, args.hidden, args.samples, args.seq_len, args.repeats))
     elif args.part == "big":
         save("llama_8b_shape", bench_big(args.root, args.samples, args.seq_len, args.keep))
     else:

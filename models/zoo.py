@@ -119,8 +119,11 @@ def make_zoo_config(model_type: str, out_dir: str | Path) -> Path:
     return Path(out_dir)
 
 
-def make_zoo_checkpoint(model_type: str, out_dir: str | Path, *, seed: int = 0) -> Path:
+def make_zoo_checkpoint(model_type: str, out_dir: str | Path, *, seed: int = 0,
+                        overrides: dict[str, Any] | None = None) -> Path:
     """Write a tiny random bf16 checkpoint of `model_type` with the factory tokenizer; returns `out_dir`.
+
+    `overrides` replace entries of the tiny config (of a text-only config), e.g. more layers.
 
     The sliding window and attention chunk (64) exceed the zoo's samples, so a `DynamicCache` keeps
     every token: the cache's contents are then an independent reference for the K/V amax.
@@ -129,6 +132,8 @@ def make_zoo_checkpoint(model_type: str, out_dir: str | Path, *, seed: int = 0) 
 
     tokenizer = make_tokenizer(TOKENIZER_VOCAB)
     config = tiny_config(model_type, len(tokenizer), tokenizer)
+    if overrides:
+        config = type(config).from_dict({**config.to_dict(), **overrides})
     torch.manual_seed(seed)
     model = model_class(config.to_dict()).from_config(config, dtype=torch.bfloat16)
     _spread_norm_weights(model)

@@ -89,6 +89,7 @@ class PagedKVCache:
     `k_scales`/`v_scales` map each KV layer index to a float or a per-KV-head list of floats
     (dequantization multipliers); None means 1.0 everywhere. Scales only apply to fp8 caches.
     `engine` is how writes cast to fp8 (`fp8kv.fp8.ENGINES`: "clamp", "raw", "raw-bf16").
+    `shared_layers` maps each layer that reads another's cache (KV sharing) to that layer (`owner`).
     Counters (int64 tensors on the cache device, `[num_kv_layers, 2]` for K and V):
     `clamped` counts values with |x / scale| > MAX, `nonfinite` counts NaN/inf values stored.
     """
@@ -107,8 +108,10 @@ class PagedKVCache:
         k_scales: Mapping[int, Scale] | None = None,
         v_scales: Mapping[int, Scale] | None = None,
         engine: str = "clamp",
+        shared_layers: Mapping[int, int] | None = None,
     ) -> None:
         self.kv_layers = tuple(kv_layers)
+        self.shared_layers = dict(shared_layers or {})  # KV sharing: reading layer -> the layer owning the cache
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -131,6 +134,14 @@ class PagedKVCache:
         self.clamped = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
         self.nonfinite = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
         self.written = torch.zeros(len(self.kv_layers), dtype=torch.int64, device=device)
+
+    def owner(self, layer: int) -> int:
+        """The cache layer `layer` attends over: itself, or the layer whose cache it shares."""
+        owner = self.shared_layers.get(layer, layer)
+        if owner not in self._row:
+            raise Fp8kvError(f"layer {layer} has no K/V cache here: it owns none and shares none "
+                             f"(cache layers {list(self.kv_layers)}, shared {self.shared_layers})")
+        return owner
 
     def layer_pages(self, layer: int) -> torch.Tensor:
         """The `[num_pages, page_size, 2*kv_heads, head_dim_padded]` cache tensor of `layer`."""

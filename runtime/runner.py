@@ -70,9 +70,10 @@ def _paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: query `[1, q_heads, T, d]`, key/value `[1, kv_heads, T, d]`."""
     step: PagedStep = kwargs[STEP_KWARG]
-    meta, layer = step.meta, module.layer_idx
-    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d]
-    step.cache.write(layer, k, v, meta.slot_mapping, meta.valid)
+    meta, layer = step.meta, step.cache.owner(module.layer_idx)
+    if layer == module.layer_idx:  # a KV-sharing layer reads K/V its owner wrote in this forward
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d]
+        step.cache.write(layer, k, v, meta.slot_mapping, meta.valid)
     k_scale, v_scale = step.cache.scale_args(layer)
     q = query[0].transpose(0, 1)  # [T, q_heads, d]
     if step.q_scales is not None:  # what an fp8 attention kernel computes with: fp8(q / q_scale) * q_scale
@@ -171,6 +172,7 @@ class PagedModelRunner:
             k_scales=k_scales,
             v_scales=v_scales,
             engine=engine,
+            shared_layers=dict(g.shared_kv_sources),
         )
         # The Pallas kernel where vLLM's TPU backend would run it; torch_xla's reference elsewhere.
         self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu"

@@ -77,6 +77,8 @@ def test_a_checkpoint_calibrated_by_fp8kv_passes(calibrated, texts, tmp_path):
     assert report["text_source"] == f"{texts['held']}, split train, column 'text'"
     assert report["num_samples"] == 4 and report["num_tokens"] > 4 * 20
     assert report["readback"] == {"equal": True, "layers": 2, "mismatches": []}
+    fidelity = report["fidelity"]  # the bf16 runtime is transformers on this model, to float32 rounding
+    assert abs(fidelity["kl_mean"]) < 1e-6 and fidelity["bound"] == 2e-6 and fidelity["samples"] == 2
     acc = report["accuracy"]
     assert acc["ppl_bf16"] > 1 and acc["kl_mean"] < 1e-3 and acc["top1_agreement"] > 0.9
     assert acc["kl_max"] >= acc["kl_mean"] > 0  # fp8 rounding is visible, but small
@@ -190,6 +192,19 @@ def test_the_bundled_model_calibrated_by_fp8kv_verifies_on_its_held_out_split(tm
         assert first is None if engine["engine"] == "clamp" else (first is None or first in over), report["engines"]
     assert report["readback"]["equal"] and report["accuracy"]["kl_mean"] < 0.05
     assert report["accuracy"]["ppl_bf16"] < 4096 / 10  # a trained model: far better than chance over its vocabulary
+
+
+def test_verify_refuses_to_judge_when_its_runtime_is_not_the_model(calibrated, texts, tmp_path, monkeypatch):
+    from fp8kv.runtime import runner
+
+    attend = runner.ragged_paged_attention  # a runtime bug: every softmax ten times too sharp
+    monkeypatch.setattr(runner, "ragged_paged_attention",
+                        lambda *a, sm_scale, **k: attend(*a, sm_scale=sm_scale * 10, **k))
+    result = verify(_request(calibrated, texts))
+    fails = [r["message"] for r in result.report["reasons"] if r["level"] == "FAIL"]
+    assert result.verdict == "FAIL" and len(fails) == 1, fails
+    assert fails[0].startswith("verify's bf16 runtime does not reproduce transformers on this model: mean KL ")
+    assert result.report["fidelity"]["kl_mean"] > 2e-6 and result.report["accuracy"] is None
 
 
 def test_readback_catches_a_scale_one_float32_step_off(calibrated):

@@ -105,3 +105,37 @@ def test_runtime_loads_fp8kv_output_of_moe_models(model_type: str, tmp_path) -> 
     seq, _ = runner.start()
     logits = runner.step([(seq, list(range(5, 17)))])[0]
     assert logits.shape[0] == 12 and torch.isfinite(logits).all()
+
+
+# Gemma 3n with its last two layers reading the caches of the first two (one per layer type).
+KV_SHARING = {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "intermediate_size": [128] * 4,
+              "layer_types": ["sliding_attention", "full_attention"] * 2, "activation_sparsity_pattern": [0.0] * 4}
+
+
+def test_kv_sharing_layers_read_their_source_layers_cache(tmp_path) -> None:
+    import torch
+
+    from fp8kv.geometry import AttentionGeometry
+    from fp8kv.models.zoo import make_zoo_checkpoint
+    from fp8kv.runtime.runner import PagedModelRunner
+    from fp8kv.verify.fidelity import measure_fidelity
+
+    path = make_zoo_checkpoint("gemma3n_text", tmp_path / "gemma3n", overrides=KV_SHARING)
+    geometry = AttentionGeometry.from_dir(path)
+    assert (geometry.kv_layers, geometry.skipped_layers) == ((0, 1), (2, 3))
+    assert geometry.shared_kv_sources == ((2, 0), (3, 1))
+    samples = [list(range(5, 45)), list(range(50, 80))]
+    bf16 = PagedModelRunner(path, device="cpu", cache_dtype="bf16", max_model_len=64, max_num_seqs=2)
+    assert measure_fidelity(bf16, samples).reproduces  # the shared layers attend over their source's pages
+    scales = {0: 0.05, 1: 0.05}
+    fp8 = PagedModelRunner(path, device="cpu", cache_dtype="fp8_e4m3", k_scales=scales, v_scales=scales,
+                           max_model_len=64, max_num_seqs=1, model=bf16.model)
+    seq, _ = fp8.start()
+    assert torch.isfinite(fp8.step([(seq, samples[0])])[0]).all()
+    written = fp8.counts()["written"]  # only the owners write: the sharing layers add nothing
+    assert sorted(written) == [0, 1] and written[0] == written[1] == (40 * 2 * 16, 40 * 2 * 16)
+    from fp8kv.errors import Fp8kvError
+
+    with pytest.raises(Fp8kvError, match=r"^layer 4 has no K/V cache here: it owns none and shares none "
+                                         r"\(cache layers \[0, 1\], shared \{2: 0, 3: 1\}\)$"):
+        fp8.cache.owner(4)

@@ -122,9 +122,9 @@ class _Totals:
         for name, lp in logp.items():
             self.nll[name] -= float(lp[:-1].gather(1, target[:, None]).double().sum())
         ref = logp["bf16"]
-        p_ref, top_ref = ref.exp(), ref.argmax(-1)
+        top_ref = ref.argmax(-1)
         for name in ("fp8", "unit"):
-            kl = (p_ref * (ref - logp[name])).sum(-1).double()  # [L]; NaN logits give NaN
+            kl = token_kl(ref, logp[name])  # [L]; NaN logits give NaN
             self.kl[name] += float(kl.sum())
             self.kl_max[name] = max(self.kl_max[name], float(kl.max())) if not kl.isnan().any() else math.nan
             self.top1[name] += int((logp[name].argmax(-1) == top_ref).sum())
@@ -143,6 +143,11 @@ class _Totals:
         }
 
 
+def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """KL(ref || other) of each row, float64 `[L]`, from log-probabilities `[L, vocab]`."""
+    return (ref_logp.exp() * (ref_logp - logp)).sum(-1).double()
+
+
 def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int,
                      progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, float], list[EngineResult]]:
     """Prefill every sample on every runner (`batch_size` sequences per step) and compare logits.
@@ -155,8 +160,8 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
     extra = {engine: runner for engine, runner in runners.engines.items() if runner is not runners.fp8}
     for start in range(0, len(samples), batch_size):
         batch = samples[start : start + batch_size]
-        outputs = {name: _prefill(runner, batch) for name, runner in named.items()}
-        engine_outputs = {engine: _prefill(runner, batch) for engine, runner in extra.items()}
+        outputs = {name: prefill(runner, batch) for name, runner in named.items()}
+        engine_outputs = {engine: prefill(runner, batch) for engine, runner in extra.items()}
         engine_outputs.update({engine: outputs["fp8"] for engine in runners.engines if engine not in extra})
         for i, ids in enumerate(batch):
             totals.add(ids, {name: out[i] for name, out in outputs.items()})
@@ -187,7 +192,8 @@ def query_cost(model_dir: Path, runners: Runners, scales: KVScales, samples: lis
             "ppl": summary["ppl_fp8"], "max_q_scale": max(scales.q_value(i) for i in layers)}
 
 
-def _prefill(runner: PagedModelRunner, batch: list[list[int]]) -> list[torch.Tensor]:
+def prefill(runner: PagedModelRunner, batch: list[list[int]]) -> list[torch.Tensor]:
+    """Prefill `batch` as one step (the sequences packed into one row) and free it; float32 logits per sequence."""
     seqs = [runner.start()[0] for _ in batch]
     logits = runner.step(list(zip(seqs, batch)))
     for seq in seqs:

@@ -57,6 +57,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     readback = report.get("readback")
     if readback:
         setup.append(("Runtime scales equal the file's (float32 bits)", "yes" if readback["equal"] else "NO"))
+    if report.get("fidelity"):
+        fid = report["fidelity"]
+        setup.append(("bf16 runtime vs transformers: mean KL (bound)", f"{fid['kl_mean']:.2e} ({fid['bound']:.1e})"))
     parts.append(markdown_table(["Setting", "Value"], [[k, _fmt(v)] for k, v in setup]))
     accuracy = report.get("accuracy") or {}
     if accuracy:

@@ -26,7 +26,7 @@ from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_pat
 from fp8kv.progress import StageProgress, stage_callback
 from fp8kv.runtime import xla_cost
 from fp8kv.runtime.device import resolve_device
-from fp8kv.verify import accuracy, engines, generation, heldout
+from fp8kv.verify import accuracy, engines, fidelity, generation, heldout
 from fp8kv.verify.report import REPORT_JSON, write_report
 from fp8kv.verify.static import StaticResult, static_checks
 from fp8kv.checks import FAIL, WARN, Finding
@@ -134,6 +134,7 @@ def _base_report(static: StaticResult, device: str, thresholds: Thresholds) -> d
         "scales": scales.rows() if scales else [],
         "text_source": None, "num_samples": 0, "num_tokens": 0,
         "accuracy": None, "generation": None, "readback": None, "layers": [], "runtime": None, "engines": [],
+        "fidelity": None,
     }
 
 
@@ -174,6 +175,11 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
     if not report["readback"]["equal"]:
         reasons.append(Finding(FAIL, "the runtime's scales differ from the file's: "
                                     + "; ".join(report["readback"]["mismatches"][:3])))
+    reference = fidelity.measure_fidelity(runners.bf16, data.samples)
+    report["fidelity"] = reference.as_dict()
+    if reference.refuses:  # fp8 against a runtime that is not the model would judge the runtime
+        return reasons + reference.reasons()
+    reasons += reference.reasons()
 
     clock = time.perf_counter()
     report["accuracy"], engine_results = accuracy.measure_accuracy(
