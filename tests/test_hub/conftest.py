@@ -11,17 +11,23 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.digest import checkpoint_digest
+from fp8kv.checkpoint.provenance import CacheRecord, DatasetRecord, LayerRecord, Provenance, SourceRecord
 
 
 FAKE_TOKEN = "hf_fakeTokenForFp8kvTests0123456789"
 SOURCE_README = "---\nlicense: llama3.1\n---\n\n# The source model's own card\n"
-LAYERS = [
-    {"layer": 0, "k_amax": 1.25, "v_amax": 0.75, "k_scale": 0.00279018, "v_scale": 0.00167411,
-     "k_saturation": 0.0, "v_saturation": 0.0},
-    {"layer": 1, "k_amax": 3.5, "v_amax": 0.5, "k_scale": 0.0078125, "v_scale": 0.00111607,
-     "k_saturation": 0.00042, "v_saturation": 0.0},
-]
+
+
+def _cache(amax: float, scale: float, saturation: float) -> CacheRecord:
+    return CacheRecord(amax=amax, clip=amax, scale=scale, saturation=saturation, amax_per_head=(amax,))
+
+
+LAYERS = (
+    LayerRecord(0, 1.0, k=_cache(1.25, 0.00279018, 0.0), v=_cache(0.75, 0.00167411, 0.0)),
+    LayerRecord(1, 1.0, k=_cache(3.5, 0.0078125, 0.00042), v=_cache(0.5, 0.00111607, 0.0)),
+)
 REPORT = {
     "verdict": "WARN", "reasons": [{"level": "WARN", "message": "layer 1 K saturation 0.042%"}],
     "checkpoint": "DIR", "device": "cpu", "text_source": "bundled heldout", "num_samples": 16, "num_tokens": 4096,
@@ -42,15 +48,17 @@ def source_model(tmp_path_factory: pytest.TempPathFactory, factory_checkpoint) -
     return path
 
 
-def provenance(source: Path, **source_keys) -> dict:
-    return {
-        "tool": "fp8kv", "version": "0.1.0", "command": f"fp8kv calibrate {source} --out DIR --num-samples 512",
-        "source": {"path": str(source), "sha256": "9f2c" * 16, **source_keys},
-        "dataset": {"name": "HuggingFaceH4/ultrachat_200k", "split": "train_sft", "text_column": "messages",
-                    "num_samples": 512, "seq_len": 2048, "seed": 42},
-        "strategy": "amax", "headroom": 1.0, "kv_dtype": "fp8_e4m3", "per_head": False, "skipped_layers": [],
-        "layers": LAYERS,
-    }
+def provenance(source: Path) -> Provenance:
+    """The record calibrate would write for `source` (512 ultrachat samples, amax, the two LAYERS)."""
+    return Provenance(
+        version="0.1.0", command=f"fp8kv calibrate {source} --out DIR --num-samples 512", format="compressed-tensors",
+        source=SourceRecord(path=str(source), content_hash="sha256:" + "9f2c" * 16, base_model=None),
+        dataset=DatasetRecord("HuggingFaceH4/ultrachat_200k", "train_sft", "messages", num_samples=512,
+                              num_tokens=512 * 2048, seq_len=2048, seed=42, note=None),
+        strategy="amax", headroom=1.0, kv_dtype="fp8_e4m3", fp8_max=448.0, per_head=False, skipped_layers=(),
+        defaulted_layers=(), layers=LAYERS,
+    )
+
 
 
 @pytest.fixture
@@ -65,8 +73,8 @@ def calibrated_dir(tmp_path: Path, source_model: Path) -> Path:
             os.link(source_model / name, out / name)
         else:
             shutil.copy2(source_model / name, out / name)
-    scales = {f"model.layers.{row['layer']}.self_attn.{kv}_scale": torch.tensor([row[f"{kv}_scale"]])
-              for row in LAYERS for kv in "kv"}
+    scales = {f"model.layers.{row.layer}.self_attn.{kv}_scale": torch.tensor([cache.scale])
+              for row in LAYERS for kv, cache in (("k", row.k), ("v", row.v))}
     save_file(scales, out / "kv_scales.safetensors")
     weight_map = {name: "kv_scales.safetensors" for name in scales}
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -74,7 +82,7 @@ def calibrated_dir(tmp_path: Path, source_model: Path) -> Path:
     config["quantization_config"] = {"quant_method": "compressed-tensors", "kv_cache_scheme": {
         "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
     (out / "config.json").write_text(json.dumps(config))
-    (out / "fp8kv.json").write_text(json.dumps(provenance(source_model, base_model=None, license=None)))
+    (out / PROVENANCE_FILE).write_text(provenance(source_model).to_json())
     return out
 
 
