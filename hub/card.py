@@ -7,7 +7,6 @@ section (a folder converted from scales fp8kv did not calibrate) drops its rows.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from fp8kv.checkpoint.writer import write_file_atomic
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import read_json
 from fp8kv.hub.resolve import is_repo_id, repo_id_from_cache_path
-from fp8kv.verify.report import PLOT, REPORT_JSON
+from fp8kv.verify.report import PLOT, REPORT_JSON, VerifyReport
 
 REPORT_FILE = Path(VERIFY_DIR) / REPORT_JSON
 PLOT_FILE = Path(VERIFY_DIR) / PLOT
@@ -41,16 +40,6 @@ _ACCURACY_ROWS = [
 ]
 
 
-def _json_if_present(path: Path) -> dict[str, Any] | None:
-    """The JSON object in `path`, None when the file is absent; `Fp8kvError` when it is not an object."""
-    if not path.is_file():
-        return None
-    try:
-        return read_json(path)
-    except Fp8kvError as exc:  # fp8kv wrote these files: writing them again is the fix
-        raise Fp8kvError(f"{exc}; rerun the fp8kv command that wrote it") from None
-
-
 def read_provenance(out_dir: Path) -> Provenance:
     """`DIR/fp8kv.json`; `Fp8kvError` when DIR is not an fp8kv calibrate output."""
     if Path(out_dir).is_file():
@@ -61,14 +50,20 @@ def read_provenance(out_dir: Path) -> Provenance:
     return record
 
 
-def read_report(out_dir: Path) -> dict[str, Any] | None:
+def read_report(out_dir: Path) -> VerifyReport | None:
     """`DIR/verify/report.json`, or None when the folder was never verified.
 
     `Fp8kvError` when the report judged other scales, config or weight files than DIR holds now.
     """
-    report = _json_if_present(Path(out_dir) / REPORT_FILE)
-    if report is not None:
-        check_unchanged(Path(out_dir), report.get("digest"), Path(out_dir) / REPORT_FILE)
+    path = Path(out_dir) / REPORT_FILE
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Fp8kvError(f"{path}: cannot be read ({exc}); rerun the fp8kv command that wrote it") from None
+    report = VerifyReport.from_json(text, path)
+    check_unchanged(Path(out_dir), report.digest, path)
     return report
 
 
@@ -175,8 +170,9 @@ def _readme_metadata(readme: Path) -> dict[str, Any] | None:
 
 
 def _quiet_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`; None when it is absent or unreadable (it only adds a hint)."""
     try:
-        return _json_if_present(path)
+        return read_json(path) if path.is_file() else None
     except (Fp8kvError, OSError):
         return None
 
@@ -258,23 +254,23 @@ def _scales(out: Path, prov: Provenance) -> str:
     return "\n\n".join(parts)
 
 
-def _verify(out: Path, report: dict[str, Any] | None) -> str:
+def _verify(out: Path, report: VerifyReport | None) -> str:
     if report is None:
         return f"## Verify results\n\nNot verified. Run `fp8kv verify {out}` before publishing."
-    parts = ["## Verify results", f"**Verdict: {report.get('verdict', 'unknown')}**"]
-    reasons = [r for r in report.get("reasons") or [] if isinstance(r, dict)]
-    if reasons:
-        parts.append("\n".join(f"- {r.get('level', '')}: {r.get('message', '')}" for r in reasons))
-    setup = [("Device", "device"), ("Text", "text_source"), ("Samples", "num_samples"), ("Tokens", "num_tokens"),
-             ("Convention", "convention"), ("KV-cache dtype", "kv_dtype")]
-    rows = [[name, _fmt(report[key])] for name, key in setup if report.get(key) is not None]
-    accuracy = report.get("accuracy") if isinstance(report.get("accuracy"), dict) else {}
+    parts = ["## Verify results", f"**Verdict: {report.verdict}**"]
+    if report.reasons:
+        parts.append("\n".join(f"- {r.level}: {r.message}" for r in report.reasons))
+    setup = [("Device", report.device), ("Text", report.text_source), ("Samples", report.num_samples),
+             ("Tokens", report.num_tokens), ("Convention", report.convention), ("KV-cache dtype", report.kv_dtype)]
+    rows = [[name, _fmt(value)] for name, value in setup if value is not None]
+    accuracy = report.accuracy or {}
     rows += [[name, _fmt(accuracy[key], spec)] for name, key, spec in _ACCURACY_ROWS if accuracy.get(key) is not None]
-    generation = report.get("generation") if isinstance(report.get("generation"), dict) else {}
-    rows += [[f"Generation: {key.replace('_', ' ')}", _fmt(value)] for key, value in generation.items()]
+    # Shares of greedy tokens that match the bf16 cache.
+    rows += [[f"Generation: {key.replace('_', ' ')}", _fmt(value, "{:.2%}")]
+             for key, value in (report.generation or {}).items()]
     if rows:
         parts.append(markdown_table(["Check", "Result"], rows))
-    layers = [layer for layer in report.get("layers") or [] if isinstance(layer, dict)]
+    layers = report.layers
     columns = [c for c in ("layer", "k_saturation", "v_saturation", "k_max_ratio", "v_max_ratio")
                if any(c in layer for layer in layers)]
     if columns:

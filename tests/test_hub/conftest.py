@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,10 @@ import torch
 from safetensors.torch import save_file
 
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
-from fp8kv.checkpoint.digest import checkpoint_digest
 from fp8kv.checkpoint.provenance import CacheRecord, DatasetRecord, LayerRecord, Provenance, SourceRecord
+from fp8kv.checks import WARN, Finding
+from fp8kv.verify.report import VerifyReport
+from tests.reports import report_for
 
 
 FAKE_TOKEN = "hf_fakeTokenForFp8kvTests0123456789"
@@ -28,16 +31,6 @@ LAYERS = (
     LayerRecord(0, 1.0, k=_cache(1.25, 0.00279018, 0.0), v=_cache(0.75, 0.00167411, 0.0)),
     LayerRecord(1, 1.0, k=_cache(3.5, 0.0078125, 0.00042), v=_cache(0.5, 0.00111607, 0.0)),
 )
-REPORT = {
-    "verdict": "WARN", "reasons": [{"level": "WARN", "message": "layer 1 K saturation 0.042%"}],
-    "checkpoint": "DIR", "device": "cpu", "text_source": "bundled heldout", "num_samples": 16, "num_tokens": 4096,
-    "convention": "compressed-tensors", "kv_dtype": "fp8_e4m3",
-    "accuracy": {"ppl_bf16": 10.137, "ppl_fp8": 10.2461, "ppl_fp8_unit": 10.9133, "kl_mean": 0.00123,
-                 "kl_max": 0.0345, "top1_agreement": 0.9876},
-    "layers": [{"layer": 0, "k_saturation": 0.0, "v_saturation": 0.0, "k_max_ratio": 301.2, "v_max_ratio": 250.0},
-               {"layer": 1, "k_saturation": 0.00042, "v_saturation": 0.0, "k_max_ratio": 417.5, "v_max_ratio": 212.25}],
-    "generation": {"prefill_match": True, "decode_match": True, "prefix_match": False},
-}
 
 
 @pytest.fixture(scope="session")
@@ -106,11 +99,24 @@ def fake_token(monkeypatch: pytest.MonkeyPatch) -> str:
     return FAKE_TOKEN
 
 
+def report(out: Path) -> VerifyReport:
+    """A WARN verify of `out` over 16 held-out samples, with its digest as it is now."""
+    return report_for(
+        out, "WARN", (Finding(WARN, "layer 1 K saturation 0.042%"),), text_source="bundled heldout",
+        num_samples=16, num_tokens=4096,
+        accuracy={"ppl_bf16": 10.137, "ppl_fp8": 10.2461, "ppl_fp8_unit": 10.9133, "kl_mean": 0.00123,
+                  "kl_max": 0.0345, "top1_agreement": 0.9876},
+        layers=[{"layer": 0, "k_saturation": 0.0, "v_saturation": 0.0, "k_max_ratio": 301.2, "v_max_ratio": 250.0},
+                {"layer": 1, "k_saturation": 0.00042, "v_saturation": 0.0, "k_max_ratio": 417.5,
+                 "v_max_ratio": 212.25}],
+        generation={"prefill_match": 1.0, "decode_match": 1.0, "prefix_match": 0.75},
+    )
+
+
 def _write_report(out: Path, **changes) -> Path:
     (out / "verify").mkdir(exist_ok=True)
     (out / "verify" / "scales.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
     (out / "verify" / "report.md").write_text("# verify\n")
-    report = {**REPORT, "checkpoint": str(out), "digest": checkpoint_digest(out).to_json(), **changes}
     path = out / "verify" / "report.json"
-    path.write_text(json.dumps(report))
+    path.write_text(replace(report(out), **changes).to_json())
     return path

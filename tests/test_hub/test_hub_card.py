@@ -74,7 +74,7 @@ def test_card_shows_provenance_scales_and_report_numbers(verified_dir: Path) -> 
     assert f"| Perplexity, bf16 KV cache | {accuracy['ppl_bf16']:.4f} |" in text
     assert f"| KL divergence to bf16, max | {accuracy['kl_max']:.6g} |" in text
     assert "| Top-1 agreement with bf16 | 98.7600% |" in text
-    assert "| Generation: prefix match | no |" in text
+    assert "| Generation: prefix match | 75.00% |" in text and "| Generation: decode match | 100.00% |" in text
     assert "| 1 | 0.00042 | 0 | 417.5 | 212.25 |" in text
     assert "![Per-layer KV-cache scales and verify results](verify/scales.png)" in text
 
