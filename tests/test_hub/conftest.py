@@ -16,7 +16,7 @@ from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.provenance import CacheRecord, DatasetRecord, LayerRecord, Provenance, SourceRecord
 from fp8kv.checks import WARN, Finding
 from fp8kv.verify.report import VerifyReport
-from tests.reports import report_for
+from tests.reports import report_for, write_report as write_report_file
 
 
 FAKE_TOKEN = "hf_fakeTokenForFp8kvTests0123456789"
@@ -114,9 +114,7 @@ def report(out: Path) -> VerifyReport:
 
 
 def _write_report(out: Path, **changes) -> Path:
-    (out / "verify").mkdir(exist_ok=True)
-    (out / "verify" / "scales.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
-    (out / "verify" / "report.md").write_text("# verify\n")
-    path = out / "verify" / "report.json"
-    path.write_text(replace(report(out), **changes).to_json())
+    path = write_report_file(out, replace(report(out), **changes))
+    (path.parent / "scales.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
+    (path.parent / "report.md").write_text("# verify\n")
     return path
