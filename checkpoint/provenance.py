@@ -197,8 +197,7 @@ def _provenance_from_dict(data: Any) -> Provenance:
                                            _integer(d, "num_samples"), _integer(d, "num_tokens"),
                                            _integer(d, "seq_len"), _integer(d, "seed"), _text(d, "note", True)),
         "execution": lambda d: Execution(_typed(d, "layerwise", bool), _integer(d, "processes"), _text(d, "device")),
-        "converted_from": lambda d: ConvertedFrom(_text(d, "path"),
-                                                  tuple(_typed({"c": c}, "c", str) for c in _typed(d, "conventions", list))),
+        "converted_from": lambda d: ConvertedFrom(_text(d, "path"), _each(d, "conventions", str)),
     }
     values: dict[str, Any] = {name: parse(_object(data[name], name)) for name, parse in optional.items()
                               if data.get(name) is not None}
@@ -209,7 +208,7 @@ def _provenance_from_dict(data: Any) -> Provenance:
     values["per_head"] = _typed(data, "per_head", bool, True)
     for name in ("skipped_layers", "defaulted_layers"):
         if data.get(name) is not None:
-            values[name] = tuple(_integer({"i": i}, "i") for i in _typed(data, name, list))
+            values[name] = _each(data, name, int)
     if data.get("query_scales") is not None:
         values["query_scales"] = tuple(QueryScaleRecord(_integer(q, "layer"), _number(q, "q_amax"),
                                                         _number(q, "q_scale"))
@@ -239,13 +238,21 @@ def _object(value: Any, what: str = "an entry") -> dict[str, Any]:
     return value
 
 
-def _typed(data: dict[str, Any], key: str, kind: type, optional: bool = False) -> Any:
+def _typed(data: dict[str, Any], key: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
     value = data.get(key) if optional else data[key]
     if value is None and optional:
         return None
+    return _checked(value, kind, repr(key))
+
+
+def _checked(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise TypeError(f"{key!r} is {value!r}, not {getattr(kind, '__name__', 'a number')}")
+        raise TypeError(f"{what} is {value!r}, not {getattr(kind, '__name__', 'a number')}")
     return value
+
+
+def _each(data: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> tuple[Any, ...]:
+    return tuple(_checked(value, kind, f"an item of {key!r}") for value in _typed(data, key, list))
 
 
 def _text(data: dict[str, Any], key: str, optional: bool = False) -> str | None:
@@ -257,10 +264,11 @@ def _integer(data: dict[str, Any], key: str) -> int:
 
 
 def _number(data: dict[str, Any], key: str, optional: bool = False) -> float | None:
-    value = _typed(data, key, (int, float), optional)  # type: ignore[arg-type]
+    value = _typed(data, key, (int, float), optional)
     return None if value is None else float(value)
 
 
 def _numbers(data: dict[str, Any], key: str, optional: bool = False) -> tuple[float, ...] | None:
-    values = _typed(data, key, list, optional)
-    return None if values is None else tuple(_number({"x": x}, "x") for x in values)
+    if optional and data.get(key) is None:
+        return None
+    return tuple(float(x) for x in _each(data, key, (int, float)))
