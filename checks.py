@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
 
+from fp8kv.checkpoint.provenance import Provenance
 from fp8kv.checkpoint.reader import ScaleReadout
 from fp8kv.fp8 import FP8_DTYPES
 from fp8kv.runtime.attention import fp8_kernel_note
@@ -30,11 +30,11 @@ class Finding:
     message: str
 
 
-def check_readout(readout: ScaleReadout, provenance: dict[int, dict[str, Any]] | None = None) -> list[Finding]:
+def check_readout(readout: ScaleReadout, provenance: Provenance | None = None) -> list[Finding]:
     """Every finding about the scales a checkpoint holds and how its config declares them.
 
-    `provenance` maps layer -> its row in fp8kv.json (None when fp8kv did not write the folder);
-    its amax values reveal scales doubled for e4m3fnuz.
+    `provenance` is the folder's fp8kv.json (None when fp8kv did not write it); its amax values reveal
+    scales doubled for e4m3fnuz.
     """
     return (_scale_findings(readout) + _advice(readout, provenance) + _declaration_findings(readout)
             + _kernel_findings(readout))
@@ -80,7 +80,7 @@ def _scale_findings(readout: ScaleReadout) -> list[Finding]:
     return findings
 
 
-def _advice(readout: ScaleReadout, provenance: dict[int, dict[str, Any]] | None) -> list[Finding]:
+def _advice(readout: ScaleReadout, provenance: Provenance | None) -> list[Finding]:
     """Scales that load but were likely made wrong: all 1.0, observed before k_norm, doubled for fnuz."""
     findings = []
     scales = readout.scales
@@ -93,20 +93,22 @@ def _advice(readout: ScaleReadout, provenance: dict[int, dict[str, Any]] | None)
         findings.append(Finding(INFO, f"{pre_rope[0]} scales observe k_proj's output, but this model has a k norm: "
                                       "the statistics were taken before k_norm and RoPE, not where the cache "
                                       "stores K; recalibrate"))
-    if scales is not None and _look_doubled(readout, provenance or {}):
+    if scales is not None and provenance is not None and _look_doubled(readout, provenance):
         findings.append(Finding(INFO, "scales are about twice amax/MAX: they look doubled for e4m3fnuz; store OCP "
                                       "e4m3 scales, AMD engines double them at load time"))
     return findings
 
 
-def _look_doubled(readout: ScaleReadout, provenance: dict[int, dict[str, Any]]) -> bool:
+def _look_doubled(readout: ScaleReadout, provenance: Provenance) -> bool:
     """Scales twice amax/MAX look pre-doubled for e4m3fnuz; engines double them again themselves."""
     scales = readout.scales
-    ratios = []
+    recorded, ratios = provenance.layer_map(), []
     for layer in scales.layers:
-        for kind, values in zip(("k", "v"), scales.values(layer)):
-            amax = provenance.get(layer, {}).get(f"{kind}_amax")
-            if len(values) == 1 and isinstance(amax, (int, float)) and amax > 0 and math.isfinite(amax):
+        if layer not in recorded:
+            continue
+        for cache, values in zip((recorded[layer].k, recorded[layer].v), scales.values(layer)):
+            amax = cache.amax
+            if len(values) == 1 and amax > 0 and math.isfinite(amax):
                 ratios.append(values[0] / (amax / scales.fp8_max))
     return bool(ratios) and all(1.9 <= r <= 2.1 for r in ratios)
 

@@ -5,18 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fp8kv.checkpoint.artifacts import provenance_layers
+from fp8kv.checkpoint.provenance import LayerRecord, read_provenance
 from fp8kv.checkpoint.reader import ScaleReadout, read_kv_scales
 from fp8kv.checks import check_readout
 
-_PROVENANCE_KEYS = ("k_amax", "v_amax", "k_saturation", "v_saturation")
 
 
 def inspect_checkpoint(model_dir: str | Path) -> dict[str, Any]:
     """A JSON-ready report: conventions, kv dtype, per-layer scales (and amax/saturation), warnings."""
     readout = read_kv_scales(model_dir)
     source = readout.source
-    provenance = provenance_layers(source.path)
+    provenance = read_provenance(source.path)
     return {
         "path": str(source.path),
         "model_type": source.geometry.model_type,
@@ -26,12 +25,12 @@ def inspect_checkpoint(model_dir: str | Path) -> dict[str, Any]:
         "strategy": readout.scales.strategy if readout.scales else None,
         "num_kv_heads": source.geometry.num_kv_heads,
         "kv_layers": list(source.geometry.kv_layers),
-        "layers": _layer_rows(readout, provenance or {}),
+        "layers": _layer_rows(readout, provenance.layer_map() if provenance else {}),
         "warnings": [finding.message for finding in check_readout(readout, provenance)],
     }
 
 
-def _layer_rows(readout: ScaleReadout, provenance: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+def _layer_rows(readout: ScaleReadout, provenance: dict[int, LayerRecord]) -> list[dict[str, Any]]:
     """The file's scales per layer, with the amax and saturation fp8kv recorded when it wrote them."""
     if readout.scales is None:
         return []
@@ -39,6 +38,8 @@ def _layer_rows(readout: ScaleReadout, provenance: dict[int, dict[str, Any]]) ->
     for row in rows:
         if readout.scales.q is not None:
             row["q_scale"] = readout.scales.q_value(row["layer"])
-        extra = provenance.get(row["layer"], {})
-        row.update({key: extra[key] for key in _PROVENANCE_KEYS if key in extra})
+        recorded = provenance.get(row["layer"])
+        if recorded is not None:
+            row.update(k_amax=recorded.k.amax, v_amax=recorded.v.amax, k_saturation=recorded.k.saturation,
+                       v_saturation=recorded.v.saturation)
     return rows

@@ -25,6 +25,7 @@ from fp8kv.data import DataRequest, load_calibration_data, make_batches
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.data import pad_id
 from fp8kv.models import BUNDLED_HELDOUT_TEXT, BUNDLED_MODEL_DIR
+from fp8kv.verify.report import VerifyReport
 from fp8kv.verify.run import VerifyRequest, verify
 
 import common  # bench/common.py
@@ -61,7 +62,7 @@ def plain_forward(model_dir: Path, data_path: Path, args) -> float:
     return time.perf_counter() - start
 
 
-def run_verify(model_dir: Path, data_path: Path, args, report_dir: Path) -> tuple[float, dict]:
+def run_verify(model_dir: Path, data_path: Path, args, report_dir: Path) -> tuple[float, VerifyReport]:
     request = VerifyRequest(
         model_dir, data=DataRequest(str(data_path), num_samples=args.samples, seq_len=args.seq_len),
         batch_size=args.batch_size, device=args.device, report_dir=report_dir,
@@ -78,20 +79,20 @@ def bench_model(name: str, source: Path, folder: Path, args) -> dict:
                                  data=DataRequest(str(calibration_text), num_samples=args.samples, seq_len=args.seq_len)))
     plain_forward(out, heldout_text, args)  # warm-up: imports, kernels, page cache
     run_verify(out, heldout_text, args, folder / "report")
-    plain_s, verify_s, report = [], [], {}
+    plain_s, verify_s, report = [], [], None
     for _ in range(args.repeats):
         plain_s.append(plain_forward(out, heldout_text, args))
         seconds, report = run_verify(out, heldout_text, args, folder / "report")
         verify_s.append(seconds)
     return {
         "model": name,
-        "samples": report["num_samples"],
-        "tokens": report["num_tokens"],
+        "samples": report.num_samples,
+        "tokens": report.num_tokens,
         "plain_forward_s": statistics.median(plain_s),
         "verify_s": statistics.median(verify_s),
         "ratio": statistics.median(verify_s) / statistics.median(plain_s),
-        "verify_phases_s": report["timings_s"],
-        "verdict": report["verdict"],
+        "verify_phases_s": report.timings_s,
+        "verdict": report.verdict,
     }
 
 

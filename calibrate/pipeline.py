@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,9 @@ from fp8kv.calibrate.scales import (
     DEFAULT_HEADROOM, LAST_BATCH, ScaleTable, Strategy, compute_scales, fp8_max, scale_from_amax,
 )
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
+from fp8kv.checkpoint.provenance import (
+    CacheRecord, DatasetRecord, Execution, LayerRecord, Provenance, QueryScaleRecord, SourceRecord,
+)
 from fp8kv.checkpoint.conventions import CONVENTIONS, check_representable
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import load_language_model
@@ -51,7 +53,7 @@ class CalibrationResult:
     out: Path | None
     table: ScaleTable
     scales: KVScales
-    provenance: dict[str, Any]
+    provenance: Provenance
     warnings: list[str]
     note: str | None
 
@@ -79,7 +81,7 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
     observing = stage_callback(progress, f"observing K/V over {len(data.samples)} samples")
     with distributed.process_group(device):
         by_layer = layerwise.choose_layerwise(request.layerwise, source, request.dtype)
-        execution = {"layerwise": by_layer, "processes": distributed.world_size(), "device": str(device)}
+        execution = Execution(by_layer, distributed.world_size(), str(device))
         _stage(progress, "loading the model" + (" (one layer at a time)" if by_layer else ""))
         query = torch.zeros(source.geometry.num_layers) if request.attention == "fp8" else None
         if query is not None and (by_layer or distributed.world_size() > 1):
@@ -108,13 +110,12 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
         f"layer {layer}: nothing was observed (zero or no K/V); wrote scale 1.0 (--allow-unobserved)"
         for layer in table.defaulted
     ]
-    record = provenance(request, source, data, table, strategy, execution)
-    if query is not None:
-        record["query_scales"] = [{"layer": i, "q_amax": float(query[i]), "q_scale": float(scales.q[i])}
-                                  for i in source.geometry.kv_layers]
+    query_rows = None if query is None else tuple(
+        QueryScaleRecord(i, float(query[i]), float(scales.q[i])) for i in source.geometry.kv_layers)
+    record = provenance(request, source, data, table, strategy, execution, query_rows)
     if request.out is not None and distributed.is_writer():
         _stage(progress, f"writing {request.out}")
-        extra = {PROVENANCE_FILE: (json.dumps(record, indent=2) + "\n").encode()}
+        extra = {PROVENANCE_FILE: record.to_json().encode()}
         write_checkpoint(
             source.path,
             request.out,
@@ -197,65 +198,53 @@ def provenance(
     data: CalibrationData,
     table: ScaleTable,
     strategy: Strategy,
-    execution: dict[str, Any],
-) -> dict[str, Any]:
+    execution: Execution,
+    query_scales: tuple[QueryScaleRecord, ...] | None = None,
+) -> Provenance:
     """The fp8kv.json record: tool, command, source, data, settings, how it ran, and per-layer results."""
-    return {
-        "tool": "fp8kv",
-        "version": __version__,
-        "command": request.command,
+    return Provenance(
+        version=__version__,
+        command=request.command,
         # Hashing reads every source byte; under torchrun only the rank that writes and prints needs it.
-        "source": {
-            "path": str(source.path),
-            "content_hash": source.content_hash() if distributed.is_writer() else None,
-            "base_model": request.base_model or infer_base_model(request.model, source.path),
-        },
-        "dataset": {
-            "name": data.dataset,
-            "split": data.split,
-            "text_column": data.text_column,
-            "num_samples": len(data.samples),
-            "num_tokens": data.num_tokens,
-            "seq_len": request.data.seq_len,
-            "seed": request.data.seed,
-            "note": data.note,
-        },
-        "strategy": str(strategy),
-        "headroom": request.headroom,
-        "scale_formula": SCALE_FORMULA,
-        "kv_dtype": request.kv_dtype,
-        "fp8_max": fp8_max(request.kv_dtype),
-        "per_head": request.per_head,
-        "format": request.convention,
-        "execution": execution,
-        "skipped_layers": list(source.geometry.skipped_layers),
-        "defaulted_layers": list(table.defaulted),
-        "layers": layer_rows(table),
-    }
+        source=SourceRecord(
+            path=str(source.path),
+            content_hash=source.content_hash() if distributed.is_writer() else None,
+            base_model=request.base_model or infer_base_model(request.model, source.path),
+        ),
+        dataset=DatasetRecord(data.dataset, data.split, data.text_column, len(data.samples), data.num_tokens,
+                              request.data.seq_len, request.data.seed, data.note),
+        strategy=str(strategy),
+        headroom=request.headroom,
+        scale_formula=SCALE_FORMULA,
+        kv_dtype=request.kv_dtype,
+        fp8_max=fp8_max(request.kv_dtype),
+        per_head=request.per_head,
+        format=request.convention,
+        execution=execution,
+        skipped_layers=tuple(source.geometry.skipped_layers),
+        defaulted_layers=tuple(table.defaulted),
+        layers=layer_rows(table),
+        query_scales=query_scales,
+    )
 
 
-def layer_rows(table: ScaleTable) -> list[dict[str, Any]]:
-    """One object per cache-owning layer, every value a float (float32 values are exact in JSON).
+def layer_rows(table: ScaleTable) -> tuple[LayerRecord, ...]:
+    """One record per cache-owning layer, every value a float (float32 values are exact in JSON).
 
-    `k_clip`/`v_clip` are the |x| the strategy mapped to MAX (the amax with `amax`), so
-    `scale_from_amax(clip, kv_dtype, headroom)` recomputes `k_scale`/`v_scale` bit for bit.
-    With --per-head, `k_scale`/`k_clip` are the largest head's and `*_per_head` hold the written values.
+    `clip` is the |x| the strategy mapped to MAX (the amax with `amax`), so
+    `scale_from_amax(clip, kv_dtype, headroom)` recomputes `scale` bit for bit.
+    With --per-head, `scale`/`clip` are the largest head's and `*_per_head` hold the written values.
     """
-    rows = []
-    for i, layer in enumerate(table.layers):
-        row: dict[str, Any] = {"layer": layer, "headroom": table.headroom}
-        for kind, name in ((0, "k"), (1, "v")):
-            scales, clip = table.scales[i, kind], table.clip[i, kind]
-            row[f"{name}_amax"] = float(table.amax[i, kind].max())
-            row[f"{name}_clip"] = float(clip.max())
-            row[f"{name}_scale"] = float(scales.max())
-            row[f"{name}_saturation"] = float(table.saturation[i, kind])
-            row[f"{name}_amax_per_head"] = table.amax[i, kind].tolist()
-            if table.per_head:
-                row[f"{name}_clip_per_head"] = clip.tolist()
-                row[f"{name}_scale_per_head"] = scales.tolist()
-        rows.append(row)
-    return rows
+    def cache(i: int, kind: int) -> CacheRecord:
+        scales, clip = table.scales[i, kind], table.clip[i, kind]
+        return CacheRecord(
+            amax=float(table.amax[i, kind].max()), clip=float(clip.max()), scale=float(scales.max()),
+            saturation=float(table.saturation[i, kind]), amax_per_head=tuple(table.amax[i, kind].tolist()),
+            clip_per_head=tuple(clip.tolist()) if table.per_head else None,
+            scale_per_head=tuple(scales.tolist()) if table.per_head else None,
+        )
+
+    return tuple(LayerRecord(layer, table.headroom, cache(i, 0), cache(i, 1)) for i, layer in enumerate(table.layers))
 
 
 def _validate(request: CalibrationRequest) -> Strategy:

@@ -7,10 +7,6 @@ results; the source's copies judged other scales, so the writer never carries th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-from fp8kv.errors import Fp8kvError
-from fp8kv.geometry import read_json
 
 PROVENANCE_FILE = "fp8kv.json"
 VERIFY_DIR = "verify"
@@ -40,14 +36,3 @@ def describes_source_only(root: Path, name: str) -> bool:
     if name == PROVENANCE_FILE:
         return True
     return name == CARD_FILE and is_fp8kv_card(root / name)
-
-
-def provenance_layers(root: Path) -> dict[int, dict[str, Any]] | None:
-    """layer -> its row in `root`'s fp8kv.json (amax, saturation, ...); None when fp8kv did not write `root`."""
-    path = Path(root) / PROVENANCE_FILE
-    if not path.is_file():
-        return None
-    rows = read_json(path).get("layers")
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("layer"), int) for r in rows):
-        raise Fp8kvError(f"{path}: 'layers' must be a list of objects with an integer 'layer'")
-    return {row["layer"]: row for row in rows}

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 from fp8kv import __version__
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, is_fp8kv_output
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.conventions import VLLM_JSON_FILE
+from fp8kv.checkpoint.provenance import ConvertedFrom, Provenance, read_provenance
 from fp8kv.checkpoint.reader import read_kv_scales
-from fp8kv.geometry import read_json
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.errors import Fp8kvError
 
@@ -28,11 +27,13 @@ def convert_checkpoint(
     readout = read_kv_scales(model_dir)
     if readout.scales is None:
         raise Fp8kvError(f"{readout.source.path}: holds no KV scales to convert; run fp8kv calibrate first")
-    source_record = read_json(readout.source.path / PROVENANCE_FILE) if is_fp8kv_output(readout.source.path) else {}
-    record = {**source_record, "tool": "fp8kv", "version": __version__, "command": command, "format": convention,
-              "converted_from": {"path": str(readout.source.path), "conventions": list(readout.conventions)}}
-    record.setdefault("layers", [])
-    extra = {PROVENANCE_FILE: (json.dumps(record, indent=2) + "\n").encode()}
+    origin = ConvertedFrom(str(readout.source.path), tuple(readout.conventions))
+    source_record = read_provenance(readout.source.path)
+    if source_record is None:  # scales fp8kv did not calibrate: nothing about their making is known
+        record = Provenance(version=__version__, command=command, format=convention, converted_from=origin)
+    else:
+        record = source_record.converted(__version__, command, convention, origin)
+    extra = {PROVENANCE_FILE: record.to_json().encode()}
     scales = readout.scales if convention == "compressed-tensors" else replace(readout.scales, q=None)
     return write_checkpoint(model_dir, out_dir, scales, convention=convention, mode=mode, overwrite=overwrite,
                             extra_files=extra)

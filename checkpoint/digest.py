@@ -67,9 +67,9 @@ def checkpoint_digest(folder: str | Path) -> CheckpointDigest:
     return CheckpointDigest(scales, "sha256:" + hashlib.sha256(block.encode()).hexdigest(), weights)
 
 
-def check_unchanged(folder: Path, recorded: Any, report_path: Path) -> None:
+def check_unchanged(folder: Path, recorded: CheckpointDigest, report_path: Path) -> None:
     """Refuse (`Fp8kvError`) a report whose recorded digest does not match `folder` now."""
-    changes = CheckpointDigest.from_json(recorded, str(report_path)).changes(checkpoint_digest(folder))
+    changes = recorded.changes(checkpoint_digest(folder))
     if changes:
         shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
         raise Fp8kvError(f"{report_path}: judged other files than {folder} holds now ({shown}); "

@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, is_fp8kv_output
-from fp8kv.geometry import read_json
 from fp8kv.checkpoint.hub_cache import is_repo_id, looks_like_hub_id, repo_id_from_cache_path, resolve_hub_model, split_hub_id
+from fp8kv.checkpoint.provenance import read_provenance
 from fp8kv.models import BUNDLED_MODEL_ALIAS, BUNDLED_MODEL_DIR, BUNDLED_OUTLIERS_ALIAS, BUNDLED_OUTLIERS_DIR
 
 BUNDLED_MODELS = {BUNDLED_MODEL_ALIAS: BUNDLED_MODEL_DIR, BUNDLED_OUTLIERS_ALIAS: BUNDLED_OUTLIERS_DIR}
@@ -39,7 +38,6 @@ def infer_base_model(model: str, source: Path) -> str | None:
     cached = repo_id_from_cache_path(source)
     if cached:
         return cached
-    if is_fp8kv_output(source):  # calibrating or converting an fp8kv output keeps its base model
-        recorded = (read_json(source / PROVENANCE_FILE).get("source") or {}).get("base_model")
-        return recorded if isinstance(recorded, str) and is_repo_id(recorded) else None
-    return None
+    record = read_provenance(source)  # calibrating or converting an fp8kv output keeps its base model
+    recorded = record.source.base_model if record is not None and record.source is not None else None
+    return recorded if recorded is not None and is_repo_id(recorded) else None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, is_fp8kv_output
 from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_file_atomic
@@ -54,7 +54,7 @@ def report_folder(model_dir: Path, report_dir: Path | None) -> Path:
     """--report, else DIR/eval; writing inside DIR only when fp8kv wrote DIR (its fp8kv.json is there)."""
     if report_dir is not None:
         return Path(report_dir)
-    if not (Path(model_dir) / PROVENANCE_FILE).is_file():
+    if not is_fp8kv_output(model_dir):
         raise Fp8kvError(f"{model_dir}: not written by fp8kv (no {PROVENANCE_FILE}); pass --report FOLDER "
                          "so nothing is added to a checkpoint fp8kv does not own")
     return Path(model_dir) / RESULTS_SUBDIR

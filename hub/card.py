@@ -1,19 +1,19 @@
 """The model card (`README.md`) of a calibrated folder: Hub metadata, provenance, scales, results.
 
 Everything shown comes from the folder itself: `fp8kv.json` (written by calibrate) and, when
-present, `verify/report.json` and `verify/scales.png` (written by verify). Missing keys drop
-their row; they never fail the card.
+present, `verify/report.json` and `verify/scales.png` (written by verify). A record without a
+section (a folder converted from scales fp8kv did not calibrate) drops its rows.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 from fp8kv.checkpoint.artifacts import CARD_FILE, CARD_MARKER, PROVENANCE_FILE, VERIFY_DIR, is_fp8kv_card
 from fp8kv.checkpoint.digest import check_unchanged
+from fp8kv.checkpoint.provenance import Provenance, read_provenance as read_record
 from fp8kv.console import markdown_table
 from fp8kv.fp8 import FP8_MAX, VLLM_KV_CACHE_DTYPE
 from fp8kv.options import DEFAULT_KV_DTYPE
@@ -21,7 +21,7 @@ from fp8kv.checkpoint.writer import write_file_atomic
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import read_json
 from fp8kv.checkpoint.hub_cache import is_repo_id, repo_id_from_cache_path
-from fp8kv.verify.report import PLOT, REPORT_JSON
+from fp8kv.verify.report import PLOT, REPORT_JSON, VerifyReport
 
 REPORT_FILE = Path(VERIFY_DIR) / REPORT_JSON
 PLOT_FILE = Path(VERIFY_DIR) / PLOT
@@ -40,34 +40,30 @@ _ACCURACY_ROWS = [
 ]
 
 
-def _json_if_present(path: Path) -> dict[str, Any] | None:
-    """The JSON object in `path`, None when the file is absent; `Fp8kvError` when it is not an object."""
-    if not path.is_file():
-        return None
-    try:
-        return read_json(path)
-    except Fp8kvError as exc:  # fp8kv wrote these files: writing them again is the fix
-        raise Fp8kvError(f"{exc}; rerun the fp8kv command that wrote it") from None
-
-
-def read_provenance(out_dir: Path) -> dict[str, Any]:
+def read_provenance(out_dir: Path) -> Provenance:
     """`DIR/fp8kv.json`; `Fp8kvError` when DIR is not an fp8kv calibrate output."""
     if Path(out_dir).is_file():
         raise Fp8kvError(f"{out_dir}: is a file, not a folder; pass the folder `fp8kv calibrate` wrote")
-    data = _json_if_present(Path(out_dir) / PROVENANCE_FILE)
-    if data is None:
+    record = read_record(out_dir)
+    if record is None:
         raise Fp8kvError(f"{out_dir}: no {PROVENANCE_FILE}; pass a folder written by `fp8kv calibrate`")
-    return data
+    return record
 
 
-def read_report(out_dir: Path) -> dict[str, Any] | None:
+def read_report(out_dir: Path) -> VerifyReport | None:
     """`DIR/verify/report.json`, or None when the folder was never verified.
 
     `Fp8kvError` when the report judged other scales, config or weight files than DIR holds now.
     """
-    report = _json_if_present(Path(out_dir) / REPORT_FILE)
-    if report is not None:
-        check_unchanged(Path(out_dir), report.get("digest"), Path(out_dir) / REPORT_FILE)
+    path = Path(out_dir) / REPORT_FILE
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Fp8kvError(f"{path}: cannot be read ({exc}); rerun the fp8kv command that wrote it") from None
+    report = VerifyReport.from_json(text, path)
+    check_unchanged(Path(out_dir), report.digest, path)
     return report
 
 
@@ -111,7 +107,7 @@ def render_card(out_dir: str | Path, *, repo_id: str | None = None, base_model: 
     return text
 
 
-def _metadata(prov: dict[str, Any], base_model: str | None, license_: str | None) -> Any:
+def _metadata(prov: Provenance, base_model: str | None, license_: str | None) -> Any:
     from huggingface_hub import ModelCardData
 
     extra: dict[str, Any] = {}
@@ -119,9 +115,9 @@ def _metadata(prov: dict[str, Any], base_model: str | None, license_: str | None
         extra["base_model_relation"] = "quantized"
     if license_ and not _LICENSE_ID.match(license_):
         extra["license_name"], license_ = license_, "other"
-    dataset = _get(prov, "dataset", "name")
+    dataset = prov.dataset.name if prov.dataset else None
     # A local data file ("data/calib.jsonl") is not a Hub dataset id.
-    is_hub_dataset = isinstance(dataset, str) and is_repo_id(dataset) and not _DATA_FILE.search(dataset)
+    is_hub_dataset = dataset is not None and is_repo_id(dataset) and not _DATA_FILE.search(dataset)
     datasets = [dataset] if is_hub_dataset else None
     return ModelCardData(
         base_model=base_model,
@@ -142,25 +138,20 @@ def card_repo_id(path: Path) -> str | None:
     return match[1] if match and is_repo_id(match[1]) else None
 
 
-def _base_model(out: Path, prov: dict[str, Any]) -> str | None:
+def _base_model(out: Path, prov: Provenance) -> str | None:
     """The source's Hub id: fp8kv.json, else the source config's `_name_or_path`, else its cache path."""
-    candidates = [_get(prov, "source", "base_model")]
-    source = _get(prov, "source", "path")
-    if isinstance(source, str):
-        config = _quiet_json(Path(source) / "config.json") or {}
-        candidates += [config.get("_name_or_path"), repo_id_from_cache_path(source)]
+    if prov.source is None:
+        return None
+    config = _quiet_json(Path(prov.source.path) / "config.json") or {}
+    candidates = [prov.source.base_model, config.get("_name_or_path"), repo_id_from_cache_path(prov.source.path)]
     return next((c for c in candidates if isinstance(c, str) and is_repo_id(c)), None)
 
 
-def _license(out: Path, prov: dict[str, Any]) -> str | None:
-    """The source's license: fp8kv.json, else the source's README metadata (or its copy in DIR)."""
-    license_ = _get(prov, "source", "license")
-    if isinstance(license_, str) and license_:
-        return license_
+def _license(out: Path, prov: Provenance) -> str | None:
+    """The source's license, from its README metadata (or the copy of that README in DIR)."""
     readmes = [out / CARD_FILE]
-    source = _get(prov, "source", "path")
-    if isinstance(source, str):
-        readmes.insert(0, Path(source) / CARD_FILE)
+    if prov.source is not None:
+        readmes.insert(0, Path(prov.source.path) / CARD_FILE)
     for readme in readmes:
         if readme.is_file() and not is_fp8kv_card(readme):
             value = (_readme_metadata(readme) or {}).get("license")
@@ -179,23 +170,16 @@ def _readme_metadata(readme: Path) -> dict[str, Any] | None:
 
 
 def _quiet_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`; None when it is absent or unreadable (it only adds a hint)."""
     try:
-        return _json_if_present(path)
+        return read_json(path) if path.is_file() else None
     except (Fp8kvError, OSError):
         return None
 
 
-def _get(data: Any, *keys: str) -> Any:
-    for key in keys:
-        if not isinstance(data, dict):
-            return None
-        data = data.get(key)
-    return data
-
-
-def _local_name(path: Any) -> str | None:
+def _local_name(path: str | None) -> str | None:
     """A local source folder by its name only: a published card does not show the author's file system."""
-    return Path(path).name if isinstance(path, str) else None
+    return Path(path).name if path is not None else None
 
 
 def _fmt(value: Any, spec: str = "{:.6g}") -> str:
@@ -209,10 +193,10 @@ def _fmt(value: Any, spec: str = "{:.6g}") -> str:
     return "" if value is None else str(value)
 
 
-def _intro(out: Path, prov: dict[str, Any], base_model: str | None, repo_id: str | None) -> str:
+def _intro(out: Path, prov: Provenance, base_model: str | None, repo_id: str | None) -> str:
     title = repo_id or (f"{base_model} with FP8 KV-cache scales" if base_model else out.name)
     source = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "the source model"
-    dtype = prov.get("kv_dtype", "fp8")
+    dtype = prov.kv_dtype or "fp8"
     return (
         f"# {title}\n\n"
         f"{source} with static {dtype} KV-cache scales (one `k_scale` and `v_scale` per attention layer), "
@@ -222,36 +206,34 @@ def _intro(out: Path, prov: dict[str, Any], base_model: str | None, repo_id: str
     )
 
 
-def _what_was_done(prov: dict[str, Any], base_model: str | None) -> str:
+def _what_was_done(prov: Provenance, base_model: str | None) -> str:
     parts = ["## What was done"]
-    if prov.get("command"):
-        parts.append(f"```bash\n{prov['command']}\n```")
+    if prov.command:
+        parts.append(f"```bash\n{prov.command}\n```")
+    source, data = prov.source, prov.dataset
     rows = [
-        ("Tool", f"fp8kv {prov['version']}" if prov.get("version") else None),
-        ("Source", base_model or _local_name(_get(prov, "source", "path"))),
-        ("Source hash", _get(prov, "source", "content_hash") or _get(prov, "source", "sha256")),
-        ("Strategy", prov.get("strategy")),
-        ("Headroom", prov.get("headroom")),
-        ("KV-cache dtype", prov.get("kv_dtype")),
-        ("Checkpoint convention", prov.get("format")),
-        ("Per-head scales", prov.get("per_head")),
-        ("Calibration data", _get(prov, "dataset", "name")),
-        ("Split", _get(prov, "dataset", "split")),
-        ("Text column", _get(prov, "dataset", "text_column")),
-        ("Samples", _get(prov, "dataset", "num_samples")),
-        ("Sequence length", _get(prov, "dataset", "seq_len")),
-        ("Calibration tokens", _get(prov, "dataset", "num_tokens")),
-        ("Shuffle seed", _get(prov, "dataset", "seed")),
+        ("Tool", f"fp8kv {prov.version}"),
+        ("Source", base_model or _local_name(source.path if source else None)),
+        ("Source hash", source.content_hash if source else None),
+        ("Strategy", prov.strategy),
+        ("Headroom", prov.headroom),
+        ("KV-cache dtype", prov.kv_dtype),
+        ("Checkpoint convention", prov.format),
+        ("Per-head scales", prov.per_head),
     ]
+    if data is not None:
+        rows += [("Calibration data", data.name), ("Split", data.split), ("Text column", data.text_column),
+                 ("Samples", data.num_samples), ("Sequence length", data.seq_len),
+                 ("Calibration tokens", data.num_tokens), ("Shuffle seed", data.seed)]
     shown = [[name, f"`{value}`" if isinstance(value, str) else _fmt(value)]
              for name, value in rows if value is not None]
     parts.append(markdown_table(["Setting", "Value"], shown))
-    if _get(prov, "dataset", "note"):
-        parts.append(f"Note: {prov['dataset']['note']}.")
+    if data is not None and data.note:
+        parts.append(f"Note: {data.note}.")
     return "\n\n".join(parts)
 
 
-def _scales(out: Path, prov: dict[str, Any]) -> str:
+def _scales(out: Path, prov: Provenance) -> str:
     dtype_max = f"{FP8_MAX[_kv_dtype(prov)]:g}"
     parts = ["## KV-cache scales", (
         "Each scale is a dequantization multiplier: the engine stores "
@@ -259,39 +241,36 @@ def _scales(out: Path, prov: dict[str, Any]) -> str:
         f"With the `amax` strategy, `scale = amax / {dtype_max}`, amax being the largest "
         "|value| of that layer's cached K (or V, after RoPE and any k_norm) over all calibration tokens."
     )]
-    layers = [layer for layer in prov.get("layers") or [] if isinstance(layer, dict)]
-    keys = [("layer", "Layer", "{}"), ("k_amax", "K amax", "{:.6g}"), ("k_scale", "k_scale", "{:.6g}"),
-            ("k_saturation", "K saturation", "{:.6g}"), ("v_amax", "V amax", "{:.6g}"),
-            ("v_scale", "v_scale", "{:.6g}"), ("v_saturation", "V saturation", "{:.6g}")]
-    keys = [k for k in keys if any(k[0] in layer for layer in layers)]
-    if keys:
-        rows = [[_fmt(layer.get(key), spec) for key, _, spec in keys] for layer in layers]
-        parts.append(markdown_table([label for _, label, _ in keys], rows))
-    if prov.get("skipped_layers"):
-        skipped = ", ".join(str(i) for i in prov["skipped_layers"])
+    if prov.layers:
+        head = ["Layer", "K amax", "k_scale", "K saturation", "V amax", "v_scale", "V saturation"]
+        rows = [[str(row.layer), *(_fmt(value) for cache in (row.k, row.v)
+                                   for value in (cache.amax, cache.scale, cache.saturation))] for row in prov.layers]
+        parts.append(markdown_table(head, rows))
+    if prov.skipped_layers:
+        skipped = ", ".join(str(i) for i in prov.skipped_layers)
         parts.append(f"Layers without their own KV cache (no scale): {skipped}.")
     if (out / PLOT_FILE).is_file():
         parts.append(f"![Per-layer KV-cache scales and verify results]({PLOT_FILE.as_posix()})")
     return "\n\n".join(parts)
 
 
-def _verify(out: Path, report: dict[str, Any] | None) -> str:
+def _verify(out: Path, report: VerifyReport | None) -> str:
     if report is None:
         return f"## Verify results\n\nNot verified. Run `fp8kv verify {out}` before publishing."
-    parts = ["## Verify results", f"**Verdict: {report.get('verdict', 'unknown')}**"]
-    reasons = [r for r in report.get("reasons") or [] if isinstance(r, dict)]
-    if reasons:
-        parts.append("\n".join(f"- {r.get('level', '')}: {r.get('message', '')}" for r in reasons))
-    setup = [("Device", "device"), ("Text", "text_source"), ("Samples", "num_samples"), ("Tokens", "num_tokens"),
-             ("Convention", "convention"), ("KV-cache dtype", "kv_dtype")]
-    rows = [[name, _fmt(report[key])] for name, key in setup if report.get(key) is not None]
-    accuracy = report.get("accuracy") if isinstance(report.get("accuracy"), dict) else {}
+    parts = ["## Verify results", f"**Verdict: {report.verdict}**"]
+    if report.reasons:
+        parts.append("\n".join(f"- {r.level}: {r.message}" for r in report.reasons))
+    setup = [("Device", report.device), ("Text", report.text_source), ("Samples", report.num_samples),
+             ("Tokens", report.num_tokens), ("Convention", report.convention), ("KV-cache dtype", report.kv_dtype)]
+    rows = [[name, _fmt(value)] for name, value in setup if value is not None]
+    accuracy = report.accuracy or {}
     rows += [[name, _fmt(accuracy[key], spec)] for name, key, spec in _ACCURACY_ROWS if accuracy.get(key) is not None]
-    generation = report.get("generation") if isinstance(report.get("generation"), dict) else {}
-    rows += [[f"Generation: {key.replace('_', ' ')}", _fmt(value)] for key, value in generation.items()]
+    # Shares of greedy tokens that match the bf16 cache.
+    rows += [[f"Generation: {key.replace('_', ' ')}", _fmt(value, "{:.2%}")]
+             for key, value in (report.generation or {}).items()]
     if rows:
         parts.append(markdown_table(["Check", "Result"], rows))
-    layers = [layer for layer in report.get("layers") or [] if isinstance(layer, dict)]
+    layers = report.layers
     columns = [c for c in ("layer", "k_saturation", "v_saturation", "k_max_ratio", "v_max_ratio")
                if any(c in layer for layer in layers)]
     if columns:
@@ -308,13 +287,12 @@ def _task_scores(out: Path) -> str:
     return "" if results is None else "## Task scores\n\n" + results.markdown().rstrip()
 
 
-def _kv_dtype(prov: dict[str, Any]) -> str:
+def _kv_dtype(prov: Provenance) -> str:
     """The provenance's kv dtype; the default when it names none fp8kv knows."""
-    kv_dtype = prov.get("kv_dtype")
-    return kv_dtype if kv_dtype in FP8_MAX else DEFAULT_KV_DTYPE
+    return prov.kv_dtype if prov.kv_dtype in FP8_MAX else DEFAULT_KV_DTYPE
 
 
-def _serve(model: str, prov: dict[str, Any]) -> str:
+def _serve(model: str, prov: Provenance) -> str:
     sglang_dtype = _kv_dtype(prov)
     vllm_dtype = VLLM_KV_CACHE_DTYPE[sglang_dtype]
     return (
@@ -326,8 +304,8 @@ def _serve(model: str, prov: dict[str, Any]) -> str:
     )
 
 
-def _limitations(prov: dict[str, Any]) -> str:
-    dataset = _get(prov, "dataset", "name") or "the calibration data"
+def _limitations(prov: Provenance) -> str:
+    dataset = prov.dataset.name if prov.dataset else "the calibration data"
     items = [
         f"Scales are static and per tensor, measured on {dataset}. Values above the calibration amax are "
         "clamped to the fp8 range, so text far from that data can lose accuracy.",
@@ -338,15 +316,15 @@ def _limitations(prov: dict[str, Any]) -> str:
         "vLLM's TPU (Pallas) kernel needs an even number of KV heads for an fp8 cache.",
         "AMD GPUs (`e4m3fnuz`) double the scales at load time; the checkpoint stores the e4m3 scales.",
     ]
-    strategy = str(prov.get("strategy") or "amax")
+    strategy = prov.strategy or "amax"
     if strategy != "amax":
         items.append(f"The `{strategy}` strategy clips below the calibration amax on purpose: values above the clip "
                      "saturate (see the saturation columns).")
-    if prov.get("per_head"):
+    if prov.per_head:
         items.append("Per-head scales are read by recent vLLM on the FlashAttention backend only.")
-    if prov.get("skipped_layers"):
+    if prov.skipped_layers:
         items.append("Layers listed as without their own KV cache reuse another layer's cache and have no scale.")
-    if prov.get("defaulted_layers"):
-        defaulted = ", ".join(str(i) for i in prov["defaulted_layers"])
+    if prov.defaulted_layers:
+        defaulted = ", ".join(str(i) for i in prov.defaulted_layers)
         items.append(f"Calibration never reached layers {defaulted}; they carry the default scale 1.0.")
     return "## Limitations\n\n" + "\n".join(f"- {item}" for item in items)

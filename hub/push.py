@@ -158,12 +158,12 @@ def human_size(size: int) -> str:
 
 def _check_verify(out: Path, force: bool) -> str | None:
     report = read_report(out)
-    verdict = report.get("verdict") if report else None
+    verdict = report.verdict if report else None
     if force or verdict in PUSHABLE_VERDICTS:
         return verdict
     if report is None:
         raise Fp8kvError(f"{out}: no {REPORT_FILE.as_posix()}; run `fp8kv verify {out}` first, or pass --force")
-    reasons = "; ".join(str(r.get("message")) for r in report.get("reasons") or [] if isinstance(r, dict))
+    reasons = "; ".join(r.message for r in report.reasons)
     detail = f" ({reasons})" if reasons else ""
     raise Fp8kvError(
         f"{out / REPORT_FILE}: the last verify says {verdict or 'nothing'}{detail}; "

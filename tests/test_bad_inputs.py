@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -32,7 +32,9 @@ from fp8kv.checkpoint.digest import checkpoint_digest
 from fp8kv.checkpoint.source import MAX_HEADER_BYTES
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode
+from fp8kv.checks import FAIL, Finding
 from fp8kv.models.factory import make_checkpoint
+from tests.reports import report_for, write_report
 
 DATA_ARGS = ["--num-samples", "2", "--seq-len", "16", "--batch-size", "2"]
 
@@ -607,27 +609,25 @@ def push_corrupt_report(env):
 
 def push_failed_verdict(env):
     ckpt = env.copy("calibrated")
-    (ckpt / "verify").mkdir()
-    report = {"verdict": "FAIL", "reasons": [{"level": "FAIL", "message": "mean KL too high"}],
-              "digest": checkpoint_digest(ckpt).to_json()}
-    (ckpt / "verify" / "report.json").write_text(json.dumps(report))
+    write_report(ckpt, report_for(ckpt, "FAIL", (Finding(FAIL, "mean KL too high"),)))
     return ["push", str(ckpt), "--repo-id", "org/name", "--dry-run"], "report.json", "says FAIL \\(mean KL too high\\)"
 
 
 def push_stale_report(env):
     ckpt = env.copy("calibrated")
-    (ckpt / "verify").mkdir()
-    digest = checkpoint_digest(ckpt).to_json()
-    digest["scales"]["model.layers.1.self_attn.v_scale"] = "sha256:" + "0" * 64  # judged other scales
-    (ckpt / "verify" / "report.json").write_text(json.dumps({"verdict": "PASS", "reasons": [], "digest": digest}))
+    digest = checkpoint_digest(ckpt)
+    stale = replace(digest, scales={**digest.scales, "model.layers.1.self_attn.v_scale": "sha256:" + "0" * 64})
+    write_report(ckpt, replace(report_for(ckpt), digest=stale))  # judged other scales
     return ["push", str(ckpt), "--repo-id", "org/name", "--dry-run"], "report.json", \
         "judged other files than .* \\(scale model.layers.1.self_attn.v_scale changed\\)"
 
 
 def card_report_without_digest(env):
     ckpt = env.copy("calibrated")
-    (ckpt / "verify").mkdir()
-    (ckpt / "verify" / "report.json").write_text(json.dumps({"verdict": "PASS", "reasons": []}))
+    path = write_report(ckpt, report_for(ckpt))
+    written = json.loads(path.read_text())
+    del written["digest"]
+    path.write_text(json.dumps(written))
     return ["card", str(ckpt)], "report.json", "has no valid checkpoint digest"
 
 

@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from fp8kv.data import DataRequest, load_calibration_data
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
+from fp8kv.checkpoint.provenance import Provenance
 from fp8kv.errors import Fp8kvError
 from fp8kv.models.factory import ARCHITECTURES, make_checkpoint
 
@@ -62,7 +64,7 @@ def test_padding_never_enters_statistics(tmp_path, corpus):
     one = calibrate(CalibrationRequest(model=str(src), data=data_request(corpus), batch_size=1))
     padded = calibrate(CalibrationRequest(model=str(src), data=data_request(corpus), batch_size=6))
     torch.testing.assert_close(padded.table.amax, one.table.amax, rtol=1e-6, atol=0)
-    assert padded.provenance["dataset"]["num_tokens"] == one.provenance["dataset"]["num_tokens"]
+    assert padded.provenance.dataset.num_tokens == one.provenance.dataset.num_tokens
 
 
 def test_all_zero_layer_refused_and_nothing_written(tmp_path, corpus):
@@ -98,11 +100,13 @@ def test_sharded_overlay_links_weights_and_per_head_shapes(tmp_path, corpus):
     assert torch.equal(k1, result.scales.k[1])
     amax_heads = result.table.amax[1, 0]  # [kv_heads]
     assert torch.equal(k1.flatten(), amax_heads / E4M3_MAX) or torch.allclose(k1.flatten(), amax_heads / E4M3_MAX, rtol=3e-7, atol=0)
-    provenance = json.loads((out / "fp8kv.json").read_text())
-    row = provenance["layers"][1]
-    assert row["k_scale_per_head"] == k1.flatten().tolist()
-    assert row["k_scale"] == max(row["k_scale_per_head"])
-    assert provenance["per_head"] is True and provenance["source"]["content_hash"].startswith("sha256:")
+    text = (out / PROVENANCE_FILE).read_text()
+    provenance = Provenance.from_json(text)
+    assert provenance.to_json() == text  # the round trip keeps every key, value and their order
+    row = provenance.layers[1]
+    assert row.k.scale_per_head == tuple(k1.flatten().tolist())
+    assert row.k.scale == max(row.k.scale_per_head)
+    assert provenance.per_head is True and provenance.source.content_hash.startswith("sha256:")
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
 

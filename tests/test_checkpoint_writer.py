@@ -11,13 +11,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.checkpoint.provenance import Provenance
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.errors import Fp8kvError
 from fp8kv.models.factory import make_checkpoint
 
 SCALES = KVScales.from_floats({0: 0.01, 1: 0.02}, {0: 0.03, 1: 0.04})
+RECORD = Provenance(version="0.1.0", command=None, format="compressed-tensors").to_json().encode()
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,7 @@ def test_overlay_links_weights_and_leaves_source_untouched(sharded, tmp_path):
     before = SourceCheckpoint.open(sharded).content_hash()
     source = SourceCheckpoint.open(sharded)
     assert len(source.weight_files) > 1
-    out = write_checkpoint(sharded, tmp_path / "out", SCALES, extra_files={"fp8kv.json": b"{}\n"})
+    out = write_checkpoint(sharded, tmp_path / "out", SCALES, extra_files={PROVENANCE_FILE: RECORD})
     for name in source.weight_files:
         assert os.stat(out / name).st_ino == os.stat(sharded / name).st_ino
     assert SourceCheckpoint.open(sharded).content_hash() == before
@@ -43,7 +46,7 @@ def test_overlay_links_weights_and_leaves_source_untouched(sharded, tmp_path):
     assert {k: v for k, v in index.items() if "_scale" not in k} == source.weight_map
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         assert (out / name).read_bytes() == (sharded / name).read_bytes()
-    assert (out / "fp8kv.json").read_bytes() == b"{}\n"
+    assert (out / PROVENANCE_FILE).read_bytes() == RECORD
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
 
 
@@ -77,7 +80,7 @@ def test_existing_output_refused_then_replaced_with_overwrite(single, tmp_path):
         write_checkpoint(single, out, SCALES, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]  # a folder fp8kv never wrote is never deleted
     (out / "keep.txt").unlink()
-    write_checkpoint(single, out, SCALES, overwrite=True, extra_files={"fp8kv.json": b"{}"})  # empty: allowed
+    write_checkpoint(single, out, SCALES, overwrite=True, extra_files={PROVENANCE_FILE: RECORD})  # empty: allowed
     (out / "stale.txt").write_text("left by an older fp8kv run")
     write_checkpoint(single, out, SCALES, overwrite=True)  # fp8kv wrote it (fp8kv.json): replaced
     assert not (out / "stale.txt").exists() and (out / "kv_scales.safetensors").is_file()

@@ -44,7 +44,7 @@ def test_two_ranks_give_the_scales_of_one_process(corpus, tmp_path):
         device="cpu", layerwise=False, out=tmp_path / "one",
     ))
     written = [json.loads((tmp_path / name / "fp8kv.json").read_text()) for name in ("one", "two")]
-    assert written[0]["layers"] == written[1]["layers"] == summary["layers"] == one.provenance["layers"]
+    assert written[0]["layers"] == written[1]["layers"] == summary["layers"] == one.provenance.to_dict()["layers"]
     assert written[0]["dataset"]["num_tokens"] == written[1]["dataset"]["num_tokens"]
     assert all(row["k_amax"] > 0 and row["v_amax"] > 0 for row in written[1]["layers"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma2", "one", "two"]  # no spill or temp left behind

@@ -18,7 +18,9 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from fp8kv.data import DataRequest  # noqa: E402
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE  # noqa: E402
 from fp8kv.checkpoint.kvscales import KVScales  # noqa: E402
+from fp8kv.checkpoint.provenance import Provenance  # noqa: E402
 from fp8kv.checkpoint.writer import write_checkpoint  # noqa: E402
 from fp8kv.errors import Fp8kvError  # noqa: E402
 from fp8kv.evaluation.bundled_tasks import QUESTIONS  # noqa: E402
@@ -157,5 +159,5 @@ def test_results_round_trip_and_report_folder_rule(tmp_path: Path) -> None:
     with pytest.raises(Fp8kvError, match="not written by fp8kv .no fp8kv.json.; pass --report"):
         report_folder(folder, None)
     assert report_folder(folder, tmp_path / "r") == tmp_path / "r"
-    (folder / "fp8kv.json").write_text("{}")
+    (folder / PROVENANCE_FILE).write_text(Provenance(version="0.1.0", command=None, format="vllm-json").to_json())
     assert report_folder(folder, None) == folder / "eval"

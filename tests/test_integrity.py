@@ -11,11 +11,12 @@ import pytest
 from typer.testing import CliRunner
 
 from fp8kv.checkpoint.artifacts import CARD_FILE, PROVENANCE_FILE, is_fp8kv_card
-from fp8kv.checkpoint.digest import checkpoint_digest
+from fp8kv.checkpoint.provenance import ConvertedFrom, read_provenance
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode
 from fp8kv.evaluation.results import ConfigScores, EvalResults
 from fp8kv.hub.card import write_card
+from tests.reports import report_for, write_report
 
 DATA_ARGS = ["--num-samples", "4", "--seq-len", "16", "--batch-size", "2"]
 
@@ -30,9 +31,7 @@ def judged(tmp_path_factory, factory_checkpoint, corpus) -> Path:
     out = tmp_path_factory.mktemp("judged") / "out1"
     result = run("calibrate", factory_checkpoint("llama"), "--out", out, "--dataset", corpus, *DATA_ARGS)
     assert result.exit_code == 0, result.output
-    (out / "verify").mkdir()
-    report = {"verdict": "WARN", "reasons": [], "checkpoint": str(out), "digest": checkpoint_digest(out).to_json()}
-    (out / "verify" / "report.json").write_text(json.dumps(report))
+    write_report(out, report_for(out, "WARN"))
     (out / "eval").mkdir()
     scores = ConfigScores("bf16", "bf16", "-", "-", {"task acc": 0.5}, nonfinite_stored=0)
     (out / "eval" / "results.json").write_text(EvalResults(str(out), ("task",), None, "cpu", (scores,)).to_json())
@@ -43,8 +42,7 @@ def judged(tmp_path_factory, factory_checkpoint, corpus) -> Path:
 def _assert_fresh(out: Path, source: Path) -> None:
     assert not (out / "verify").exists() and not (out / "eval").exists()
     assert not (out / CARD_FILE).exists()
-    record = json.loads((out / PROVENANCE_FILE).read_text())
-    assert record.get("source", {}).get("path") != str(out)
+    assert read_provenance(out).source.path != str(out)
     assert is_fp8kv_card(source / CARD_FILE), "the source's own card is untouched"
 
 
@@ -53,7 +51,7 @@ def test_recalibrated_output_carries_nothing_of_its_source(judged, tmp_path, cor
     result = run("calibrate", judged, "--strategy", "percentile:90", "--out", out, "--dataset", corpus, *DATA_ARGS)
     assert result.exit_code == 0, result.output
     _assert_fresh(out, judged)
-    assert json.loads((out / PROVENANCE_FILE).read_text())["strategy"] == "percentile:90"
+    assert read_provenance(out).strategy == "percentile:90"
 
 
 def test_every_written_file_gets_the_same_permissions(judged):
@@ -67,10 +65,10 @@ def test_converted_output_has_its_own_provenance(judged, tmp_path):
     result = run("convert", judged, "--to", "modelopt", "--out", out)
     assert result.exit_code == 0, result.output
     _assert_fresh(out, judged)
-    record = json.loads((out / PROVENANCE_FILE).read_text())
-    assert record["format"] == "modelopt"
-    assert record["converted_from"] == {"path": str(judged), "conventions": ["compressed-tensors"]}
-    assert record["layers"] == json.loads((judged / PROVENANCE_FILE).read_text())["layers"]
+    record = read_provenance(out)
+    assert record.format == "modelopt"
+    assert record.converted_from == ConvertedFrom(str(judged), ("compressed-tensors",))
+    assert record.layers == read_provenance(judged).layers
 
 
 def test_a_user_readme_in_the_source_is_kept(tmp_path, factory_checkpoint, corpus):
@@ -163,7 +161,7 @@ def test_base_model_is_recorded_kept_and_overridable(judged, tmp_path, corpus):
     assert run("calibrate", judged, "--base-model", "org/tiny", "--out", first, "--dataset", corpus,
                *DATA_ARGS).exit_code == 0
     assert run("calibrate", first, "--out", second, "--dataset", corpus, *DATA_ARGS).exit_code == 0
-    assert json.loads((second / PROVENANCE_FILE).read_text())["source"]["base_model"] == "org/tiny"
+    assert read_provenance(second).source.base_model == "org/tiny"
     assert run("card", second).exit_code == 0
     assert ModelCard.load(second / CARD_FILE).data.base_model == "org/tiny"
     assert run("card", second, "--base-model", "org/other").exit_code == 0

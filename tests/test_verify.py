@@ -19,6 +19,7 @@ from fp8kv.data import DataRequest  # noqa: E402
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
 from fp8kv.cli import app  # noqa: E402
 from fp8kv.models.factory import make_checkpoint  # noqa: E402
+from fp8kv.verify.report import VerifyReport  # noqa: E402
 from fp8kv.verify.run import VerifyRequest, verify  # noqa: E402
 
 SCALES_FILE = "kv_scales.safetensors"
@@ -71,8 +72,14 @@ def _edited_copy(calibrated: Path, tmp_path: Path, change) -> Path:
 
 def test_a_checkpoint_calibrated_by_fp8kv_passes(calibrated, texts, tmp_path):
     result = verify(_request(calibrated, texts, report_dir=tmp_path / "report"))
-    assert (result.verdict, result.exit_code) == ("PASS", 0), result.report["reasons"]
-    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert (result.verdict, result.exit_code) == ("PASS", 0), result.report.reasons
+    text = (tmp_path / "report" / "report.json").read_text()
+    assert VerifyReport.from_json(text).to_json() == text  # the round trip keeps every key, value and their order
+    report = json.loads(text)
+    assert list(report) == ["checkpoint", "digest", "device", "convention", "kv_dtype", "thresholds", "static",
+                            "scales", "text_source", "num_samples", "num_tokens", "accuracy", "generation", "readback",
+                            "layers", "runtime", "engines", "generation_details", "fidelity", "verdict", "exit_code", "timings_s",
+                            "reasons"]
     assert report["verdict"] == "PASS" and report["convention"] == "compressed-tensors"
     assert report["text_source"] == f"{texts['held']}, split train, column 'text'"
     assert report["num_samples"] == 4 and report["num_tokens"] > 4 * 20
@@ -104,18 +111,18 @@ def test_scales_divided_by_four_are_flagged_per_layer(calibrated, texts, tmp_pat
     edited = _edited_copy(calibrated, tmp_path, lambda name, t: t / 4)
     result = verify(_request(edited, texts))
     assert (result.verdict, result.exit_code) == ("FAIL", 3)
-    messages = [r["message"] for r in result.report["reasons"] if r["level"] == "WARN"]
+    messages = [r.message for r in result.report.reasons if r.level == "WARN"]
     for layer in (0, 1):
         for kind in ("K", "V"):
             assert any(m.startswith(f"layer {layer}: ") and f"of {kind} values saturate" in m for m in messages)
-    engines = {e["engine"]: e for e in result.report["engines"]}
+    engines = {e["engine"]: e for e in result.report.engines}
     assert engines["clamp"]["nan_rows"] == 0 and engines["clamp"]["first_nonfinite_layer"] is None
     for name in ("raw", "raw-bf16"):  # past 464: NaN in layer 0's cache, every sequence lost
         assert engines[name]["first_nonfinite_layer"] == 0 and engines[name]["sequences_lost"] == 4
-    fails = [r["message"] for r in result.report["reasons"] if r["level"] == "FAIL"]
+    fails = [r.message for r in result.report.reasons if r.level == "FAIL"]
     assert [m.split(" (")[0] for m in fails] == ["engine raw", "engine raw-bf16"]
     assert "sequences lost; first NaN/inf in the cache of layer 0" in fails[0]
-    for row in result.report["layers"]:
+    for row in result.report.layers:
         assert row["k_max_ratio"] > 448 * 3 and row["nan_with_clamp"] == 0
     assert (edited / "verify" / "report.json").is_file()  # default report folder: DIR/verify
 
@@ -124,9 +131,9 @@ def test_a_zero_scale_fails_before_any_model_runs(calibrated, texts, tmp_path):
     edited = _edited_copy(calibrated, tmp_path, lambda name, t: t * 0 if name.endswith("1.self_attn.v_scale") else t)
     result = verify(_request(edited, texts))
     assert (result.verdict, result.exit_code) == ("FAIL", 3)
-    fails = [r["message"] for r in result.report["reasons"] if r["level"] == "FAIL"]
+    fails = [r.message for r in result.report.reasons if r.level == "FAIL"]
     assert "layer 1: v_scale 0.0 is not a positive finite number" in fails
-    assert result.report["accuracy"] is None and result.report["layers"] == []
+    assert result.report.accuracy is None and result.report.layers == []
 
 
 def test_without_quantization_config_fails_with_what_vllm_does(calibrated, texts, tmp_path):
@@ -136,7 +143,7 @@ def test_without_quantization_config_fails_with_what_vllm_does(calibrated, texts
     (edited / "config.json").write_text(json.dumps(config))
     result = verify(_request(edited, texts, new_tokens=1))
     assert result.verdict == "FAIL"
-    fails = [r["message"] for r in result.report["reasons"] if r["level"] == "FAIL"]
+    fails = [r.message for r in result.report.reasons if r.level == "FAIL"]
     assert fails == [
         "config.json has no quantization_config with a kv_cache_scheme: recent vLLM refuses to load this "
         "checkpoint (\"There is no module or parameter named 'layers.0.self_attn.k_scale'\") and older engines "
@@ -164,10 +171,10 @@ def test_verify_runs_on_xla_cpu(calibrated, texts, tmp_path):
     result = verify(_request(calibrated, texts, data=data, device="xla-cpu", num_prompts=1, new_tokens=1,
                              batch_size=2, report_dir=tmp_path / "report"))
     report = result.report
-    assert report["device"] == "xla-cpu" and report["readback"]["equal"] is True
-    assert report["accuracy"]["kl_mean"] < 1e-3 and report["accuracy"]["top1_agreement"] > 0.9
-    assert result.verdict in ("PASS", "WARN") and not [r for r in report["reasons"] if r["level"] == "FAIL"]
-    runtime = report["runtime"]
+    assert report.device == "xla-cpu" and report.readback["equal"] is True
+    assert report.accuracy["kl_mean"] < 1e-3 and report.accuracy["top1_agreement"] > 0.9
+    assert result.verdict in ("PASS", "WARN") and not [r for r in report.reasons if r.level == "FAIL"]
+    runtime = report.runtime
     assert runtime["attention"] == "torch_xla.ragged_paged_attention" and runtime["use_kernel"] is False
     assert runtime["compiles"]["warmup"] > 0 and runtime["compiles"]["timed"] == 0
     assert runtime["xla_cpu_fallbacks_per_decode_step"] >= 0
@@ -181,17 +188,17 @@ def test_the_bundled_model_calibrated_by_fp8kv_verifies_on_its_held_out_split(tm
     request = VerifyRequest(tmp_path / "bundled", data=DataRequest(None, num_samples=4, seq_len=64), batch_size=4,
                             num_prompts=2, prompt_len=16, new_tokens=2, device="cpu")
     report = verify(request).report
-    assert report["text_source"] == f"bundled held-out split ({BUNDLED_HELDOUT_TEXT}), split train, column 'text'"
+    assert report.text_source == f"bundled held-out split ({BUNDLED_HELDOUT_TEXT}), split train, column 'text'"
     # Only a non-clamping engine may fail (unseen text can pass the calibration amax), and only where a
     # layer's held-out |x|/scale passed the raw cast's limit: NaN then starts in that layer's cache.
-    fails = [r["message"] for r in report["reasons"] if r["level"] == "FAIL"]
+    fails = [r.message for r in report.reasons if r.level == "FAIL"]
     assert all(m.startswith(("engine raw ", "engine raw-bf16 ")) for m in fails), fails
-    over = [row["layer"] for row in report["layers"] if max(row["k_max_ratio"], row["v_max_ratio"]) > 464]
-    for engine in report["engines"]:
+    over = [row["layer"] for row in report.layers if max(row["k_max_ratio"], row["v_max_ratio"]) > 464]
+    for engine in report.engines:
         first = engine["first_nonfinite_layer"]
-        assert first is None if engine["engine"] == "clamp" else (first is None or first in over), report["engines"]
-    assert report["readback"]["equal"] and report["accuracy"]["kl_mean"] < 0.05
-    assert report["accuracy"]["ppl_bf16"] < 4096 / 10  # a trained model: far better than chance over its vocabulary
+        assert first is None if engine["engine"] == "clamp" else (first is None or first in over), report.engines
+    assert report.readback["equal"] and report.accuracy["kl_mean"] < 0.05
+    assert report.accuracy["ppl_bf16"] < 4096 / 10  # a trained model: far better than chance over its vocabulary
 
 
 def test_verify_refuses_to_judge_when_its_runtime_is_not_the_model(calibrated, texts, tmp_path, monkeypatch):
@@ -201,10 +208,10 @@ def test_verify_refuses_to_judge_when_its_runtime_is_not_the_model(calibrated, t
     monkeypatch.setattr(runner, "ragged_paged_attention",
                         lambda *a, sm_scale, **k: attend(*a, sm_scale=sm_scale * 10, **k))
     result = verify(_request(calibrated, texts))
-    fails = [r["message"] for r in result.report["reasons"] if r["level"] == "FAIL"]
+    fails = [r.message for r in result.report.reasons if r.level == "FAIL"]
     assert result.verdict == "FAIL" and len(fails) == 1, fails
     assert fails[0].startswith("verify's bf16 runtime does not reproduce transformers on this model: mean KL ")
-    assert result.report["fidelity"]["kl_mean"] > 2e-6 and result.report["accuracy"] is None
+    assert result.report.fidelity["kl_mean"] > 2e-6 and result.report.accuracy is None
 
 
 def test_readback_catches_a_scale_one_float32_step_off(calibrated):

@@ -10,13 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import load_language_model
+from fp8kv.checkpoint.provenance import read_provenance
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.data import BUNDLED_DATASET, CalibrationData, DataRequest, load_calibration_data, make_batches, pad_id
 from fp8kv.errors import Fp8kvError
-from fp8kv.geometry import read_json
 from fp8kv.models import BUNDLED_HELDOUT_TEXT
 from fp8kv.observe import KVStatistics, Progress, observe
 from fp8kv.runtime.device import resolve_device
@@ -35,12 +34,9 @@ def load_heldout(request: DataRequest, tokenizer: Any) -> CalibrationData:
 
 def calibration_overlap(source: SourceCheckpoint, data: CalibrationData) -> str | None:
     """A warning when fp8kv.json says the scales were calibrated on the very text verify reads."""
-    path = source.path / PROVENANCE_FILE
-    if not path.is_file():
-        return None
-    dataset = read_json(path).get("dataset") or {}
-    same_name = str(dataset.get("name")) == data.dataset
-    if same_name and str(dataset.get("split")) == data.split:
+    record = read_provenance(source.path)
+    dataset = record.dataset if record is not None else None
+    if dataset is not None and (dataset.name, dataset.split) == (data.dataset, data.split):
         return (f"the held-out text {data.dataset} (split {data.split}) is the calibration data recorded in "
                 "fp8kv.json: saturation and accuracy are measured on seen text; pass --dataset with other text")
     return None

@@ -1,4 +1,5 @@
-"""The verify report: report.json (read by the Hub card), report.md, and scales.png.
+"""The verify report: the `VerifyReport` type with its JSON round trip (report.json, read by the card
+and push), report.md, and scales.png.
 
 Each file is written under a temporary name in the report folder, then renamed into place.
 Non-finite numbers (NaN perplexity of a broken cache) become null in JSON.
@@ -10,10 +11,14 @@ import json
 import math
 import os
 import tempfile
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from fp8kv.checkpoint.digest import CheckpointDigest
 from fp8kv.checkpoint.writer import write_file_atomic
+from fp8kv.checks import Finding
+from fp8kv.errors import Fp8kvError
 from fp8kv.console import markdown_table
 from fp8kv.fp8 import FP8_MAX, RAW_CAST_FINITE_LIMIT
 from fp8kv.options import DEFAULT_KV_DTYPE
@@ -26,11 +31,97 @@ _ACCURACY = [("Perplexity, bf16 cache", "ppl_bf16", "{:.4f}"), ("Perplexity, fp8
              ("Top-1 agreement, unit scales", "top1_agreement_unit", "{:.2%}")]
 
 
-def write_report(report: dict[str, Any], out_dir: Path) -> None:
+@dataclass(frozen=True, kw_only=True)
+class VerifyReport:
+    """Everything one verify run found, in report.json's key order. Leaf tables (accuracy, per-layer rows,
+    engine rows, ...) stay JSON objects; the held-out fields keep their defaults when those checks were skipped."""
+
+    checkpoint: str
+    digest: CheckpointDigest  # exactly what was judged: card and push refuse the report once the folder differs
+    device: str
+    convention: str | None
+    kv_dtype: str | None
+    thresholds: dict[str, float]
+    static: dict[str, Any]
+    scales: list[dict[str, Any]]
+    text_source: str | None = None
+    num_samples: int = 0
+    num_tokens: int = 0
+    accuracy: dict[str, Any] | None = None
+    generation: dict[str, float] | None = None  # share of greedy tokens matching the bf16 cache, per phase
+    readback: dict[str, Any] | None = None
+    layers: list[dict[str, Any]] = field(default_factory=list)
+    runtime: dict[str, Any] | None = None
+    engines: list[dict[str, Any]] = field(default_factory=list)
+    query: dict[str, Any] | None = None  # --quantize-query on a checkpoint with q_scale
+    generation_details: dict[str, Any] | None = None
+    fidelity: dict[str, Any] | None = None
+    verdict: str
+    exit_code: int
+    timings_s: dict[str, float]
+    reasons: tuple[Finding, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object (NaN/inf as null); the optional sections are left out when absent."""
+        out: dict[str, Any] = {}
+        for name in (f.name for f in fields(self)):
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_SECTIONS:
+                continue
+            out[name] = value
+        out["digest"] = self.digest.to_json()
+        out["reasons"] = [{"level": r.level, "message": r.message} for r in self.reasons]
+        return finite_json(out)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str | Path = REPORT_JSON) -> VerifyReport:
+        """Parse what `to_json` wrote; one `Fp8kvError` naming `where` for anything else."""
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise Fp8kvError(f"{where}: cannot be read as JSON ({exc})") from None
+        digest = CheckpointDigest.from_json(data.get("digest") if isinstance(data, dict) else None, str(where))
+        try:
+            values = {name: _checked(data, name, kind) for name, kind in _JSON_KINDS.items()
+                      if name not in _OPTIONAL_SECTIONS or data.get(name) is not None}
+            reasons = tuple(Finding(_checked(r, "level", str), _checked(r, "message", str)) for r in values.pop("reasons"))
+        except (KeyError, TypeError) as exc:
+            detail = f"missing {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
+            raise Fp8kvError(f"{where}: not an fp8kv verify report ({detail}); run `fp8kv verify` again") from None
+        return cls(digest=digest, reasons=reasons, **values)
+
+
+_OPTIONAL_SECTIONS = ("query", "generation_details", "fidelity")
+_NONE = type(None)
+# The JSON type of every field but the digest (parsed by CheckpointDigest).
+_JSON_KINDS: dict[str, type | tuple[type, ...]] = {
+    "checkpoint": str, "device": str, "convention": (str, _NONE), "kv_dtype": (str, _NONE), "thresholds": dict,
+    "static": dict, "scales": list, "text_source": (str, _NONE), "num_samples": int, "num_tokens": int,
+    "accuracy": (dict, _NONE), "generation": (dict, _NONE), "readback": (dict, _NONE), "layers": list,
+    "runtime": (dict, _NONE), "engines": list, "query": dict, "generation_details": dict, "fidelity": dict,
+    "verdict": str, "exit_code": int, "timings_s": dict, "reasons": list,
+}
+
+
+def _checked(data: Any, key: str, kind: type | tuple[type, ...]) -> Any:
+    if not isinstance(data, dict):
+        raise TypeError(f"{data!r} is not an object")
+    value = data[key]
+    if not isinstance(value, kind):
+        expected = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise TypeError(f"{key!r} is {type(value).__name__}, not {expected}")
+    return value
+
+
+def write_report(report: VerifyReport, out_dir: Path) -> None:
     """Write report.json, report.md and scales.png into `out_dir` (created if missing)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    clean = finite_json(report)
-    write_file_atomic(out_dir / REPORT_JSON, (json.dumps(clean, indent=2) + "\n").encode())
+    text = report.to_json()
+    clean = VerifyReport.from_json(text, out_dir / REPORT_JSON)  # what a reader of report.json sees: NaN as None
+    write_file_atomic(out_dir / REPORT_JSON, text.encode())
     write_file_atomic(out_dir / REPORT_MD, render_markdown(clean).encode())
     write_file_atomic(out_dir / PLOT, plot_png(clean))
 
@@ -46,56 +137,55 @@ def finite_json(value: Any) -> Any:
     return value
 
 
-def render_markdown(report: dict[str, Any]) -> str:
+def render_markdown(report: VerifyReport) -> str:
     """A human-readable report: verdict and reasons, setup, accuracy, generation, per-layer table."""
-    parts = [f"# fp8kv verify: {report['verdict']}", f"Checkpoint: `{report['checkpoint']}`"]
-    if report["reasons"]:
-        parts.append("\n".join(f"- **{r['level']}**: {r['message']}" for r in report["reasons"]))
-    setup = [("Device", report["device"]), ("Convention", report["convention"]), ("KV dtype", report["kv_dtype"]),
-             ("Held-out text", report["text_source"]), ("Samples", report["num_samples"]),
-             ("Tokens", report["num_tokens"])]
-    readback = report.get("readback")
+    parts = [f"# fp8kv verify: {report.verdict}", f"Checkpoint: `{report.checkpoint}`"]
+    if report.reasons:
+        parts.append("\n".join(f"- **{r.level}**: {r.message}" for r in report.reasons))
+    setup = [("Device", report.device), ("Convention", report.convention), ("KV dtype", report.kv_dtype),
+             ("Held-out text", report.text_source), ("Samples", report.num_samples), ("Tokens", report.num_tokens)]
+    readback = report.readback
     if readback:
         setup.append(("Runtime scales equal the file's (float32 bits)", "yes" if readback["equal"] else "NO"))
-    if report.get("fidelity"):
-        fid = report["fidelity"]
+    fid = report.fidelity
+    if fid:
         setup.append(("bf16 runtime vs transformers: mean KL (bound)", f"{fid['kl_mean']:.2e} ({fid['bound']:.1e})"))
     parts.append(markdown_table(["Setting", "Value"], [[k, _fmt(v)] for k, v in setup]))
-    accuracy = report.get("accuracy") or {}
+    accuracy = report.accuracy or {}
     if accuracy:
         rows = [[label, _fmt(accuracy.get(key), spec)] for label, key, spec in _ACCURACY]
         parts.append("## Accuracy\n\n" + markdown_table(["Metric", "Value"], rows))
-    query = report.get("query") or {}
+    query = report.query or {}
     if query:
         rows = [[key.replace("_", " "), _fmt(value, "{:.6g}")] for key, value in query.items()]
         parts.append("## Query quantized with q_scale (fp8 attention)\n\n" + markdown_table(["Metric", "Value"], rows))
-    gen = report.get("generation") or {}
+    gen = report.generation or {}
     if gen:
         rows = [[phase, _fmt(gen.get(f"{phase}_match"), "{:.2%}")] for phase in ("prefill", "decode", "prefix")]
         parts.append("## Greedy tokens matching the bf16 cache\n\n" + markdown_table(["Phase", "Match"], rows))
-    if report.get("engines"):
-        parts.append("## Engine cast models, run on the held-out text\n\n" + _engine_table(report["engines"])
+    if report.engines:
+        parts.append("## Engine cast models, run on the held-out text\n\n" + _engine_table(report.engines)
                      + "\n\nclamp: divide in float32, clamp to ±MAX, cast (vLLM CUDA and TPU). raw: divide in "
                      f"float32, plain cast (NaN past {RAW_CAST_FINITE_LIMIT['fp8_e4m3']:g} for e4m3, inf from "
                      f"{RAW_CAST_FINITE_LIMIT['fp8_e5m2']:.5g} for e5m2). raw-bf16: divide in "
                      "bf16, plain cast (in-place division of the bf16 tensor). Any NaN/inf row fails that engine.")
-    runtime = report.get("runtime")
+    runtime = report.runtime
     if runtime:
         rows = [[key.replace("_", " "), _fmt(value)] for key, value in runtime.items()]
         parts.append("## Runtime\n\n" + markdown_table(["Setting", "Value"], rows))
-    if report.get("layers"):
+    if report.layers:
         parts.append("## Per layer\n\n" + _layer_table(report) + "\n\nSaturation: exact share of values the fp8 "
                      "cache clamped at ±MAX. Max |x|/scale: from K/V observed on the same text.")
     parts.append("## Thresholds\n\n" + markdown_table(["Threshold", "Value"],
-                                               [[k, _fmt(v)] for k, v in report["thresholds"].items()]))
+                                               [[k, _fmt(v)] for k, v in report.thresholds.items()]))
     return "\n\n".join(parts) + "\n"
 
 
-def _layer_table(report: dict[str, Any]) -> str:
-    scales = {row["layer"]: row for row in report.get("scales") or []}
+def _layer_table(report: VerifyReport) -> str:
+    scales = {row["layer"]: row for row in report.scales}
     head = ["layer", "k_scale", "v_scale", "K sat.", "V sat.", r"K max \|x\|/scale", r"V max \|x\|/scale"]
     rows = []
-    for row in report["layers"]:
+    for row in report.layers:
         s = scales.get(row["layer"], {})
         rows.append([str(row["layer"]), _fmt(s.get("k_scale"), "{:.6g}"), _fmt(s.get("v_scale"), "{:.6g}"),
                      _fmt(row.get("k_saturation"), "{:.4%}"), _fmt(row.get("v_saturation"), "{:.4%}"),
@@ -118,7 +208,7 @@ def _fmt(value: Any, spec: str = "{}") -> str:
     return spec.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
-def plot_png(report: dict[str, Any]) -> bytes:
+def plot_png(report: VerifyReport) -> bytes:
     """PNG bytes: the reason for the verdict at a glance.
 
     Top: per layer, the largest |x|/scale of K and V on the held-out text against the fp8 maximum
@@ -136,9 +226,9 @@ def plot_png(report: dict[str, Any]) -> bytes:
 
     fig = Figure(figsize=(8, 6), layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True)
-    rows = report.get("layers") or []
+    rows = report.layers
     layers = [row["layer"] for row in rows]
-    kv_dtype = report.get("kv_dtype") or DEFAULT_KV_DTYPE
+    kv_dtype = report.kv_dtype or DEFAULT_KV_DTYPE
     fp8_max, raw_limit = FP8_MAX[kv_dtype], RAW_CAST_FINITE_LIMIT[kv_dtype]
     for kind, marker in (("k", "o"), ("v", "s")):
         top.plot(layers, [row.get(f"{kind}_max_ratio") or 0.0 for row in rows], marker=marker, linestyle="none",
@@ -146,9 +236,9 @@ def plot_png(report: dict[str, Any]) -> bytes:
     top.axhline(fp8_max, color="orange", linestyle="--", linewidth=1, label=f"fp8 max {fp8_max:g}: clamped above")
     top.axhline(raw_limit, color="red", linewidth=1, label=f"{raw_limit:g}: NaN/inf above without a clamp")
     top.set_ylabel("max |x| / scale (held-out)")
-    top.set_title(f"fp8kv verify: {report['verdict']}" + ("" if rows else " (no held-out statistics)"))
+    top.set_title(f"fp8kv verify: {report.verdict}" + ("" if rows else " (no held-out statistics)"))
     top.legend(fontsize="small")
-    width, bound = 0.4, 100 * report["thresholds"]["saturation"]
+    width, bound = 0.4, 100 * report.thresholds["saturation"]
     highest = 3 * bound
     for offset, kind in ((-width / 2, "k"), (width / 2, "v")):
         shares = [100 * (row.get(f"{kind}_saturation") or 0.0) for row in rows]
@@ -167,20 +257,20 @@ def plot_png(report: dict[str, Any]) -> bytes:
 
 def show(result: Any, json_output: bool = False) -> None:
     """Print the report as JSON on stdout, or the verdict, reasons and key numbers as text."""
+    report: VerifyReport = result.report
     if json_output:
-        print(json.dumps(finite_json(result.report), indent=2))
+        print(report.to_json(), end="")
         return
-    report = result.report
-    print(f"fp8kv verify: {result.verdict}  ({report['checkpoint']}, {report['device']})")
-    for reason in report["reasons"]:
-        print(f"  {reason['level']}: {reason['message']}")
-    accuracy = report.get("accuracy") or {}
+    print(f"fp8kv verify: {result.verdict}  ({report.checkpoint}, {report.device})")
+    for reason in report.reasons:
+        print(f"  {reason.level}: {reason.message}")
+    accuracy = report.accuracy or {}
     if accuracy:
         print("  " + ", ".join(f"{key} {_fmt(accuracy.get(key), spec)}" for _, key, spec in _ACCURACY[:6]))
-    for e in report.get("engines") or []:
+    for e in report.engines:
         print(f"  engine {e['engine']}: ppl {_fmt(e['ppl'], '{:.4f}')}, NaN/inf rows {e['nan_rows']} of {e['rows']}, "
               f"sequences lost {e['sequences_lost']} of {e['sequences']}")
-    query = report.get("query") or {}
+    query = report.query or {}
     if query:
         print(f"  with Q quantized by q_scale: kl_mean {_fmt(query['kl_mean'], '{:.3g}')} "
               f"(K/V only {_fmt(query['kl_mean_kv_only'], '{:.3g}')}), top1 {_fmt(query['top1_agreement'], '{:.2%}')}")

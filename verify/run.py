@@ -27,7 +27,7 @@ from fp8kv.progress import StageProgress, stage_callback
 from fp8kv.runtime import xla_cost
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, engines, fidelity, generation, heldout
-from fp8kv.verify.report import REPORT_JSON, write_report
+from fp8kv.verify.report import REPORT_JSON, VerifyReport, write_report
 from fp8kv.verify.static import StaticResult, static_checks
 from fp8kv.checks import FAIL, WARN, Finding
 from fp8kv.verify.verdict import (
@@ -62,7 +62,7 @@ class VerifyResult:
 
     verdict: str
     exit_code: int
-    report: dict[str, Any]
+    report: VerifyReport
     report_dir: Path
 
 
@@ -74,23 +74,26 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     model_dir = resolve_model(str(request.model_dir))
     report_dir = report_location(str(request.model_dir), model_dir, request.report_dir)
     check_writable_location(report_dir / REPORT_JSON)  # before the work, so its results are never lost
-    timings: dict[str, float] = {}
     clock = time.perf_counter()
     _stage(progress, "static checks")
     static = static_checks(model_dir)
-    report = _base_report(static, runtime.kind, thresholds)
-    reasons = list(static.reasons)
+    reasons, held_out, timings = list(static.reasons), {}, {}
     if static.runnable:
+        tokenizer, data = _heldout_text(request, static, progress)
+        held_out = {"text_source": heldout.text_source(data), "num_samples": len(data.samples),
+                   "num_tokens": data.num_tokens}
         try:
-            reasons += _heldout_checks(request, static, runtime.kind, thresholds, report, timings, progress)
+            measured, found, timings = _heldout_checks(request, static, tokenizer, data, runtime.kind, thresholds,
+                                                       progress)
+            held_out, reasons = {**held_out, **measured}, reasons + found
         except WeightsMismatch as exc:  # numbers from invented weights would judge nothing
             reasons.append(Finding(FAIL, f"{exc}; held-out checks skipped"))
     else:
         reasons.append(Finding(FAIL, "held-out checks skipped: the scales cannot drive an fp8 cache"))
-    timings["total"] = time.perf_counter() - clock
+    timings = {**timings, "total": time.perf_counter() - clock}
     outcome = verdict(reasons)
-    report.update(verdict=outcome, exit_code=EXIT_CODES[outcome], timings_s=timings,
-                  reasons=[{"level": r.level, "message": r.message} for r in reasons])
+    report = VerifyReport(**_static_fields(static, runtime.kind, thresholds), **held_out, verdict=outcome,
+                          exit_code=EXIT_CODES[outcome], timings_s=timings, reasons=tuple(reasons))
     _stage(progress, f"writing the report to {report_dir}")
     write_report(report, report_dir)
     return VerifyResult(outcome, EXIT_CODES[outcome], report, report_dir)
@@ -119,45 +122,51 @@ def _validate(request: VerifyRequest) -> None:
         raise Fp8kvError(f"{request.prompts}: no such prompts file (one prompt per line)")
 
 
-def _base_report(static: StaticResult, device: str, thresholds: Thresholds) -> dict[str, Any]:
+def _static_fields(static: StaticResult, device: str, thresholds: Thresholds) -> dict[str, Any]:
+    """The report's fields known before any model runs."""
     readout = static.readout
-    scales = readout.scales
     return {
         "checkpoint": str(readout.source.path),
         # Exactly what was judged: card and push refuse this report once the folder differs.
-        "digest": checkpoint_digest(readout.source.path).to_json(),
+        "digest": checkpoint_digest(readout.source.path),
         "device": device,
         "convention": static.convention,
         "kv_dtype": readout.kv_dtype,
         "thresholds": thresholds.as_dict(),
         "static": static.summary(),
-        "scales": scales.rows() if scales else [],
-        "text_source": None, "num_samples": 0, "num_tokens": 0,
-        "accuracy": None, "generation": None, "readback": None, "layers": [], "runtime": None, "engines": [],
-        "fidelity": None,
+        "scales": readout.scales.rows() if readout.scales else [],
     }
 
 
-def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, thresholds: Thresholds,
-                    report: dict[str, Any], timings: dict[str, float],
-                    progress: StageProgress | None) -> list[Finding]:
-    """Observe K/V on held-out text, run the three caches, compare generations; fills `report`."""
-    source, scales = static.readout.source, static.readout.scales
-    assert scales is not None  # runnable implies scales
-    kv_layers = source.geometry.kv_layers
-    tokenizer = load_tokenizer(source.path, False)
+def _heldout_text(request: VerifyRequest, static: StaticResult,
+                  progress: StageProgress | None) -> tuple[Any, CalibrationData]:
+    """The checkpoint's tokenizer and the held-out samples it reads (the data note goes to `progress`)."""
+    tokenizer = load_tokenizer(static.readout.source.path, False)
     _stage(progress, "loading held-out text")
     data = heldout.load_heldout(request.data, tokenizer)
     if data.note and progress is not None:
         progress.note(data.note)
-    report.update(text_source=heldout.text_source(data), num_samples=len(data.samples), num_tokens=data.num_tokens)
+    return tokenizer, data
+
+
+def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any, data: CalibrationData, device: str,
+                    thresholds: Thresholds, progress: StageProgress | None
+                    ) -> tuple[dict[str, Any], list[Finding], dict[str, float]]:
+    """Observe K/V on held-out text, run the three caches, compare generations.
+
+    Returns the report's held-out fields, the findings, and the seconds each phase took.
+    """
+    source, scales = static.readout.source, static.readout.scales
+    assert scales is not None  # runnable implies scales
+    kv_layers = source.geometry.kv_layers
     reasons = [Finding(WARN, note) for note in [heldout.calibration_overlap(source, data)] if note]
+    timings: dict[str, float] = {}
 
     clock = time.perf_counter()
     stats_device = "cuda" if device == "cuda" else "cpu"  # the observer runs on torch devices
     _stage(progress, "loading the model")
     statistics = heldout.observe_heldout(source, data, tokenizer, stats_device, request.batch_size,
-                                         stage_callback(progress, "observing K/V (samples)"))
+                                               stage_callback(progress, "observing K/V (samples)"))
     rows = heldout.max_ratio_rows(statistics, scales, kv_layers)
     timings["observe"] = time.perf_counter() - clock
 
@@ -171,53 +180,61 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, device: str, t
         max_model_len=longest, max_num_seqs=max(request.batch_size, 2 * len(prompts)), engines=request.engines,
     )
     timings["load_runners"] = time.perf_counter() - clock
-    report["readback"] = accuracy.readback(runners.fp8, scales)
-    if not report["readback"]["equal"]:
+    readback = accuracy.readback(runners.fp8, scales)
+    if not readback["equal"]:
         reasons.append(Finding(FAIL, "the runtime's scales differ from the file's: "
-                                    + "; ".join(report["readback"]["mismatches"][:3])))
+                                    + "; ".join(readback["mismatches"][:3])))
     reference = fidelity.measure_fidelity(runners.bf16, data.samples)
-    report["fidelity"] = reference.as_dict()
     if reference.refuses:  # fp8 against a runtime that is not the model would judge the runtime
-        return reasons + reference.reasons()
+        return {"readback": readback, "fidelity": reference.as_dict()}, reasons + reference.reasons(), timings
     reasons += reference.reasons()
 
     clock = time.perf_counter()
-    report["accuracy"], engine_results = accuracy.measure_accuracy(
+    measured, engine_results = accuracy.measure_accuracy(
         runners, data.samples, request.batch_size,
         stage_callback(progress, "bf16 / fp8 / unit-scale caches and engine models (samples)"))
-    report["engines"] = [result.as_dict() for result in engine_results]
     counts = accuracy.cache_counts(runners.fp8)
     timings["accuracy"] = time.perf_counter() - clock
-    reasons += _query_cost(request, runners, scales, data.samples, report, timings)
-    report["layers"] = [{**row, **counts[row["layer"]]} for row in rows]
+    query, query_reasons, query_seconds = _query_cost(request, runners, scales, data.samples, measured["kl_mean"])
+    reasons += query_reasons
+    if query_seconds is not None:
+        timings["query"] = query_seconds
+    layers = [{**row, **counts[row["layer"]]} for row in rows]
 
     clock = time.perf_counter()
     _stage(progress, f"greedy generation ({len(prompts)} prompts x {request.new_tokens} tokens)")
     gen = generation.compare_generation(runners.bf16, runners.fp8, prompts, request.new_tokens)
     timings["generation"] = time.perf_counter() - clock
-    report["generation"] = {key: gen[key] for key in ("prefill_match", "decode_match", "prefix_match")}
-    report["generation_details"] = {key: gen[key] for key in ("prompts", "new_tokens", "shared_tokens",
-                                                               "greedy_tokens")}
-    report["runtime"] = xla_cost.summarize(runners.fp8, prompts[0], compiles_before).as_dict()
-    nan_with_clamp = {row["layer"]: row["nan_with_clamp"] for row in report["layers"] if row["nan_with_clamp"]}
-    reasons += accuracy_reasons(report["accuracy"], nan_with_clamp, thresholds)
-    worst_ratio = max((max(row["k_max_ratio"], row["v_max_ratio"]) for row in report["layers"]), default=0.0)
+    nan_with_clamp = {row["layer"]: row["nan_with_clamp"] for row in layers if row["nan_with_clamp"]}
+    reasons += accuracy_reasons(measured, nan_with_clamp, thresholds)
+    worst_ratio = max((max(row["k_max_ratio"], row["v_max_ratio"]) for row in layers), default=0.0)
     reasons += engines.engine_reasons(engine_results, worst_ratio, scales.fp8_max)
-    return reasons + heldout_reasons(report["layers"], thresholds, scales.fp8_max)
+    reasons += heldout_reasons(layers, thresholds, scales.fp8_max)
+    fields = {
+        "accuracy": measured,
+        "generation": {key: gen[key] for key in ("prefill_match", "decode_match", "prefix_match")},
+        "readback": readback,
+        "layers": layers,
+        "runtime": xla_cost.summarize(runners.fp8, prompts[0], compiles_before).as_dict(),
+        "engines": [result.as_dict() for result in engine_results],
+        "query": query,
+        "fidelity": reference.as_dict(),
+        "generation_details": {key: gen[key] for key in ("prompts", "new_tokens", "shared_tokens", "greedy_tokens")},
+    }
+    return fields, reasons, timings
 
 
 def _query_cost(request: VerifyRequest, runners: accuracy.Runners, scales: KVScales, samples: list[list[int]],
-                report: dict[str, Any], timings: dict[str, float]) -> list[Finding]:
-    """With --quantize-query: the accuracy cost of also quantizing Q with q_scale (report["query"])."""
+                kl_mean_kv_only: float) -> tuple[dict[str, Any] | None, list[Finding], float | None]:
+    """With --quantize-query: the accuracy cost of also quantizing Q with q_scale, the findings, and its seconds."""
     if not request.quantize_query:
-        return []
+        return None, [], None
     if scales.q is None:
-        return [Finding(WARN, "--quantize-query: the checkpoint has no q_scale (calibrate with --attention fp8)")]
+        return None, [Finding(WARN, "--quantize-query: the checkpoint has no q_scale (calibrate with --attention fp8)")
+                      ], None
     clock = time.perf_counter()
-    report["query"] = accuracy.query_cost(request.model_dir, runners, scales, samples, request.batch_size)
-    report["query"]["kl_mean_kv_only"] = report["accuracy"]["kl_mean"]
-    timings["query"] = time.perf_counter() - clock
-    return []
+    query = accuracy.query_cost(request.model_dir, runners, scales, samples, request.batch_size)
+    return {**query, "kl_mean_kv_only": kl_mean_kv_only}, [], time.perf_counter() - clock
 
 
 def _prompts(request: VerifyRequest, data: CalibrationData, tokenizer: Any) -> list[list[int]]:

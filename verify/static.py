@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp8kv.checkpoint.artifacts import provenance_layers
+from fp8kv.checkpoint.provenance import read_provenance
 from fp8kv.checkpoint.reader import ScaleReadout, read_kv_scales
 from fp8kv.checks import Finding, check_readout, scales_usable, tpu_layout_findings
 
@@ -41,5 +41,5 @@ class StaticResult:
 def static_checks(model_dir: str | Path) -> StaticResult:
     """Read the checkpoint's scales (any convention) and check them without running the model."""
     readout = read_kv_scales(model_dir)
-    findings = check_readout(readout, provenance_layers(readout.source.path)) + tpu_layout_findings(readout)
+    findings = check_readout(readout, read_provenance(readout.source.path)) + tpu_layout_findings(readout)
     return StaticResult(readout, findings, scales_usable(readout))

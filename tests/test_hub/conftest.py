@@ -5,33 +5,32 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from fp8kv.checkpoint.digest import checkpoint_digest
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
+from fp8kv.checkpoint.provenance import CacheRecord, DatasetRecord, LayerRecord, Provenance, SourceRecord
+from fp8kv.checks import WARN, Finding
+from fp8kv.verify.report import VerifyReport
+from tests.reports import report_for, write_report as write_report_file
 
 
 FAKE_TOKEN = "hf_fakeTokenForFp8kvTests0123456789"
 SOURCE_README = "---\nlicense: llama3.1\n---\n\n# The source model's own card\n"
-LAYERS = [
-    {"layer": 0, "k_amax": 1.25, "v_amax": 0.75, "k_scale": 0.00279018, "v_scale": 0.00167411,
-     "k_saturation": 0.0, "v_saturation": 0.0},
-    {"layer": 1, "k_amax": 3.5, "v_amax": 0.5, "k_scale": 0.0078125, "v_scale": 0.00111607,
-     "k_saturation": 0.00042, "v_saturation": 0.0},
-]
-REPORT = {
-    "verdict": "WARN", "reasons": [{"level": "WARN", "message": "layer 1 K saturation 0.042%"}],
-    "checkpoint": "DIR", "device": "cpu", "text_source": "bundled heldout", "num_samples": 16, "num_tokens": 4096,
-    "convention": "compressed-tensors", "kv_dtype": "fp8_e4m3",
-    "accuracy": {"ppl_bf16": 10.137, "ppl_fp8": 10.2461, "ppl_fp8_unit": 10.9133, "kl_mean": 0.00123,
-                 "kl_max": 0.0345, "top1_agreement": 0.9876},
-    "layers": [{"layer": 0, "k_saturation": 0.0, "v_saturation": 0.0, "k_max_ratio": 301.2, "v_max_ratio": 250.0},
-               {"layer": 1, "k_saturation": 0.00042, "v_saturation": 0.0, "k_max_ratio": 417.5, "v_max_ratio": 212.25}],
-    "generation": {"prefill_match": True, "decode_match": True, "prefix_match": False},
-}
+
+
+def _cache(amax: float, scale: float, saturation: float) -> CacheRecord:
+    return CacheRecord(amax=amax, clip=amax, scale=scale, saturation=saturation, amax_per_head=(amax,))
+
+
+LAYERS = (
+    LayerRecord(0, 1.0, k=_cache(1.25, 0.00279018, 0.0), v=_cache(0.75, 0.00167411, 0.0)),
+    LayerRecord(1, 1.0, k=_cache(3.5, 0.0078125, 0.00042), v=_cache(0.5, 0.00111607, 0.0)),
+)
 
 
 @pytest.fixture(scope="session")
@@ -42,15 +41,17 @@ def source_model(tmp_path_factory: pytest.TempPathFactory, factory_checkpoint) -
     return path
 
 
-def provenance(source: Path, **source_keys) -> dict:
-    return {
-        "tool": "fp8kv", "version": "0.1.0", "command": f"fp8kv calibrate {source} --out DIR --num-samples 512",
-        "source": {"path": str(source), "sha256": "9f2c" * 16, **source_keys},
-        "dataset": {"name": "HuggingFaceH4/ultrachat_200k", "split": "train_sft", "text_column": "messages",
-                    "num_samples": 512, "seq_len": 2048, "seed": 42},
-        "strategy": "amax", "headroom": 1.0, "kv_dtype": "fp8_e4m3", "per_head": False, "skipped_layers": [],
-        "layers": LAYERS,
-    }
+def provenance(source: Path) -> Provenance:
+    """The record calibrate would write for `source` (512 ultrachat samples, amax, the two LAYERS)."""
+    return Provenance(
+        version="0.1.0", command=f"fp8kv calibrate {source} --out DIR --num-samples 512", format="compressed-tensors",
+        source=SourceRecord(path=str(source), content_hash="sha256:" + "9f2c" * 16, base_model=None),
+        dataset=DatasetRecord("HuggingFaceH4/ultrachat_200k", "train_sft", "messages", num_samples=512,
+                              num_tokens=512 * 2048, seq_len=2048, seed=42, note=None),
+        strategy="amax", headroom=1.0, kv_dtype="fp8_e4m3", fp8_max=448.0, per_head=False, skipped_layers=(),
+        defaulted_layers=(), layers=LAYERS,
+    )
+
 
 
 @pytest.fixture
@@ -65,8 +66,8 @@ def calibrated_dir(tmp_path: Path, source_model: Path) -> Path:
             os.link(source_model / name, out / name)
         else:
             shutil.copy2(source_model / name, out / name)
-    scales = {f"model.layers.{row['layer']}.self_attn.{kv}_scale": torch.tensor([row[f"{kv}_scale"]])
-              for row in LAYERS for kv in "kv"}
+    scales = {f"model.layers.{row.layer}.self_attn.{kv}_scale": torch.tensor([cache.scale])
+              for row in LAYERS for kv, cache in (("k", row.k), ("v", row.v))}
     save_file(scales, out / "kv_scales.safetensors")
     weight_map = {name: "kv_scales.safetensors" for name in scales}
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -74,7 +75,7 @@ def calibrated_dir(tmp_path: Path, source_model: Path) -> Path:
     config["quantization_config"] = {"quant_method": "compressed-tensors", "kv_cache_scheme": {
         "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
     (out / "config.json").write_text(json.dumps(config))
-    (out / "fp8kv.json").write_text(json.dumps(provenance(source_model, base_model=None, license=None)))
+    (out / PROVENANCE_FILE).write_text(provenance(source_model).to_json())
     return out
 
 
@@ -98,11 +99,22 @@ def fake_token(monkeypatch: pytest.MonkeyPatch) -> str:
     return FAKE_TOKEN
 
 
+def report(out: Path) -> VerifyReport:
+    """A WARN verify of `out` over 16 held-out samples, with its digest as it is now."""
+    return report_for(
+        out, "WARN", (Finding(WARN, "layer 1 K saturation 0.042%"),), text_source="bundled heldout",
+        num_samples=16, num_tokens=4096,
+        accuracy={"ppl_bf16": 10.137, "ppl_fp8": 10.2461, "ppl_fp8_unit": 10.9133, "kl_mean": 0.00123,
+                  "kl_max": 0.0345, "top1_agreement": 0.9876},
+        layers=[{"layer": 0, "k_saturation": 0.0, "v_saturation": 0.0, "k_max_ratio": 301.2, "v_max_ratio": 250.0},
+                {"layer": 1, "k_saturation": 0.00042, "v_saturation": 0.0, "k_max_ratio": 417.5,
+                 "v_max_ratio": 212.25}],
+        generation={"prefill_match": 1.0, "decode_match": 1.0, "prefix_match": 0.75},
+    )
+
+
 def _write_report(out: Path, **changes) -> Path:
-    (out / "verify").mkdir(exist_ok=True)
-    (out / "verify" / "scales.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
-    (out / "verify" / "report.md").write_text("# verify\n")
-    report = {**REPORT, "checkpoint": str(out), "digest": checkpoint_digest(out).to_json(), **changes}
-    path = out / "verify" / "report.json"
-    path.write_text(json.dumps(report))
+    path = write_report_file(out, replace(report(out), **changes))
+    (path.parent / "scales.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
+    (path.parent / "report.md").write_text("# verify\n")
     return path

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from huggingface_hub import ModelCard
 from typer.testing import CliRunner
 
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
+from fp8kv.checkpoint.provenance import ConvertedFrom, Provenance, read_provenance
 from fp8kv.cli import app
 from fp8kv.errors import Fp8kvError
 from fp8kv.hub.card import CARD_MARKER, TAGS, is_fp8kv_card, render_card, write_card
@@ -31,31 +35,34 @@ def test_card_metadata_parses_with_huggingface_hub(verified_dir: Path) -> None:
     assert "base_model" not in data and "base_model_relation" not in data
 
 
+def _edit_provenance(folder: Path, **changes) -> None:
+    (folder / PROVENANCE_FILE).write_text(replace(read_provenance(folder), **changes).to_json())
+
+
 def test_card_names_the_hub_base_model(calibrated_dir: Path) -> None:
-    prov = json.loads((calibrated_dir / "fp8kv.json").read_text())
-    prov["source"].update(base_model="meta-llama/Llama-3.1-8B-Instruct", license="apache-2.0")
-    (calibrated_dir / "fp8kv.json").write_text(json.dumps(prov))
+    prov = read_provenance(calibrated_dir)
+    _edit_provenance(calibrated_dir, source=replace(prov.source, base_model="meta-llama/Llama-3.1-8B-Instruct"))
     data = ModelCard(render_card(calibrated_dir)).data
     assert data.base_model == "meta-llama/Llama-3.1-8B-Instruct"
     assert data.to_dict()["base_model_relation"] == "quantized"
-    assert data.license == "apache-2.0"
+    assert data.license == "llama3.1"  # the source README's: fp8kv.json records no license
 
 
 def test_card_finds_the_base_model_from_a_hub_cache_path(calibrated_dir: Path) -> None:
-    prov = json.loads((calibrated_dir / "fp8kv.json").read_text())
-    prov["source"]["path"] = "/cache/models--Qwen--Qwen3-8B/snapshots/" + "ab" * 20
-    (calibrated_dir / "fp8kv.json").write_text(json.dumps(prov))
+    prov = read_provenance(calibrated_dir)
+    cache_path = "/cache/models--Qwen--Qwen3-8B/snapshots/" + "ab" * 20
+    _edit_provenance(calibrated_dir, source=replace(prov.source, path=cache_path))
     assert ModelCard(render_card(calibrated_dir)).data.base_model == "Qwen/Qwen3-8B"
 
 
 def test_card_shows_provenance_scales_and_report_numbers(verified_dir: Path) -> None:
     text = write_card(verified_dir).read_text()
-    prov = json.loads((verified_dir / "fp8kv.json").read_text())
+    prov = read_provenance(verified_dir)
     report = json.loads((verified_dir / "verify" / "report.json").read_text())
-    assert f"```bash\n{prov['command']}\n```" in text
-    for row in prov["layers"]:
-        expected = [row["layer"], row["k_amax"], row["k_scale"], row["k_saturation"], row["v_amax"], row["v_scale"],
-                    row["v_saturation"]]
+    assert f"```bash\n{prov.command}\n```" in text
+    assert f"| Source hash | `{prov.source.content_hash}` |" in text
+    for row in prov.layers:
+        expected = [row.layer, row.k.amax, row.k.scale, row.k.saturation, row.v.amax, row.v.scale, row.v.saturation]
         assert "| " + " | ".join(f"{v:.6g}" for v in expected) + " |" in text
     for setting in ("| Samples | 512 |", "| Sequence length | 2048 |", "| Shuffle seed | 42 |", "| Split | `train_sft` |",
                     "| Strategy | `amax` |", "| Tool | `fp8kv 0.1.0` |"):
@@ -67,7 +74,7 @@ def test_card_shows_provenance_scales_and_report_numbers(verified_dir: Path) -> 
     assert f"| Perplexity, bf16 KV cache | {accuracy['ppl_bf16']:.4f} |" in text
     assert f"| KL divergence to bf16, max | {accuracy['kl_max']:.6g} |" in text
     assert "| Top-1 agreement with bf16 | 98.7600% |" in text
-    assert "| Generation: prefix match | no |" in text
+    assert "| Generation: prefix match | 75.00% |" in text and "| Generation: decode match | 100.00% |" in text
     assert "| 1 | 0.00042 | 0 | 417.5 | 212.25 |" in text
     assert "![Per-layer KV-cache scales and verify results](verify/scales.png)" in text
 
@@ -87,13 +94,27 @@ def test_card_without_report_says_not_verified_and_has_no_plot(calibrated_dir: P
     assert "Verdict" not in text and "scales.png" not in text
 
 
-def test_card_survives_missing_keys(calibrated_dir: Path, write_report) -> None:
-    (calibrated_dir / "fp8kv.json").write_text(json.dumps({"layers": [{"layer": 0, "k_scale": 0.5}]}))
-    write_report(calibrated_dir, accuracy={"ppl_fp8": 9.5}, layers=None, generation=None, reasons=None)
+def test_card_refuses_a_malformed_provenance_in_one_line(calibrated_dir: Path) -> None:
+    path = calibrated_dir / PROVENANCE_FILE
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({"layers": [{"layer": 0, "k_scale": 0.5}]}))
+    with pytest.raises(Fp8kvError, match=re.escape(f"{path}: not an fp8kv provenance record (missing 'version')")):
+        render_card(calibrated_dir)
+    del record["layers"][1]["v_clip"]
+    path.write_text(json.dumps(record))
+    with pytest.raises(Fp8kvError, match=re.escape(f"{path}: not an fp8kv provenance record (missing 'v_clip' "
+                                                   "in layer 1)")):
+        render_card(calibrated_dir)
+
+
+def test_card_of_a_folder_converted_from_scales_fp8kv_did_not_calibrate(calibrated_dir: Path) -> None:
+    record = Provenance(version="0.1.0", command=None, format="modelopt",
+                        converted_from=ConvertedFrom("/elsewhere/model", ("quark",)))
+    (calibrated_dir / PROVENANCE_FILE).write_text(record.to_json())
     text = render_card(calibrated_dir)
-    assert "| Layer | k_scale |\n|---|---|\n| 0 | 0.5 |" in text
-    assert "| Perplexity, fp8 KV cache with these scales | 9.5000 |" in text
-    assert "bf16 KV cache |" not in text
+    assert "| Tool | `fp8kv 0.1.0` |" in text and "| Checkpoint convention | `modelopt` |" in text
+    assert "Calibration data" not in text and "| Layer |" not in text
+    assert "measured on the calibration data." in text
     ModelCard(text)
 
 
@@ -131,10 +152,10 @@ def test_card_cli_error_is_one_line(tmp_path: Path) -> None:
 
 
 def test_card_limitations_follow_the_settings(calibrated_dir: Path) -> None:
-    prov = json.loads((calibrated_dir / "fp8kv.json").read_text())
-    prov.update(strategy="percentile:99.99", per_head=True, defaulted_layers=[1])
-    prov["dataset"]["note"] = "HuggingFaceH4/ultrachat_200k could not be loaded (offline?); using the bundled corpus"
-    (calibrated_dir / "fp8kv.json").write_text(json.dumps(prov))
+    prov = read_provenance(calibrated_dir)
+    note = "HuggingFaceH4/ultrachat_200k could not be loaded (offline?); using the bundled corpus"
+    _edit_provenance(calibrated_dir, strategy="percentile:99.99", per_head=True, defaulted_layers=(1,),
+                     dataset=replace(prov.dataset, note=note))
     text = render_card(calibrated_dir)
     assert "The `percentile:99.99` strategy clips below the calibration amax on purpose" in text
     assert "Per-head scales are read by recent vLLM on the FlashAttention backend only." in text

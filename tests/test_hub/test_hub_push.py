@@ -11,10 +11,12 @@ import pytest
 from huggingface_hub import CommitOperationAdd
 from typer.testing import CliRunner
 
+from fp8kv.checks import FAIL, Finding
 from fp8kv.cli import app
 from fp8kv.errors import Fp8kvError
 from fp8kv.hub.card import is_fp8kv_card, write_card
 from fp8kv.hub.push import collect_files, format_plan, plan_push, push
+from fp8kv.verify.verdict import EXIT_CODES
 
 runner = CliRunner()
 
@@ -138,8 +140,8 @@ def test_push_rewrites_a_card_written_for_another_target(verified_dir: Path, wri
 @pytest.mark.parametrize("verdict", ["FAIL", None])
 def test_failed_or_missing_verify_blocks_the_push(calibrated_dir: Path, write_report, verdict) -> None:
     if verdict:
-        write_report(calibrated_dir, verdict=verdict,
-                     reasons=[{"level": "FAIL", "message": "layer 1: 3 NaN without clamp"}])
+        write_report(calibrated_dir, verdict=verdict, exit_code=EXIT_CODES[verdict],
+                     reasons=(Finding(FAIL, "layer 1: 3 NaN without clamp"),))
         expected = r"the last verify says FAIL \(layer 1: 3 NaN without clamp\); .* or pass --force"
     else:
         expected = r"no verify/report\.json; run `fp8kv verify .*` first, or pass --force"
@@ -202,7 +204,7 @@ def test_cli_push_errors_never_show_the_token(verified_dir: Path, fake_token: st
 
 
 def test_cli_push_refusal_is_one_line(calibrated_dir: Path, write_report) -> None:
-    write_report(calibrated_dir, verdict="FAIL", reasons=[])
+    write_report(calibrated_dir, verdict="FAIL", exit_code=EXIT_CODES["FAIL"], reasons=())
     result = runner.invoke(app, ["push", str(calibrated_dir), "--repo-id", "me/x", "--dry-run"])
     assert result.exit_code == 4
     assert "the last verify says FAIL; fix the checkpoint and verify again, or pass --force" in _output(result)

@@ -1,0 +1,274 @@
+"""The provenance record (`fp8kv.json`): what calibrate measured and how, with its JSON round trip.
+
+calibrate builds it, convert derives the converted folder's record from it, and inspect, verify and
+the card read it back through `read_provenance`; no other module parses the file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
+from fp8kv.errors import Fp8kvError
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    """The source checkpoint: its folder, content hash (None on ranks that do not write) and Hub id."""
+
+    path: str
+    content_hash: str | None
+    base_model: str | None
+
+
+@dataclass(frozen=True)
+class DatasetRecord:
+    """The calibration text as it was read."""
+
+    name: str
+    split: str
+    text_column: str
+    num_samples: int
+    num_tokens: int
+    seq_len: int
+    seed: int
+    note: str | None
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How the observation ran."""
+
+    layerwise: bool
+    processes: int
+    device: str
+
+
+@dataclass(frozen=True)
+class CacheRecord:
+    """One of K or V in one layer; the per-head clip and scale only with --per-head."""
+
+    amax: float
+    clip: float  # the |x| the strategy mapped to MAX (the amax with strategy amax)
+    scale: float  # the largest head's with --per-head
+    saturation: float
+    amax_per_head: tuple[float, ...]
+    clip_per_head: tuple[float, ...] | None = None
+    scale_per_head: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """One cache-owning layer: `scale_from_amax(k.clip, kv_dtype, headroom)` recomputes `k.scale` bit for bit."""
+
+    layer: int
+    headroom: float
+    k: CacheRecord
+    v: CacheRecord
+
+
+@dataclass(frozen=True)
+class QueryScaleRecord:
+    """The query's amax and q_scale of one layer (calibrate --attention fp8)."""
+
+    layer: int
+    q_amax: float
+    q_scale: float
+
+
+@dataclass(frozen=True)
+class ConvertedFrom:
+    """The folder `fp8kv convert` read and the conventions its scales were in."""
+
+    path: str
+    conventions: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """The whole `fp8kv.json`. A record converted from a folder fp8kv did not calibrate carries only the
+    tool, command, format, converted_from and no layers; the calibration fields are None there."""
+
+    version: str
+    command: str | None
+    format: str
+    layers: tuple[LayerRecord, ...] = ()
+    tool: str = "fp8kv"
+    source: SourceRecord | None = None
+    dataset: DatasetRecord | None = None
+    strategy: str | None = None
+    headroom: float | None = None
+    scale_formula: str | None = None
+    kv_dtype: str | None = None
+    fp8_max: float | None = None
+    per_head: bool | None = None
+    execution: Execution | None = None
+    skipped_layers: tuple[int, ...] | None = None
+    defaulted_layers: tuple[int, ...] | None = None
+    query_scales: tuple[QueryScaleRecord, ...] | None = None
+    converted_from: ConvertedFrom | None = None
+
+    def layer_map(self) -> dict[int, LayerRecord]:
+        """layer index -> its record."""
+        return {row.layer: row for row in self.layers}
+
+    def converted(self, version: str, command: str | None, convention: str, converted_from: ConvertedFrom) -> Provenance:
+        """This record for the same scales rewritten in `convention` by `fp8kv convert`."""
+        return replace(self, tool="fp8kv", version=version, command=command, format=convention,
+                       converted_from=converted_from)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object, keys in the order fp8kv has always written them; absent sections left out."""
+        values = {name: getattr(self, name) for name in _KEY_ORDER}
+        out: dict[str, Any] = {}
+        for name, value in values.items():
+            if value is None and name != "command":  # command is recorded as null when unknown
+                continue
+            if name == "layers":
+                out[name] = [_layer_to_dict(row) for row in value]
+            elif name == "query_scales":
+                out[name] = [_plain(row) for row in value]
+            else:
+                out[name] = _plain(value)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str | Path = PROVENANCE_FILE) -> Provenance:
+        """Parse what `to_json` wrote; one `Fp8kvError` naming `where` for anything else."""
+        try:
+            return _provenance_from_dict(json.loads(text))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            detail = f"missing {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
+            raise Fp8kvError(f"{where}: not an fp8kv provenance record ({detail}); "
+                             "rerun the fp8kv command that wrote it") from None
+
+
+def read_provenance(folder: str | Path) -> Provenance | None:
+    """`folder/fp8kv.json`, or None when fp8kv did not write `folder`."""
+    path = Path(folder) / PROVENANCE_FILE
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Fp8kvError(f"{path}: cannot be read ({exc})") from None
+    return Provenance.from_json(text, path)
+
+
+# The file's key order: calibration settings first, per-layer results, then what convert adds.
+_KEY_ORDER = ("tool", "version", "command", "source", "dataset", "strategy", "headroom", "scale_formula", "kv_dtype",
+              "fp8_max", "per_head", "format", "execution", "skipped_layers", "defaulted_layers", "layers",
+              "query_scales", "converted_from")
+
+
+def _plain(value: Any) -> Any:
+    """A nested record as a JSON value: dataclasses as objects in field order, tuples as lists."""
+    if hasattr(value, "__dataclass_fields__"):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _layer_to_dict(row: LayerRecord) -> dict[str, Any]:
+    out: dict[str, Any] = {"layer": row.layer, "headroom": row.headroom}
+    for name, cache in (("k", row.k), ("v", row.v)):
+        for f in fields(cache):
+            value = getattr(cache, f.name)
+            if value is not None:
+                out[f"{name}_{f.name}"] = _plain(value)
+    return out
+
+
+def _provenance_from_dict(data: Any) -> Provenance:
+    data = _object(data, "the record")
+    required = {"version": _text(data, "version"), "command": _text(data, "command", True),
+                "format": _text(data, "format"), "tool": _text(data, "tool")}
+    optional = {
+        "source": lambda d: SourceRecord(_text(d, "path"), _text(d, "content_hash", True),
+                                         _text(d, "base_model", True)),
+        "dataset": lambda d: DatasetRecord(_text(d, "name"), _text(d, "split"), _text(d, "text_column"),
+                                           _integer(d, "num_samples"), _integer(d, "num_tokens"),
+                                           _integer(d, "seq_len"), _integer(d, "seed"), _text(d, "note", True)),
+        "execution": lambda d: Execution(_typed(d, "layerwise", bool), _integer(d, "processes"), _text(d, "device")),
+        "converted_from": lambda d: ConvertedFrom(_text(d, "path"), _each(d, "conventions", str)),
+    }
+    values: dict[str, Any] = {name: parse(_object(data[name], name)) for name, parse in optional.items()
+                              if data.get(name) is not None}
+    for name in ("strategy", "scale_formula", "kv_dtype"):
+        values[name] = _text(data, name, True)
+    for name in ("headroom", "fp8_max"):
+        values[name] = _number(data, name, True)
+    values["per_head"] = _typed(data, "per_head", bool, True)
+    for name in ("skipped_layers", "defaulted_layers"):
+        if data.get(name) is not None:
+            values[name] = _each(data, name, int)
+    if data.get("query_scales") is not None:
+        values["query_scales"] = tuple(QueryScaleRecord(_integer(q, "layer"), _number(q, "q_amax"),
+                                                        _number(q, "q_scale"))
+                                       for q in map(_object, _typed(data, "query_scales", list)))
+    layers = tuple(_layer_from_dict(_object(row, "a layer row")) for row in _typed(data, "layers", list))
+    return Provenance(**required, layers=layers, **values)
+
+
+def _layer_from_dict(row: dict[str, Any]) -> LayerRecord:
+    layer = _integer(row, "layer")
+
+    def cache(name: str) -> CacheRecord:
+        per_head = {part: _numbers(row, f"{name}_{part}_per_head", optional=part != "amax")
+                    for part in ("amax", "clip", "scale")}
+        return CacheRecord(_number(row, f"{name}_amax"), _number(row, f"{name}_clip"), _number(row, f"{name}_scale"),
+                           _number(row, f"{name}_saturation"), per_head["amax"], per_head["clip"], per_head["scale"])
+
+    try:
+        return LayerRecord(layer, _number(row, "headroom"), cache("k"), cache("v"))
+    except KeyError as exc:
+        raise ValueError(f"missing {exc.args[0]!r} in layer {layer}") from None
+
+
+def _object(value: Any, what: str = "an entry") -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"{what} is not an object")
+    return value
+
+
+def _typed(data: dict[str, Any], key: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
+    value = data.get(key) if optional else data[key]
+    if value is None and optional:
+        return None
+    return _checked(value, kind, repr(key))
+
+
+def _checked(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise TypeError(f"{what} is {value!r}, not {getattr(kind, '__name__', 'a number')}")
+    return value
+
+
+def _each(data: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> tuple[Any, ...]:
+    return tuple(_checked(value, kind, f"an item of {key!r}") for value in _typed(data, key, list))
+
+
+def _text(data: dict[str, Any], key: str, optional: bool = False) -> str | None:
+    return _typed(data, key, str, optional)
+
+
+def _integer(data: dict[str, Any], key: str) -> int:
+    return _typed(data, key, int)
+
+
+def _number(data: dict[str, Any], key: str, optional: bool = False) -> float | None:
+    value = _typed(data, key, (int, float), optional)
+    return None if value is None else float(value)
+
+
+def _numbers(data: dict[str, Any], key: str, optional: bool = False) -> tuple[float, ...] | None:
+    if optional and data.get(key) is None:
+        return None
+    return tuple(float(x) for x in _each(data, key, (int, float)))

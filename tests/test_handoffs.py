@@ -1,0 +1,61 @@
+"""The typed hand-offs: fp8kv.json and report.json round-trip through their types; a malformed file is one error."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from fp8kv.checkpoint.digest import CheckpointDigest
+from fp8kv.checkpoint.provenance import ConvertedFrom, Provenance
+from fp8kv.checks import FAIL, Finding
+from fp8kv.errors import Fp8kvError
+from fp8kv.verify.report import VerifyReport
+
+DIGEST = CheckpointDigest({"model.layers.0.self_attn.k_scale": "sha256:" + "0" * 64}, "sha256:" + "1" * 64,
+                          {"model.safetensors": 1234})
+
+
+def _report(**changes) -> VerifyReport:
+    fields = dict(checkpoint="/ckpt", digest=DIGEST, device="cpu", convention="compressed-tensors",
+                  kv_dtype="fp8_e4m3", thresholds={"kl_mean": 0.01}, static={}, scales=[], verdict="FAIL",
+                  exit_code=3, timings_s={"total": 0.5}, reasons=(Finding(FAIL, "held-out checks skipped"),))
+    return VerifyReport(**{**fields, **changes})
+
+
+def test_a_converted_record_without_calibration_keeps_only_its_keys() -> None:
+    record = Provenance(version="0.1.0", command=None, format="modelopt",
+                        converted_from=ConvertedFrom("/src", ("quark",)))
+    assert json.loads(record.to_json()) == {"tool": "fp8kv", "version": "0.1.0", "command": None,
+                                            "format": "modelopt", "layers": [],
+                                            "converted_from": {"path": "/src", "conventions": ["quark"]}}
+    assert Provenance.from_json(record.to_json()) == record
+
+
+def test_a_report_without_held_out_checks_round_trips_and_leaves_optional_sections_out() -> None:
+    report = _report()
+    data = json.loads(report.to_json())
+    assert not {"query", "generation_details", "fidelity"} & set(data)
+    assert data["accuracy"] is None and data["layers"] == [] and data["digest"] == DIGEST.to_json()
+    assert data["reasons"] == [{"level": "FAIL", "message": "held-out checks skipped"}]
+    assert VerifyReport.from_json(report.to_json()) == report
+
+
+def test_non_finite_numbers_become_null() -> None:
+    report = _report(accuracy={"ppl_fp8": math.nan, "kl_mean": math.inf, "ppl_bf16": 3.5})
+    assert json.loads(report.to_json())["accuracy"] == {"ppl_fp8": None, "kl_mean": None, "ppl_bf16": 3.5}
+
+
+@pytest.mark.parametrize(("edit", "problem"), [
+    (lambda d: d.pop("verdict"), "missing 'verdict'"),
+    (lambda d: d.update(num_samples="4"), "'num_samples' is str, not int"),
+    (lambda d: d.update(reasons=[{"level": "FAIL"}]), "missing 'message'"),
+    (lambda d: d.pop("digest"), "has no valid checkpoint digest"),
+])
+def test_a_malformed_report_is_one_error_naming_the_file(edit, problem) -> None:
+    data = json.loads(_report().to_json())
+    edit(data)
+    with pytest.raises(Fp8kvError, match=r"^dir/report\.json: .*" + re.escape(problem)):
+        VerifyReport.from_json(json.dumps(data), "dir/report.json")
