@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fp8kv.errors import Fp8kvError
+
 PROVENANCE_FILE = "fp8kv.json"
 VERIFY_DIR = "verify"
 EVAL_DIR = "eval"
@@ -36,3 +38,13 @@ def describes_source_only(root: Path, name: str) -> bool:
     if name == PROVENANCE_FILE:
         return True
     return name == CARD_FILE and is_fp8kv_card(root / name)
+
+
+def read_artifact(path: Path, hint: str = "") -> str | None:
+    """The text of a file fp8kv wrote, or None when it is not there; one error line when it cannot be read."""
+    if not path.is_file():
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Fp8kvError(f"{path}: cannot be read ({exc}){hint}") from None

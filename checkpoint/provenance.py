@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, read_artifact
 from fp8kv.errors import Fp8kvError
 
 
@@ -152,13 +152,8 @@ class Provenance:
 def read_provenance(folder: str | Path) -> Provenance | None:
     """`folder/fp8kv.json`, or None when fp8kv did not write `folder`."""
     path = Path(folder) / PROVENANCE_FILE
-    if not path.is_file():
-        return None
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise Fp8kvError(f"{path}: cannot be read ({exc})") from None
-    return Provenance.from_json(text, path)
+    text = read_artifact(path)
+    return None if text is None else Provenance.from_json(text, path)
 
 
 # The file's key order: calibration settings first, per-layer results, then what convert adds.

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fp8kv.checkpoint.artifacts import CARD_FILE, CARD_MARKER, PROVENANCE_FILE, VERIFY_DIR, is_fp8kv_card
+from fp8kv.checkpoint.artifacts import CARD_FILE, CARD_MARKER, PROVENANCE_FILE, VERIFY_DIR, is_fp8kv_card, read_artifact
 from fp8kv.checkpoint.digest import check_unchanged
 from fp8kv.checkpoint.provenance import Provenance, read_provenance as read_record
 from fp8kv.console import markdown_table
@@ -56,12 +56,9 @@ def read_report(out_dir: Path) -> VerifyReport | None:
     `Fp8kvError` when the report judged other scales, config or weight files than DIR holds now.
     """
     path = Path(out_dir) / REPORT_FILE
-    if not path.is_file():
+    text = read_artifact(path, "; rerun the fp8kv command that wrote it")
+    if text is None:
         return None
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise Fp8kvError(f"{path}: cannot be read ({exc}); rerun the fp8kv command that wrote it") from None
     report = VerifyReport.from_json(text, path)
     check_unchanged(Path(out_dir), report.digest, path)
     return report
