@@ -5,16 +5,9 @@
 # (torch 2.9.0, torch_xla 2.9.0, libtpu, jax) in the machine's Python. Not yet run: no TPU was available.
 #   run: bash bench/tpu_8b.sh      (the checkpoint, ~16 GB, is deleted afterwards)
 set -euo pipefail
-REPO="$(cd "$(dirname "$0")/.." && pwd)"
-PY="${PYTHON:-$( [ -x "$REPO/.venv/bin/python" ] && echo "$REPO/.venv/bin/python" || command -v python3 )}"
-OUT="${OUT:-$REPO/bench/results}"
-WORK="$(mktemp -d "${TMPDIR:-/tmp}/fp8kv-tpu-XXXX")"
-trap 'rm -rf "$WORK"' EXIT
-# The repository root is the fp8kv package: expose it under that name without installing.
-mkdir -p "$WORK/path" && ln -s "$REPO" "$WORK/path/fp8kv"
-export PYTHONPATH="$WORK/path${PYTHONPATH:+:$PYTHONPATH}"
+NAME=tpu
+source "$(dirname "$0")/machine_env.sh"
 unset PJRT_DEVICE  # torch_xla picks the TPU
 "$PY" -c "import torch, torch_xla, jax; print('torch', torch.__version__, 'torch_xla', torch_xla.__version__, 'jax', jax.__version__, 'TPU v%d' % torch_xla.tpu.version())"
 df -h "$WORK" | tail -1
-mkdir -p "$OUT"
 "$PY" "$REPO/bench/tpu_8b.py" --root "$WORK" --results "$OUT/tpu_8b.json" "$@"

@@ -1,0 +1,10 @@
+# Sourced by the lent-machine scripts (gpu_8b.sh, tpu_8b.sh) with NAME set: sets REPO, PY, OUT and a
+# temporary WORK folder (removed on exit), and exposes the repository root, which is the fp8kv
+# package, under that name without installing it.
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-$( [ -x "$REPO/.venv/bin/python" ] && echo "$REPO/.venv/bin/python" || command -v python3 )}"
+OUT="${OUT:-$REPO/bench/results}"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/fp8kv-$NAME-XXXX")"
+trap 'rm -rf "$WORK"' EXIT
+mkdir -p "$WORK/path" "$OUT" && ln -s "$REPO" "$WORK/path/fp8kv"
+export PYTHONPATH="$WORK/path${PYTHONPATH:+:$PYTHONPATH}"
