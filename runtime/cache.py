@@ -87,7 +87,8 @@ class PagedKVCache:
     """One preallocated cache tensor per KV layer, quantized writes, and overflow counters.
 
     `k_scales`/`v_scales` map each KV layer index to a float or a per-KV-head list of floats
-    (dequantization multipliers); None means 1.0 everywhere. Scales only apply to fp8 caches.
+    (dequantization multipliers); None means 1.0 everywhere. Scales only apply to fp8 caches. The cache
+    holds them as one table, `scales` `[num_kv_layers, 2 (K, V), kv_heads]` float32 on its device.
     `engine` is how writes cast to fp8 (`fp8kv.fp8.ENGINES`: "clamp", "raw", "raw-bf16").
     `shared_layers` maps each layer that reads another's cache (KV sharing) to that layer (`owner`).
     Counters (int64 tensors on the cache device, `[num_kv_layers, 2]` for K and V):
@@ -118,19 +119,23 @@ class PagedKVCache:
         self.head_dim_padded = math.ceil(head_dim / head_dim_multiple) * head_dim_multiple
         self.dtype = dtype
         self.engine = check_engine(engine)
-        self.k_scales = _layer_scales(k_scales, self.kv_layers, num_kv_heads, "k_scale")
-        self.v_scales = _layer_scales(v_scales, self.kv_layers, num_kv_heads, "v_scale")
+        k_given = _layer_scales(k_scales, self.kv_layers, num_kv_heads, "k_scale")
+        v_given = _layer_scales(v_scales, self.kv_layers, num_kv_heads, "v_scale")
+        table = torch.tensor([[k * (num_kv_heads // len(k)), v * (num_kv_heads // len(v))]
+                              for k, v in zip(k_given, v_given)], dtype=torch.float32)
+        # torch_xla's attention takes a per-layer scale only as a Python float (a constant of its graph),
+        # so those are read out of the table once here; None marks a per-head scale, passed as a tensor.
+        self._scale_floats = [tuple(row[i][0] if len(given) == 1 else None for i, given in enumerate(pair))
+                              for row, pair in zip(table.tolist(), zip(k_given, v_given))]
+        self.scales = table.to(device)
+        # [num_kv_layers, 2*kv_heads, 1]: K0, V0, K1, V1, ... like the cache's combined heads
+        self._write_scales = self.scales.transpose(1, 2).reshape(len(self.kv_layers), 2 * num_kv_heads, 1)
+        self.num_pages = num_pages
+        # One tensor per layer, not views of one [layers, ...] tensor: on XLA an in-place write into a view
+        # of the big tensor measured 0.68x fp8 decode (bench/bench_runtime.py, see README's Runtime).
         shape = (num_pages, page_size, 2 * num_kv_heads, self.head_dim_padded)
         self.pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.kv_layers]
         self._row = {layer: i for i, layer in enumerate(self.kv_layers)}
-        # [2*kv_heads, 1] combined-head scales, interleaved like the cache
-        self._write_scales = [
-            torch.tensor(_interleave(self.k_scales[l], self.v_scales[l], num_kv_heads)).unsqueeze(-1).to(device)
-            for l in self.kv_layers
-        ]
-        self._attn_scales = {
-            l: (_scale_arg(self.k_scales[l], device), _scale_arg(self.v_scales[l], device)) for l in self.kv_layers
-        }
         self.clamped = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
         self.nonfinite = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
         self.written = torch.zeros(len(self.kv_layers), dtype=torch.int64, device=device)
@@ -144,8 +149,8 @@ class PagedKVCache:
         return owner
 
     def layer_pages(self, layer: int) -> torch.Tensor:
-        """The `[num_pages, page_size, 2*kv_heads, head_dim_padded]` cache tensor of `layer`."""
-        return self.pages[self._row[layer]]
+        """The `[num_pages, page_size, 2*kv_heads, head_dim_padded]` cache `layer` attends over (its owner's)."""
+        return self.pages[self._row[self.owner(layer)]]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
         """Quantize and store K/V of `[tokens, kv_heads, head_dim]` at flat `slots` `[tokens]`.
@@ -179,7 +184,9 @@ class PagedKVCache:
         """The (k_scale, v_scale) attention needs: floats, per-head tensors, or None for non-fp8 caches."""
         if not is_fp8(self.dtype):
             return None, None
-        return self._attn_scales[layer]
+        row = self._row[layer]
+        k, v = (self.scales[row, i] if value is None else value for i, value in enumerate(self._scale_floats[row]))
+        return k, v
 
     def bytes_per_token(self) -> float:
         """Cache bytes one token occupies across all layers (K and V, padded head_dim)."""
@@ -198,14 +205,15 @@ class PagedKVCache:
 
 def _layer_scales(
     scales: Mapping[int, Scale] | None, kv_layers: tuple[int, ...], num_kv_heads: int, name: str
-) -> dict[int, float | tuple[float, ...]]:
+) -> list[list[float]]:
+    """Per KV layer (in `kv_layers` order) its validated scale: one value, or one per KV head."""
     if scales is None:
-        return {layer: 1.0 for layer in kv_layers}
+        return [[1.0] for _ in kv_layers]
     missing = sorted(set(kv_layers) - set(scales))
     unexpected = sorted(set(scales) - set(kv_layers))
     if missing or unexpected:
         raise Fp8kvError(f"{name}: layers missing {missing}, unexpected {unexpected}; give one per KV layer")
-    out: dict[int, float | tuple[float, ...]] = {}
+    out = []
     for layer in kv_layers:
         value = scales[layer]
         values = [float(value)] if isinstance(value, (int, float)) else [float(s) for s in value]
@@ -213,15 +221,5 @@ def _layer_scales(
             raise Fp8kvError(f"{name} of layer {layer}: {len(values)} values; give 1 or {num_kv_heads}")
         if not all(math.isfinite(s) and s > 0 for s in values):
             raise Fp8kvError(f"{name} of layer {layer}: {values} must be finite and > 0")
-        out[layer] = values[0] if len(values) == 1 else tuple(values)
+        out.append(values)
     return out
-
-
-def _interleave(k: float | tuple[float, ...], v: float | tuple[float, ...], heads: int) -> list[float]:
-    ks = [k] * heads if isinstance(k, float) else list(k)
-    vs = [v] * heads if isinstance(v, float) else list(v)
-    return [s for pair in zip(ks, vs) for s in pair]
-
-
-def _scale_arg(scale: float | tuple[float, ...], device: torch.device) -> float | torch.Tensor:
-    return scale if isinstance(scale, float) else torch.tensor(scale, device=device)

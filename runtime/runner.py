@@ -177,7 +177,7 @@ class PagedModelRunner:
         # The Pallas kernel where vLLM's TPU backend would run it; torch_xla's reference elsewhere.
         self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu"
                            and kernel_supported(tpu_version(), g.num_kv_heads, self.cache.dtype))
-        self.allocator = PageAllocator(self.cache.pages[0].shape[0], page_size)
+        self.allocator = PageAllocator(self.cache.num_pages, page_size)
         if q_scales is not None and sorted(q_scales) != sorted(g.kv_layers):
             raise Fp8kvError(f"q_scales cover layers {sorted(q_scales)}; give one per KV layer {list(g.kv_layers)}")
         self.q_scales = None if q_scales is None else {

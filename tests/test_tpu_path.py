@@ -86,7 +86,8 @@ def test_faked_tpu_calls_the_kernel_as_vllm_does(arch, windows, cap, monkeypatch
     assert kv_lens.cpu().tolist() == [9, 0, 0] and cu_q_lens.cpu().tolist() == [0, 9, 9, 9]
     assert kwargs["use_kernel"] is True and [c[1]["sliding_window"] for c in calls] == windows and kwargs["soft_cap"] == cap
     assert type(kwargs["k_scale"]) is float and type(kwargs["v_scale"]) is float  # static: part of the compile key
-    assert (calls[1][1]["k_scale"], calls[1][1]["v_scale"]) == (0.025, 0.025)
+    float32 = torch.tensor(0.025).item()  # the cache holds its scales in float32, as a checkpoint stores them
+    assert (calls[1][1]["k_scale"], calls[1][1]["v_scale"]) == (float32, float32)
     assert kwargs["sm_scale"] == pytest.approx((16 ** -0.5) if arch == "llama" else tpu.model.config.query_pre_attn_scalar ** -0.5)
     cpu = PagedModelRunner(model, device="cpu", cache_dtype="fp8_e4m3", k_scales=scales, v_scales=scales, page_size=4,
                            max_model_len=32, max_num_seqs=3)

@@ -73,13 +73,13 @@ def readback(runner: PagedModelRunner, scales: KVScales) -> dict[str, Any]:
     be exactly representable in float32 and have the file's float32 bits.
     """
     cache, mismatches = runner.cache, []
-    for layer in cache.kv_layers:
+    for row, layer in enumerate(cache.kv_layers):
         attn_k, attn_v = cache.scale_args(layer)
-        for name, held, attn, stored in (("k_scale", cache.k_scales[layer], attn_k, scales.k[layer]),
-                                         ("v_scale", cache.v_scales[layer], attn_v, scales.v[layer])):
+        for name, held, attn, stored in (("k_scale", cache.scales[row, 0], attn_k, scales.k[layer]),
+                                         ("v_scale", cache.scales[row, 1], attn_v, scales.v[layer])):
             for what, value in (("cache", held), ("attention", attn)):
                 if not _same_bits(value, stored):
-                    mismatches.append(f"layer {layer}: {name} in the {what} is {_values(value)}, "
+                    mismatches.append(f"layer {layer}: {name} in the {what} is {_shown(value, stored)}, "
                                       f"the file has {stored.flatten().tolist()}")
     return {"equal": not mismatches, "layers": len(cache.kv_layers), "mismatches": mismatches}
 
@@ -90,11 +90,20 @@ def _values(value: float | tuple[float, ...] | torch.Tensor) -> list[float]:
     return [float(value)] if isinstance(value, (int, float)) else [float(x) for x in value]
 
 
+def _shown(value: float | tuple[float, ...] | torch.Tensor, stored: torch.Tensor) -> list[float]:
+    """The runner's values as the file spells them: a per-layer scale once, not once per KV head."""
+    values = _values(value)
+    return values[:1] if stored.numel() == 1 and len(set(values)) == 1 else values
+
+
 def _same_bits(value: float | tuple[float, ...] | torch.Tensor, stored: torch.Tensor) -> bool:
     held = torch.tensor(_values(value), dtype=torch.float64)
     file = stored.flatten()
-    if held.shape != file.shape:
-        held = held.expand_as(file) if held.numel() == 1 else held
+    # one value stands for every KV head: the cache's table holds a per-layer scale once per head
+    if file.numel() == 1:
+        file = file.expand_as(held)
+    if held.numel() == 1:
+        held = held.expand_as(file)
     if held.shape != file.shape:
         return False
     exact = torch.equal(held.float().double(), held)  # nothing lost when the runner's value is read as float32
