@@ -85,14 +85,15 @@ def table(rows: list[Row]) -> str:
 
 
 def sentence(name: str, rows: list[Row]) -> str:
-    bf16, unit, default_clamp, default_raw, tight, mimic = rows
+    bf16, unit, default_clamp, default_raw, default_raw_bf16, tight, mimic = rows
     n = len(bf16.scores.kl_per_sample)
     return (
         f"On {name}, unit scales give KL {unit.scores.kl_mean:.4f} against {default_clamp.scores.kl_mean:.4f} "
         f"calibrated; scales without a margin lose {tight.scores.sequences_lost} (headroom 1.0) and "
         f"{mimic.scores.sequences_lost} (llm-compressor's observer) of {n} held-out sequences to NaN on an engine "
         f"that does not clamp, while the default margin {DEFAULT_HEADROOM:g} loses "
-        f"{default_raw.scores.sequences_lost} on either engine at the same KL."
+        f"{default_raw.scores.sequences_lost + default_raw_bf16.scores.sequences_lost} on every engine at the "
+        f"same KL."
     )
 
 
