@@ -37,6 +37,12 @@ RAW_CAST_FINITE_LIMIT = {"fp8_e4m3": 464.0, "fp8_e5m2": 61439.99609375}  # float
 #   raw-bf16  divide the bf16 tensor in bf16, then a plain cast (engines that divide the cached
 #             tensor in place, such as SGLang's `cache_k.div_(k_scale)`).
 ENGINES: tuple[str, ...] = get_args(EngineName)
+# What each engine model stands for, as reports name it.
+ENGINE_DESCRIPTIONS = {
+    "clamp": "divide in float32, clamp to ±MAX, cast (vLLM CUDA and TPU)",
+    "raw": "divide in float32, plain cast",
+    "raw-bf16": "divide in bf16, plain cast, as in-place division of the bf16 tensor does (SGLang)",
+}
 
 
 def kv_dtype_from_file(name: str) -> str | None:

@@ -12,11 +12,14 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
+from fp8kv.checks import FAIL, check_readout
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.provenance import CacheRecord, LayerRecord, Provenance
+from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.cli import app
 from fp8kv.models.factory import make_checkpoint
+from fp8kv.verify.static import static_checks
 from tests.test_interop_conventions import golden
 
 runner = CliRunner()
@@ -121,3 +124,18 @@ def test_convert_to_vllm_json_prints_the_engine_flag(llama, tmp_path):
     assert data["kv_cache"] == {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 0.0625, "1": 0.125}}}
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     assert not any("_scale" in name for name in load_file(out / "model.safetensors"))
+
+
+def test_inspect_and_verify_show_each_finding_once(llama, tmp_path):
+    ones = write_checkpoint(llama, tmp_path / "ones", KVScales.from_floats({0: 1.0, 1: 1.0}, {0: 1.0, 1: 1.0}))
+    undeclared = shutil.copytree(ones, tmp_path / "undeclared")
+    config = json.loads((undeclared / "config.json").read_text())
+    del config["quantization_config"]
+    (undeclared / "config.json").write_text(json.dumps(config))
+    findings = check_readout(read_kv_scales(undeclared))
+    assert _inspect(undeclared)["warnings"] == [f.message for f in findings]
+    reasons = static_checks(undeclared).reasons
+    assert [r for r in reasons if "kv_cache_scheme" in r.message] == [
+        f for f in findings if f.level == FAIL and "kv_cache_scheme" in f.message]
+    assert len([r for r in reasons if "kv_cache_scheme" in r.message]) == 1
+    assert len(reasons) == len(set(reasons))

@@ -14,18 +14,12 @@ from typing import Any
 
 import torch
 
-from fp8kv.fp8 import ENGINES, check_engine
+from fp8kv.fp8 import ENGINE_DESCRIPTIONS, ENGINES, check_engine
 from fp8kv.runtime.runner import PagedModelRunner
 from fp8kv.checks import FAIL, Finding
 from fp8kv.verify.verdict import headroom_fix
 
 ALL = "all"
-# What each engine model stands for, as the report names it.
-DESCRIPTIONS = {
-    "clamp": "divide in float32, clamp to ±MAX, cast (vLLM CUDA and TPU)",
-    "raw": "divide in float32, plain cast",
-    "raw-bf16": "divide in bf16, plain cast, as in-place division of the bf16 tensor does (SGLang)",
-}
 
 
 def parse_engines(choice: str) -> tuple[str, ...]:
@@ -93,7 +87,7 @@ def engine_reasons(results: list[EngineResult], worst_ratio: float, fp8_max: flo
         if r.nan_rows:
             where = f"; first NaN/inf in the cache of layer {r.first_nonfinite_layer}" \
                 if r.first_nonfinite_layer is not None else ""
-            reasons.append(Finding(FAIL, f"engine {r.engine} ({DESCRIPTIONS[r.engine]}): {r.nan_rows} of {r.rows} "
+            reasons.append(Finding(FAIL, f"engine {r.engine} ({ENGINE_DESCRIPTIONS[r.engine]}): {r.nan_rows} of {r.rows} "
                                         f"logit rows NaN/inf, {r.sequences_lost} of {r.sequences} sequences lost"
                                         f"{where}. " + headroom_fix(worst_ratio, fp8_max)))
     return reasons
