@@ -191,6 +191,19 @@ def convert_command(
         typer.echo(f"load it with: vllm serve {written} {engine_flag(written)}")
 
 
+def _headroom(value: str) -> str:
+    """`--headroom`: "auto" or a number >= 1, checked before anything loads (a usage error otherwise)."""
+    if value == "auto":
+        return value
+    try:
+        factor = float(value)
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is neither auto nor a number") from None
+    if not factor >= 1.0:
+        raise typer.BadParameter(f"{value} is below 1.0: a scale under amax/MAX clips values it has seen")
+    return value
+
+
 @app.command()
 def calibrate(
     model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint folder, a Hub id org/name[@revision] (from the local cache when offline), or 'bundled' / 'bundled-outliers' for a bundled model."),
@@ -212,9 +225,10 @@ def calibrate(
         "last batch alone: llm-compressor's default observer, for comparison; use --batch-size 1 --headroom 1.0). "
         "percentile, mse and last-batch give scales below amax/MAX, so some values saturate.",
     ),
-    headroom: float | None = typer.Option(
-        None, "--headroom", min=1.0, show_default="the measured margin (README: Scales)",
-        help="Multiply every scale by F >= 1, so unseen text stays inside fp8's range; 1.0 writes amax/MAX exactly.",
+    headroom: str = typer.Option(
+        "auto", "--headroom", callback=_headroom,
+        help="auto (the margin measured to keep unseen text inside fp8's range; README: Scales) or a factor "
+        "F >= 1 multiplying every scale; 1.0 writes amax/MAX exactly.",
     ),
     per_head: bool = typer.Option(False, "--per-head", help="One scale per KV head ([num_kv_heads,1,1], attn_head strategy)."),
     allow_unobserved: bool = typer.Option(
@@ -255,7 +269,7 @@ def calibrate(
     from fp8kv.calibrate.pipeline import calibrate as run_calibration
     from fp8kv.progress import StageProgress
 
-    margin = {} if headroom is None else {"headroom": headroom}  # None: the library's default
+    margin = {} if headroom == "auto" else {"headroom": float(headroom)}  # auto: the library's default
     request = CalibrationRequest(
         model=model, out=out,
         data=DataRequest(dataset, split, text_column, num_samples, seq_len, seed),

@@ -90,9 +90,12 @@ def test_headroom_one_reproduces_amax_over_448_exactly(tmp_path):
             assert torch.equal(written.view(torch.int32), expected.view(torch.int32)), (row["layer"], kind)
 
 
-def test_headroom_option_takes_a_number_of_at_least_one(tmp_path):
+def test_headroom_option_takes_auto_or_a_number_of_at_least_one(tmp_path):
     result = CliRunner().invoke(app, ["calibrate", "bundled", "--headroom", "0.9"])
-    assert result.exit_code == 2 and "Invalid value for '--headroom'" in result.output
+    assert result.exit_code == 2 and "Invalid value for '--headroom': 0.9 is below 1.0" in result.output
+    result = CliRunner().invoke(app, ["calibrate", "bundled", "--headroom", "wide"])
+    assert result.exit_code == 2 and "Invalid value for '--headroom': 'wide' is neither auto nor a number" in result.output
+    assert _calibrate_cli(tmp_path / "auto", "--headroom", "auto")["headroom"] == DEFAULT_HEADROOM
 
 
 def test_last_batch_strategy_is_the_amax_of_the_last_batch_alone(factory_checkpoint):
