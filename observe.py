@@ -21,6 +21,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fp8kv.geometry import AttentionGeometry
+
 # Histogram of |x| with fixed bins read straight from the float32 bits: 32 bins per octave
 # (the exponent and the top 5 mantissa bits), octaves 2**LOG2_LOW .. 2**LOG2_HIGH. Bin 0 also
 # holds everything smaller (zeros), the last bin everything larger (and inf/NaN).
@@ -240,14 +242,14 @@ def observe_batch(
 def observe(
     model: torch.nn.Module,
     batches: Sequence[Any],
-    geometry: Any,
+    geometry: AttentionGeometry,
     progress: Progress | None = None,
     query: torch.Tensor | None = None,
     last_batch: KVStatistics | None = None,
 ) -> KVStatistics:
     """Run `model`'s base model over `batches` (`fp8kv.data.Batch`) and return the folded K/V statistics (CPU).
 
-    `geometry` (an `AttentionGeometry`) names the layers and heads. `query` (float32 [num_layers], CPU),
+    `geometry` names the layers and heads. `query` (float32 [num_layers], CPU),
     when given, receives max |Q| per layer (load the model with `query_observer_for`). With `last_batch`,
     the final batch is also folded into it alone (for `--strategy last-batch`).
     """

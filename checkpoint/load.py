@@ -25,14 +25,14 @@ class WeightsMismatch(Fp8kvError):
     """The weight files do not match the model config.json describes (missing, unexpected or misshapen)."""
 
 
-def load_causal_lm(model_dir: str | Path, model_class: Any = None, **kwargs: Any) -> Any:
+def load_causal_lm(model_dir: str | Path, model_class: Any = None, config: Any = None, **kwargs: Any) -> Any:
     """`model_class.from_pretrained(model_dir, **kwargs)` (default `AutoModelForCausalLM`) on the weights'
-    config (`weights_config`); `WeightsMismatch` naming the tensors transformers reports missing,
-    unexpected or of the wrong shape (K/V/Q scales are read by fp8kv itself).
+    config (`weights_config`, read here unless given); `WeightsMismatch` naming the tensors transformers
+    reports missing, unexpected or of the wrong shape (K/V/Q scales are read by fp8kv itself).
     """
     from transformers import AutoModelForCausalLM
 
-    config = weights_config(model_dir, kwargs.get("trust_remote_code", False))
+    config = config or weights_config(model_dir, kwargs.get("trust_remote_code", False))
     model_class = model_class or AutoModelForCausalLM
     model, info = model_class.from_pretrained(model_dir, config=config, output_loading_info=True, **kwargs)
     problems = [
@@ -80,6 +80,6 @@ def load_language_model(model_dir: str | Path, device: Any, dtype: str = "auto",
         raise Fp8kvError(f"--dtype {dtype!r}: choose auto, {', '.join(MODEL_DTYPES)}")
     extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     config = weights_config(model_dir, trust_remote_code)
-    model = load_causal_lm(model_dir, model_class(config.to_dict()), dtype=MODEL_DTYPES.get(dtype, "auto"),
+    model = load_causal_lm(model_dir, model_class(config.to_dict()), config, dtype=MODEL_DTYPES.get(dtype, "auto"),
                            trust_remote_code=trust_remote_code, **extra)
     return model.to(device).eval()
