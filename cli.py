@@ -1,16 +1,19 @@
 """The `fp8kv` command line. Commands are thin: they parse options and call library functions."""
 
-from __future__ import annotations
-
+import functools
+import inspect
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from typer.core import TyperGroup
 
 from fp8kv import __version__
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError
+if TYPE_CHECKING:
+    from fp8kv.data import DataRequest
 from fp8kv.options import DEFAULT_KV_DTYPE, AttentionChoice, TorchDeviceChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, WriteMode, kv_dtype_name
 
 DEBUG_ENV = "FP8KV_DEBUG"
@@ -35,6 +38,39 @@ NumSamplesOpt = Annotated[int, typer.Option("--num-samples", min=1, help="Record
 SeqLenOpt = Annotated[int, typer.Option(
     "--seq-len", min=1, help="Tokens per sample at most (longer records are truncated).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Shuffle seed: the same seed reads the same records.")]
+# The options that make a `DataRequest` (its field names), in the order --help lists them.
+TEXT_OPTIONS = {"dataset": DatasetOpt, "split": SplitOpt, "text_column": TextColumnOpt,
+                "num_samples": NumSamplesOpt, "seq_len": SeqLenOpt, "seed": SeedOpt}
+
+
+def reads_text(*, num_samples: int, seq_len: int, seed: int = 42) -> Callable[[Callable], Callable]:
+    """Give a command the text options (--dataset ... --seed) with its own defaults, in place of its
+    `data` parameter, which receives them as one `DataRequest`."""
+    defaults = {"dataset": None, "split": None, "text_column": None,
+                "num_samples": num_samples, "seq_len": seq_len, "seed": seed}
+
+    def decorate(command: Callable) -> Callable:
+        signature = inspect.signature(command)  # `data` stays a string: DataRequest imports torch
+        names = list(signature.parameters)
+        at = names.index("data")
+        text = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation,
+                                  default=defaults[name]) for name, annotation in TEXT_OPTIONS.items()]
+        kept = [p for p in signature.parameters.values() if p.name != "data"]
+
+        @functools.wraps(command)
+        def with_data(**options):
+            from fp8kv.data import DataRequest
+
+            data = DataRequest(**{name: options.pop(name) for name in TEXT_OPTIONS})
+            return command(data=data, **options)
+
+        with_data.__signature__ = signature.replace(parameters=[*kept[:at], *text, *kept[at:]])
+        with_data.__annotations__ = {p.name: p.annotation for p in with_data.__signature__.parameters.values()}
+        return with_data
+
+    return decorate
+
+
 RuntimeDeviceOpt = Annotated[RuntimeChoice, typer.Option(
     "--device", help="Where the fp8 runtime runs (auto: TPU, else CUDA, else CPU).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of text.")]
@@ -137,17 +173,15 @@ def push(
     force: bool = typer.Option(False, "--force", help="Upload even when verify failed or never ran."),
 ) -> None:
     """Upload DIR to the Hub in one commit (token from huggingface_hub: HF_TOKEN or `hf auth login`)."""
-    from fp8kv.hub.push import format_plan, human_size
-    from fp8kv.hub.push import push as push_folder
+    from fp8kv.hub.push import PUSHABLE_VERDICTS, format_plan, human_size, plan_push
+    from fp8kv.hub.push import push as push_plan
 
-    plan, url = push_folder(
-        out_dir, repo_id, private=private, revision=revision, commit_message=commit_message,
-        dry_run=dry_run, force=force,
-    )
-    if url is None:
+    plan = plan_push(out_dir, repo_id, private=private, revision=revision, commit_message=commit_message, force=force)
+    if dry_run:
         typer.echo(format_plan(plan))
         return
-    if plan.verdict not in ("PASS", "WARN"):
+    url = push_plan(plan)
+    if plan.verdict not in PUSHABLE_VERDICTS:
         typer.echo(f"Warning: pushed with --force; last verify: {plan.verdict or 'none'}", err=True)
     typer.echo(f"Uploaded {len(plan.files)} files ({human_size(plan.total_bytes)}) in one commit: {url}")
 
@@ -205,16 +239,12 @@ def _headroom(value: str) -> str:
 
 
 @app.command()
+@reads_text(num_samples=512, seq_len=2048)
 def calibrate(
     model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint folder, a Hub id org/name[@revision] (from the local cache when offline), or 'bundled' / 'bundled-outliers' for a bundled model."),
     out: Path | None = typer.Option(None, "--out", help="Output folder (created atomically). Omit to only report scales."),
-    dataset: DatasetOpt = None,
-    split: SplitOpt = None,
-    text_column: TextColumnOpt = None,
-    num_samples: NumSamplesOpt = 512,
-    seq_len: SeqLenOpt = 2048,
+    data: "DataRequest" = None,  # the text options, made one by @reads_text
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Samples per forward pass (right-padded; padding is never observed)."),
-    seed: SeedOpt = 42,
     kv_dtype: KvDtypeSpelling = typer.Option(
         DEFAULT_KV_DTYPE, "--kv-dtype", help="KV-cache dtype: fp8_e4m3 (MAX 448; vLLM's 'fp8') or fp8_e5m2 (MAX 57344)."
     ),
@@ -263,7 +293,6 @@ def calibrate(
     bundled calibration split, announced before the work.
     """
     from fp8kv.calibrate import report
-    from fp8kv.data import DataRequest
     from fp8kv.calibrate.distributed import is_writer
     from fp8kv.calibrate.pipeline import CalibrationRequest
     from fp8kv.calibrate.pipeline import calibrate as run_calibration
@@ -272,8 +301,7 @@ def calibrate(
     margin = {} if headroom == "auto" else {"headroom": float(headroom)}  # auto: the library's default
     request = CalibrationRequest(
         model=model, out=out,
-        data=DataRequest(dataset, split, text_column, num_samples, seq_len, seed),
-        batch_size=batch_size, kv_dtype=kv_dtype_name(kv_dtype), strategy=strategy, **margin, per_head=per_head,
+        data=data, batch_size=batch_size, kv_dtype=kv_dtype_name(kv_dtype), strategy=strategy, **margin, per_head=per_head,
         allow_unobserved=allow_unobserved, mode=mode, convention=convention, overwrite=overwrite,
         device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
         base_model=base_model, attention=attention, command=report.command_line(),
@@ -287,18 +315,14 @@ def calibrate(
 @app.command("verify", help="Check a checkpoint's KV scales: present, read back exactly, safe and cheap in "
              "accuracy. The held-out text defaults to the bundled held-out split, never the calibration data."
              f"\n\n{EXIT_CODE_TABLE}")
+@reads_text(num_samples=16, seq_len=256)
 def verify_command(
     model_dir: str = typer.Argument(
         ..., metavar="MODEL", help="Checkpoint with KV scales (any convention): a folder, a Hub id org/name[@revision], "
         "or 'bundled'.",
     ),
-    dataset: DatasetOpt = None,
-    split: SplitOpt = None,
-    text_column: TextColumnOpt = None,
-    num_samples: NumSamplesOpt = 16,
-    seq_len: SeqLenOpt = 256,
+    data: "DataRequest" = None,  # the text options, made one by @reads_text
     batch_size: int = typer.Option(4, "--batch-size", min=1, help="Samples per step."),
-    seed: SeedOpt = 42,
     device: RuntimeDeviceOpt = "auto",
     prompts: Path | None = typer.Option(
         None, "--prompts", help="Text file, one prompt per line, for the greedy generations (default: held-out prefixes)."
@@ -333,7 +357,6 @@ def verify_command(
         False, "--quantize-query", help="Also quantize Q with the checkpoint's q_scale (fp8 attention) and report the cost."
     ),
 ) -> None:
-    from fp8kv.data import DataRequest
     from fp8kv.progress import StageProgress
     from fp8kv.verify.engines import parse_engines
     from fp8kv.verify.report import show
@@ -344,7 +367,7 @@ def verify_command(
         thresholds_file, kl_mean=max_kl_mean, saturation=max_saturation, unit_kl_ratio=unit_kl_ratio, unit_ppl_ratio=unit_ppl_ratio,
     )
     request = VerifyRequest(
-        model_dir=model_dir, data=DataRequest(dataset, split, text_column, num_samples, seq_len, seed),
+        model_dir=model_dir, data=data,
         batch_size=batch_size, prompts=prompts, num_prompts=num_prompts, prompt_len=prompt_len,
         new_tokens=new_tokens, device=device, report_dir=report_dir, thresholds=thresholds,
         engines=parse_engines(engine),

@@ -84,30 +84,17 @@ def plan_push(
     return PushPlan(out, repo_id, revision, private, message, files, verdict, card_text)
 
 
-def push(
-    out_dir: str | Path,
-    repo_id: str,
-    *,
-    private: bool = False,
-    revision: str | None = None,
-    commit_message: str | None = None,
-    dry_run: bool = False,
-    force: bool = False,
-    api: Any = None,
-) -> tuple[PushPlan, str | None]:
-    """Upload DIR to `repo_id` in one commit; returns the plan and the commit URL (None on a dry run).
+def push(plan: PushPlan, api: Any = None) -> str:
+    """Carry out `plan` (from `plan_push`): one commit to its repo; returns the commit URL.
 
-    Creates the repository (and the `revision` branch) when missing, writes the card when DIR
-    has none, then sends one `create_commit` with a `CommitOperationAdd` per file; links are
-    read through, so the Hub gets the files they point to. `api` is any object with HfApi's
+    Creates the repository (and the `revision` branch) when missing, writes the plan's new card
+    first, then sends one `create_commit` with a `CommitOperationAdd` per file; links are read
+    through, so the Hub gets the files they point to. `api` is any object with HfApi's
     `create_repo`, `create_branch` and `create_commit` (default: `huggingface_hub.HfApi()`).
     """
-    plan = plan_push(out_dir, repo_id, private=private, revision=revision, commit_message=commit_message, force=force)
-    if dry_run:
-        return plan, None
     if plan.card_text is not None:
         write_file_atomic(plan.out_dir / CARD_FILE, plan.card_text.encode("utf-8"))
-    return plan, _upload(plan, api)
+    return _upload(plan, api)
 
 
 def collect_files(out_dir: Path) -> list[UploadFile]:

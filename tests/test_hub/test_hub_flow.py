@@ -11,7 +11,7 @@ from huggingface_hub import ModelCard
 from fp8kv.data import DataRequest
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.hub.card import write_card
-from fp8kv.hub.push import push
+from fp8kv.hub.push import plan_push, push
 
 COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
 
@@ -48,7 +48,8 @@ def test_calibrate_a_cached_hub_id_then_card_and_push(tmp_path: Path, source_mod
             return "https://huggingface.co/me/tiny-fp8kv/commit/1"
 
     api = Api()
-    plan, url = push(out, "me/tiny-fp8kv", force=True, api=api)
+    plan = plan_push(out, "me/tiny-fp8kv", force=True)
+    url = push(plan, api=api)
     assert url == "https://huggingface.co/me/tiny-fp8kv/commit/1"
     sent = {op.path_in_repo: op.upload_info.size for op in api.operations}
     assert sent == {f.path_in_repo: f.size for f in plan.files}

@@ -60,7 +60,8 @@ def _output(result) -> str:
 def test_push_sends_one_commit_with_every_file(verified_dir: Path) -> None:
     write_card(verified_dir, repo_id="me/llama-fp8kv")
     api = FakeHfApi()
-    plan, url = push(verified_dir, "me/llama-fp8kv", api=api)
+    plan = plan_push(verified_dir, "me/llama-fp8kv")
+    url = push(plan, api=api)
     assert url == "https://huggingface.co/me/llama-fp8kv/commit/0123abcd"
     assert [c[0] for c in api.calls] == ["create_repo", "create_commit"]
     assert api.calls[0] == ("create_repo", "me/llama-fp8kv", {"repo_type": "model", "private": None, "exist_ok": True})
@@ -90,7 +91,7 @@ def test_push_reads_links_and_leaves_hidden_files_out(verified_dir: Path, tmp_pa
     assert files["extra.json"].size == elsewhere.stat().st_size
     assert not any(name.startswith(".") for name in files)
     api = FakeHfApi()
-    push(verified_dir, "me/x", api=api)
+    push(plan_push(verified_dir, "me/x"), api=api)
     operations = {op.path_in_repo: op for op in api.calls[-1][2]}
     assert operations["extra.json"].path_or_fileobj == str(elsewhere.resolve())
 
@@ -103,7 +104,7 @@ def test_push_refuses_a_broken_link(verified_dir: Path, tmp_path: Path) -> None:
 
 def test_push_private_branch_and_message(verified_dir: Path) -> None:
     api = FakeHfApi()
-    push(verified_dir, "org/x", private=True, revision="fp8-scales", commit_message="Scales v2", api=api)
+    push(plan_push(verified_dir, "org/x", private=True, revision="fp8-scales", commit_message="Scales v2"), api=api)
     assert api.calls[0] == ("create_repo", "org/x", {"repo_type": "model", "private": True, "exist_ok": True})
     assert api.calls[1] == ("create_branch", "org/x", {"repo_type": "model", "branch": "fp8-scales", "exist_ok": True})
     assert api.calls[2][3] == {"commit_message": "Scales v2", "repo_type": "model", "revision": "fp8-scales"}
@@ -111,7 +112,8 @@ def test_push_private_branch_and_message(verified_dir: Path) -> None:
 
 def test_push_writes_the_card_when_dir_has_only_the_source_readme(verified_dir: Path, source_model: Path) -> None:
     source_readme = (source_model / "README.md").read_text()
-    plan, _ = push(verified_dir, "me/llama-fp8kv", api=FakeHfApi())
+    plan = plan_push(verified_dir, "me/llama-fp8kv")
+    push(plan, api=FakeHfApi())
     assert plan.card_text is not None
     assert is_fp8kv_card(verified_dir / "README.md")
     assert "vllm serve me/llama-fp8kv --kv-cache-dtype fp8" in (verified_dir / "README.md").read_text()
@@ -121,7 +123,8 @@ def test_push_writes_the_card_when_dir_has_only_the_source_readme(verified_dir: 
 def test_push_keeps_an_existing_fp8kv_card_for_the_same_repo(verified_dir: Path) -> None:
     card = write_card(verified_dir, repo_id="me/x")
     card.write_text(card.read_text() + "\nHand-written note.\n")
-    plan, _ = push(verified_dir, "me/x", api=FakeHfApi())
+    plan = plan_push(verified_dir, "me/x")
+    push(plan, api=FakeHfApi())
     assert plan.card_text is None
     assert card.read_text().endswith("Hand-written note.\n")
 
@@ -130,7 +133,8 @@ def test_push_keeps_an_existing_fp8kv_card_for_the_same_repo(verified_dir: Path)
 def test_push_rewrites_a_card_written_for_another_target(verified_dir: Path, written_for) -> None:
     """`fp8kv card DIR` then `fp8kv push DIR --repo-id me/x`, the README's order, publishes a card for me/x."""
     write_card(verified_dir, repo_id=written_for)
-    plan, _ = push(verified_dir, "me/x", api=FakeHfApi())
+    plan = plan_push(verified_dir, "me/x")
+    push(plan, api=FakeHfApi())
     text = (verified_dir / "README.md").read_text()
     assert plan.card_text == text
     assert text.startswith("---") and "\n# me/x\n" in text and "vllm serve me/x --kv-cache-dtype" in text
@@ -147,10 +151,11 @@ def test_failed_or_missing_verify_blocks_the_push(calibrated_dir: Path, write_re
         expected = r"no verify/report\.json; run `fp8kv verify .*` first, or pass --force"
     api = FakeHfApi()
     with pytest.raises(Fp8kvError, match=expected):
-        push(calibrated_dir, "me/x", api=api)
+        push(plan_push(calibrated_dir, "me/x"), api=api)
     assert api.calls == []
     assert not (calibrated_dir / "README.md").exists() or not is_fp8kv_card(calibrated_dir / "README.md")
-    plan, _ = push(calibrated_dir, "me/x", api=api, force=True)
+    plan = plan_push(calibrated_dir, "me/x", force=True)
+    push(plan, api=api)
     assert plan.verdict == verdict
     assert [c[0] for c in api.calls] == ["create_repo", "create_commit"]
 
@@ -158,10 +163,12 @@ def test_failed_or_missing_verify_blocks_the_push(calibrated_dir: Path, write_re
 def test_dry_run_lists_every_file_and_uploads_nothing(verified_dir: Path, monkeypatch) -> None:
     monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: pytest.fail("dry run built an HfApi"))
     readme_before = (verified_dir / "README.md").read_text()
-    plan, url = push(verified_dir, "me/x", dry_run=True)
-    assert url is None
+    result = CliRunner().invoke(app, ["push", str(verified_dir), "--repo-id", "me/x", "--dry-run"])
+    assert result.exit_code == 0, _output(result)
     assert (verified_dir / "README.md").read_text() == readme_before  # the card is only planned
-    listing = format_plan(plan).splitlines()
+    plan = plan_push(verified_dir, "me/x")
+    listing = result.output.splitlines()
+    assert listing == format_plan(plan).splitlines()
     expected = _expected_files(verified_dir)
     expected["README.md"] = len(plan.card_text.encode())
     assert listing[0] == ("Dry run: nothing uploaded. One commit to model repo me/x, created if missing: "
