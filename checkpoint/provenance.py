@@ -39,15 +39,6 @@ class DatasetRecord:
 
 
 @dataclass(frozen=True)
-class Execution:
-    """How the observation ran."""
-
-    layerwise: bool
-    processes: int
-    device: str
-
-
-@dataclass(frozen=True)
 class CacheRecord:
     """One of K or V in one layer; the per-head clip and scale only with --per-head."""
 
@@ -85,6 +76,15 @@ class ConvertedFrom:
 
     path: str
     conventions: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How the observation ran."""
+
+    layerwise: bool
+    processes: int
+    device: str
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,6 @@ PUSHABLE_VERDICTS = ("PASS", "WARN")
 
 
 @dataclass(frozen=True)
-class UploadFile:
-    """One file of the commit: where it goes in the repo, the file it is read from, its size in bytes."""
-
-    path_in_repo: str
-    local_path: Path
-    size: int
-
-
-@dataclass(frozen=True)
 class PushPlan:
     """Everything `push` would do, decided before anything is uploaded or written."""
 
@@ -46,6 +37,15 @@ class PushPlan:
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+
+@dataclass(frozen=True)
+class UploadFile:
+    """One file of the commit: where it goes in the repo, the file it is read from, its size in bytes."""
+
+    path_in_repo: str
+    local_path: Path
+    size: int
 
 
 def plan_push(
