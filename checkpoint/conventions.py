@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, get_args
 
+from fp8kv.checkpoint.engine_names import vllm_scale_module
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.fp8 import TORCH_DTYPE_NAME
 from fp8kv.errors import Fp8kvError
@@ -87,8 +88,10 @@ def layer_prefix(tensor_names: list[str]) -> str:
     return "model."
 
 
-def scale_names(convention: str, module: str) -> tuple[str, str]:
-    """The K and V tensor names `convention` uses for the attention module at path `module`."""
+def scale_names(convention: str, module: str, model_type: str) -> tuple[str, str]:
+    """The K and V tensor names `convention` uses for the attention module at path `module` of a `model_type`."""
+    if convention == "compressed-tensors":
+        module = vllm_scale_module(model_type, module)
     k_suffix, v_suffix = {
         "compressed-tensors": ("k_scale", "v_scale"),
         "modelopt": ("k_proj.k_scale", "v_proj.v_scale"),
@@ -121,9 +124,9 @@ def weights_config(model_dir: str | Path, trust_remote_code: bool = False):
     return config
 
 
-def query_scale_name(module: str) -> str:
-    """The query-scale tensor name of the attention module at path `module`, as compressed-tensors registers it."""
-    return f"{module}.q_scale"
+def query_scale_name(module: str, model_type: str) -> str:
+    """The query-scale tensor name of the attention module at path `module` of a `model_type`, in compressed-tensors."""
+    return f"{vllm_scale_module(model_type, module)}.q_scale"
 
 
 def attention_scheme(config: dict[str, Any]) -> dict[str, Any]:

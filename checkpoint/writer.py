@@ -191,15 +191,16 @@ def _regenerated(source: SourceCheckpoint, name: str) -> bool:
 
 def _write_scales(path: Path, source: SourceCheckpoint, scales: KVScales, convention: str) -> dict[str, str]:
     modules = attention_modules(list(source.weight_map), scales.layers)
+    model_type = source.geometry.model_type
     tensors: dict[str, torch.Tensor] = {}
     for layer in scales.layers:
-        k_name, v_name = scale_names(convention, modules[layer])
+        k_name, v_name = scale_names(convention, modules[layer], model_type)
         k, v = scales.k[layer], scales.v[layer]
         if convention != "compressed-tensors":  # ModelOpt and Quark store 0-dim scalars
             k, v = k.reshape(()), v.reshape(())
         tensors[k_name], tensors[v_name] = k.contiguous(), v.contiguous()
         if scales.q is not None:
-            tensors[query_scale_name(modules[layer])] = scales.q[layer].contiguous()
+            tensors[query_scale_name(modules[layer], model_type)] = scales.q[layer].contiguous()
     # Serialized in memory and written like every other file (safetensors' save_file creates it 0600).
     _write_bytes(path, save(tensors, metadata={"format": "pt"}))
     return dict.fromkeys(tensors, SCALES_FILE)

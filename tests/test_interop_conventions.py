@@ -178,7 +178,7 @@ def test_scale_names_follow_each_architectures_attention_module():
         vision = "model.vision_tower.vision_model.encoder.layers.1.self_attn.k_proj.weight"
         modules = attention_modules([vision, weight], (1,))
         assert modules == {1: expected[arch]}, arch
-        k_name, v_name = scale_names("compressed-tensors", modules[1])
+        k_name, v_name = scale_names("compressed-tensors", modules[1], arch)
         assert (parse_scale_name(k_name), parse_scale_name(v_name)) == ((1, "k", "compressed-tensors"),
                                                                         (1, "v", "compressed-tensors"))
     assert attention_modules(["model.embed_tokens.weight"], (0,)) == {0: "model.layers.0.self_attn"}
