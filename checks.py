@@ -10,6 +10,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from fp8kv.checkpoint.conventions import attention_modules, parse_scale_name, scale_names
 from fp8kv.checkpoint.provenance import Provenance
 from fp8kv.checkpoint.reader import ScaleReadout
 from fp8kv.fp8 import FP8_DTYPES
@@ -37,7 +38,7 @@ def check_readout(readout: ScaleReadout, provenance: Provenance | None = None) -
     scales doubled for e4m3fnuz.
     """
     return (_scale_findings(readout) + _advice(readout, provenance) + _declaration_findings(readout)
-            + _kernel_findings(readout))
+            + _engine_name_findings(readout) + _kernel_findings(readout))
 
 
 def tpu_layout_findings(readout: ScaleReadout) -> list[Finding]:
@@ -132,6 +133,27 @@ def _declaration_findings(readout: ScaleReadout) -> list[Finding]:
         findings.append(Finding(INFO, "scales in the legacy vLLM JSON file: engines read them only with "
                                       "--quantization-param-path"))
     return findings
+
+
+def _engine_name_findings(readout: ScaleReadout) -> list[Finding]:
+    """compressed-tensors K/V scales under a name vLLM's model file for this architecture does not load."""
+    source = readout.source
+    if "compressed-tensors" not in readout.conventions:
+        return []
+    kv = (("k", "compressed-tensors"), ("v", "compressed-tensors"))
+    written = {name: found[:2] for name in source.weight_map  # name -> (layer, "k"|"v")
+               if (found := parse_scale_name(name)) is not None and found[1:] in kv}
+    model_type = source.geometry.model_type
+    modules = attention_modules(list(source.weight_map), tuple(sorted({layer for layer, _ in written.values()})))
+    loaded = {name for module in modules.values() for name in scale_names("compressed-tensors", module, model_type)}
+    misplaced = sorted(name for name in written if name not in loaded)
+    if not misplaced:
+        return []
+    layer, kind = written[misplaced[0]]
+    wanted = scale_names("compressed-tensors", modules[layer], model_type)[kind == "v"]
+    more = f" (and {len(misplaced) - 1} more)" if len(misplaced) > 1 else ""
+    return [Finding(WARN, f"{misplaced[0]}{more}: vLLM loads {model_type} scales as {wanted} and leaves these at "
+                          "1.0 or refuses the checkpoint; fp8kv convert --to compressed-tensors renames them")]
 
 
 def _kernel_findings(readout: ScaleReadout) -> list[Finding]:

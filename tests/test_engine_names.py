@@ -43,6 +43,12 @@ def _scale_names(model_dir: Path) -> set[str]:
         return set(handle.keys())
 
 
+def _inspect(model_dir: Path) -> dict:
+    result = CliRunner().invoke(app, ["inspect", str(model_dir), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory) -> dict[str, Path]:
     """model_type -> a tiny checkpoint of it written with the scales above in compressed-tensors."""
@@ -68,10 +74,8 @@ def test_written_names_are_the_ones_vllm_loads(outputs, model_type):
 
 @pytest.mark.parametrize("model_type", sorted(EXPECTED))
 def test_inspect_reads_the_written_names_back(outputs, model_type):
-    result = CliRunner().invoke(app, ["inspect", str(outputs[model_type]), "--json"])
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
-    assert (report["conventions"], report["layers"]) == (["compressed-tensors"], ROWS)
+    report = _inspect(outputs[model_type])
+    assert (report["conventions"], report["layers"], report["warnings"]) == (["compressed-tensors"], ROWS, [])
 
 
 @pytest.mark.parametrize("model_type", sorted(EXPECTED))
@@ -94,8 +98,13 @@ def test_gpt2_scales_under_the_attention_module_name_still_read_and_convert_to_t
     index = json.loads((out / "model.safetensors.index.json").read_text())
     index["weight_map"] = {name.replace(".attn.attn.", ".attn."): file for name, file in index["weight_map"].items()}
     (old / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert read_kv_scales(old).scales.rows() == ROWS
-    assert _scale_names(convert_checkpoint(old, tmp_path / "renamed", "compressed-tensors")) == EXPECTED["gpt2"]
+    report = _inspect(old)
+    assert report["layers"] == ROWS
+    assert report["warnings"] == [
+        "transformer.h.0.attn.k_scale (and 3 more): vLLM loads gpt2 scales as transformer.h.0.attn.attn.k_scale and "
+        "leaves these at 1.0 or refuses the checkpoint; fp8kv convert --to compressed-tensors renames them"]
+    renamed = convert_checkpoint(old, tmp_path / "renamed", "compressed-tensors")
+    assert (_scale_names(renamed), _inspect(renamed)["warnings"]) == (EXPECTED["gpt2"], [])
 
 
 def test_verify_reads_the_gpt2_full_path_names(outputs, tmp_path):
