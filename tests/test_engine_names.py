@@ -113,5 +113,5 @@ def test_verify_reads_the_gpt2_full_path_names(outputs, tmp_path):
     held = tmp_path / "held.jsonl"
     held.write_text("".join(json.dumps({"text": topics[k][:300]}) + "\n" for k in sorted(topics)[40:42]))
     request = VerifyRequest(outputs["gpt2"], data=DataRequest(str(held), num_samples=2, seq_len=32), batch_size=2,
-                            num_prompts=1, prompt_len=16, new_tokens=1, device="cpu")
+                            num_prompts=1, prompt_len=16, new_tokens=1, device="cpu", report_dir=tmp_path / "report")
     assert verify(request).report.scales == ROWS
