@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
@@ -22,6 +23,10 @@ CONVENTIONS = get_args(Convention)
 HF_QUANT_CONFIG = "hf_quant_config.json"
 SCALES_FILE = "kv_scales.safetensors"
 VLLM_JSON_FILE = "kv_cache_scales.json"
+QUANTIZATION_CONFIG = "quantization_config"
+# Where a KV-only compressed-tensors block goes: vLLM and SGLang read it when quantization_config is absent,
+# transformers never reads it, so the checkpoint loads there as a plain model, not through compressed-tensors.
+COMPRESSION_CONFIG = "compression_config"
 
 # Suffix after the attention module's path -> (convention, which cache it scales).
 _SUFFIXES = {
@@ -165,9 +170,21 @@ def is_vllm_json(path: Path) -> bool:
     return isinstance(data, dict) and isinstance(data.get("kv_cache"), dict) and "scaling_factor" in data["kv_cache"]
 
 
+def quantization_block(config: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
+    """(key, block): the quantization block engines read, `quantization_config` first, else `compression_config`.
+
+    The block is None when neither key holds a dict; the key is then `quantization_config`.
+    """
+    for key in (QUANTIZATION_CONFIG, COMPRESSION_CONFIG):
+        if config.get(key) is not None:
+            block = config[key]
+            return key, block if isinstance(block, dict) else None
+    return QUANTIZATION_CONFIG, None
+
+
 def weight_method(config: dict[str, Any], hf_quant: dict[str, Any] | None) -> str | None:
     """How the weights are quantized, or None when only the KV cache is (or nothing)."""
-    qc = config.get("quantization_config")
+    qc = quantization_block(config)[1]
     if hf_quant is not None or (isinstance(qc, dict) and qc.get("quant_method") == "modelopt"):
         fields = (hf_quant or {}).get("quantization") or _modelopt_fields(qc or {})
         return "modelopt" if fields.get("quant_algo") else None
@@ -182,31 +199,42 @@ def weight_method(config: dict[str, Any], hf_quant: dict[str, Any] | None) -> st
     return method or None
 
 
+@dataclass(frozen=True)
+class QuantConfigs:
+    """What the writer puts in config.json (`block` under `key`; None: no block) and hf_quant_config.json."""
+
+    key: str
+    block: dict[str, Any] | None
+    hf_quant: dict[str, Any] | None
+
+
 def quant_configs(
     convention: str, config: dict[str, Any], hf_quant: dict[str, Any] | None, scales: KVScales, version: str
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """The new `quantization_config` (None: none) and `hf_quant_config.json` (None: none) to write."""
+) -> QuantConfigs:
+    """The config blocks to write: the source's weight block gains the KV scheme under its own key; a block
+    describing the KV cache alone replaces any old one (a compressed-tensors one under `compression_config`)."""
     method = check_method(convention, config, hf_quant)
     check_representable(convention, scales.strategy, scales.kv_dtype)
     if scales.q is not None and convention != "compressed-tensors":
         raise Fp8kvError(f"query scales (q_scale) are written only as compressed-tensors, not {convention!r}; "
                          "write --format compressed-tensors or calibrate without --attention fp8")
-    qc = copy.deepcopy(config.get("quantization_config")) if method else None
+    key, block = quantization_block(config)
+    qc = copy.deepcopy(block) if method else None
     if convention == "vllm-json":
-        return qc, copy.deepcopy(hf_quant) if method else None
+        return QuantConfigs(key, qc, copy.deepcopy(hf_quant) if method else None)
     if convention == "compressed-tensors":
-        qc = qc or copy.deepcopy(_CT_BASE)
+        key, qc = (key, qc) if qc else (COMPRESSION_CONFIG, copy.deepcopy(_CT_BASE))
         qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": scales.strategy,
                                  "dynamic": False, "symmetric": True}
         if scales.q is not None:
             qc.setdefault("config_groups", {})[ATTENTION_GROUP] = attention_scheme(config)
-        return qc, None
+        return QuantConfigs(key, qc, None)
     if convention == "modelopt":
-        return _modelopt_configs(qc, hf_quant if method else None, version)
+        return QuantConfigs(key, *_modelopt_configs(qc, hf_quant if method else None, version))
     if method == "fp8":
         qc["kv_cache_scheme"] = "static"  # AutoFP8's field; vLLM's Fp8Config then loads output_scale
-        return qc, None
-    return _quark_config(qc, scales), None
+        return QuantConfigs(key, qc, None)
+    return QuantConfigs(QUANTIZATION_CONFIG if qc is None else key, _quark_config(qc, scales), None)
 
 
 def check_method(convention: str, config: dict[str, Any], hf_quant: dict[str, Any] | None) -> str | None:

@@ -113,7 +113,7 @@ def test_per_head_scales_round_trip_and_refuse_single_value_formats(base, tmp_pa
     scales = KVScales.from_floats({0: [0.01, 0.02], 1: [0.03, 0.04]}, {0: [0.05, 0.06], 1: [0.07, 0.08]})
     out = write_checkpoint(base, tmp_path / "ct", scales)
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
+    assert config["compression_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
     readout = read_kv_scales(out)
     assert readout.scales.k[1].shape == (2, 1, 1) and torch.equal(readout.scales.v[1], scales.v[1])
     with pytest.raises(Fp8kvError, match="per-head .* only be written as compressed-tensors, not modelopt"):
