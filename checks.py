@@ -10,7 +10,9 @@ import math
 import re
 from dataclasses import dataclass
 
-from fp8kv.checkpoint.conventions import attention_modules, parse_scale_name, scale_names
+from fp8kv.checkpoint.conventions import (
+    COMPRESSION_CONFIG, QUANTIZATION_CONFIG, attention_modules, parse_scale_name, scale_names,
+)
 from fp8kv.checkpoint.provenance import Provenance
 from fp8kv.checkpoint.reader import ScaleReadout
 from fp8kv.fp8 import FP8_DTYPES
@@ -120,8 +122,9 @@ def _declaration_findings(readout: ScaleReadout) -> list[Finding]:
     first = readout.source.geometry.kv_layers[0]
     if "compressed-tensors" in readout.conventions and not readout.has_kv_cache_scheme:
         findings.append(Finding(FAIL, (
-            "config.json has no quantization_config with a kv_cache_scheme: recent vLLM refuses to load this "
-            f"checkpoint (\"There is no module or parameter named 'layers.{first}.self_attn.k_scale'\") and "
+            f"config.json has no {QUANTIZATION_CONFIG} or {COMPRESSION_CONFIG} with a kv_cache_scheme: recent "
+            "vLLM refuses to load this checkpoint "
+            f"(\"There is no module or parameter named 'layers.{first}.self_attn.k_scale'\") and "
             "older engines silently ignored the scales; fp8kv convert --to compressed-tensors adds it")))
     if "modelopt" in readout.conventions and not declared["modelopt"]:
         findings.append(Finding(FAIL, "k_proj.k_scale tensors without kv_cache_quant_algo in hf_quant_config.json: "

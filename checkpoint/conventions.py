@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
@@ -23,6 +24,10 @@ CONVENTIONS = get_args(Convention)
 HF_QUANT_CONFIG = "hf_quant_config.json"
 SCALES_FILE = "kv_scales.safetensors"
 VLLM_JSON_FILE = "kv_cache_scales.json"
+QUANTIZATION_CONFIG = "quantization_config"
+# Where a KV-only compressed-tensors block goes: vLLM and SGLang read it when quantization_config is absent,
+# transformers never reads it, so the checkpoint loads there as a plain model, not through compressed-tensors.
+COMPRESSION_CONFIG = "compression_config"
 
 # Suffix after the attention module's path -> (convention, which cache it scales).
 _SUFFIXES = {
@@ -103,17 +108,17 @@ def scale_names(convention: str, module: str, model_type: str) -> tuple[str, str
 def weights_config(model_dir: str | Path, trust_remote_code: bool = False):
     """transformers' config of `model_dir` for loading its weights, less what is not about the weights.
 
-    vLLM needs the compressed-tensors config to load k_scale/v_scale (and q_scale), but transformers
-    5.24 acts on it: a KV-cache-only config runs the compressed-tensors quantizer, which fails on MoE
-    checkpoints stored per expert (its expert merge looks up a weight group that does not exist) and on
-    configs whose head counts live in a sub-config (vision-language wrappers); an attention scheme
-    hooks attention and fake-quantizes Q in every model, a bf16 reference included. The scales are not
-    weights, so fp8kv loads without either and reads the scales itself.
+    transformers 5.24 acts on a compressed-tensors block under `quantization_config` (llm-compressor's
+    KV-only outputs; fp8kv's beside quantized weights): a KV-cache-only one runs the compressed-tensors
+    quantizer, which fails on MoE checkpoints stored per expert (its expert merge looks up a weight group
+    that does not exist) and on configs whose head counts live in a sub-config (vision-language wrappers);
+    an attention scheme hooks attention and fake-quantizes Q in every model, a bf16 reference included.
+    The scales are not weights, so fp8kv loads without either and reads the scales itself.
     """
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    qc = getattr(config, "quantization_config", None)
+    qc = getattr(config, QUANTIZATION_CONFIG, None)
     qc = qc.to_dict() if hasattr(qc, "to_dict") else qc
     if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
         qc = without_attention_schemes(qc)
@@ -168,9 +173,21 @@ def is_vllm_json(path: Path) -> bool:
     return isinstance(data, dict) and isinstance(data.get("kv_cache"), dict) and "scaling_factor" in data["kv_cache"]
 
 
+def quantization_block(config: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
+    """(key, block): the quantization block engines read, `quantization_config` first, else `compression_config`.
+
+    The block is None when neither key holds a dict; the key is then `quantization_config`.
+    """
+    for key in (QUANTIZATION_CONFIG, COMPRESSION_CONFIG):
+        if config.get(key) is not None:
+            block = config[key]
+            return key, block if isinstance(block, dict) else None
+    return QUANTIZATION_CONFIG, None
+
+
 def weight_method(config: dict[str, Any], hf_quant: dict[str, Any] | None) -> str | None:
     """How the weights are quantized, or None when only the KV cache is (or nothing)."""
-    qc = config.get("quantization_config")
+    qc = quantization_block(config)[1]
     if hf_quant is not None or (isinstance(qc, dict) and qc.get("quant_method") == "modelopt"):
         fields = (hf_quant or {}).get("quantization") or _modelopt_fields(qc or {})
         return "modelopt" if fields.get("quant_algo") else None
@@ -185,31 +202,42 @@ def weight_method(config: dict[str, Any], hf_quant: dict[str, Any] | None) -> st
     return method or None
 
 
+@dataclass(frozen=True)
+class QuantConfigs:
+    """What the writer puts in config.json (`block` under `key`; None: no block) and hf_quant_config.json."""
+
+    key: str
+    block: dict[str, Any] | None
+    hf_quant: dict[str, Any] | None
+
+
 def quant_configs(
     convention: str, config: dict[str, Any], hf_quant: dict[str, Any] | None, scales: KVScales, version: str
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """The new `quantization_config` (None: none) and `hf_quant_config.json` (None: none) to write."""
+) -> QuantConfigs:
+    """The config blocks to write: the source's weight block gains the KV scheme under its own key; a block
+    describing the KV cache alone replaces any old one (a compressed-tensors one under `compression_config`)."""
     method = check_method(convention, config, hf_quant)
     check_representable(convention, scales.strategy, scales.kv_dtype)
     if scales.q is not None and convention != "compressed-tensors":
         raise Fp8kvError(f"query scales (q_scale) are written only as compressed-tensors, not {convention!r}; "
                          "write --format compressed-tensors or calibrate without --attention fp8")
-    qc = copy.deepcopy(config.get("quantization_config")) if method else None
+    key, block = quantization_block(config)
+    qc = copy.deepcopy(block) if method else None
     if convention == "vllm-json":
-        return qc, copy.deepcopy(hf_quant) if method else None
+        return QuantConfigs(key, qc, copy.deepcopy(hf_quant) if method else None)
     if convention == "compressed-tensors":
-        qc = qc or copy.deepcopy(_CT_BASE)
+        key, qc = (key, qc) if qc else (COMPRESSION_CONFIG, copy.deepcopy(_CT_BASE))
         qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": scales.strategy,
                                  "dynamic": False, "symmetric": True}
         if scales.q is not None:
             qc.setdefault("config_groups", {})[ATTENTION_GROUP] = attention_scheme(config)
-        return qc, None
+        return QuantConfigs(key, qc, None)
     if convention == "modelopt":
-        return _modelopt_configs(qc, hf_quant if method else None, version)
+        return QuantConfigs(key, *_modelopt_configs(qc, hf_quant if method else None, version))
     if method == "fp8":
         qc["kv_cache_scheme"] = "static"  # AutoFP8's field; vLLM's Fp8Config then loads output_scale
-        return qc, None
-    return _quark_config(qc, scales), None
+        return QuantConfigs(key, qc, None)
+    return QuantConfigs(QUANTIZATION_CONFIG if qc is None else key, _quark_config(qc, scales), None)
 
 
 def check_method(convention: str, config: dict[str, Any], hf_quant: dict[str, Any] | None) -> str | None:

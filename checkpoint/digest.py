@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp8kv.checkpoint.conventions import HF_QUANT_CONFIG, is_vllm_json, parse_scale_name
+from fp8kv.checkpoint.conventions import (
+    COMPRESSION_CONFIG, HF_QUANT_CONFIG, QUANTIZATION_CONFIG, is_vllm_json, parse_scale_name,
+)
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import read_json
@@ -21,7 +23,7 @@ from fp8kv.geometry import read_json
 @dataclass(frozen=True)
 class CheckpointDigest:
     """`scales`: scale tensor (or legacy scale file) -> sha256 of dtype, shape and bytes;
-    `quantization`: sha256 of `quantization_config` plus `hf_quant_config.json`;
+    `quantization`: sha256 of `quantization_config`, `compression_config` and `hf_quant_config.json`;
     `weights`: weight file -> size in bytes."""
 
     scales: dict[str, str]
@@ -62,7 +64,8 @@ def checkpoint_digest(folder: str | Path) -> CheckpointDigest:
         if name.endswith(".json") and "/" not in name and is_vllm_json(source.path / name):
             scales[name] = "sha256:" + hashlib.sha256((source.path / name).read_bytes()).hexdigest()
     hf_quant = read_json(source.path / HF_QUANT_CONFIG) if HF_QUANT_CONFIG in source.files else None
-    block = json.dumps([source.config.get("quantization_config"), hf_quant], sort_keys=True)
+    blocks = [source.config.get(QUANTIZATION_CONFIG), source.config.get(COMPRESSION_CONFIG), hf_quant]
+    block = json.dumps(blocks, sort_keys=True)
     weights = {name: (source.path / name).stat().st_size for name in source.weight_files}
     return CheckpointDigest(scales, "sha256:" + hashlib.sha256(block.encode()).hexdigest(), weights)
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from fp8kv.checkpoint.conventions import HF_QUANT_CONFIG, is_vllm_json, parse_scale_name
+from fp8kv.checkpoint.conventions import HF_QUANT_CONFIG, is_vllm_json, parse_scale_name, quantization_block
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.geometry import read_json
@@ -28,7 +28,7 @@ class ScaleReadout:
 
     `conventions` lists every convention with scales present; `scales` is their agreed union
     (None when there are none); `declared` maps convention -> whether the config files
-    announce a quantized KV cache (e.g. `quantization_config.kv_cache_scheme`).
+    announce a quantized KV cache (e.g. `kv_cache_scheme` in `quantization_config` or `compression_config`).
     """
 
     source: SourceCheckpoint
@@ -41,9 +41,10 @@ class ScaleReadout:
 
     @property
     def has_kv_cache_scheme(self) -> bool:
-        """Whether config.json carries `quantization_config.kv_cache_scheme`."""
-        qc = self.source.config.get("quantization_config")
-        return isinstance(qc, dict) and qc.get("kv_cache_scheme") is not None
+        """Whether config.json's quantization block (`quantization_config`, else `compression_config`) has a
+        `kv_cache_scheme`."""
+        qc = quantization_block(self.source.config)[1]
+        return qc is not None and qc.get("kv_cache_scheme") is not None
 
 
 def read_kv_scales(model_dir: str | Path) -> ScaleReadout:
@@ -184,15 +185,15 @@ def _show(t: torch.Tensor) -> str:
 
 
 def _kv_dtype(config: dict[str, Any]) -> str:
-    qc = config.get("quantization_config")
-    if isinstance(qc, dict) and qc.get("quant_method") == "quark":
+    qc = quantization_block(config)[1]
+    if qc is not None and qc.get("quant_method") == "quark":
         spec = ((qc.get("layer_quant_config") or {}).get("*k_proj") or {}).get("output_tensors") or {}
         return kv_dtype_from_file(str(spec.get("dtype"))) or DEFAULT_KV_DTYPE
     return DEFAULT_KV_DTYPE
 
 
 def _declared(config: dict[str, Any], hf_quant: dict[str, Any] | None) -> dict[str, bool]:
-    qc = config.get("quantization_config") if isinstance(config.get("quantization_config"), dict) else {}
+    qc = quantization_block(config)[1] or {}
     method = qc.get("quant_method")
     modelopt = (hf_quant or {}).get("quantization") or {}
     return {

@@ -20,8 +20,9 @@ from safetensors.torch import save
 from fp8kv import __version__
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, describes_source_only, is_fp8kv_output
 from fp8kv.checkpoint.conventions import (
-    CONVENTIONS, HF_QUANT_CONFIG, SCALES_FILE, VLLM_JSON_FILE, attention_modules, check_method, is_vllm_json,
-    parse_scale_name, quant_configs, query_scale_name, scale_names, vllm_json,
+    COMPRESSION_CONFIG, CONVENTIONS, HF_QUANT_CONFIG, QUANTIZATION_CONFIG, SCALES_FILE, VLLM_JSON_FILE, QuantConfigs,
+    attention_modules, check_method, is_vllm_json, parse_scale_name, quant_configs, query_scale_name, scale_names,
+    vllm_json,
 )
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import INDEX_NAME, SourceCheckpoint, read_safetensors_header
@@ -63,12 +64,12 @@ def write_checkpoint(
     for name in extra_files or {}:
         if "/" in name or "\\" in name or name.startswith(".") or name in ("config.json", INDEX_NAME):
             raise Fp8kvError(f"extra file name {name!r} must be a plain new file name")
-    qc, new_hf_quant = quant_configs(convention, source.config, _hf_quant(source), scales, __version__)
+    blocks = quant_configs(convention, source.config, _hf_quant(source), scales, __version__)
     _clean_stale(out)
     tmp = out.parent / f".{out.name}.fp8kv-tmp-{os.getpid()}"
     try:
         tmp.mkdir()
-        _fill(tmp, source, scales, convention, mode, qc, new_hf_quant, extra_files or {})
+        _fill(tmp, source, scales, convention, mode, blocks, extra_files or {})
         _fsync_dir(tmp)
         _swap_in(tmp, out)
     except BaseException:
@@ -144,8 +145,8 @@ def _make_parent(out: Path) -> None:
         raise Fp8kvError(f"{out}: cannot create the output folder ({exc.strerror}: {exc.filename})") from None
 
 
-def _fill(tmp: Path, source: SourceCheckpoint, scales: KVScales, convention: str, mode: str,
-          qc: dict[str, Any] | None, hf_quant: dict[str, Any] | None, extra_files: dict[str, bytes]) -> None:
+def _fill(tmp: Path, source: SourceCheckpoint, scales: KVScales, convention: str, mode: str, blocks: QuantConfigs,
+          extra_files: dict[str, bytes]) -> None:
     adds_file = convention != "vllm-json"
     weight_map: dict[str, str] = {}
     for name in source.files:
@@ -170,13 +171,13 @@ def _fill(tmp: Path, source: SourceCheckpoint, scales: KVScales, convention: str
         _write_json(tmp / VLLM_JSON_FILE, vllm_json(scales, source.geometry.model_type))
     if adds_file or INDEX_NAME in source.files:
         _write_index(tmp, weight_map)
-    config = dict(source.config)
-    config.pop("quantization_config", None)
-    if qc is not None:
-        config["quantization_config"] = qc
+    config = {key: value for key, value in source.config.items()
+              if key not in (QUANTIZATION_CONFIG, COMPRESSION_CONFIG)}  # the old block, wherever it was
+    if blocks.block is not None:
+        config[blocks.key] = blocks.block
     _write_json(tmp / "config.json", config)
-    if hf_quant is not None:
-        _write_json(tmp / HF_QUANT_CONFIG, hf_quant)
+    if blocks.hf_quant is not None:
+        _write_json(tmp / HF_QUANT_CONFIG, blocks.hf_quant)
     for name, data in extra_files.items():
         (tmp / name).unlink(missing_ok=True)  # never write through a hard link into the source
         _write_bytes(tmp / name, data)

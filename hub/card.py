@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8kv.checkpoint.artifacts import CARD_FILE, CARD_MARKER, PROVENANCE_FILE, VERIFY_DIR, is_fp8kv_card, read_artifact
+from fp8kv.checkpoint.conventions import COMPRESSION_CONFIG
 from fp8kv.checkpoint.digest import check_unchanged
 from fp8kv.checkpoint.provenance import Provenance, read_provenance as read_record
 from fp8kv.console import markdown_table
@@ -94,7 +95,7 @@ def render_card(out_dir: str | Path, *, repo_id: str | None = None, base_model: 
         _scales(out, prov),
         _verify(out, report),
         _task_scores(out),
-        _serve(str(repo_id or out), prov),
+        _serve(str(repo_id or out), prov, COMPRESSION_CONFIG in (_quiet_json(out / "config.json") or {})),
         _limitations(prov),
     ]
     body = "\n\n".join(s for s in sections if s) + "\n"
@@ -289,15 +290,19 @@ def _kv_dtype(prov: Provenance) -> str:
     return prov.kv_dtype if prov.kv_dtype in FP8_MAX else DEFAULT_KV_DTYPE
 
 
-def _serve(model: str, prov: Provenance) -> str:
+def _serve(model: str, prov: Provenance, kv_only_block: bool) -> str:
     sglang_dtype = _kv_dtype(prov)
     vllm_dtype = VLLM_KV_CACHE_DTYPE[sglang_dtype]
+    transformers = (f"\n\ntransformers loads this model as its source, with an unquantized cache: it does not read "
+                    f"`{COMPRESSION_CONFIG}`, where the scales are declared, and reports `k_scale`/`v_scale` as "
+                    "unexpected keys.") if kv_only_block else ""
     return (
         "## How to serve\n\n"
         "The scales are only used when the KV cache is FP8, so pass the KV-cache dtype.\n\n"
         f"vLLM on GPU:\n\n```bash\nvllm serve {model} --kv-cache-dtype {vllm_dtype}\n```\n\n"
         f"vLLM on TPU (`pip install vllm-tpu`):\n\n```bash\nvllm serve {model} --kv-cache-dtype {vllm_dtype}\n```\n\n"
         f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {model} --kv-cache-dtype {sglang_dtype}\n```"
+        + transformers
     )
 
 

@@ -108,7 +108,7 @@ def test_sharded_overlay_links_weights_and_per_head_shapes(tmp_path, corpus):
     assert row.k.scale == max(row.k.scale_per_head)
     assert provenance.per_head is True and provenance.source.content_hash.startswith("sha256:")
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
+    assert config["compression_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
 
 
 def test_headroom_and_e5m2(tmp_path, corpus):

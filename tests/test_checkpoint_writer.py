@@ -57,16 +57,18 @@ def test_copy_mode_writes_real_copies(single, tmp_path):
     assert copied.read_bytes() == (single / "model.safetensors").read_bytes()
 
 
-def test_written_checkpoint_loads_in_transformers_with_the_scales(single, tmp_path):
+def test_written_checkpoint_loads_in_transformers_as_the_plain_model(single, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = write_checkpoint(single, tmp_path / "out", SCALES)
     assert not (out / "model.safetensors").exists()  # transformers would pick it and skip the index
-    model = AutoModelForCausalLM.from_pretrained(out)
-    params = dict(model.named_parameters())
-    assert params["model.layers.0.self_attn.k_scale"].item() == pytest.approx(0.01)
-    assert params["model.layers.1.self_attn.v_scale"].item() == pytest.approx(0.04)
-    assert model.config.quantization_config.quantization_config.kv_cache_scheme.strategy == "tensor"
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["compression_config"]["kv_cache_scheme"]["strategy"] == "tensor"
+    model, source = (AutoModelForCausalLM.from_pretrained(path) for path in (out, single))
+    assert not hasattr(model.config, "quantization_config")  # no compressed-tensors quantizer ran
+    assert "model.layers.0.self_attn.k_scale" not in dict(model.named_parameters())
+    ids = torch.tensor([[1, 7, 3, 9, 4]])
+    assert torch.equal(model(ids).logits, source(ids).logits)
 
 
 def test_existing_output_refused_then_replaced_with_overwrite(single, tmp_path):

@@ -35,7 +35,7 @@ json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=
                            | st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=12)
 CONFIG_KEYS = ["num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
                "layer_types", "sliding_window", "use_sliding_window", "num_kv_shared_layers", "kv_lora_rank",
-               "text_config", "model_type", "vocab_size", "quantization_config"]
+               "text_config", "model_type", "vocab_size", "quantization_config", "compression_config"]
 small_ints = st.integers(-3, 70)
 
 

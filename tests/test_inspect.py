@@ -103,9 +103,9 @@ def test_inspect_warns_on_each_suspicious_pattern(llama, qwen3, tmp_path):
 
     undeclared = shutil.copytree(ones, tmp_path / "undeclared")
     config = json.loads((undeclared / "config.json").read_text())
-    del config["quantization_config"]
+    del config["compression_config"]
     (undeclared / "config.json").write_text(json.dumps(config))
-    assert any(w.startswith("config.json has no quantization_config with a kv_cache_scheme") for w in _inspect(undeclared)["warnings"])
+    assert any(w.startswith("config.json has no quantization_config or compression_config with a kv_cache_scheme") for w in _inspect(undeclared)["warnings"])
 
 
 def test_inspect_without_scales_says_so(llama):
@@ -130,7 +130,7 @@ def test_inspect_and_verify_show_each_finding_once(llama, tmp_path):
     ones = write_checkpoint(llama, tmp_path / "ones", KVScales.from_floats({0: 1.0, 1: 1.0}, {0: 1.0, 1: 1.0}))
     undeclared = shutil.copytree(ones, tmp_path / "undeclared")
     config = json.loads((undeclared / "config.json").read_text())
-    del config["quantization_config"]
+    del config["compression_config"]
     (undeclared / "config.json").write_text(json.dumps(config))
     findings = check_readout(read_kv_scales(undeclared))
     assert _inspect(undeclared)["warnings"] == [f.message for f in findings]

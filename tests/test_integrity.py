@@ -97,7 +97,7 @@ def test_push_and_card_refuse_a_report_copied_from_another_folder(judged, tmp_pa
 def test_report_names_a_changed_config_and_weight_file(judged, tmp_path):
     out = shutil.copytree(judged, tmp_path / "copy")
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"]["kv_cache_scheme"]["strategy"] = "attn_head"
+    config["compression_config"]["kv_cache_scheme"]["strategy"] = "attn_head"
     (out / "config.json").write_text(json.dumps(config))
     result = run("card", out)
     assert result.exit_code == ExitCode.ERROR

@@ -113,7 +113,7 @@ def test_per_head_scales_round_trip_and_refuse_single_value_formats(base, tmp_pa
     scales = KVScales.from_floats({0: [0.01, 0.02], 1: [0.03, 0.04]}, {0: [0.05, 0.06], 1: [0.07, 0.08]})
     out = write_checkpoint(base, tmp_path / "ct", scales)
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
+    assert config["compression_config"]["kv_cache_scheme"]["strategy"] == "attn_head"
     readout = read_kv_scales(out)
     assert readout.scales.k[1].shape == (2, 1, 1) and torch.equal(readout.scales.v[1], scales.v[1])
     with pytest.raises(Fp8kvError, match="per-head .* only be written as compressed-tensors, not modelopt"):
@@ -188,6 +188,7 @@ def test_scale_names_follow_each_architectures_attention_module():
 # --- checkpoints whose weights are already quantized --------------------------------------------------
 
 FP8_GROUP = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}
+KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
 
 def test_compressed_tensors_fp8_config_gets_kv_cache_scheme_merged(base, tmp_path):
@@ -195,9 +196,20 @@ def test_compressed_tensors_fp8_config_gets_kv_cache_scheme_merged(base, tmp_pat
           "config_groups": FP8_GROUP, "ignore": ["lm_head"]}
     src = _with_tensors(base, tmp_path / "w8", {}, qc)
     out = write_checkpoint(src, tmp_path / "out", KVScales.from_floats(K, V))
-    written = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert written == {**qc, "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
-                                                 "dynamic": False, "symmetric": True}}
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {**qc, "kv_cache_scheme": KV_SCHEME}
+    assert "compression_config" not in config  # transformers users of this source already run compressed-tensors
+    with pytest.raises(Fp8kvError, match="quantized with 'compressed-tensors'.* only as compressed-tensors or vllm-json"):
+        write_checkpoint(src, tmp_path / "q", KVScales.from_floats(K, V), convention="quark")
+
+
+def test_fp8_weights_described_under_compression_config_keep_that_key(base, tmp_path):
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": FP8_GROUP}
+    src = _under_compression_config(_with_tensors(base, tmp_path / "w8", {}, qc))
+    out = write_checkpoint(src, tmp_path / "out", KVScales.from_floats(K, V))
+    config = json.loads((out / "config.json").read_text())
+    assert config["compression_config"] == {**qc, "kv_cache_scheme": KV_SCHEME}
+    assert "quantization_config" not in config
     with pytest.raises(Fp8kvError, match="quantized with 'compressed-tensors'.* only as compressed-tensors or vllm-json"):
         write_checkpoint(src, tmp_path / "q", KVScales.from_floats(K, V), convention="quark")
 
@@ -240,3 +252,61 @@ def test_converting_replaces_old_scales_instead_of_keeping_both(base, tmp_path):
     weights = load_file(out / index["model.embed_tokens.weight"])
     assert not any("scale" in name for name in weights)
     assert read_kv_scales(out).conventions == ("compressed-tensors",)
+
+
+# --- which config key holds the compressed-tensors block ----------------------------------------------
+
+def _under_compression_config(folder: Path) -> Path:
+    """`folder` with its quantization_config moved to compression_config (older llm-compressor, fp8kv)."""
+    config = json.loads((folder / "config.json").read_text())
+    config["compression_config"] = config.pop("quantization_config")
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _blocks(folder: Path) -> dict:
+    config = json.loads((folder / "config.json").read_text())
+    return {key: config[key] for key in ("quantization_config", "compression_config") if key in config}
+
+
+@pytest.mark.parametrize("key", ["quantization_config", "compression_config"])
+def test_inspect_and_verify_read_a_kv_cache_scheme_under_either_key(base, tmp_path, key):
+    from fp8kv.checks import check_readout
+    from fp8kv.inspection import inspect_checkpoint
+    from fp8kv.verify.static import static_checks
+
+    src = golden(base, tmp_path / "g", "compressed-tensors")
+    if key == "compression_config":
+        _under_compression_config(src)
+    assert list(_blocks(src)) == [key]
+    readout = read_kv_scales(src)
+    assert readout.declared["compressed-tensors"] and readout.has_kv_cache_scheme
+    assert not [f for f in check_readout(readout) if "kv_cache_scheme" in f.message]
+    assert inspect_checkpoint(src)["declared"]["compressed-tensors"] is True
+    assert static_checks(src).summary()["has_kv_cache_scheme"] is True
+
+
+@pytest.mark.parametrize("key", ["quantization_config", "compression_config"])
+def test_convert_round_trip_through_modelopt_ends_with_one_compression_config(base, tmp_path, key):
+    src = golden(base, tmp_path / "g", "compressed-tensors")
+    if key == "compression_config":
+        _under_compression_config(src)
+    modelopt = convert_checkpoint(src, tmp_path / "mo", "modelopt")
+    assert _blocks(modelopt) == {}  # the KV cache is declared in hf_quant_config.json alone
+    back = convert_checkpoint(modelopt, tmp_path / "ct", "compressed-tensors")
+    assert list(_blocks(back)) == ["compression_config"]
+    assert _blocks(back)["compression_config"]["kv_cache_scheme"] == KV_SCHEME
+    readout = read_kv_scales(back)
+    assert {i: readout.scales.values(i) for i in K} == {i: ([K[i]], [V[i]]) for i in K}
+
+
+def test_a_stale_kv_only_block_never_survives_a_rewrite(base, tmp_path):
+    first = write_checkpoint(base, tmp_path / "first", KVScales.from_floats(K, V))
+    config = json.loads((first / "config.json").read_text())
+    stale = {**config["compression_config"], "kv_cache_scheme": {**KV_SCHEME, "strategy": "attn_head"}}
+    config["quantization_config"] = stale  # as an older fp8kv or llm-compressor wrote it
+    (first / "config.json").write_text(json.dumps(config))
+    expected = {"compression_config": {**stale, "kv_cache_scheme": KV_SCHEME}}
+    assert _blocks(write_checkpoint(first, tmp_path / "again", KVScales.from_floats(V, K))) == expected
+    assert _blocks(convert_checkpoint(first, tmp_path / "ct", "compressed-tensors")) == expected
+    assert _blocks(convert_checkpoint(first, tmp_path / "json", "vllm-json")) == {}

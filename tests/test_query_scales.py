@@ -71,7 +71,9 @@ def test_q_scale_is_the_amax_of_q_after_q_norm_and_rope(calibrated) -> None:
 
 def test_q_scale_is_written_as_compressed_tensors_attention_scheme(calibrated) -> None:
     _, out, _ = calibrated
-    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    config = json.loads((out / "config.json").read_text())
+    qc = config["compression_config"]  # a KV-only block: transformers ignores this key, vLLM reads it
+    assert "quantization_config" not in config
     group = qc["config_groups"][ATTENTION_GROUP]
     assert group["targets"] == ["Qwen3Attention"] and group["weights"] is None
     assert group["input_activations"] == {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,

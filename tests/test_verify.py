@@ -137,18 +137,18 @@ def test_a_zero_scale_fails_before_any_model_runs(calibrated, texts, tmp_path):
     assert result.report.accuracy is None and result.report.layers == []
 
 
-def test_without_quantization_config_fails_with_what_vllm_does(calibrated, texts, tmp_path):
+def test_without_compression_config_fails_with_what_vllm_does(calibrated, texts, tmp_path):
     edited = _edited_copy(calibrated, tmp_path, lambda name, t: t)
     config = json.loads((edited / "config.json").read_text())
-    del config["quantization_config"]
+    del config["compression_config"]
     (edited / "config.json").write_text(json.dumps(config))
     result = verify(_request(edited, texts, new_tokens=1))
     assert result.verdict == "FAIL"
     fails = [r.message for r in result.report.reasons if r.level == "FAIL"]
     assert fails == [
-        "config.json has no quantization_config with a kv_cache_scheme: recent vLLM refuses to load this "
-        "checkpoint (\"There is no module or parameter named 'layers.0.self_attn.k_scale'\") and older engines "
-        "silently ignored the scales; fp8kv convert --to compressed-tensors adds it"
+        "config.json has no quantization_config or compression_config with a kv_cache_scheme: recent vLLM "
+        "refuses to load this checkpoint (\"There is no module or parameter named 'layers.0.self_attn.k_scale'\") "
+        "and older engines silently ignored the scales; fp8kv convert --to compressed-tensors adds it"
     ]
 
 

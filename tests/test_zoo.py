@@ -38,16 +38,6 @@ EXPECTED = {
     "gemma4_text": (EXACT, "layers [0, 1]"),  # global layers: other head_dim than sliding ones
     "minimax": (EXACT, "layers [0], skipped [1]"),  # its own cache class; linear-attention layer 1
 }
-# Outputs transformers 5.24 + compressed-tensors 0.15 cannot load, with the config vLLM needs to load
-# k_scale. MoE stored per expert: transformers' expert-merge converter runs compressed-tensors'
-# dequantization, which looks up a weight group that does not exist (IndexError in get_experts_scheme).
-# Vision-language and heterogeneous configs: compressed-tensors reads the head counts from the top-level
-# config when it registers k_scale/v_scale. Pinned, so a fixed release shows up here.
-MOE_BUG, HEADS_BUG = "automatic conversion of the weights", "Cannot determine num_attention_heads"
-KNOWN_LOAD_FAILURES = {
-    "mixtral": MOE_BUG, "olmoe": MOE_BUG, "qwen2_moe": MOE_BUG, "jamba": MOE_BUG, "minimax": MOE_BUG,
-    "llava": HEADS_BUG, "gemma4_text": "'head_dim' is a per-layer attribute",
-}
 
 
 def test_expected_covers_the_representative_subset() -> None:
@@ -66,10 +56,7 @@ def test_architecture(model_type: str, tmp_path) -> None:
         assert "config.json: " in result.detail and "\n" not in result.detail
         return
     assert result.status in (EXACT, TOLERANCE)
-    if model_type in KNOWN_LOAD_FAILURES:
-        assert KNOWN_LOAD_FAILURES[model_type] in (result.load_error or ""), result.load_error
-    else:
-        assert result.load_error is None, result.load_error
+    assert result.load_error is None, result.load_error
 
 
 def test_a_cache_layer_that_never_updates_is_named_not_defaulted(factory_checkpoint) -> None:
@@ -96,7 +83,7 @@ def test_runtime_loads_fp8kv_output_of_moe_models(model_type: str, tmp_path) -> 
     from fp8kv.runtime.runner import PagedModelRunner
 
     result = judge(model_type, tmp_path)
-    assert result.status == EXACT and MOE_BUG in (result.load_error or "")
+    assert result.status == EXACT and result.load_error is None
     scales = read_kv_scales(tmp_path / "out").scales
     k = {layer: scales.values(layer)[0][0] for layer in scales.layers}
     v = {layer: scales.values(layer)[1][0] for layer in scales.layers}

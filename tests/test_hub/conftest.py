@@ -72,7 +72,7 @@ def calibrated_dir(tmp_path: Path, source_model: Path) -> Path:
     weight_map = {name: "kv_scales.safetensors" for name in scales}
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = json.loads((source_model / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "kv_cache_scheme": {
+    config["compression_config"] = {"quant_method": "compressed-tensors", "kv_cache_scheme": {
         "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
     (out / "config.json").write_text(json.dumps(config))
     (out / PROVENANCE_FILE).write_text(provenance(source_model).to_json())

@@ -85,6 +85,8 @@ def test_card_serve_commands(verified_dir: Path) -> None:
     assert text.count("vllm serve me/llama-fp8kv --kv-cache-dtype fp8\n") == 2  # GPU and TPU
     assert "pip install vllm-tpu" in text
     assert "python -m sglang.launch_server --model-path me/llama-fp8kv --kv-cache-dtype fp8_e4m3" in text
+    assert ("transformers loads this model as its source, with an unquantized cache: it does not read "
+            "`compression_config`") in text
     assert "## Limitations" in text
 
 
