@@ -25,8 +25,9 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 SCALES_FILE = "kv_scales.safetensors"
 VLLM_JSON_FILE = "kv_cache_scales.json"
 QUANTIZATION_CONFIG = "quantization_config"
-# Where a KV-only compressed-tensors block goes: vLLM and SGLang read it when quantization_config is absent,
-# transformers never reads it, so the checkpoint loads there as a plain model, not through compressed-tensors.
+# Where a KV-only block (compressed-tensors or Quark) goes: vLLM and SGLang read it when quantization_config
+# is absent, transformers never reads it, so the checkpoint loads there as a plain model instead of through
+# a quantizer that fails on KV-only configs (compressed-tensors) or needs a library installed (Quark).
 COMPRESSION_CONFIG = "compression_config"
 
 # Suffix after the attention module's path -> (convention, which cache it scales).
@@ -215,7 +216,7 @@ def quant_configs(
     convention: str, config: dict[str, Any], hf_quant: dict[str, Any] | None, scales: KVScales, version: str
 ) -> QuantConfigs:
     """The config blocks to write: the source's weight block gains the KV scheme under its own key; a block
-    describing the KV cache alone replaces any old one (a compressed-tensors one under `compression_config`)."""
+    describing the KV cache alone replaces any old one, under `compression_config`."""
     method = check_method(convention, config, hf_quant)
     check_representable(convention, scales.strategy, scales.kv_dtype)
     if scales.q is not None and convention != "compressed-tensors":
@@ -237,7 +238,7 @@ def quant_configs(
     if method == "fp8":
         qc["kv_cache_scheme"] = "static"  # AutoFP8's field; vLLM's Fp8Config then loads output_scale
         return QuantConfigs(key, qc, None)
-    return QuantConfigs(QUANTIZATION_CONFIG if qc is None else key, _quark_config(qc, scales), None)
+    return QuantConfigs(COMPRESSION_CONFIG if qc is None else key, _quark_config(qc, scales), None)
 
 
 def check_method(convention: str, config: dict[str, Any], hf_quant: dict[str, Any] | None) -> str | None:

@@ -44,3 +44,19 @@ def test_calibrated_output_loads_in_transformers_with_the_sources_logits(model_t
     assert config["compression_config"]["kv_cache_scheme"]["strategy"] == "tensor"
     ids = torch.tensor([[3, 17, 5, 29, 11, 8]])
     assert torch.equal(_logits(tmp_path / "out", ids), _logits(src, ids))
+
+
+@pytest.mark.parametrize("convention", ["quark", "modelopt", "vllm-json"])
+def test_every_conventions_kv_only_output_loads_in_transformers(convention: str, tmp_path) -> None:
+    """Quark's KV-only block also sits under compression_config: under quantization_config transformers
+    would refuse to load without the Quark library installed."""
+    src = make_checkpoint("llama", tmp_path / "src")
+    data = DataRequest(dataset=corpus(tmp_path), num_samples=NUM_SAMPLES, seq_len=SEQ_LEN)
+    calibrate(CalibrationRequest(model=str(src), out=tmp_path / "out", data=data, batch_size=1, device="cpu",
+                                 convention=convention))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in config
+    if convention == "quark":
+        assert config["compression_config"]["quant_method"] == "quark"
+    ids = torch.tensor([[3, 17, 5, 29, 11, 8]])
+    assert torch.equal(_logits(tmp_path / "out", ids), _logits(src, ids))
