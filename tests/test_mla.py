@@ -71,3 +71,75 @@ def test_padding_is_not_observed_in_the_latent(deepseek) -> None:
     padded = observe(model, make_batches(SAMPLES, 3, 0), geometry)
     assert padded.tokens.tolist() == [sum(map(len, SAMPLES))] * 2
     assert int(padded.hist[0, 0, 0].sum()) == sum(map(len, SAMPLES)) * 24
+
+
+@pytest.fixture(scope="module")
+def calibrated(deepseek, tmp_path_factory):
+    """fp8kv calibrate on the tiny DeepSeek V3, through the CLI, with the default headroom."""
+    from typer.testing import CliRunner
+
+    from fp8kv.cli import app
+    from fp8kv.models.zoo_matrix import corpus
+
+    root = tmp_path_factory.mktemp("mla-out")
+    out = root / "out"
+    result = CliRunner().invoke(app, ["calibrate", str(deepseek), "--dataset", corpus(root), "--num-samples", "3",
+                                      "--seq-len", "48", "--batch-size", "1", "--device", "cpu", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_checkpoint_holds_one_latent_scale_per_layer_as_k_scale(calibrated, deepseek) -> None:
+    """k_scale = the scale formula over the latent's amax; v_scale repeats it; inspect reads it back as MLA."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+    from typer.testing import CliRunner
+
+    from fp8kv.calibrate.scales import DEFAULT_HEADROOM, scale_from_amax
+    from fp8kv.checkpoint.conventions import SCALES_FILE
+    from fp8kv.cli import app
+    from fp8kv.data import DataRequest, load_calibration_data
+    from fp8kv.models.zoo_matrix import NUM_SAMPLES, SEQ_LEN, corpus
+
+    tensors = load_file(calibrated / SCALES_FILE)
+    assert sorted(tensors) == [f"model.layers.{i}.self_attn.{k}_scale" for i in (0, 1) for k in "kv"]
+    data = DataRequest(dataset=corpus(calibrated.parent), num_samples=NUM_SAMPLES, seq_len=SEQ_LEN)
+    samples = load_calibration_data(data, AutoTokenizer.from_pretrained(deepseek)).samples
+    reference = latent_cache_amax(deepseek, samples)
+    for layer in (0, 1):
+        expected = scale_from_amax(reference[layer][:1], headroom=DEFAULT_HEADROOM)
+        assert torch.equal(tensors[f"model.layers.{layer}.self_attn.k_scale"], expected)
+        assert torch.equal(tensors[f"model.layers.{layer}.self_attn.v_scale"], expected)
+    report = json.loads(CliRunner().invoke(app, ["inspect", str(calibrated), "--json"]).stdout)
+    assert report["latent"] == {"kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
+    assert (report["num_kv_heads"], report["kv_layers"], report["warnings"]) == (1, [0, 1], [])
+    text = " ".join(CliRunner().invoke(app, ["inspect", str(calibrated)]).stdout.split())
+    assert "MLA latent cache: kv_lora_rank 16 + rope key 8 values per token, one scale per layer" in text
+
+
+@pytest.mark.parametrize("target", ["modelopt", "quark", "vllm-json"])
+def test_other_conventions_refuse_a_latent_cache_in_one_line(calibrated, tmp_path, target) -> None:
+    from typer.testing import CliRunner
+
+    from fp8kv.cli import app
+
+    result = CliRunner().invoke(app, ["convert", str(calibrated), "--to", target, "--out", str(tmp_path / "o")])
+    assert result.exit_code != 0 and not (tmp_path / "o").exists()
+    line = f"{calibrated / 'config.json'}: deepseek_v3 caches one multi-head latent attention (MLA) vector per " \
+           f"token; only compressed-tensors names its scale (k_scale on the attention module), {target} has no " \
+           "name for it; use --format compressed-tensors"
+    assert line in " ".join(result.output.split())
+
+
+def test_per_head_scales_are_refused_for_a_latent_cache(deepseek, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from fp8kv.cli import app
+
+    result = CliRunner().invoke(app, ["calibrate", str(deepseek), "--dataset", str(tmp_path / "unread.jsonl"),
+                                      "--per-head", "--device", "cpu", "--out", str(tmp_path / "o")])
+    assert result.exit_code != 0 and not (tmp_path / "o").exists()
+    assert "quantized with one scale per layer; per-head scales do not apply (drop --per-head)" in \
+        " ".join(result.output.split())
