@@ -143,3 +143,18 @@ def test_per_head_scales_are_refused_for_a_latent_cache(deepseek, tmp_path) -> N
     assert result.exit_code != 0 and not (tmp_path / "o").exists()
     assert "quantized with one scale per layer; per-head scales do not apply (drop --per-head)" in \
         " ".join(result.output.split())
+
+
+def test_layer_by_layer_observes_the_same_latent_as_the_whole_model(tmp_path) -> None:
+    """MiniCPM3 (dense MLA): --layerwise scales are bit-identical to the whole-model path."""
+    from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
+    from fp8kv.data import DataRequest
+    from fp8kv.models.zoo_matrix import corpus
+
+    src = make_zoo_checkpoint("minicpm3", tmp_path / "minicpm3")
+    data = DataRequest(dataset=corpus(tmp_path), num_samples=3, seq_len=48)
+    tables = [calibrate(CalibrationRequest(model=str(src), data=data, batch_size=1, device="cpu", layerwise=by_layer)).table
+              for by_layer in (True, False)]
+    assert tables[0].layers == tables[1].layers == (0, 1)
+    assert torch.equal(tables[0].scales, tables[1].scales) and torch.equal(tables[0].amax, tables[1].amax)
+    assert torch.equal(tables[0].scales[:, 0], tables[0].scales[:, 1])  # one latent scale, as K and as V
