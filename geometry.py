@@ -49,6 +49,8 @@ class AttentionGeometry:
     "linear_attention", ...). `kv_layers` are the layers that own a K/V cache, in order; only those
     get scales. `kv_heads_per_layer` / `head_dim_per_layer` give each layer's cached K/V shape where
     layers differ (Gemma 4 global layers); `num_kv_heads` / `head_dim` are the largest over `kv_layers`.
+    `latent` is set for multi-head latent attention: each cache layer then holds one vector per token
+    (1 "KV head" of `latent.width`).
     """
 
     model_type: str

@@ -56,6 +56,7 @@ class KVStatistics:
     `amax`:   float32 [num_layers, 2, num_kv_heads], max |x| per layer, K/V, KV head (0 = K, 1 = V).
     `hist`:   int64 [num_layers, 2, num_kv_heads, NUM_BINS], counts of |x| per log-spaced bin.
     `tokens`: int64 [num_layers], real (non-padding) tokens folded per layer.
+    An MLA layer (one latent vector per token, one "head") holds that vector's statistics in both K and V.
     """
 
     amax: torch.Tensor

@@ -158,3 +158,20 @@ def test_layer_by_layer_observes_the_same_latent_as_the_whole_model(tmp_path) ->
     assert tables[0].layers == tables[1].layers == (0, 1)
     assert torch.equal(tables[0].scales, tables[1].scales) and torch.equal(tables[0].amax, tables[1].amax)
     assert torch.equal(tables[0].scales[:, 0], tables[0].scales[:, 1])  # one latent scale, as K and as V
+
+
+def test_verify_runs_the_latent_cache_and_passes(calibrated, tmp_path) -> None:
+    """verify on the MLA checkpoint: its bf16 runtime is transformers, the scales read back, fp8 passes."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from fp8kv.cli import app
+
+    result = CliRunner().invoke(app, ["verify", str(calibrated), "--num-samples", "3", "--seq-len", "64",
+                                      "--num-prompts", "2", "--new-tokens", "4", "--device", "cpu",
+                                      "--report", str(tmp_path / "report")])
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert result.exit_code == 0 and report["verdict"] == "PASS", result.output
+    assert report["fidelity"]["kl_mean"] <= 1e-6 and report["readback"] == {"equal": True, "layers": 2, "mismatches": []}
+    assert 0.0 < report["accuracy"]["kl_mean"] < 1e-4
