@@ -35,3 +35,17 @@ def check_latent_convention(geometry: AttentionGeometry, convention: str, strate
             f"{source}: {geometry.model_type} caches one multi-head latent attention (MLA) vector per token, "
             "quantized with one scale per layer; per-head scales do not apply (drop --per-head)"
         )
+
+
+def check_latent_attention(geometry: AttentionGeometry, attention: str, source: str) -> None:
+    """Refuse query scales for MLA: vLLM's MLA decode quantizes the query after folding kv_b_proj into it.
+
+    fp8kv observes the per-head query attention receives (`[.., qk_nope_head_dim + rope]`); vLLM's MLA
+    decode quantizes `concat(q_nope @ W_UK, q_pe)` in the latent space, a different tensor.
+    """
+    if geometry.latent is not None and attention == "fp8":
+        raise Fp8kvError(
+            f"{source}: --attention fp8: {geometry.model_type}'s multi-head latent attention quantizes its query "
+            "in the latent space (after kv_b_proj is folded in), which fp8kv does not observe; calibrate the KV "
+            "cache only (--attention kv)"
+        )

@@ -133,16 +133,20 @@ def test_other_conventions_refuse_a_latent_cache_in_one_line(calibrated, tmp_pat
     assert line in " ".join(result.output.split())
 
 
-def test_per_head_scales_are_refused_for_a_latent_cache(deepseek, tmp_path) -> None:
+@pytest.mark.parametrize(("option", "message"), [
+    ("--per-head", "quantized with one scale per layer; per-head scales do not apply (drop --per-head)"),
+    ("--attention=fp8", "--attention fp8: deepseek_v3's multi-head latent attention quantizes its query in the "
+                        "latent space (after kv_b_proj is folded in), which fp8kv does not observe"),
+])
+def test_options_without_meaning_for_a_latent_cache_are_refused(deepseek, tmp_path, option, message) -> None:
     from typer.testing import CliRunner
 
     from fp8kv.cli import app
 
     result = CliRunner().invoke(app, ["calibrate", str(deepseek), "--dataset", str(tmp_path / "unread.jsonl"),
-                                      "--per-head", "--device", "cpu", "--out", str(tmp_path / "o")])
+                                      option, "--device", "cpu", "--out", str(tmp_path / "o")])
     assert result.exit_code != 0 and not (tmp_path / "o").exists()
-    assert "quantized with one scale per layer; per-head scales do not apply (drop --per-head)" in \
-        " ".join(result.output.split())
+    assert message in " ".join(result.output.split())
 
 
 def test_layer_by_layer_observes_the_same_latent_as_the_whole_model(tmp_path) -> None:
