@@ -7,7 +7,8 @@ For each architecture: fp8kv accepts or refuses its config (refusal: one `Fp8kvE
 the feature); an accepted one is built tiny, calibrated, its scales compared with the K/V amax that
 transformers' own `DynamicCache` stores after a forward with `use_cache=True` (one sample per
 forward, as the calibration batches them), and the output folder is loaded back with
-`AutoModelForCausalLM.from_pretrained`.
+`AutoModelForCausalLM.from_pretrained`. Multi-head latent attention layers cache one latent vector,
+not K and V: they are compared with `latent_cache_amax`, read from the model's forward without a cache.
 
     python -m fp8kv.models.zoo_matrix            # prints the README table for every architecture
 """

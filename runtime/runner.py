@@ -136,6 +136,9 @@ class PagedModelRunner:
             None loads them from `model_dir`.
         q_scales: {kv layer index: float}: quantize the query to fp8 e4m3 with these scales before
             attention, as fp8 attention kernels do (None: the query stays in the model dtype).
+
+    A multi-head latent attention model (`geometry.latent`) runs on a `LatentPagedCache` instead: one
+    latent vector per token, quantized with k_scale, expanded through `kv_b_proj` when attending.
     """
 
     def __init__(
