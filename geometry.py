@@ -30,15 +30,24 @@ class LatentCache:
 
     @classmethod
     def from_config(cls, text: Any, source: str) -> LatentCache | None:
-        """The latent layout of an MLA config (one with `kv_lora_rank`), else None."""
-        if getattr(text, "kv_lora_rank", None) is None:
+        """The latent layout of an MLA config (one with `kv_lora_rank`), else None; one for all layers."""
+        layouts = {cls._of_layer(layer, source)
+                   for layer in _per_layer_configs(text, _positive_int(text, "num_hidden_layers", source))}
+        if len(layouts) > 1:
+            raise Fp8kvError(f"{source}: its layers cache multi-head latent attention (MLA) vectors of different "
+                             f"layouts {sorted(map(str, layouts))}; fp8kv handles one latent layout per model")
+        return layouts.pop()
+
+    @classmethod
+    def _of_layer(cls, layer: Any, source: str) -> LatentCache | None:
+        if getattr(layer, "kv_lora_rank", None) is None:
             return None
         keys = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
         for key in keys:
-            if getattr(text, key, None) is None:
+            if getattr(layer, key, None) is None:
                 raise Fp8kvError(f"{source}: '{key}' is missing; a multi-head latent attention (MLA) config "
                                  "with kv_lora_rank needs it")
-        return cls(*(_positive_int(text, key, source) for key in keys))
+        return cls(*(_positive_int(layer, key, source) for key in keys))
 
 
 @dataclass(frozen=True)

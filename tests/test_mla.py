@@ -41,6 +41,18 @@ def test_an_mla_config_without_rope_width_is_refused(tmp_path) -> None:
         LatentCache.from_config(text_config(config), "cfg")
 
 
+def test_layers_of_different_latent_layouts_are_refused(tmp_path) -> None:
+    """dots3_note: its sliding and indexed layers cache latents of different widths (per-layer configs)."""
+    from transformers import AutoConfig
+
+    from fp8kv.errors import Fp8kvError
+
+    AutoConfig.for_model("dots3_note").save_pretrained(tmp_path)
+    with pytest.raises(Fp8kvError, match=r"config.json: its layers cache multi-head latent attention \(MLA\) "
+                                         r"vectors of different layouts .*; fp8kv handles one latent layout per model$"):
+        AttentionGeometry.from_dir(tmp_path)
+
+
 def test_latent_amax_equals_the_models_own_latent_exactly(deepseek) -> None:
     """kv_a_layernorm's output and the rope key after RoPE, read with hooks, against fp8kv's statistics."""
     from fp8kv.checkpoint.load import load_language_model
