@@ -160,6 +160,8 @@ def _engine_name_findings(readout: ScaleReadout) -> list[Finding]:
 
 
 def _kernel_findings(readout: ScaleReadout) -> list[Finding]:
-    """Where vLLM's TPU backend would not run the fp8 Pallas kernel."""
+    """Where vLLM's TPU backend would not run the fp8 Pallas kernel (its K/V head layout; MLA has none)."""
+    if readout.source.geometry.latent is not None:
+        return []
     note = fp8_kernel_note(readout.source.geometry.num_kv_heads, FP8_DTYPES[readout.kv_dtype])
     return [Finding(WARN, note)] if note else []

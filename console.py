@@ -22,6 +22,10 @@ def print_inspect_report(report: dict[str, Any]) -> None:
     console.print(f"[bold]{report['path']}[/bold] ({report['model_type']})")
     console.print(f"convention: {', '.join(report['conventions']) or 'none'}   kv dtype: {report['kv_dtype']}   "
                   f"strategy: {report['strategy'] or '-'}   kv heads: {report['num_kv_heads']}")
+    if report.get("latent"):
+        latent = report["latent"]
+        console.print(f"MLA latent cache: kv_lora_rank {latent['kv_lora_rank']} + rope key "
+                      f"{latent['qk_rope_head_dim']} values per token, one scale per layer (k_scale; v_scale repeats it)")
     if report["layers"]:
         table = Table()
         keys = [k for k in _INSPECT_COLUMNS if any(k in row for row in report["layers"])]

@@ -10,6 +10,47 @@ from typing import Any
 from fp8kv.errors import Fp8kvError
 
 @dataclass(frozen=True)
+class LatentCache:
+    """What a multi-head latent attention (MLA: DeepSeek V2/V3 and descendants) layer caches per token.
+
+    One vector `concat(kv_c_normed, k_pe)`: the compressed latent after `kv_a_layernorm` (`kv_lora_rank`
+    values) and the rope key after RoPE, shared by all heads (`qk_rope_head_dim` values). Attention
+    expands it through `kv_b_proj` into per-head K_nope (`qk_nope_head_dim`) and V (`v_head_dim`).
+    """
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def width(self) -> int:
+        """Values cached per token and layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_config(cls, text: Any, source: str) -> LatentCache | None:
+        """The latent layout of an MLA config (one with `kv_lora_rank`), else None; one for all layers."""
+        layouts = {cls._of_layer(layer, source)
+                   for layer in _per_layer_configs(text, _positive_int(text, "num_hidden_layers", source))}
+        if len(layouts) > 1:
+            raise Fp8kvError(f"{source}: its layers cache multi-head latent attention (MLA) vectors of different "
+                             f"layouts {sorted(map(str, layouts))}; fp8kv handles one latent layout per model")
+        return layouts.pop()
+
+    @classmethod
+    def _of_layer(cls, layer: Any, source: str) -> LatentCache | None:
+        if getattr(layer, "kv_lora_rank", None) is None:
+            return None
+        keys = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+        for key in keys:
+            if getattr(layer, key, None) is None:
+                raise Fp8kvError(f"{source}: '{key}' is missing; a multi-head latent attention (MLA) config "
+                                 "with kv_lora_rank needs it")
+        return cls(*(_positive_int(layer, key, source) for key in keys))
+
+
+@dataclass(frozen=True)
 class AttentionGeometry:
     """What the KV cache of a decoder looks like, layer by layer, as transformers reads config.json.
 
@@ -17,6 +58,8 @@ class AttentionGeometry:
     "linear_attention", ...). `kv_layers` are the layers that own a K/V cache, in order; only those
     get scales. `kv_heads_per_layer` / `head_dim_per_layer` give each layer's cached K/V shape where
     layers differ (Gemma 4 global layers); `num_kv_heads` / `head_dim` are the largest over `kv_layers`.
+    `latent` is set for multi-head latent attention: each cache layer then holds one vector per token
+    (1 "KV head" of `latent.width`).
     """
 
     model_type: str
@@ -33,6 +76,8 @@ class AttentionGeometry:
     head_dim_per_layer: tuple[int, ...] = ()
     # (layer, source): the layer attends over the K/V cache of the earlier layer `source` (KV sharing)
     shared_kv_sources: tuple[tuple[int, int], ...] = ()
+    # multi-head latent attention: every cache layer stores one latent vector per token, not K and V
+    latent: LatentCache | None = None
 
     @property
     def skipped_layers(self) -> tuple[int, ...]:
@@ -64,8 +109,12 @@ class AttentionGeometry:
         num_heads = _positive_int(per_layer[0], "num_attention_heads", source)
         hidden_size = _positive_int(per_layer[0], "hidden_size", source)
         kinds, owns_cache = cache_layout(text, num_layers, source)
-        kv_heads = tuple(_kv_heads(layer, num_heads, source) for layer in per_layer)
-        head_dims = tuple(_head_dim(layer, hidden_size, num_heads, source) for layer in per_layer)
+        latent = LatentCache.from_config(text, source)
+        if latent is None:
+            kv_heads = tuple(_kv_heads(layer, num_heads, source) for layer in per_layer)
+            head_dims = tuple(_head_dim(layer, hidden_size, num_heads, source) for layer in per_layer)
+        else:  # the latent is one "head" of width kv_lora_rank + qk_rope_head_dim
+            kv_heads, head_dims = (1,) * num_layers, (latent.width,) * num_layers
         kv_layers = tuple(i for i in range(num_layers) if owns_cache[i])
         if not kv_layers:
             raise Fp8kvError(f"{source}: no layer owns a K/V cache (layer types {sorted(set(kinds))})")
@@ -89,6 +138,7 @@ class AttentionGeometry:
             kv_heads_per_layer=kv_heads,
             head_dim_per_layer=head_dims,
             shared_kv_sources=_shared_kv_sources(text, num_layers, source),
+            latent=latent,
         )
 
     @classmethod
@@ -192,12 +242,6 @@ def _refuse_unsupported(text: Any, source: str) -> None:
         raise Fp8kvError(
             f"{source}: {text.model_type} is an encoder-decoder model: its decoder also caches cross-attention "
             "K/V of the encoder output, which fp8kv neither observes nor verifies"
-        )
-    if getattr(text, "kv_lora_rank", None) is not None:
-        raise Fp8kvError(
-            f"{source}: multi-head latent attention (MLA, kv_lora_rank) is not supported: its cache stores "
-            "one compressed latent plus a shared rope key per token, not per-head K and V, and fp8kv has no "
-            "MLA runtime to verify a scale for it"
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ def inspect_checkpoint(model_dir: str | Path) -> dict[str, Any]:
         "strategy": readout.scales.strategy if readout.scales else None,
         "num_kv_heads": source.geometry.num_kv_heads,
         "kv_layers": list(source.geometry.kv_layers),
+        "latent": None if source.geometry.latent is None else asdict(source.geometry.latent),
         "layers": _layer_rows(readout, provenance.layer_map() if provenance else {}),
         "warnings": [finding.message for finding in check_readout(readout, provenance)],
     }

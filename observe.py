@@ -21,7 +21,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fp8kv.geometry import AttentionGeometry
+from fp8kv.errors import Fp8kvError
+from fp8kv.geometry import AttentionGeometry, LatentCache
 
 # Histogram of |x| with fixed bins read straight from the float32 bits: 32 bins per octave
 # (the exponent and the top 5 mantissa bits), octaves 2**LOG2_LOW .. 2**LOG2_HIGH. Bin 0 also
@@ -55,6 +56,7 @@ class KVStatistics:
     `amax`:   float32 [num_layers, 2, num_kv_heads], max |x| per layer, K/V, KV head (0 = K, 1 = V).
     `hist`:   int64 [num_layers, 2, num_kv_heads, NUM_BINS], counts of |x| per log-spaced bin.
     `tokens`: int64 [num_layers], real (non-padding) tokens folded per layer.
+    An MLA layer (one latent vector per token, one "head") holds that vector's statistics in both K and V.
     """
 
     amax: torch.Tensor
@@ -190,15 +192,38 @@ def observing_cache(model: torch.nn.Module, step: ObservationStep):
     defines for itself (MiniMax), which its forward insists on.
     """
     base = model_cache_class(model)
+    latent = LatentCache.from_config(model.config.get_text_config(decoder=True), f"{type(model).__name__}'s config")
 
     class ObservingCache(base):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            if layer_idx in step.layers:
+            if layer_idx in step.layers and latent is not None:
+                fold_latent(step, layer_idx, key_states, value_states, latent)
+            elif layer_idx in step.layers:
                 step.statistics.fold(layer_idx, key_states, value_states, step.valid)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     takes_config = "config" in inspect.signature(base.__init__).parameters
     return ObservingCache(config=model.config) if takes_config else ObservingCache()
+
+
+def fold_latent(step: ObservationStep, layer: int, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
+                latent: LatentCache) -> None:
+    """Multi-head latent attention: fold what the latent cache stores, `concat(kv_c_normed, k_pe)`.
+
+    transformers' MLA attention hands its cache the latent after `kv_a_layernorm` as the key
+    `[batch, 1, seq, kv_lora_rank]` and the rope key after RoPE as the value `[batch, 1, seq, rope]`.
+    vLLM quantizes their concatenation with the layer's one k_scale, so the vector is folded into
+    both the K and the V slot: the one scale of the layer then comes out as its K and its V scale.
+    """
+    expected = (1, latent.kv_lora_rank), (1, latent.qk_rope_head_dim)
+    if ((kv_c_normed.shape[1], kv_c_normed.shape[-1]), (k_pe.shape[1], k_pe.shape[-1])) != expected:
+        raise Fp8kvError(
+            f"layer {layer}: the MLA cache update got key {list(kv_c_normed.shape)} and value {list(k_pe.shape)}, "
+            f"not the latent [.., 1, .., {latent.kv_lora_rank}] and rope key [.., 1, .., {latent.qk_rope_head_dim}] "
+            "vLLM caches; this transformers version caches something else"
+        )
+    vector = torch.cat([kv_c_normed, k_pe.to(kv_c_normed.dtype)], dim=-1)  # [batch, 1, seq, width]
+    step.statistics.fold(layer, vector, vector, step.valid)
 
 
 def model_cache_class(model: torch.nn.Module) -> type:

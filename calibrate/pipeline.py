@@ -28,6 +28,7 @@ from fp8kv.checkpoint.provenance import (
 )
 from fp8kv.checkpoint.conventions import CONVENTIONS, check_representable
 from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.checkpoint.latent import check_latent_attention, check_latent_convention
 from fp8kv.checkpoint.load import load_language_model
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.checkpoint.writer import (
@@ -71,7 +72,10 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
     if request.out is not None:
         check_output(source.path, request.out, request.overwrite)
         check_weight_method(request.convention, source)
+        check_latent_convention(source.geometry, request.convention, "attn_head" if request.per_head else "tensor",
+                                str(source.path / "config.json"))
     check_architecture(source, request.trust_remote_code)
+    check_latent_attention(source.geometry, request.attention, str(source.path / "config.json"))
     tokenizer = load_tokenizer(source.path, request.trust_remote_code)
     _stage(progress, "loading calibration data")
     data = load_calibration_data(request.data, tokenizer)

@@ -26,6 +26,7 @@ from fp8kv.checkpoint.conventions import (
 )
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import INDEX_NAME, SourceCheckpoint, read_safetensors_header
+from fp8kv.checkpoint.latent import check_latent_convention
 from fp8kv.geometry import read_json
 from fp8kv.errors import Fp8kvError
 from fp8kv.options import WriteMode
@@ -58,6 +59,7 @@ def write_checkpoint(
     if mode not in MODES:
         raise Fp8kvError(f"unknown mode {mode!r}; choose overlay or copy")
     source = SourceCheckpoint.open(source_dir)
+    check_latent_convention(source.geometry, convention, scales.strategy, str(source.path / "config.json"))
     check_scales_fit(source, scales)
     out = check_output(source.path, Path(out_dir), overwrite)
     _make_parent(out)

@@ -84,6 +84,10 @@ def _shrunk(text: Any, vocab_size: int, tokenizer: Any) -> dict[str, Any]:
         if _spelled(text, name) in stored and not isinstance(getattr(type(text), name, None), property):
             values[_spelled(text, name)] = value
     values[_spelled(text, "vocab_size")] = vocab_size
+    if "kv_lora_rank" in stored:  # MLA: every head has its K/V; head_dim keeps its meaning (the rope width or not)
+        values.update({k: v for k, v in (("num_key_value_heads", _SIZES["num_attention_heads"]),) if k in stored})
+        if stored.get("head_dim") == stored.get("qk_rope_head_dim"):  # RoPE is built for head_dim
+            values["head_dim"] = _SIZES["qk_rope_head_dim"]
     if "vocab_size_per_layer_input" in stored:
         values["vocab_size_per_layer_input"] = vocab_size
     for token in ("bos_token_id", "eos_token_id", "pad_token_id"):

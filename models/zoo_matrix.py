@@ -7,7 +7,8 @@ For each architecture: fp8kv accepts or refuses its config (refusal: one `Fp8kvE
 the feature); an accepted one is built tiny, calibrated, its scales compared with the K/V amax that
 transformers' own `DynamicCache` stores after a forward with `use_cache=True` (one sample per
 forward, as the calibration batches them), and the output folder is loaded back with
-`AutoModelForCausalLM.from_pretrained`.
+`AutoModelForCausalLM.from_pretrained`. Multi-head latent attention layers cache one latent vector,
+not K and V: they are compared with `latent_cache_amax`, read from the model's forward without a cache.
 
     python -m fp8kv.models.zoo_matrix            # prints the README table for every architecture
 """
@@ -83,7 +84,10 @@ def _calibrate_and_compare(model_type: str, folder: Path) -> ZooResult:
     request = CalibrationRequest(model=str(src), out=folder / "out", data=data, batch_size=1, device="cpu")
     result = calibrate(request)
     samples = load_calibration_data(data, AutoTokenizer.from_pretrained(src)).samples
-    reference = cache_amax(src, samples)
+    from fp8kv.geometry import AttentionGeometry
+
+    latent = AttentionGeometry.from_dir(src).latent is not None
+    reference = latent_cache_amax(src, samples) if latent else cache_amax(src, samples)
     got = {layer: result.table.amax[i].amax(-1) for i, layer in enumerate(result.table.layers)}
     if sorted(reference) != sorted(got):
         return ZooResult(model_type, FAILING, f"cached layers {sorted(reference)} but fp8kv scaled {sorted(got)}")
@@ -133,6 +137,43 @@ def cache_amax(model_dir: Path, samples: list[list[int]]) -> dict[int, torch.Ten
                 amax = torch.stack([layer.keys.abs().amax(), layer.values.abs().amax()]).float()
                 running[index] = amax if index not in running else torch.maximum(running[index], amax)
     return running
+
+
+def latent_cache_amax(model_dir: Path, samples: list[list[int]]) -> dict[int, torch.Tensor]:
+    """Independent reference for multi-head latent attention: per layer float32 [2], max |latent| twice.
+
+    The latent vLLM caches is `concat(kv_c_normed, k_pe)`. Both parts are read from the model's own
+    forward without a cache: the output of `kv_a_layernorm`, and the rope slice of the key its attention
+    function receives (k_pe after RoPE, repeated over the heads).
+    """
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from fp8kv.checkpoint.load import model_class
+    from fp8kv.geometry import read_config
+
+    running: dict[int, torch.Tensor] = {}
+
+    def fold(layer: int, part: torch.Tensor) -> None:
+        amax = part.detach().abs().amax().float()
+        running[layer] = amax if layer not in running else torch.maximum(running[layer], amax)
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        fold(module.layer_idx, key[..., module.qk_nope_head_dim:])
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("fp8kv_latent_reference", attention)
+    AttentionMaskInterface.register("fp8kv_latent_reference", sdpa_mask)
+    model = model_class(read_config(model_dir)).from_pretrained(model_dir, attn_implementation="fp8kv_latent_reference")
+    for module in model.modules():
+        if hasattr(module, "kv_a_layernorm") and hasattr(module, "layer_idx"):
+            module.kv_a_layernorm.register_forward_hook(
+                lambda _, __, out, layer=module.layer_idx: fold(layer, out))
+    with torch.no_grad():
+        for sample in samples:
+            model.eval()(input_ids=torch.tensor([sample]), use_cache=False)
+    return {layer: torch.stack([amax, amax]) for layer, amax in running.items()}
 
 
 def _one_line(text: str) -> str:

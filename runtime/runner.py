@@ -28,6 +28,7 @@ from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.attention import kernel_supported, ragged_paged_attention
 from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale
 from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
+from fp8kv.runtime.latent import LatentPagedCache, capture_latents, latent_attention
 
 ATTN_IMPLEMENTATION = "fp8kv_paged"
 STEP_KWARG = "fp8kv_step"
@@ -70,6 +71,8 @@ def _paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: query `[1, q_heads, T, d]`, key/value `[1, kv_heads, T, d]`."""
     step: PagedStep = kwargs[STEP_KWARG]
+    if isinstance(step.cache, LatentPagedCache):
+        return latent_attention(module, query, key, step.cache, step.meta, scaling), None
     meta, layer = step.meta, step.cache.owner(module.layer_idx)
     if layer == module.layer_idx:  # a KV-sharing layer reads K/V its owner wrote in this forward
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d]
@@ -133,6 +136,9 @@ class PagedModelRunner:
             None loads them from `model_dir`.
         q_scales: {kv layer index: float}: quantize the query to fp8 e4m3 with these scales before
             attention, as fp8 attention kernels do (None: the query stays in the model dtype).
+
+    A multi-head latent attention model (`geometry.latent`) runs on a `LatentPagedCache` instead: one
+    latent vector per token, quantized with k_scale, expanded through `kv_b_proj` when attending.
     """
 
     def __init__(
@@ -160,22 +166,31 @@ class PagedModelRunner:
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.backend = _resolve_backend(attention_backend, self.runtime_device)
         g = self.geometry
-        self.cache = PagedKVCache(
-            g.kv_layers,
-            num_pages=num_pages or max_num_seqs * self.pages_per_seq + 1,
-            page_size=page_size,
-            num_kv_heads=g.num_kv_heads,
-            head_dim=g.head_dim,
-            dtype=_cache_dtype(cache_dtype),
-            device=self.runtime_device.device,
-            head_dim_multiple=self.runtime_device.head_dim_multiple,
-            k_scales=k_scales,
-            v_scales=v_scales,
-            engine=engine,
-            shared_layers=dict(g.shared_kv_sources),
-        )
+        if g.latent is not None:
+            if q_scales is not None:
+                raise Fp8kvError("q_scales: fp8 attention is not modelled for multi-head latent attention (MLA)")
+            self.cache = LatentPagedCache(
+                g.kv_layers, latent=g.latent, num_pages=num_pages or max_num_seqs * self.pages_per_seq + 1,
+                page_size=page_size, dtype=_cache_dtype(cache_dtype), device=self.runtime_device.device,
+                k_scales=k_scales, v_scales=v_scales, engine=engine)
+            capture_latents(self.model)
+        else:
+            self.cache = PagedKVCache(
+                g.kv_layers,
+                num_pages=num_pages or max_num_seqs * self.pages_per_seq + 1,
+                page_size=page_size,
+                num_kv_heads=g.num_kv_heads,
+                head_dim=g.head_dim,
+                dtype=_cache_dtype(cache_dtype),
+                device=self.runtime_device.device,
+                head_dim_multiple=self.runtime_device.head_dim_multiple,
+                k_scales=k_scales,
+                v_scales=v_scales,
+                engine=engine,
+                shared_layers=dict(g.shared_kv_sources),
+            )
         # The Pallas kernel where vLLM's TPU backend would run it; torch_xla's reference elsewhere.
-        self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu"
+        self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu" and g.latent is None
                            and kernel_supported(tpu_version(), g.num_kv_heads, self.cache.dtype))
         self.allocator = PageAllocator(self.cache.num_pages, page_size)
         if q_scales is not None and sorted(q_scales) != sorted(g.kv_layers):

@@ -31,7 +31,7 @@ EXPECTED = {
     "qwen2_moe": (EXACT, "layers [0, 1]"),
     "jamba": (EXACT, "layers [1], skipped [0]"),  # Mamba layer 0 has no K/V cache
     "bamba": (EXACT, "layers [1], skipped [0]"),
-    "deepseek_v3": (REFUSED, "multi-head latent attention"),
+    "deepseek_v3": (EXACT, "layers [0, 1]"),  # MLA: one scale over the cached latent and rope key
     "bart": (REFUSED, "encoder-decoder"),
     "mamba": (REFUSED, "no attention layers"),
     "llava": (EXACT, "layers [0, 1]"),  # the language model under the vision-language wrapper

@@ -1,0 +1,151 @@
+"""The paged latent cache of multi-head latent attention (MLA: DeepSeek V2/V3 and descendants).
+
+As vLLM's MLA cache: one vector per token and layer, `concat(kv_c_normed, k_pe)` (the latent after
+`kv_a_layernorm`, then the rope key after RoPE), quantized with the layer's k_scale. Attention reads
+a sequence's vectors back, dequantizes them, expands the latent through the layer's own `kv_b_proj`
+into per-head K_nope and V (the model's `expand_kv`), appends the rope key to every head and attends.
+
+The model's attention module hands the attention function only the expanded K/V of the new tokens;
+the rope key is the rope slice of that K (the same k_pe on every head), and `kv_c_normed` is caught
+by a forward hook on `kv_a_layernorm` (`capture_latents`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fp8kv.fp8 import check_engine, is_fp8, quantize
+from fp8kv.geometry import LatentCache
+from fp8kv.runtime.cache import Scale, _layer_scales
+
+# The attention module attribute that holds the current forward's kv_c_normed `[1, T, kv_lora_rank]`.
+_CAPTURED = "fp8kv_kv_c_normed"
+
+
+class LatentPagedCache:
+    """One `[num_pages, page_size, width]` tensor per MLA layer, written with the layer's k_scale.
+
+    Exposes what verify reads of `PagedKVCache`: `scales` float32 `[layers, 2, 1]` (the file's k_scale
+    and v_scale; only k_scale quantizes, as in vLLM's MLA layer), `scale_args`, and counters whose K and
+    V slots both count the one latent vector (`clamped`, `nonfinite` `[layers, 2]`, `written` `[layers]`).
+    """
+
+    def __init__(
+        self,
+        kv_layers: Sequence[int],
+        *,
+        latent: LatentCache,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        k_scales: Mapping[int, Scale] | None = None,
+        v_scales: Mapping[int, Scale] | None = None,
+        engine: str = "clamp",
+    ) -> None:
+        self.kv_layers, self.latent = tuple(kv_layers), latent
+        self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
+        self.engine = check_engine(engine)
+        k_given = _layer_scales(k_scales, self.kv_layers, 1, "k_scale")
+        v_given = _layer_scales(v_scales, self.kv_layers, 1, "v_scale")
+        self.scales = torch.tensor([[k, v] for k, v in zip(k_given, v_given)], dtype=torch.float32).to(device)
+        self._k_floats = [k[0] for k in k_given]
+        self.pages = [torch.zeros(num_pages, page_size, latent.width, dtype=dtype, device=device)
+                      for _ in self.kv_layers]
+        self._row = {layer: i for i, layer in enumerate(self.kv_layers)}
+        self.clamped = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
+        self.nonfinite = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
+        self.written = torch.zeros(len(self.kv_layers), dtype=torch.int64, device=device)
+
+    def owner(self, layer: int) -> int:
+        """MLA layers own their cache (no KV sharing)."""
+        return layer
+
+    def write(self, layer: int, vectors: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
+        """Quantize and store `vectors` `[T, width]` at flat `slots` `[T]`; `valid` `[T]` marks real tokens."""
+        row = self._row[layer]
+        scale = self.scales[row, 0]
+        stored = quantize(vectors, scale, self.dtype, self.engine)
+        mask = valid[:, None]
+        if is_fp8(self.dtype):
+            self.clamped[row] += ((vectors.float().abs() / scale > torch.finfo(self.dtype).max) & mask).sum()
+        self.nonfinite[row] += (~torch.isfinite(stored.float()) & mask).sum()
+        self.written[row] += valid.sum() * self.latent.width
+        flat = self.pages[row].flatten(0, 1)  # [num_pages * page_size, width]
+        if is_fp8(self.dtype) and flat.device.type != "xla":  # CPU torch has no fp8 index_copy_
+            flat.view(torch.uint8).index_copy_(0, slots, stored.view(torch.uint8))
+        else:
+            flat.index_copy_(0, slots, stored)
+
+    def read(self, layer: int, pages: torch.Tensor, length: int) -> torch.Tensor:
+        """The first `length` vectors of a sequence whose page table is `pages` `[pages_per_seq]`, dequantized (float32)."""
+        row = self._row[layer]
+        positions = torch.arange(length, device=pages.device)
+        slots = pages.long()[positions // self.page_size] * self.page_size + positions % self.page_size
+        flat = self.pages[row].flatten(0, 1)
+        if is_fp8(self.dtype) and flat.device.type != "xla":
+            stored = flat.view(torch.uint8).index_select(0, slots).view(self.dtype)
+        else:
+            stored = flat.index_select(0, slots)
+        return stored.float() * self.scales[row, 0] if is_fp8(self.dtype) else stored.float()
+
+    def scale_args(self, layer: int) -> tuple[float | None, float | None]:
+        """(k_scale, v_scale) as held for the layer (floats), None for a non-fp8 cache."""
+        if not is_fp8(self.dtype):
+            return None, None
+        row = self._row[layer]
+        return self._k_floats[row], float(self.scales[row, 1])
+
+    def bytes_per_token(self) -> float:
+        """Cache bytes one token occupies across all layers (one latent vector per layer)."""
+        return float(self.latent.width * self.pages[0].element_size() * len(self.kv_layers))
+
+    def counts(self) -> dict[str, dict[int, tuple[int, int]]]:
+        """Per layer `(k, v)` counts as `PagedKVCache.counts`; both slots count the latent vector."""
+        clamped, nonfinite, written = self.clamped.cpu().tolist(), self.nonfinite.cpu().tolist(), self.written.cpu()
+        return {
+            "clamped": {l: tuple(clamped[i]) for i, l in enumerate(self.kv_layers)},
+            "nonfinite": {l: tuple(nonfinite[i]) for i, l in enumerate(self.kv_layers)},
+            "written": {l: (int(written[i]), int(written[i])) for i, l in enumerate(self.kv_layers)},
+        }
+
+
+def capture_latents(model: torch.nn.Module) -> None:
+    """Hook each MLA attention module's `kv_a_layernorm` once, keeping its output for the attention function."""
+    for module in model.modules():
+        norm = getattr(module, "kv_a_layernorm", None)
+        if norm is None or not hasattr(module, "layer_idx") or hasattr(module, _CAPTURED):
+            continue
+        setattr(module, _CAPTURED, None)
+        norm.register_forward_hook(lambda _, __, out, owner=module: setattr(owner, _CAPTURED, out))
+
+
+def latent_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, cache: LatentPagedCache,
+                     meta: Any, scaling: float) -> torch.Tensor:
+    """Write the step's latents, then attend over each sequence's cached latents: `[1, T, heads, v_head_dim]`.
+
+    `query` `[1, heads, T, qk_head_dim]`, `key` `[1, heads, T, qk_head_dim]` (the expanded K of the new
+    tokens); `meta` is the runner's `StepMetadata` (slots, kv_lens, page_indices, cu_q_lens, num_seqs).
+    """
+    layer, latent = module.layer_idx, cache.latent
+    kv_c_normed = getattr(module, _CAPTURED).reshape(-1, latent.kv_lora_rank)  # [T, kv_lora_rank]
+    setattr(module, _CAPTURED, None)
+    k_pe = key[0, 0, :, latent.qk_nope_head_dim:]  # [T, rope]: the rope key, the same on every head
+    cache.write(layer, torch.cat([kv_c_normed, k_pe.to(kv_c_normed.dtype)], -1), meta.slot_mapping, meta.valid)
+    heads, tokens = query.shape[1], query.shape[2]
+    out = query.new_zeros(tokens, heads, latent.v_head_dim)
+    bounds, lengths = meta.cu_q_lens.tolist(), meta.kv_lens.tolist()
+    for s in range(int(meta.num_seqs[0])):
+        start, end, length = bounds[s], bounds[s + 1], lengths[s]
+        vectors = cache.read(layer, meta.page_indices[s], length).to(query.dtype)  # [L, width]
+        kv_nope, k_rot = vectors.split([latent.kv_lora_rank, latent.qk_rope_head_dim], -1)
+        k, v = module.expand_kv(kv_nope.view(1, 1, length, -1), k_rot.view(1, 1, length, -1))  # [1, H, L, d]
+        positions = torch.arange(length - (end - start), length, device=query.device)  # the new tokens, causal
+        mask = torch.arange(length, device=query.device)[None, :] <= positions[:, None]  # [q, L]
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, start:end], k, v, attn_mask=mask, scale=scaling)  # [1, H, q, v_head_dim]
+        out[start:end] = attended[0].transpose(0, 1)
+    return out.unsqueeze(0)
