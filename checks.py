@@ -15,7 +15,7 @@ from fp8kv.checkpoint.conventions import (
 )
 from fp8kv.checkpoint.provenance import Provenance
 from fp8kv.checkpoint.reader import ScaleReadout
-from fp8kv.fp8 import FP8_DTYPES
+from fp8kv.fp8 import FP8_DTYPES, FP8_MAX
 from fp8kv.runtime.attention import fp8_kernel_note
 from fp8kv.runtime.device import TPU_HEAD_DIM_MULTIPLE
 
@@ -40,7 +40,7 @@ def check_readout(readout: ScaleReadout, provenance: Provenance | None = None) -
     scales doubled for e4m3fnuz.
     """
     return (_scale_findings(readout) + _advice(readout, provenance) + _declaration_findings(readout)
-            + _engine_name_findings(readout) + _kernel_findings(readout))
+            + _engine_name_findings(readout) + _kernel_findings(readout) + _latent_loader_findings(readout, provenance))
 
 
 def tpu_layout_findings(readout: ScaleReadout) -> list[Finding]:
@@ -165,3 +165,19 @@ def _kernel_findings(readout: ScaleReadout) -> list[Finding]:
         return []
     note = fp8_kernel_note(readout.source.geometry.num_kv_heads, FP8_DTYPES[readout.kv_dtype])
     return [Finding(WARN, note)] if note else []
+
+
+def _latent_loader_findings(readout: ScaleReadout, provenance: Provenance | None) -> list[Finding]:
+    """vLLM's DeepSeek loader (read in releases 0.22 to 0.33) maps `self_attn.k_scale` onto
+    `self_attn.attn.k_scale`, a parameter only its non-MLA layers have, and drops it: an MLA layer's
+    latent cache runs at scale 1.0 there. That is harmless while the latent fits fp8's range at 1.0."""
+    if readout.source.geometry.latent is None:
+        return []
+    note = ("MLA: vLLM's DeepSeek loader does not place a static k_scale on its latent-cache layers and "
+            "runs them at scale 1.0 (verify judges the written scales)")
+    fp8_max = FP8_MAX[readout.kv_dtype]
+    amax = max((row.k.amax for row in provenance.layers), default=0.0) if provenance else 0.0
+    if amax > fp8_max:
+        return [Finding(WARN, f"{note}; at 1.0 the calibrated latent amax {amax:g} exceeds {fp8_max:g}, so "
+                              "vLLM would clip it")]
+    return [Finding(INFO, note + (f"; the calibrated latent amax {amax:g} fits at 1.0" if provenance else ""))]

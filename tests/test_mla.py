@@ -126,7 +126,8 @@ def test_checkpoint_holds_one_latent_scale_per_layer_as_k_scale(calibrated, deep
         assert torch.equal(tensors[f"model.layers.{layer}.self_attn.v_scale"], expected)
     report = json.loads(CliRunner().invoke(app, ["inspect", str(calibrated), "--json"]).stdout)
     assert report["latent"] == {"kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
-    assert (report["num_kv_heads"], report["kv_layers"], report["warnings"]) == (1, [0, 1], [])
+    assert (report["num_kv_heads"], report["kv_layers"]) == (1, [0, 1])
+    assert [w.split(":")[0] for w in report["warnings"]] == ["MLA"]  # only the vLLM loader note
     text = " ".join(CliRunner().invoke(app, ["inspect", str(calibrated)]).stdout.split())
     assert "MLA latent cache: kv_lora_rank 16 + rope key 8 values per token, one scale per layer" in text
 
@@ -191,3 +192,19 @@ def test_verify_runs_the_latent_cache_and_passes(calibrated, tmp_path) -> None:
     assert result.exit_code == 0 and report["verdict"] == "PASS", result.output
     assert report["fidelity"]["kl_mean"] <= 1e-6 and report["readback"] == {"equal": True, "layers": 2, "mismatches": []}
     assert 0.0 < report["accuracy"]["kl_mean"] < 1e-4
+
+
+def test_the_vllm_loader_gap_is_named_and_grows_to_a_warning_past_max(calibrated) -> None:
+    """vLLM runs an MLA latent cache at scale 1.0: a note while the latent fits fp8 at 1.0, a WARN past MAX."""
+    from dataclasses import replace
+
+    from fp8kv.checks import INFO, WARN, check_readout
+    from fp8kv.checkpoint.provenance import read_provenance
+    from fp8kv.checkpoint.reader import read_kv_scales
+
+    readout, provenance = read_kv_scales(calibrated), read_provenance(calibrated)
+    notes = [f for f in check_readout(readout, provenance) if f.message.startswith("MLA: vLLM")]
+    assert [f.level for f in notes] == [INFO] and "fits at 1.0" in notes[0].message
+    big = replace(provenance, layers=(replace(provenance.layers[0], k=replace(provenance.layers[0].k, amax=600.0)),))
+    warned = [f for f in check_readout(readout, big) if f.message.startswith("MLA: vLLM")]
+    assert [f.level for f in warned] == [WARN] and "amax 600 exceeds 448" in warned[0].message
