@@ -13,6 +13,7 @@ batch row with explicit position ids, as vLLM does, so prefill and decode mix fr
 
 from __future__ import annotations
 
+import contextvars
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,10 @@ from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale
 from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
 
 ATTN_IMPLEMENTATION = "fp8kv_paged"
-STEP_KWARG = "fp8kv_step"
+# The step the attention function runs, bound by `PagedModelRunner.step` for one forward. Not a forward
+# keyword argument: some decoder layers call their attention without passing the model's keyword
+# arguments on (stablelm), while every attention module reaches the registered function.
+_ACTIVE_STEP: contextvars.ContextVar[PagedStep] = contextvars.ContextVar("fp8kv_paged_step")
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,9 @@ def _paged_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: query `[1, q_heads, T, d]`, key/value `[1, kv_heads, T, d]`."""
-    step: PagedStep = kwargs[STEP_KWARG]
+    step = _ACTIVE_STEP.get(None)
+    if step is None:
+        raise Fp8kvError(f"{ATTN_IMPLEMENTATION} attention runs only inside PagedModelRunner.step")
     meta, layer = step.meta, step.cache.owner(module.layer_idx)
     if layer == module.layer_idx:  # a KV-sharing layer reads K/V its owner wrote in this forward
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d]
@@ -155,6 +161,7 @@ class PagedModelRunner:
     ) -> None:
         self.runtime_device: RuntimeDevice = resolve_device(device)
         self.geometry = AttentionGeometry.from_dir(model_dir)
+        refuse_recurrent_layers(self.geometry, model_dir)
         self.model = model if model is not None else load_model(model_dir, self.runtime_device.device, dtype)
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.pages_per_seq = math.ceil(max_model_len / page_size)
@@ -164,8 +171,8 @@ class PagedModelRunner:
             g.kv_layers,
             num_pages=num_pages or max_num_seqs * self.pages_per_seq + 1,
             page_size=page_size,
-            num_kv_heads=g.num_kv_heads,
-            head_dim=g.head_dim,
+            num_kv_heads=[g.layer_kv_heads(layer) for layer in g.kv_layers],
+            head_dim=[g.layer_head_dim(layer) for layer in g.kv_layers],
             dtype=_cache_dtype(cache_dtype),
             device=self.runtime_device.device,
             head_dim_multiple=self.runtime_device.head_dim_multiple,
@@ -175,8 +182,8 @@ class PagedModelRunner:
             shared_layers=dict(g.shared_kv_sources),
         )
         # The Pallas kernel where vLLM's TPU backend would run it; torch_xla's reference elsewhere.
-        self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu"
-                           and kernel_supported(tpu_version(), g.num_kv_heads, self.cache.dtype))
+        self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu" and all(
+            kernel_supported(tpu_version(), g.layer_kv_heads(layer), self.cache.dtype) for layer in g.kv_layers))
         self.allocator = PageAllocator(self.cache.num_pages, page_size)
         if q_scales is not None and sorted(q_scales) != sorted(g.kv_layers):
             raise Fp8kvError(f"q_scales cover layers {sorted(q_scales)}; give one per KV layer {list(g.kv_layers)}")
@@ -223,7 +230,11 @@ class PagedModelRunner:
         self._check_batch(batch)
         ids, positions, meta = self._prepare(batch)
         step = PagedStep(self.cache, meta, self.backend, self.use_kernel, self.q_scales)
-        logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, **{STEP_KWARG: step}).logits
+        bound = _ACTIVE_STEP.set(step)
+        try:
+            logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        finally:
+            _ACTIVE_STEP.reset(bound)
         self._sync()  # cut the graph here: cache writes and logits of this step, one compile per shape
         logits = logits[0].float().cpu()
         bounds = meta.cu_q_lens.cpu().tolist()
@@ -317,9 +328,25 @@ def _resolve_backend(choice: str, device: RuntimeDevice) -> str:
 
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """The checkpoint's causal LM on `device`, wired to the paged attention (shareable between runners)."""
-    from fp8kv.checkpoint.load import load_causal_lm
+    """The checkpoint's language model on `device`, wired to the paged attention (shareable between runners).
+
+    A vision-language wrapper loads whole (its weight names) and runs its language model on text.
+    """
+    from fp8kv.checkpoint.load import MODEL_DTYPES, load_language_model
 
     _register()
-    model = load_causal_lm(model_dir, dtype=dtype or "auto", attn_implementation=ATTN_IMPLEMENTATION)
-    return model.to(device).eval()
+    name = "auto" if dtype is None else {d: n for n, d in MODEL_DTYPES.items()}[dtype]
+    return load_language_model(model_dir, device, name, attn_implementation=ATTN_IMPLEMENTATION)
+
+
+def refuse_recurrent_layers(geometry: AttentionGeometry, model_dir: str | Path) -> None:
+    """Refuse hybrids: layers with a recurrent state (Mamba, linear attention) would need that state kept per
+    sequence between steps, which the paged runtime (one packed row, no state) does not do."""
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin
+
+    recurrent = [i for i, kind in enumerate(geometry.layer_types)
+                 if issubclass(DYNAMIC_LAYER_TYPE_MAPPING.get(kind, object), LinearAttentionCacheLayerMixin)]
+    if recurrent:
+        raise Fp8kvError(f"{model_dir}: layers {recurrent} ({geometry.layer_types[recurrent[0]]}) keep a recurrent "
+                         "state (Mamba or linear attention) that fp8kv's paged runtime does not carry between steps "
+                         "or keep apart between sequences; verify cannot run this hybrid")
