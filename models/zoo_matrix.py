@@ -174,8 +174,8 @@ def verify_outcome(out_dir: Path, folder: Path) -> VerifyOutcome:
                             report_dir=folder / "verify-report", engines=("clamp",))
     try:
         report = verify(request).report
-    except Fp8kvError as exc:
-        return VerifyOutcome(REFUSED, _one_line(str(exc)))
+    except Fp8kvError as exc:  # the folder is a temporary one: the reason is what follows it
+        return VerifyOutcome(REFUSED, _one_line(str(exc).removeprefix(f"{out_dir}: ")))
     except Exception as exc:  # the matrix reports every other failure instead of stopping
         return VerifyOutcome(CRASH, _one_line(f"{type(exc).__name__}: {exc}"))
     fidelity = report.fidelity or {}
