@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fp8kv.checkpoint.load import cache_kwargs
 from fp8kv.geometry import AttentionGeometry
 
 # Histogram of |x| with fixed bins read straight from the float32 bits: 32 bins per octave
@@ -210,12 +211,6 @@ def model_cache_class(model: torch.nn.Module) -> type:
            if isinstance(c, type) and issubclass(c, DynamicCache) and c.__module__ == module.__name__]
     return own[0] if len(own) == 1 else DynamicCache
 
-
-
-def cache_kwargs(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
-    """The forward keywords that hand `cache` to `model`: `cache=` (newer models) or `past_key_values=`."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache, "use_cache": True}
 
 
 def observe_batch(

@@ -7,6 +7,7 @@ it has no place for, with only a log line. Either makes every number measured on
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -80,23 +81,27 @@ def load_language_model(model_dir: str | Path, device: Any, dtype: str = "auto",
         raise Fp8kvError(f"--dtype {dtype!r}: choose auto, {', '.join(MODEL_DTYPES)}")
     extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     config = weights_config(model_dir, trust_remote_code)
-    auto_class = model_class(config.to_dict())
-    if attn_implementation is not None:
-        _require_attention_interface(auto_class, config, model_dir)
-    model = load_causal_lm(model_dir, auto_class, config, dtype=MODEL_DTYPES.get(dtype, "auto"),
+    if attn_implementation is not None and not takes_attention_function(config):
+        raise Fp8kvError(f"{model_dir}: {config.model_type} computes attention in its own code, not through "
+                         f"transformers' attention interface, so it cannot run {attn_implementation!r}")
+    model = load_causal_lm(model_dir, model_class(config.to_dict()), config, dtype=MODEL_DTYPES.get(dtype, "auto"),
                            trust_remote_code=trust_remote_code, **extra)
     return model.to(device).eval()
 
 
-def _require_attention_interface(auto_class: Any, config: Any, model_dir: str | Path) -> None:
-    """Refuse a model whose attention layers compute attention in their own code (a custom attention needs them).
+def takes_attention_function(config: Any) -> bool:
+    """Whether the model of `config` (a transformers config) computes attention through transformers'
+    AttentionInterface, so a registered attention function replaces it.
 
-    fp8kv's paged runtime and query observer replace attention through transformers' AttentionInterface; a
-    model that never calls it (falcon, bloom, mpt: inline eager/SDPA, some with ALiBi) cannot take them, and
-    would otherwise fail inside transformers or silently attend over its own K/V. The test is transformers' own.
+    Some compute attention in their own code (falcon, bloom, mpt: inline eager/SDPA, some with ALiBi) and
+    fail on an attention name they do not know. The test is transformers' own; a model class transformers
+    does not map (remote code) is assumed to take one.
     """
-    model_cls = auto_class._model_mapping.get(type(config), None)
-    if model_cls is not None and not model_cls._can_set_attn_implementation():
-        raise Fp8kvError(f"{model_dir}: {config.model_type} computes attention in its own code, not through "
-                         "transformers' attention interface, so fp8kv cannot run its attention on a paged fp8 cache "
-                         "(or observe its queries)")
+    model_cls = model_class(config.to_dict())._model_mapping.get(type(config), None)
+    return model_cls is None or model_cls._can_set_attn_implementation()
+
+
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """The forward keywords that hand `cache` to `model`: `cache=` (newer models) or `past_key_values=`."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}

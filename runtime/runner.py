@@ -2,7 +2,9 @@
 
 The model's own code computes Q/K/V (after q/k norms and RoPE); `_paged_attention` writes K/V into
 the paged cache and attends over it. Tokens of all sequences in a step are flattened into one
-batch row with explicit position ids, as vLLM does, so prefill and decode mix freely.
+batch row with explicit position ids, as vLLM does, so prefill and decode mix freely. Models that
+compute attention in their own code run one sequence per forward on a cache view of the same pages
+(`runtime.own_attention`).
 
     runner = PagedModelRunner("path/to/model", cache_dtype="fp8_e4m3", k_scales=ks, v_scales=vs)
     a, _ = runner.start()
@@ -163,6 +165,8 @@ class PagedModelRunner:
         self.geometry = AttentionGeometry.from_dir(model_dir)
         refuse_recurrent_layers(self.geometry, model_dir)
         self.model = model if model is not None else load_model(model_dir, self.runtime_device.device, dtype)
+        # a model with its own attention code was loaded with it, and reads the pages through a cache view
+        self.own_attention = self.model.config._attn_implementation != ATTN_IMPLEMENTATION
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.backend = _resolve_backend(attention_backend, self.runtime_device)
@@ -185,6 +189,8 @@ class PagedModelRunner:
         self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu" and all(
             kernel_supported(tpu_version(), g.layer_kv_heads(layer), self.cache.dtype) for layer in g.kv_layers))
         self.allocator = PageAllocator(self.cache.num_pages, page_size)
+        if q_scales is not None and self.own_attention:
+            raise Fp8kvError(f"{g.model_type} computes attention in its own code: its query cannot be quantized")
         if q_scales is not None and sorted(q_scales) != sorted(g.kv_layers):
             raise Fp8kvError(f"q_scales cover layers {sorted(q_scales)}; give one per KV layer {list(g.kv_layers)}")
         self.q_scales = None if q_scales is None else {
@@ -228,6 +234,8 @@ class PagedModelRunner:
         may be mixed freely. Returns float32 CPU logits `[len(new_token_ids), vocab]` per entry.
         """
         self._check_batch(batch)
+        if self.own_attention:
+            return [self._own_attention_step(seq_id, tokens) for seq_id, tokens in batch]
         ids, positions, meta = self._prepare(batch)
         step = PagedStep(self.cache, meta, self.backend, self.use_kernel, self.q_scales)
         bound = _ACTIVE_STEP.set(step)
@@ -239,6 +247,20 @@ class PagedModelRunner:
         logits = logits[0].float().cpu()
         bounds = meta.cu_q_lens.cpu().tolist()
         return [logits[bounds[i] : bounds[i + 1]] for i in range(len(batch))]
+
+    def _own_attention_step(self, seq_id: int, tokens: Sequence[int]) -> torch.Tensor:
+        """One sequence's forward for a model with its own attention: float32 CPU logits `[len(tokens), vocab]`."""
+        from fp8kv.checkpoint.load import cache_kwargs
+        from fp8kv.runtime.own_attention import sequence_cache
+
+        past, dev = self.length(seq_id), self.device
+        slots = torch.tensor(self.allocator.extend(seq_id, len(tokens)), dtype=torch.int64).to(dev)
+        cache = sequence_cache(self.cache, self.geometry.num_layers, past, slots, self.allocator.tables[seq_id])
+        ids = torch.tensor([list(tokens)]).to(dev)
+        positions = torch.arange(past, past + len(tokens))[None].to(dev)
+        logits = self.model(input_ids=ids, position_ids=positions, **cache_kwargs(self.model, cache)).logits
+        self._sync()
+        return logits[0].float().cpu()
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy decoding of each prompt (batched prefill, then batched decode); frees its sequences."""
@@ -331,12 +353,15 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype |
     """The checkpoint's language model on `device`, wired to the paged attention (shareable between runners).
 
     A vision-language wrapper loads whole (its weight names) and runs its language model on text.
+    A model that computes attention in its own code keeps it (the runner then reads the pages through a cache view).
     """
-    from fp8kv.checkpoint.load import MODEL_DTYPES, load_language_model
+    from fp8kv.checkpoint.conventions import weights_config
+    from fp8kv.checkpoint.load import MODEL_DTYPES, load_language_model, takes_attention_function
 
     _register()
     name = "auto" if dtype is None else {d: n for n, d in MODEL_DTYPES.items()}[dtype]
-    return load_language_model(model_dir, device, name, attn_implementation=ATTN_IMPLEMENTATION)
+    attention = ATTN_IMPLEMENTATION if takes_attention_function(weights_config(model_dir)) else None
+    return load_language_model(model_dir, device, name, attn_implementation=attention)
 
 
 def refuse_recurrent_layers(geometry: AttentionGeometry, model_dir: str | Path) -> None:

@@ -201,3 +201,31 @@ def test_runner_through_torch_xla_reference_attention(checkpoints):
     for _ in range(3):  # the same lengths again: every graph is cached
         again.step([(s, [5]) for s in seqs])
     assert _compiles() == start
+
+
+@pytest.mark.parametrize("model_type", ["falcon", "bloom"])  # rotary multi-query; ALiBi
+def test_models_with_their_own_attention_code_attend_over_the_pages(model_type, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fp8kv.models.zoo import make_zoo_checkpoint
+
+    path = make_zoo_checkpoint(model_type, tmp_path / model_type)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = _runner(path, dtype=torch.float32)
+    assert runner.own_attention
+    full = [_eager_logits(model, p) for p in PROMPTS]
+    a, _ = runner.start()
+    b, _ = runner.start()
+    prefill = runner.step([(a, PROMPTS[0][:20]), (b, PROMPTS[1][:15])])
+    torch.testing.assert_close(prefill[0], full[0][:20], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(prefill[1], full[1][:15], rtol=1e-4, atol=1e-4)
+    mixed = runner.step([(b, PROMPTS[1][15:]), (a, PROMPTS[0][20:21])])  # a chunk and a decode step over the pages
+    torch.testing.assert_close(mixed[0], full[1][15:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mixed[1], full[0][20:21], rtol=1e-4, atol=1e-4)
+    assert runner.generate(PROMPTS, max_new_tokens=4) == [_eager_greedy(model, p, 4) for p in PROMPTS]
+    # what the model attends over is what the fp8 pages hold: K and V clamped at a tiny scale change its logits
+    tiny = {0: 1e-4, 1: 1e-4}
+    fp8 = _runner(path, cache_dtype="fp8_e4m3", k_scales=tiny, v_scales=tiny, model=runner.model)
+    seq, _ = fp8.start()
+    clamped = fp8.step([(seq, PROMPTS[0])])[0]
+    assert min(fp8.counts()["clamped"][0]) > 0 and not torch.allclose(clamped, full[0], atol=1e-2)

@@ -172,7 +172,6 @@ def test_gemma4_layers_of_other_geometry_and_shared_caches_run_on_their_own_page
 
 # Where verify refuses a calibrated architecture: the feature it names in its one line.
 VERIFY_REFUSES = {
-    "falcon": "falcon computes attention in its own code, not through transformers' attention interface",
     "jamba": "layers [0] (linear_attention) keep a recurrent state",
     "bamba": "layers [0] (linear_attention) keep a recurrent state",
     "minimax": "layers [1] (linear_attention) keep a recurrent state",

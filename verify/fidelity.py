@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fp8kv.checks import FAIL, WARN, Finding
-from fp8kv.runtime.runner import ATTN_IMPLEMENTATION, PagedModelRunner
+from fp8kv.runtime.runner import PagedModelRunner
 from fp8kv.verify.accuracy import prefill, token_kl
 
 # Measured (bench/bench_fidelity.py, 4 samples of 256 tokens): runtime / noise 0.66 on the bundled
@@ -92,6 +92,8 @@ def measure_fidelity(runner: PagedModelRunner, samples: list[list[int]], num_sam
 def _noise(model: torch.nn.Module, batch: list[list[int]], reference: list[torch.Tensor], default: str) -> float | None:
     """Mean KL of transformers' default attention against its other one (eager / SDPA); None if it has one."""
     other = "sdpa" if default == "eager" else "eager"
+    if not model._can_set_attn_implementation():  # its own attention code: it keeps the one it was loaded with
+        return None
     try:
         return float(_kl(reference, transformers_logits(model, batch, other)).mean())
     except ValueError:  # transformers refuses an implementation the architecture does not support
@@ -108,10 +110,10 @@ def transformers_logits(model: torch.nn.Module, samples: list[list[int]], attent
 
     The runners' shared model is switched to `attention` for these forwards and back after.
     """
-    device = next(model.parameters()).device
+    device, previous = next(model.parameters()).device, model.config._attn_implementation
     model.set_attn_implementation(attention)
     try:
         return [model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0].float().cpu()
                 for ids in samples]
     finally:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        model.set_attn_implementation(previous)
