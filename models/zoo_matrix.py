@@ -7,9 +7,11 @@ For each architecture: fp8kv accepts or refuses its config (refusal: one `Fp8kvE
 the feature); an accepted one is built tiny, calibrated, its scales compared with the K/V amax that
 transformers' own `DynamicCache` stores after a forward with `use_cache=True` (one sample per
 forward, as the calibration batches them), and the output folder is loaded back with
-`AutoModelForCausalLM.from_pretrained`.
+`AutoModelForCausalLM.from_pretrained`. `judge_and_verify` then runs `fp8kv verify` on it, briefly
+(`verify_outcome`: its verdict, a one-line refusal, or a crash, and the fidelity KL it measured).
 
     python -m fp8kv.models.zoo_matrix            # prints the README table for every architecture
+    python -m fp8kv.models.zoo_matrix llama gpt2  # only these
 """
 
 from __future__ import annotations
