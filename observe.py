@@ -14,14 +14,13 @@ counts), so partial statistics from several processes or layer groups merge with
 
 from __future__ import annotations
 
-import inspect
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from fp8kv.checkpoint.load import cache_kwargs
+from fp8kv.checkpoint.load import cache_kwargs, model_cache_class, new_cache
 from fp8kv.geometry import AttentionGeometry
 
 # Histogram of |x| with fixed bins read straight from the float32 bits: 32 bins per octave
@@ -198,18 +197,7 @@ def observing_cache(model: torch.nn.Module, step: ObservationStep):
                 step.statistics.fold(layer_idx, key_states, value_states, step.valid)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    takes_config = "config" in inspect.signature(base.__init__).parameters
-    return ObservingCache(config=model.config) if takes_config else ObservingCache()
-
-
-def model_cache_class(model: torch.nn.Module) -> type:
-    """The DynamicCache subclass the model's own file defines (one at most), else DynamicCache."""
-    from transformers import DynamicCache
-
-    module = sys.modules[type(model).__module__]
-    own = [c for c in vars(module).values()
-           if isinstance(c, type) and issubclass(c, DynamicCache) and c.__module__ == module.__name__]
-    return own[0] if len(own) == 1 else DynamicCache
+    return new_cache(ObservingCache, model)
 
 
 

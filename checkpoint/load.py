@@ -8,6 +8,7 @@ it has no place for, with only a log line. Either makes every number measured on
 from __future__ import annotations
 
 import inspect
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,23 @@ def takes_attention_function(config: Any) -> bool:
     """
     model_cls = model_class(config.to_dict())._model_mapping.get(type(config), None)
     return model_cls is None or model_cls._can_set_attn_implementation()
+
+
+def model_cache_class(model: Any) -> type:
+    """The DynamicCache subclass the model's own file defines (one at most), else DynamicCache."""
+    from transformers import DynamicCache
+
+    module = sys.modules[type(model).__module__]
+    own = [c for c in vars(module).values()
+           if isinstance(c, type) and issubclass(c, DynamicCache) and c.__module__ == module.__name__]
+    return own[0] if len(own) == 1 else DynamicCache
+
+
+def new_cache(cache_class: type, model: Any) -> Any:
+    """An empty `cache_class` for `model`: built from its config where the class takes one (DynamicCache
+    then lays out Mamba and linear-attention layers), else bare (MiniMax's own cache)."""
+    takes_config = "config" in inspect.signature(cache_class.__init__).parameters
+    return cache_class(config=model.config) if takes_config else cache_class()
 
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 The model's own code computes Q/K/V (after q/k norms and RoPE); `_paged_attention` writes K/V into
 the paged cache and attends over it. Tokens of all sequences in a step are flattened into one
 batch row with explicit position ids, as vLLM does, so prefill and decode mix freely. Models that
-compute attention in their own code run one sequence per forward on a cache view of the same pages
-(`runtime.own_attention`).
+compute attention in their own code, and hybrids with a recurrent state, run one sequence per forward
+on a cache view of the same pages (`runtime.cache_view`).
 
     runner = PagedModelRunner("path/to/model", cache_dtype="fp8_e4m3", k_scales=ks, v_scales=vs)
     a, _ = runner.start()
@@ -30,6 +30,7 @@ from fp8kv.geometry import AttentionGeometry
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.attention import kernel_supported, ragged_paged_attention
 from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale
+from fp8kv.runtime.cache_view import recurrent_layers, sequence_cache
 from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
 
 ATTN_IMPLEMENTATION = "fp8kv_paged"
@@ -163,10 +164,12 @@ class PagedModelRunner:
     ) -> None:
         self.runtime_device: RuntimeDevice = resolve_device(device)
         self.geometry = AttentionGeometry.from_dir(model_dir)
-        refuse_recurrent_layers(self.geometry, model_dir)
         self.model = model if model is not None else load_model(model_dir, self.runtime_device.device, dtype)
-        # a model with its own attention code was loaded with it, and reads the pages through a cache view
-        self.own_attention = self.model.config._attn_implementation != ATTN_IMPLEMENTATION
+        # a model with its own attention code, or a hybrid, was loaded with its own attention: it reads the
+        # pages through a cache view, one sequence per forward; a hybrid keeps each sequence's recurrent state
+        self.cache_view = self.model.config._attn_implementation != ATTN_IMPLEMENTATION
+        self.recurrent = recurrent_layers(self.geometry.layer_types)
+        self._states: dict[int, object] = {}
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.backend = _resolve_backend(attention_backend, self.runtime_device)
@@ -189,8 +192,8 @@ class PagedModelRunner:
         self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu" and all(
             kernel_supported(tpu_version(), g.layer_kv_heads(layer), self.cache.dtype) for layer in g.kv_layers))
         self.allocator = PageAllocator(self.cache.num_pages, page_size)
-        if q_scales is not None and self.own_attention:
-            raise Fp8kvError(f"{g.model_type} computes attention in its own code: its query cannot be quantized")
+        if q_scales is not None and self.cache_view:
+            raise Fp8kvError(f"{g.model_type} runs its own attention on a cache view: its query cannot be quantized")
         if q_scales is not None and sorted(q_scales) != sorted(g.kv_layers):
             raise Fp8kvError(f"q_scales cover layers {sorted(q_scales)}; give one per KV layer {list(g.kv_layers)}")
         self.q_scales = None if q_scales is None else {
@@ -211,16 +214,23 @@ class PagedModelRunner:
         """Open a sequence; returns `(seq_id, reused)`.
 
         With `share_from`, the new sequence reuses the cache pages of that sequence's first
-        `shared_tokens` tokens (whole pages only): feed it its tokens from index `reused` on.
+        `shared_tokens` tokens (whole pages only): feed it its tokens from index `reused` on. A hybrid
+        reuses nothing: the recurrent state at the end of a shared prefix is not kept.
         """
         if share_from is not None and share_from not in self.allocator.tables:
             raise Fp8kvError(f"cannot share the prefix of sequence {share_from}: it does not exist")
         seq_id, self._next_id = self._next_id, self._next_id + 1
+        if self.recurrent:
+            from fp8kv.checkpoint.load import model_cache_class, new_cache
+
+            self._states[seq_id] = new_cache(model_cache_class(self.model), self.model)
+            return seq_id, self.allocator.add(seq_id)
         return seq_id, self.allocator.add(seq_id, share_from, shared_tokens)
 
     def free(self, seq_id: int) -> None:
-        """Close a sequence and release its pages."""
+        """Close a sequence and release its pages (and a hybrid's recurrent state)."""
         self.allocator.free(seq_id)
+        self._states.pop(seq_id, None)
 
     def length(self, seq_id: int) -> int:
         """Tokens of `seq_id` in the cache."""
@@ -234,8 +244,8 @@ class PagedModelRunner:
         may be mixed freely. Returns float32 CPU logits `[len(new_token_ids), vocab]` per entry.
         """
         self._check_batch(batch)
-        if self.own_attention:
-            return [self._own_attention_step(seq_id, tokens) for seq_id, tokens in batch]
+        if self.cache_view:
+            return [self._cache_view_step(seq_id, tokens) for seq_id, tokens in batch]
         ids, positions, meta = self._prepare(batch)
         step = PagedStep(self.cache, meta, self.backend, self.use_kernel, self.q_scales)
         bound = _ACTIVE_STEP.set(step)
@@ -248,14 +258,15 @@ class PagedModelRunner:
         bounds = meta.cu_q_lens.cpu().tolist()
         return [logits[bounds[i] : bounds[i + 1]] for i in range(len(batch))]
 
-    def _own_attention_step(self, seq_id: int, tokens: Sequence[int]) -> torch.Tensor:
-        """One sequence's forward for a model with its own attention: float32 CPU logits `[len(tokens), vocab]`."""
+    def _cache_view_step(self, seq_id: int, tokens: Sequence[int]) -> torch.Tensor:
+        """One sequence's forward on a cache view of its pages: float32 CPU logits `[len(tokens), vocab]`."""
         from fp8kv.checkpoint.load import cache_kwargs
-        from fp8kv.runtime.own_attention import sequence_cache
 
         past, dev = self.length(seq_id), self.device
         slots = torch.tensor(self.allocator.extend(seq_id, len(tokens)), dtype=torch.int64).to(dev)
-        cache = sequence_cache(self.cache, self.geometry.num_layers, past, slots, self.allocator.tables[seq_id])
+        attention = [i for i in range(self.geometry.num_layers) if i not in self.recurrent]
+        cache = sequence_cache(self.cache, attention, past, slots, self.allocator.tables[seq_id],
+                               self._states.get(seq_id))
         ids = torch.tensor([list(tokens)]).to(dev)
         positions = torch.arange(past, past + len(tokens))[None].to(dev)
         logits = self.model(input_ids=ids, position_ids=positions, **cache_kwargs(self.model, cache)).logits
@@ -293,6 +304,9 @@ class PagedModelRunner:
                 raise Fp8kvError(f"sequence {seq_id} was not started (call start() first)")
             if not tokens:
                 raise Fp8kvError(f"sequence {seq_id}: a step needs at least one new token")
+            if self.recurrent and self.length(seq_id) and len(tokens) > 1:  # Mamba mixers continue token by token
+                raise Fp8kvError(f"sequence {seq_id}: a hybrid continues a started sequence one token per step "
+                                 f"(its recurrent layers), got {len(tokens)}")
             if self.length(seq_id) + len(tokens) > self.max_model_len:
                 raise Fp8kvError(
                     f"sequence {seq_id}: {self.length(seq_id) + len(tokens)} tokens exceed "
@@ -353,25 +367,14 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype |
     """The checkpoint's language model on `device`, wired to the paged attention (shareable between runners).
 
     A vision-language wrapper loads whole (its weight names) and runs its language model on text.
-    A model that computes attention in its own code keeps it (the runner then reads the pages through a cache view).
+    A model that computes attention in its own code, or a hybrid, keeps its own attention (the runner then
+    reads the pages through a cache view).
     """
     from fp8kv.checkpoint.conventions import weights_config
     from fp8kv.checkpoint.load import MODEL_DTYPES, load_language_model, takes_attention_function
 
     _register()
     name = "auto" if dtype is None else {d: n for n, d in MODEL_DTYPES.items()}[dtype]
-    attention = ATTN_IMPLEMENTATION if takes_attention_function(weights_config(model_dir)) else None
+    hybrid = recurrent_layers(AttentionGeometry.from_dir(model_dir).layer_types)
+    attention = ATTN_IMPLEMENTATION if takes_attention_function(weights_config(model_dir)) and not hybrid else None
     return load_language_model(model_dir, device, name, attn_implementation=attention)
-
-
-def refuse_recurrent_layers(geometry: AttentionGeometry, model_dir: str | Path) -> None:
-    """Refuse hybrids: layers with a recurrent state (Mamba, linear attention) would need that state kept per
-    sequence between steps, which the paged runtime (one packed row, no state) does not do."""
-    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin
-
-    recurrent = [i for i, kind in enumerate(geometry.layer_types)
-                 if issubclass(DYNAMIC_LAYER_TYPE_MAPPING.get(kind, object), LinearAttentionCacheLayerMixin)]
-    if recurrent:
-        raise Fp8kvError(f"{model_dir}: layers {recurrent} ({geometry.layer_types[recurrent[0]]}) keep a recurrent "
-                         "state (Mamba or linear attention) that fp8kv's paged runtime does not carry between steps "
-                         "or keep apart between sequences; verify cannot run this hybrid")

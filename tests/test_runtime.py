@@ -212,7 +212,7 @@ def test_models_with_their_own_attention_code_attend_over_the_pages(model_type, 
     path = make_zoo_checkpoint(model_type, tmp_path / model_type)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     runner = _runner(path, dtype=torch.float32)
-    assert runner.own_attention
+    assert runner.cache_view
     full = [_eager_logits(model, p) for p in PROMPTS]
     a, _ = runner.start()
     b, _ = runner.start()
@@ -229,3 +229,32 @@ def test_models_with_their_own_attention_code_attend_over_the_pages(model_type, 
     seq, _ = fp8.start()
     clamped = fp8.step([(seq, PROMPTS[0])])[0]
     assert min(fp8.counts()["clamped"][0]) > 0 and not torch.allclose(clamped, full[0], atol=1e-2)
+
+
+@pytest.mark.parametrize("model_type", ["jamba", "minimax"])  # Mamba layer 0; linear attention layer 1, own cache
+def test_hybrids_keep_each_sequences_recurrent_state_apart(model_type, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fp8kv.models.zoo import make_zoo_checkpoint
+
+    path = make_zoo_checkpoint(model_type, tmp_path / model_type)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = _runner(path, dtype=torch.float32)
+    assert runner.cache_view and runner.recurrent
+    full = [_eager_logits(model, p) for p in PROMPTS]
+    a, _ = runner.start()
+    b, _ = runner.start()
+    prefill = runner.step([(a, PROMPTS[0][:20]), (b, PROMPTS[1])])
+    torch.testing.assert_close(prefill[0], full[0][:20], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(prefill[1], full[1], rtol=1e-4, atol=1e-4)  # nothing of sequence a leaked in
+    decode = runner.step([(a, PROMPTS[0][20:21])])  # the recurrent state carried from a's prefill
+    torch.testing.assert_close(decode[0], full[0][20:21], rtol=1e-4, atol=1e-4)
+    with pytest.raises(Fp8kvError, match=r"a hybrid continues a started sequence one token per step .* got 2$"):
+        runner.step([(a, PROMPTS[0][21:23])])
+    assert runner.start(share_from=a, shared_tokens=16)[1] == 0  # no recurrent state kept at a prefix's end
+    assert runner.generate(PROMPTS, max_new_tokens=4) == [_eager_greedy(model, p, 4) for p in PROMPTS]
+    layer = runner.geometry.kv_layers[0]  # its attention reads the fp8 pages: K and V clamped change its logits
+    fp8 = _runner(path, cache_dtype="fp8_e4m3", k_scales={layer: 1e-4}, v_scales={layer: 1e-4}, model=runner.model)
+    seq, _ = fp8.start()
+    clamped = fp8.step([(seq, PROMPTS[0])])[0]
+    assert min(fp8.counts()["clamped"][layer]) > 0 and not torch.allclose(clamped, full[0], atol=1e-2)

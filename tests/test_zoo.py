@@ -170,27 +170,14 @@ def test_gemma4_layers_of_other_geometry_and_shared_caches_run_on_their_own_page
     assert fp8.counts()["written"] == {0: (40 * 2 * 16,) * 2, 1: (40 * 1 * 32,) * 2}
 
 
-# Where verify refuses a calibrated architecture: the feature it names in its one line.
-VERIFY_REFUSES = {
-    "jamba": "layers [0] (linear_attention) keep a recurrent state",
-    "bamba": "layers [0] (linear_attention) keep a recurrent state",
-    "minimax": "layers [1] (linear_attention) keep a recurrent state",
-}
-
-
 @pytest.mark.parametrize("model_type", REPRESENTATIVE)
-def test_verify_runs_or_refuses_in_one_line(model_type: str, tmp_path) -> None:
-    from fp8kv.models.zoo_matrix import CRASH, PASS, WARN, judge_and_verify
+def test_verify_runs_on_every_architecture_that_calibrates(model_type: str, tmp_path) -> None:
+    from fp8kv.models.zoo_matrix import PASS, WARN, judge_and_verify
 
     result = judge_and_verify(model_type, tmp_path)
     if result.status not in (EXACT, TOLERANCE):
         assert result.verify is None  # nothing calibrated, nothing to verify
         return
-    outcome = result.verify
-    assert outcome is not None and outcome.status != CRASH, outcome.detail
-    if model_type in VERIFY_REFUSES:
-        assert outcome.status == REFUSED and VERIFY_REFUSES[model_type] in outcome.detail, outcome
-        assert outcome.fidelity_kl is None  # refused before any model ran
-        return
-    assert outcome.status in (PASS, WARN), outcome
+    outcome = result.verify  # hybrids, MoE, falcon's own attention code, llava's language model, Gemma 4 included
+    assert outcome is not None and outcome.status in (PASS, WARN), outcome
     assert outcome.fidelity_kl <= outcome.fidelity_bound, outcome  # the runtime is the model it judged

@@ -28,7 +28,8 @@ from fp8kv.verify.accuracy import prefill, token_kl
 # 1.4e-6; with float32 weights the noise is ~1e-9 but the bf16 cache's rounding of K/V gives up to
 # 1.4e-7, which MIN_BOUND covers 14x. Runtimes that miss a feature of a tiny model sit above it:
 # llama4 chunked attention ignored 1.2e-3, phimoe's window applied only in the mask 5.6e-5,
-# linear-attention state leaking between packed sequences 9.8e-6 (minimax, noise 5e-8). A larger
+# linear-attention state leaking between packed sequences 9.8e-6 (minimax, noise 5e-8, before hybrids ran
+# one sequence per forward). A larger
 # random llama (8 layers, hidden 1024, vocab 32k, bf16) is at 2.8e-6 with eager-vs-SDPA noise of
 # 6e-10: the bf16 rounding of a wider model, not a bug, so the floor sits above it.
 NOISE_FACTOR = 4.0

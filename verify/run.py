@@ -26,7 +26,6 @@ from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_pat
 from fp8kv.progress import StageProgress, stage_callback
 from fp8kv.runtime import xla_cost
 from fp8kv.runtime.device import resolve_device
-from fp8kv.runtime.runner import refuse_recurrent_layers
 from fp8kv.verify import accuracy, engines, fidelity, generation, heldout
 from fp8kv.verify.report import REPORT_JSON, VerifyReport, write_report
 from fp8kv.verify.static import StaticResult, static_checks
@@ -163,7 +162,6 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     reasons = [Finding(WARN, note) for note in [heldout.calibration_overlap(source, data)] if note]
     timings: dict[str, float] = {}
 
-    refuse_recurrent_layers(source.geometry, source.path)  # before any model loads
     clock = time.perf_counter()
     stats_device = "cuda" if device == "cuda" else "cpu"  # the observer runs on torch devices
     _stage(progress, "loading the model")
