@@ -377,4 +377,9 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype |
     name = "auto" if dtype is None else {d: n for n, d in MODEL_DTYPES.items()}[dtype]
     hybrid = recurrent_layers(AttentionGeometry.from_dir(model_dir).layer_types)
     attention = ATTN_IMPLEMENTATION if takes_attention_function(weights_config(model_dir)) and not hybrid else None
-    return load_language_model(model_dir, device, name, attn_implementation=attention)
+    model = load_language_model(model_dir, device, name, attn_implementation=attention)
+    if device.type == "xla" and model._can_set_experts_implementation():
+        # transformers' default MoE path (grouped_mm) counts tokens per expert with an integer histc that
+        # XLA cannot run; batched_mm computes each token's chosen experts with static shapes
+        model.set_experts_implementation("batched_mm")
+    return model

@@ -173,6 +173,18 @@ def test_xla_cpu_matches_cpu_and_compiles_per_bucket_only(checkpoints):
     assert xla.counts() == cpu.counts()
 
 
+def test_mixture_of_experts_runs_on_xla_cpu(checkpoints):
+    """transformers' default MoE path cannot run on XLA (an integer histc); the runner picks batched_mm there."""
+    scales = {0: 0.05, 1: 0.05}
+    cpu = _runner(checkpoints["qwen3_moe"], cache_dtype="fp8_e4m3", k_scales=scales, v_scales=scales)
+    xla = _runner(checkpoints["qwen3_moe"], device="xla-cpu", cache_dtype="fp8_e4m3", k_scales=scales,
+                  v_scales=scales, attention_backend="torch")
+    assert xla.model.config._experts_implementation == "batched_mm"
+    outs = [r.step([(r.start()[0], PROMPTS[0][:11]), (r.start()[0], PROMPTS[1][:5])]) for r in (cpu, xla)]
+    for reference, ours in zip(*outs):
+        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+
+
 def test_runner_through_torch_xla_reference_attention(checkpoints):
     """`auto` on XLA:CPU is torch_xla's function (its reference): same logits, compiles bounded per step."""
     scales = {0: 0.05, 1: 0.05}
