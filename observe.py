@@ -14,13 +14,13 @@ counts), so partial statistics from several processes or layer groups merge with
 
 from __future__ import annotations
 
-import inspect
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
+from fp8kv.checkpoint.load import cache_kwargs, model_cache_class, new_cache
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry, LatentCache
 
@@ -202,8 +202,7 @@ def observing_cache(model: torch.nn.Module, step: ObservationStep):
                 step.statistics.fold(layer_idx, key_states, value_states, step.valid)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    takes_config = "config" in inspect.signature(base.__init__).parameters
-    return ObservingCache(config=model.config) if takes_config else ObservingCache()
+    return new_cache(ObservingCache, model)
 
 
 def fold_latent(step: ObservationStep, layer: int, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,
@@ -224,23 +223,6 @@ def fold_latent(step: ObservationStep, layer: int, kv_c_normed: torch.Tensor, k_
         )
     vector = torch.cat([kv_c_normed, k_pe.to(kv_c_normed.dtype)], dim=-1)  # [batch, 1, seq, width]
     step.statistics.fold(layer, vector, vector, step.valid)
-
-
-def model_cache_class(model: torch.nn.Module) -> type:
-    """The DynamicCache subclass the model's own file defines (one at most), else DynamicCache."""
-    from transformers import DynamicCache
-
-    module = sys.modules[type(model).__module__]
-    own = [c for c in vars(module).values()
-           if isinstance(c, type) and issubclass(c, DynamicCache) and c.__module__ == module.__name__]
-    return own[0] if len(own) == 1 else DynamicCache
-
-
-
-def cache_kwargs(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
-    """The forward keywords that hand `cache` to `model`: `cache=` (newer models) or `past_key_values=`."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache, "use_cache": True}
 
 
 def observe_batch(

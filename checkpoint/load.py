@@ -7,6 +7,8 @@ it has no place for, with only a log line. Either makes every number measured on
 
 from __future__ import annotations
 
+import inspect
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +82,44 @@ def load_language_model(model_dir: str | Path, device: Any, dtype: str = "auto",
         raise Fp8kvError(f"--dtype {dtype!r}: choose auto, {', '.join(MODEL_DTYPES)}")
     extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     config = weights_config(model_dir, trust_remote_code)
+    if attn_implementation is not None and not takes_attention_function(config):
+        raise Fp8kvError(f"{model_dir}: {config.model_type} computes attention in its own code, not through "
+                         f"transformers' attention interface, so it cannot run {attn_implementation!r}")
     model = load_causal_lm(model_dir, model_class(config.to_dict()), config, dtype=MODEL_DTYPES.get(dtype, "auto"),
                            trust_remote_code=trust_remote_code, **extra)
     return model.to(device).eval()
+
+
+def takes_attention_function(config: Any) -> bool:
+    """Whether the model of `config` (a transformers config) computes attention through transformers'
+    AttentionInterface, so a registered attention function replaces it.
+
+    Some compute attention in their own code (falcon, bloom, mpt: inline eager/SDPA, some with ALiBi) and
+    fail on an attention name they do not know. The test is transformers' own; a model class transformers
+    does not map (remote code) is assumed to take one.
+    """
+    model_cls = model_class(config.to_dict())._model_mapping.get(type(config), None)
+    return model_cls is None or model_cls._can_set_attn_implementation()
+
+
+def model_cache_class(model: Any) -> type:
+    """The DynamicCache subclass the model's own file defines (one at most), else DynamicCache."""
+    from transformers import DynamicCache
+
+    module = sys.modules[type(model).__module__]
+    own = [c for c in vars(module).values()
+           if isinstance(c, type) and issubclass(c, DynamicCache) and c.__module__ == module.__name__]
+    return own[0] if len(own) == 1 else DynamicCache
+
+
+def new_cache(cache_class: type, model: Any) -> Any:
+    """An empty `cache_class` for `model`: built from its config where the class takes one (DynamicCache
+    then lays out Mamba and linear-attention layers), else bare (MiniMax's own cache)."""
+    takes_config = "config" in inspect.signature(cache_class.__init__).parameters
+    return cache_class(config=model.config) if takes_config else cache_class()
+
+
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """The forward keywords that hand `cache` to `model`: `cache=` (newer models) or `past_key_values=`."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}

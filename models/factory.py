@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")  # experts stored one per tensor, merged by transformers on load
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", *MOE_ARCHITECTURES)
 
 # A minimal chat template, so `messages` datasets work with factory tokenizers.
 CHAT_TEMPLATE = (
@@ -118,6 +119,9 @@ def make_config(
         "gemma2": {**window, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 32},
         "gemma3_text": {**window, "query_pre_attn_scalar": 32},
         "phi3": window,
+        # mixture of experts: 4 small experts, 2 routed per token, in every layer
+        "mixtral": {**window, "num_local_experts": 4, "num_experts_per_tok": 2},
+        "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": intermediate_size // 2},
     }
     model_type = "gemma3_text" if arch == "gemma3" else arch
     return AutoConfig.for_model(model_type, **common, **extra[model_type])

@@ -9,8 +9,11 @@ transformers' own `DynamicCache` stores after a forward with `use_cache=True` (o
 forward, as the calibration batches them), and the output folder is loaded back with
 `AutoModelForCausalLM.from_pretrained`. Multi-head latent attention layers cache one latent vector,
 not K and V: they are compared with `latent_cache_amax`, read from the model's forward without a cache.
+`judge_and_verify` then runs `fp8kv verify` on it, briefly (`verify_outcome`: its verdict, a one-line
+refusal, or a crash, and the fidelity KL it measured).
 
     python -m fp8kv.models.zoo_matrix            # prints the README table for every architecture
+    python -m fp8kv.models.zoo_matrix llama gpt2  # only these
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import json
 import re
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -47,6 +50,7 @@ class ZooResult:
     status: str
     detail: str
     load_error: str | None = None  # why transformers cannot load fp8kv's output (None: it loads)
+    verify: VerifyOutcome | None = None  # `fp8kv verify` on the output (None: not run)
 
 
 def corpus(folder: Path) -> str:
@@ -176,16 +180,74 @@ def latent_cache_amax(model_dir: Path, samples: list[list[int]]) -> dict[int, to
     return {layer: torch.stack([amax, amax]) for layer, amax in running.items()}
 
 
+# verify on the calibrated output: a few held-out samples and tokens, the clamping engine only, on records
+# of Python's documentation the calibration corpus does not read (it takes the first topics, this the last).
+VERIFY_SAMPLES, VERIFY_LEN = 2, 32
+PASS, WARN, FAIL, CRASH = "PASS", "WARN", "FAIL", "crash"
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """verify's outcome on one architecture: its verdict (PASS, WARN, FAIL); REFUSED when its fidelity check
+    finds the bf16 runtime is not the model, or it refuses the checkpoint in one line; CRASH on any other
+    exception. `fidelity_kl` / `fidelity_bound`: its bf16 runtime against transformers (None if not measured)."""
+
+    status: str
+    detail: str
+    fidelity_kl: float | None = None
+    fidelity_bound: float | None = None
+
+    def cell(self) -> str:
+        """The table cell: status, fidelity KL / bound, and the first reason unless PASS."""
+        kl = "" if self.fidelity_kl is None else f" (KL {self.fidelity_kl:.1e} / {self.fidelity_bound:.0e})"
+        return f"{self.status}{kl}" + (f": {self.detail}" if self.detail else "")
+
+
+def verify_outcome(out_dir: Path, folder: Path) -> VerifyOutcome:
+    """`fp8kv verify` of `out_dir` on CPU, its report and held-out text in `folder` (never raises)."""
+    from pydoc_data.topics import topics
+
+    from fp8kv.data import DataRequest
+    from fp8kv.verify.run import VerifyRequest, verify
+
+    heldout = folder / "zoo-heldout.jsonl"
+    heldout.write_text("".join(json.dumps({"text": topics[key][:600]}) + "\n"
+                               for key in sorted(topics)[-VERIFY_SAMPLES:]))
+    request = VerifyRequest(out_dir, data=DataRequest(str(heldout), num_samples=VERIFY_SAMPLES, seq_len=VERIFY_LEN),
+                            batch_size=VERIFY_SAMPLES, num_prompts=1, prompt_len=8, new_tokens=2, device="cpu",
+                            report_dir=folder / "verify-report", engines=("clamp",))
+    try:
+        report = verify(request).report
+    except Fp8kvError as exc:  # the folder is a temporary one: the reason is what follows it
+        return VerifyOutcome(REFUSED, _one_line(str(exc).removeprefix(f"{out_dir}: ")))
+    except Exception as exc:  # the matrix reports every other failure instead of stopping
+        return VerifyOutcome(CRASH, _one_line(f"{type(exc).__name__}: {exc}"))
+    fidelity = report.fidelity or {}
+    kl, bound = fidelity.get("kl_mean"), fidelity.get("bound")
+    refused = fidelity.get("noise") is not None and not kl <= bound  # a NaN KL refuses too
+    status = REFUSED if refused else report.verdict
+    reasons = [r.message for r in report.reasons if r.level == (FAIL if refused else status)]
+    return VerifyOutcome(status, _one_line(reasons[0]) if reasons and status != PASS else "", kl, bound)
+
+
 def _one_line(text: str) -> str:
     return " ".join(text.split())[:240]
 
 
+def judge_and_verify(model_type: str, folder: Path) -> ZooResult:
+    """`judge`, then `verify_outcome` on the output of an architecture that calibrated (never raises)."""
+    result = judge(model_type, folder)
+    if result.status not in (EXACT, TOLERANCE):
+        return result
+    return replace(result, verify=verify_outcome(folder / "out", folder))
+
+
 def run_matrix(model_types: list[str]) -> list[ZooResult]:
-    """Judge every architecture in its own temporary folder."""
+    """Judge and verify every architecture in its own temporary folder."""
     results = []
     for model_type in model_types:
         with tempfile.TemporaryDirectory(prefix=f"fp8kv-zoo-{model_type}-") as folder:
-            results.append(judge(model_type, Path(folder)))
+            results.append(judge_and_verify(model_type, Path(folder)))
         print(f"{results[-1].model_type}: {results[-1].status}", file=sys.stderr, flush=True)
     return results
 
@@ -196,10 +258,18 @@ def markdown_table(results: list[ZooResult]) -> str:
     head = ", ".join(f"{n} {status}" for status, n in counts.items())
     unloadable = sum(r.load_error is not None for r in results)
     rows = [f"| `{r.model_type}` | {r.status} | {'no' if r.load_error else '-' if r.status in (REFUSED, FAILING) else 'yes'} "
-            f"| {_cell(r.detail)} |" for r in results]
+            f"| {_cell(r.detail)} | {_cell(r.verify.cell()) if r.verify else '-'} |" for r in results]
     return "\n".join([f"{len(results)} causal-LM architectures: {head}; {unloadable} of the outputs do not load "
-                      "in transformers.", "", "| architecture | scales | output loads in transformers | detail |",
-                      "|---|---|---|---|", *rows])
+                      f"in transformers; {verify_counts(results)}.", "",
+                      "| architecture | scales | output loads in transformers | detail | verify (fidelity KL / bound) |",
+                      "|---|---|---|---|---|", *rows])
+
+
+def verify_counts(results: list[ZooResult]) -> str:
+    """One phrase: how many calibrated outputs verify passes, warns, fails, refuses or crashes on."""
+    verified = [r.verify.status for r in results if r.verify is not None]
+    counts = ", ".join(f"{verified.count(s)} {s}" for s in (PASS, WARN, FAIL, REFUSED, CRASH) if s in verified)
+    return f"verify on the {len(verified)} calibrated: {counts or 'none run'}"
 
 
 def _cell(text: str) -> str:

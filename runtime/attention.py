@@ -128,7 +128,7 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     rows = torch.where(q_valid, cu_q_lens[:-1, None].long() + j, tokens)  # padding reads/writes row `tokens`
     qs = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, 1))[rows].float()  # [S, Qm, q_heads, D]
     qs = qs.unflatten(2, (kv_heads, q_heads // kv_heads))  # [S, Qm, kv_heads, group, D]
-    k, v = _gather_kv(kv_pages, page_indices, kv_lens, k_scale, v_scale)  # [S, L, kv_heads, D]
+    k, v = gather_kv(kv_pages, page_indices, kv_lens, k_scale, v_scale)  # [S, L, kv_heads, D]
     scores = torch.einsum("sqhgd,slhd->shgql", qs, k) * sm_scale
     if cap:
         scores = cap * torch.tanh(scores / cap)
@@ -151,7 +151,7 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     return flat[:tokens].to(q.dtype)
 
 
-def _gather_kv(kv_pages, page_indices, kv_lens, k_scale, v_scale):
+def gather_kv(kv_pages, page_indices, kv_lens, k_scale, v_scale):
     """Dequantized K and V `[S, pages_per_seq*page_size, kv_heads, D]`, zero past each kv_len."""
     fp8 = is_fp8(kv_pages.dtype) and kv_pages.device.type != "xla"  # CPU torch 2.9 cannot gather fp8; XLA can
     source = kv_pages.view(torch.uint8) if fp8 else kv_pages

@@ -2,8 +2,9 @@
 
 Layout per attention layer, as vLLM's TPU backend keeps it:
 `[num_pages, page_size, 2 * num_kv_heads, head_dim_padded]`, K and V interleaved on the head axis
-(combined head 2h is K of head h, 2h+1 is V of head h). A token's flat slot is
-`page * page_size + offset`. Page 0 is a scratch page: padding tokens of a fixed-shape step write
+(combined head 2h is K of head h, 2h+1 is V of head h). Each layer has its own tensor, so layers
+may differ in KV heads and head_dim (Gemma 4's global layers); all share one page table. A token's
+flat slot is `page * page_size + offset`. Page 0 is a scratch page: padding tokens of a fixed-shape step write
 there, and no sequence ever reads it.
 """
 
@@ -90,6 +91,8 @@ class PagedKVCache:
     (dequantization multipliers); None means 1.0 everywhere. Scales only apply to fp8 caches. The cache
     holds them as one table, `scales` `[num_kv_layers, 2 (K, V), kv_heads]` float32 on its device.
     `engine` is how writes cast to fp8 (`fp8kv.fp8.ENGINES`: "clamp", "raw", "raw-bf16").
+    `num_kv_heads` and `head_dim` are one value for every layer or one per KV layer (in `kv_layers` order);
+    the attributes of those names hold the largest, `layer_kv_heads(layer)` / `layer_head_dim(layer)` each layer's.
     `shared_layers` maps each layer that reads another's cache (KV sharing) to that layer (`owner`).
     Counters (int64 tensors on the cache device, `[num_kv_layers, 2]` for K and V):
     `clamped` counts values with |x / scale| > MAX, `nonfinite` counts NaN/inf values stored.
@@ -101,8 +104,8 @@ class PagedKVCache:
         *,
         num_pages: int,
         page_size: int,
-        num_kv_heads: int,
-        head_dim: int,
+        num_kv_heads: int | Sequence[int],
+        head_dim: int | Sequence[int],
         dtype: torch.dtype,
         device: torch.device,
         head_dim_multiple: int = 1,
@@ -114,27 +117,30 @@ class PagedKVCache:
         self.kv_layers = tuple(kv_layers)
         self.shared_layers = dict(shared_layers or {})  # KV sharing: reading layer -> the layer owning the cache
         self.page_size = page_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.head_dim_padded = math.ceil(head_dim / head_dim_multiple) * head_dim_multiple
+        self._kv_heads = _per_layer(num_kv_heads, self.kv_layers, "num_kv_heads")
+        self._head_dims = _per_layer(head_dim, self.kv_layers, "head_dim")
+        self.num_kv_heads, self.head_dim = max(self._kv_heads), max(self._head_dims)
+        self._padded = [math.ceil(d / head_dim_multiple) * head_dim_multiple for d in self._head_dims]
+        self.head_dim_padded = max(self._padded)
         self.dtype = dtype
         self.engine = check_engine(engine)
-        k_given = _layer_scales(k_scales, self.kv_layers, num_kv_heads, "k_scale")
-        v_given = _layer_scales(v_scales, self.kv_layers, num_kv_heads, "v_scale")
-        table = torch.tensor([[k * (num_kv_heads // len(k)), v * (num_kv_heads // len(v))]
-                              for k, v in zip(k_given, v_given)], dtype=torch.float32)
+        k_given = _layer_scales(k_scales, self.kv_layers, self._kv_heads, "k_scale")
+        v_given = _layer_scales(v_scales, self.kv_layers, self._kv_heads, "v_scale")
+        # a layer with fewer KV heads than the largest repeats its last value in the padding of its row
+        table = torch.tensor([[_padded_row(k, heads, self.num_kv_heads), _padded_row(v, heads, self.num_kv_heads)]
+                              for k, v, heads in zip(k_given, v_given, self._kv_heads)], dtype=torch.float32)
         # torch_xla's attention takes a per-layer scale only as a Python float (a constant of its graph),
         # so those are read out of the table once here; None marks a per-head scale, passed as a tensor.
         self._scale_floats = [tuple(row[i][0] if len(given) == 1 else None for i, given in enumerate(pair))
                               for row, pair in zip(table.tolist(), zip(k_given, v_given))]
         self.scales = table.to(device)
         # [num_kv_layers, 2*kv_heads, 1]: K0, V0, K1, V1, ... like the cache's combined heads
-        self._write_scales = self.scales.transpose(1, 2).reshape(len(self.kv_layers), 2 * num_kv_heads, 1)
+        self._write_scales = self.scales.transpose(1, 2).reshape(len(self.kv_layers), 2 * self.num_kv_heads, 1)
         self.num_pages = num_pages
         # One tensor per layer, not views of one [layers, ...] tensor: on XLA an in-place write into a view
         # of the big tensor measured 0.68x fp8 decode (bench/bench_runtime.py, see README's Runtime).
-        shape = (num_pages, page_size, 2 * num_kv_heads, self.head_dim_padded)
-        self.pages = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.kv_layers]
+        self.pages = [torch.zeros((num_pages, page_size, 2 * heads, padded), dtype=dtype, device=device)
+                      for heads, padded in zip(self._kv_heads, self._padded)]
         self._row = {layer: i for i, layer in enumerate(self.kv_layers)}
         self.clamped = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
         self.nonfinite = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
@@ -148,6 +154,14 @@ class PagedKVCache:
                              f"(cache layers {list(self.kv_layers)}, shared {self.shared_layers})")
         return owner
 
+    def layer_kv_heads(self, layer: int) -> int:
+        """KV heads of the cache `layer` attends over."""
+        return self._kv_heads[self._row[self.owner(layer)]]
+
+    def layer_head_dim(self, layer: int) -> int:
+        """head_dim (before padding) of the cache `layer` attends over."""
+        return self._head_dims[self._row[self.owner(layer)]]
+
     def layer_pages(self, layer: int) -> torch.Tensor:
         """The `[num_pages, page_size, 2*kv_heads, head_dim_padded]` cache `layer` attends over (its owner's)."""
         return self.pages[self._row[self.owner(layer)]]
@@ -159,8 +173,8 @@ class PagedKVCache:
         """
         row = self._row[layer]
         kv = torch.stack([k, v], dim=2).flatten(1, 2)  # [T, 2*kv_heads, head_dim]
-        kv = torch.nn.functional.pad(kv, (0, self.head_dim_padded - self.head_dim))
-        stored = quantize(kv, self._write_scales[row], self.dtype, self.engine)
+        kv = torch.nn.functional.pad(kv, (0, self._padded[row] - self._head_dims[row]))
+        stored = quantize(kv, self._write_scales[row, : 2 * self._kv_heads[row]], self.dtype, self.engine)
         self._count(row, kv, stored, valid)
         flat = self.pages[row].flatten(0, 1)  # [num_pages*page_size, 2*kv_heads, head_dim_padded]
         # CPU torch 2.9 has no fp8 index_copy_, so copy bytes there; XLA copies fp8 natively, and a
@@ -171,27 +185,28 @@ class PagedKVCache:
             flat.index_copy_(0, slots, stored)
 
     def _count(self, row: int, kv: torch.Tensor, stored: torch.Tensor, valid: torch.Tensor) -> None:
-        mask = valid[:, None, None]
+        mask, heads = valid[:, None, None], self._kv_heads[row]
         if is_fp8(self.dtype):
-            over = (kv.float().abs() / self._write_scales[row] > torch.finfo(self.dtype).max) & mask
+            over = (kv.float().abs() / self._write_scales[row, : 2 * heads] > torch.finfo(self.dtype).max) & mask
             # [T, 2*kv_heads, d] -> [T, kv_heads, 2 (K, V), d]; sum all but the K/V axis
-            self.clamped[row] += over.unflatten(1, (self.num_kv_heads, 2)).sum(dim=(0, 1, 3))
+            self.clamped[row] += over.unflatten(1, (heads, 2)).sum(dim=(0, 1, 3))
         bad = ~torch.isfinite(stored.float()) & mask
-        self.nonfinite[row] += bad.unflatten(1, (self.num_kv_heads, 2)).sum(dim=(0, 1, 3))
-        self.written[row] += valid.sum() * self.num_kv_heads * self.head_dim
+        self.nonfinite[row] += bad.unflatten(1, (heads, 2)).sum(dim=(0, 1, 3))
+        self.written[row] += valid.sum() * heads * self._head_dims[row]
 
     def scale_args(self, layer: int) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None]:
         """The (k_scale, v_scale) attention needs: floats, per-head tensors, or None for non-fp8 caches."""
         if not is_fp8(self.dtype):
             return None, None
         row = self._row[layer]
-        k, v = (self.scales[row, i] if value is None else value for i, value in enumerate(self._scale_floats[row]))
+        heads = self._kv_heads[row]
+        k, v = (self.scales[row, i, :heads] if value is None else value
+                for i, value in enumerate(self._scale_floats[row]))
         return k, v
 
     def bytes_per_token(self) -> float:
         """Cache bytes one token occupies across all layers (K and V, padded head_dim)."""
-        per_layer = 2 * self.num_kv_heads * self.head_dim_padded * self.pages[0].element_size()
-        return float(per_layer * len(self.kv_layers))
+        return float(sum(pages[0, 0].numel() * pages.element_size() for pages in self.pages))
 
     def counts(self) -> dict[str, dict[int, tuple[int, int]]]:
         """Per KV layer `(k, v)` counts: {"clamped": ..., "nonfinite": ...}, plus values "written" per K (or V)."""
@@ -203,10 +218,24 @@ class PagedKVCache:
         }
 
 
+def _per_layer(value: int | Sequence[int], kv_layers: tuple[int, ...], name: str) -> list[int]:
+    """One size per KV layer: `value` for all of them, or the list given (which must have one per layer)."""
+    values = [value] * len(kv_layers) if isinstance(value, int) else list(value)
+    if len(values) != len(kv_layers):
+        raise Fp8kvError(f"{name}: {len(values)} values for {len(kv_layers)} KV layers; give one, or one per layer")
+    return values
+
+
+def _padded_row(values: list[float], heads: int, width: int) -> list[float]:
+    """A layer's scale once per KV head, repeated to `heads`, then its last value to the table's `width`."""
+    row = values * (heads // len(values))
+    return row + row[-1:] * (width - heads)
+
+
 def _layer_scales(
-    scales: Mapping[int, Scale] | None, kv_layers: tuple[int, ...], num_kv_heads: int, name: str
+    scales: Mapping[int, Scale] | None, kv_layers: tuple[int, ...], kv_heads: list[int], name: str
 ) -> list[list[float]]:
-    """Per KV layer (in `kv_layers` order) its validated scale: one value, or one per KV head."""
+    """Per KV layer (in `kv_layers` order) its validated scale: one value, or one per KV head of that layer."""
     if scales is None:
         return [[1.0] for _ in kv_layers]
     missing = sorted(set(kv_layers) - set(scales))
@@ -214,7 +243,7 @@ def _layer_scales(
     if missing or unexpected:
         raise Fp8kvError(f"{name}: layers missing {missing}, unexpected {unexpected}; give one per KV layer")
     out = []
-    for layer in kv_layers:
+    for layer, num_kv_heads in zip(kv_layers, kv_heads):
         value = scales[layer]
         values = [float(value)] if isinstance(value, (int, float)) else [float(s) for s in value]
         if len(values) not in (1, num_kv_heads):

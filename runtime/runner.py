@@ -2,7 +2,9 @@
 
 The model's own code computes Q/K/V (after q/k norms and RoPE); `_paged_attention` writes K/V into
 the paged cache and attends over it. Tokens of all sequences in a step are flattened into one
-batch row with explicit position ids, as vLLM does, so prefill and decode mix freely.
+batch row with explicit position ids, as vLLM does, so prefill and decode mix freely. Models that
+compute attention in their own code, and hybrids with a recurrent state, run one sequence per forward
+on a cache view of the same pages (`runtime.cache_view`).
 
     runner = PagedModelRunner("path/to/model", cache_dtype="fp8_e4m3", k_scales=ks, v_scales=vs)
     a, _ = runner.start()
@@ -13,6 +15,7 @@ batch row with explicit position ids, as vLLM does, so prefill and decode mix fr
 
 from __future__ import annotations
 
+import contextvars
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,11 +30,15 @@ from fp8kv.geometry import AttentionGeometry
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.attention import kernel_supported, ragged_paged_attention
 from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale
+from fp8kv.runtime.cache_view import recurrent_layers, sequence_cache
 from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
 from fp8kv.runtime.latent import LatentPagedCache, capture_latents, latent_attention
 
 ATTN_IMPLEMENTATION = "fp8kv_paged"
-STEP_KWARG = "fp8kv_step"
+# The step the attention function runs, bound by `PagedModelRunner.step` for one forward. Not a forward
+# keyword argument: some decoder layers call their attention without passing the model's keyword
+# arguments on (stablelm), while every attention module reaches the registered function.
+_ACTIVE_STEP: contextvars.ContextVar[PagedStep] = contextvars.ContextVar("fp8kv_paged_step")
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,9 @@ def _paged_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: query `[1, q_heads, T, d]`, key/value `[1, kv_heads, T, d]`."""
-    step: PagedStep = kwargs[STEP_KWARG]
+    step = _ACTIVE_STEP.get(None)
+    if step is None:
+        raise Fp8kvError(f"{ATTN_IMPLEMENTATION} attention runs only inside PagedModelRunner.step")
     if isinstance(step.cache, LatentPagedCache):
         return latent_attention(module, query, key, step.cache, step.meta, scaling), None
     meta, layer = step.meta, step.cache.owner(module.layer_idx)
@@ -162,6 +171,11 @@ class PagedModelRunner:
         self.runtime_device: RuntimeDevice = resolve_device(device)
         self.geometry = AttentionGeometry.from_dir(model_dir)
         self.model = model if model is not None else load_model(model_dir, self.runtime_device.device, dtype)
+        # a model with its own attention code, or a hybrid, was loaded with its own attention: it reads the
+        # pages through a cache view, one sequence per forward; a hybrid keeps each sequence's recurrent state
+        self.cache_view = self.model.config._attn_implementation != ATTN_IMPLEMENTATION
+        self.recurrent = recurrent_layers(self.geometry.layer_types)
+        self._states: dict[int, object] = {}
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.backend = _resolve_backend(attention_backend, self.runtime_device)
@@ -179,8 +193,8 @@ class PagedModelRunner:
                 g.kv_layers,
                 num_pages=num_pages or max_num_seqs * self.pages_per_seq + 1,
                 page_size=page_size,
-                num_kv_heads=g.num_kv_heads,
-                head_dim=g.head_dim,
+                num_kv_heads=[g.layer_kv_heads(layer) for layer in g.kv_layers],
+                head_dim=[g.layer_head_dim(layer) for layer in g.kv_layers],
                 dtype=_cache_dtype(cache_dtype),
                 device=self.runtime_device.device,
                 head_dim_multiple=self.runtime_device.head_dim_multiple,
@@ -190,9 +204,11 @@ class PagedModelRunner:
                 shared_layers=dict(g.shared_kv_sources),
             )
         # The Pallas kernel where vLLM's TPU backend would run it; torch_xla's reference elsewhere.
-        self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu" and g.latent is None
-                           and kernel_supported(tpu_version(), g.num_kv_heads, self.cache.dtype))
+        self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu" and g.latent is None and all(
+            kernel_supported(tpu_version(), g.layer_kv_heads(layer), self.cache.dtype) for layer in g.kv_layers))
         self.allocator = PageAllocator(self.cache.num_pages, page_size)
+        if q_scales is not None and self.cache_view:
+            raise Fp8kvError(f"{g.model_type} runs its own attention on a cache view: its query cannot be quantized")
         if q_scales is not None and sorted(q_scales) != sorted(g.kv_layers):
             raise Fp8kvError(f"q_scales cover layers {sorted(q_scales)}; give one per KV layer {list(g.kv_layers)}")
         self.q_scales = None if q_scales is None else {
@@ -213,16 +229,23 @@ class PagedModelRunner:
         """Open a sequence; returns `(seq_id, reused)`.
 
         With `share_from`, the new sequence reuses the cache pages of that sequence's first
-        `shared_tokens` tokens (whole pages only): feed it its tokens from index `reused` on.
+        `shared_tokens` tokens (whole pages only): feed it its tokens from index `reused` on. A hybrid
+        reuses nothing: the recurrent state at the end of a shared prefix is not kept.
         """
         if share_from is not None and share_from not in self.allocator.tables:
             raise Fp8kvError(f"cannot share the prefix of sequence {share_from}: it does not exist")
         seq_id, self._next_id = self._next_id, self._next_id + 1
+        if self.recurrent:
+            from fp8kv.checkpoint.load import model_cache_class, new_cache
+
+            self._states[seq_id] = new_cache(model_cache_class(self.model), self.model)
+            return seq_id, self.allocator.add(seq_id)
         return seq_id, self.allocator.add(seq_id, share_from, shared_tokens)
 
     def free(self, seq_id: int) -> None:
-        """Close a sequence and release its pages."""
+        """Close a sequence and release its pages (and a hybrid's recurrent state)."""
         self.allocator.free(seq_id)
+        self._states.pop(seq_id, None)
 
     def length(self, seq_id: int) -> int:
         """Tokens of `seq_id` in the cache."""
@@ -236,13 +259,34 @@ class PagedModelRunner:
         may be mixed freely. Returns float32 CPU logits `[len(new_token_ids), vocab]` per entry.
         """
         self._check_batch(batch)
+        if self.cache_view:
+            return [self._cache_view_step(seq_id, tokens) for seq_id, tokens in batch]
         ids, positions, meta = self._prepare(batch)
         step = PagedStep(self.cache, meta, self.backend, self.use_kernel, self.q_scales)
-        logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, **{STEP_KWARG: step}).logits
+        bound = _ACTIVE_STEP.set(step)
+        try:
+            logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        finally:
+            _ACTIVE_STEP.reset(bound)
         self._sync()  # cut the graph here: cache writes and logits of this step, one compile per shape
         logits = logits[0].float().cpu()
         bounds = meta.cu_q_lens.cpu().tolist()
         return [logits[bounds[i] : bounds[i + 1]] for i in range(len(batch))]
+
+    def _cache_view_step(self, seq_id: int, tokens: Sequence[int]) -> torch.Tensor:
+        """One sequence's forward on a cache view of its pages: float32 CPU logits `[len(tokens), vocab]`."""
+        from fp8kv.checkpoint.load import cache_kwargs
+
+        past, dev = self.length(seq_id), self.device
+        slots = torch.tensor(self.allocator.extend(seq_id, len(tokens)), dtype=torch.int64).to(dev)
+        attention = [i for i in range(self.geometry.num_layers) if i not in self.recurrent]
+        cache = sequence_cache(self.cache, attention, past, slots, self.allocator.tables[seq_id],
+                               self._states.get(seq_id))
+        ids = torch.tensor([list(tokens)]).to(dev)
+        positions = torch.arange(past, past + len(tokens))[None].to(dev)
+        logits = self.model(input_ids=ids, position_ids=positions, **cache_kwargs(self.model, cache)).logits
+        self._sync()
+        return logits[0].float().cpu()
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy decoding of each prompt (batched prefill, then batched decode); frees its sequences."""
@@ -275,6 +319,9 @@ class PagedModelRunner:
                 raise Fp8kvError(f"sequence {seq_id} was not started (call start() first)")
             if not tokens:
                 raise Fp8kvError(f"sequence {seq_id}: a step needs at least one new token")
+            if self.recurrent and self.length(seq_id) and len(tokens) > 1:  # Mamba mixers continue token by token
+                raise Fp8kvError(f"sequence {seq_id}: a hybrid continues a started sequence one token per step "
+                                 f"(its recurrent layers), got {len(tokens)}")
             if self.length(seq_id) + len(tokens) > self.max_model_len:
                 raise Fp8kvError(
                     f"sequence {seq_id}: {self.length(seq_id) + len(tokens)} tokens exceed "
@@ -332,9 +379,22 @@ def _resolve_backend(choice: str, device: RuntimeDevice) -> str:
 
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """The checkpoint's causal LM on `device`, wired to the paged attention (shareable between runners)."""
-    from fp8kv.checkpoint.load import load_causal_lm
+    """The checkpoint's language model on `device`, wired to the paged attention (shareable between runners).
+
+    A vision-language wrapper loads whole (its weight names) and runs its language model on text.
+    A model that computes attention in its own code, or a hybrid, keeps its own attention (the runner then
+    reads the pages through a cache view).
+    """
+    from fp8kv.checkpoint.conventions import weights_config
+    from fp8kv.checkpoint.load import MODEL_DTYPES, load_language_model, takes_attention_function
 
     _register()
-    model = load_causal_lm(model_dir, dtype=dtype or "auto", attn_implementation=ATTN_IMPLEMENTATION)
-    return model.to(device).eval()
+    name = "auto" if dtype is None else {d: n for n, d in MODEL_DTYPES.items()}[dtype]
+    hybrid = recurrent_layers(AttentionGeometry.from_dir(model_dir).layer_types)
+    attention = ATTN_IMPLEMENTATION if takes_attention_function(weights_config(model_dir)) and not hybrid else None
+    model = load_language_model(model_dir, device, name, attn_implementation=attention)
+    if device.type == "xla" and model._can_set_experts_implementation():
+        # transformers' default MoE path (grouped_mm) counts tokens per expert with an integer histc that
+        # XLA cannot run; batched_mm computes each token's chosen experts with static shapes
+        model.set_experts_implementation("batched_mm")
+    return model

@@ -89,6 +89,22 @@ def test_per_head_scales_apply_to_their_head():
     assert stored.tolist() == [1.0, 0.5, 2.0, 0.5]
 
 
+def test_layers_differ_in_kv_heads_and_head_dim():
+    # a Gemma 4 shape: sliding layer 0 with 2 heads of 3, global layer 2 with 1 head of 5 (padded to 8)
+    cache = PagedKVCache([0, 2], num_pages=6, page_size=4, num_kv_heads=[2, 1], head_dim=[3, 5],
+                         dtype=cache_dtype("fp8_e4m3"), device=torch.device("cpu"), head_dim_multiple=4,
+                         k_scales={0: [1.0, 0.5], 2: [0.25]}, v_scales={0: 2.0, 2: 4.0})
+    assert [tuple(cache.layer_pages(layer).shape) for layer in (0, 2)] == [(6, 4, 4, 4), (6, 4, 2, 8)]
+    assert (cache.num_kv_heads, cache.head_dim, cache.head_dim_padded) == (2, 5, 8)
+    assert [(cache.layer_kv_heads(layer), cache.layer_head_dim(layer)) for layer in (0, 2)] == [(2, 3), (1, 5)]
+    _write(cache, 2, torch.full((1, 1, 5), 1000.0), torch.ones(1, 1, 5), [4])
+    assert cache.layer_pages(2)[1, 0].float()[:, :6].tolist() == [[448.0] * 5 + [0.0], [0.25] * 5 + [0.0]]
+    assert cache.counts()["clamped"][2] == (5, 0) and cache.counts()["written"][2] == (5, 5)
+    assert cache.scale_args(2) == (0.25, 4.0)
+    assert cache.scale_args(0)[0].tolist() == [1.0, 0.5]  # per head: the layer's own head count, not the widest
+    assert cache.bytes_per_token() == 4 * 4 + 2 * 8
+
+
 def test_bytes_per_token_fp8_is_half_of_bf16():
     assert _cache("fp8_e4m3").bytes_per_token() * 2 == _cache("bf16").bytes_per_token() == 2 * 2 * 2 * 3 * 2
 

@@ -173,6 +173,18 @@ def test_xla_cpu_matches_cpu_and_compiles_per_bucket_only(checkpoints):
     assert xla.counts() == cpu.counts()
 
 
+def test_mixture_of_experts_runs_on_xla_cpu(checkpoints):
+    """transformers' default MoE path cannot run on XLA (an integer histc); the runner picks batched_mm there."""
+    scales = {0: 0.05, 1: 0.05}
+    cpu = _runner(checkpoints["qwen3_moe"], cache_dtype="fp8_e4m3", k_scales=scales, v_scales=scales)
+    xla = _runner(checkpoints["qwen3_moe"], device="xla-cpu", cache_dtype="fp8_e4m3", k_scales=scales,
+                  v_scales=scales, attention_backend="torch")
+    assert xla.model.config._experts_implementation == "batched_mm"
+    outs = [r.step([(r.start()[0], PROMPTS[0][:11]), (r.start()[0], PROMPTS[1][:5])]) for r in (cpu, xla)]
+    for reference, ours in zip(*outs):
+        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+
+
 def test_runner_through_torch_xla_reference_attention(checkpoints):
     """`auto` on XLA:CPU is torch_xla's function (its reference): same logits, compiles bounded per step."""
     scales = {0: 0.05, 1: 0.05}
@@ -201,3 +213,60 @@ def test_runner_through_torch_xla_reference_attention(checkpoints):
     for _ in range(3):  # the same lengths again: every graph is cached
         again.step([(s, [5]) for s in seqs])
     assert _compiles() == start
+
+
+@pytest.mark.parametrize("model_type", ["falcon", "bloom"])  # rotary multi-query; ALiBi
+def test_models_with_their_own_attention_code_attend_over_the_pages(model_type, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fp8kv.models.zoo import make_zoo_checkpoint
+
+    path = make_zoo_checkpoint(model_type, tmp_path / model_type)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = _runner(path, dtype=torch.float32)
+    assert runner.cache_view
+    full = [_eager_logits(model, p) for p in PROMPTS]
+    a, _ = runner.start()
+    b, _ = runner.start()
+    prefill = runner.step([(a, PROMPTS[0][:20]), (b, PROMPTS[1][:15])])
+    torch.testing.assert_close(prefill[0], full[0][:20], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(prefill[1], full[1][:15], rtol=1e-4, atol=1e-4)
+    mixed = runner.step([(b, PROMPTS[1][15:]), (a, PROMPTS[0][20:21])])  # a chunk and a decode step over the pages
+    torch.testing.assert_close(mixed[0], full[1][15:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mixed[1], full[0][20:21], rtol=1e-4, atol=1e-4)
+    assert runner.generate(PROMPTS, max_new_tokens=4) == [_eager_greedy(model, p, 4) for p in PROMPTS]
+    # what the model attends over is what the fp8 pages hold: K and V clamped at a tiny scale change its logits
+    tiny = {0: 1e-4, 1: 1e-4}
+    fp8 = _runner(path, cache_dtype="fp8_e4m3", k_scales=tiny, v_scales=tiny, model=runner.model)
+    seq, _ = fp8.start()
+    clamped = fp8.step([(seq, PROMPTS[0])])[0]
+    assert min(fp8.counts()["clamped"][0]) > 0 and not torch.allclose(clamped, full[0], atol=1e-2)
+
+
+@pytest.mark.parametrize("model_type", ["jamba", "minimax"])  # Mamba layer 0; linear attention layer 1, own cache
+def test_hybrids_keep_each_sequences_recurrent_state_apart(model_type, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fp8kv.models.zoo import make_zoo_checkpoint
+
+    path = make_zoo_checkpoint(model_type, tmp_path / model_type)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = _runner(path, dtype=torch.float32)
+    assert runner.cache_view and runner.recurrent
+    full = [_eager_logits(model, p) for p in PROMPTS]
+    a, _ = runner.start()
+    b, _ = runner.start()
+    prefill = runner.step([(a, PROMPTS[0][:20]), (b, PROMPTS[1])])
+    torch.testing.assert_close(prefill[0], full[0][:20], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(prefill[1], full[1], rtol=1e-4, atol=1e-4)  # nothing of sequence a leaked in
+    decode = runner.step([(a, PROMPTS[0][20:21])])  # the recurrent state carried from a's prefill
+    torch.testing.assert_close(decode[0], full[0][20:21], rtol=1e-4, atol=1e-4)
+    with pytest.raises(Fp8kvError, match=r"a hybrid continues a started sequence one token per step .* got 2$"):
+        runner.step([(a, PROMPTS[0][21:23])])
+    assert runner.start(share_from=a, shared_tokens=16)[1] == 0  # no recurrent state kept at a prefix's end
+    assert runner.generate(PROMPTS, max_new_tokens=4) == [_eager_greedy(model, p, 4) for p in PROMPTS]
+    layer = runner.geometry.kv_layers[0]  # its attention reads the fp8 pages: K and V clamped change its logits
+    fp8 = _runner(path, cache_dtype="fp8_e4m3", k_scales={layer: 1e-4}, v_scales={layer: 1e-4}, model=runner.model)
+    seq, _ = fp8.start()
+    clamped = fp8.step([(seq, PROMPTS[0])])[0]
+    assert min(fp8.counts()["clamped"][layer]) > 0 and not torch.allclose(clamped, full[0], atol=1e-2)

@@ -18,7 +18,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 from fp8kv.data import DataRequest  # noqa: E402
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
 from fp8kv.cli import app  # noqa: E402
-from fp8kv.models.factory import make_checkpoint  # noqa: E402
+from fp8kv.models.factory import MOE_ARCHITECTURES, make_checkpoint  # noqa: E402
 from fp8kv.verify.fidelity import MIN_BOUND  # noqa: E402
 from fp8kv.verify.report import VerifyReport  # noqa: E402
 from fp8kv.verify.run import VerifyRequest, verify  # noqa: E402
@@ -200,6 +200,19 @@ def test_the_bundled_model_calibrated_by_fp8kv_verifies_on_its_held_out_split(tm
         assert first is None if engine["engine"] == "clamp" else (first is None or first in over), report.engines
     assert report.readback["equal"] and report.accuracy["kl_mean"] < 0.05
     assert report.accuracy["ppl_bf16"] < 4096 / 10  # a trained model: far better than chance over its vocabulary
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_mixture_of_experts_checkpoints_pass(arch, texts, tmp_path):
+    # fp8kv's output declares the KV scheme in config.json; the runtime must load such an MoE checkpoint
+    src = make_checkpoint(arch, tmp_path / "src", dtype=torch.bfloat16)
+    data = DataRequest(str(texts["calibration"]), num_samples=10, seq_len=SEQ_LEN)
+    calibrate(CalibrationRequest(model=str(src), out=tmp_path / "out", data=data, batch_size=5))
+    result = verify(_request(tmp_path / "out", texts, engines=("clamp",)))
+    assert result.verdict == "PASS", result.report.reasons
+    fidelity = result.report.fidelity
+    assert fidelity["kl_mean"] <= fidelity["bound"] and fidelity["noise"] is not None
+    assert result.report.readback["equal"] and result.report.accuracy["top1_agreement"] > 0.9
 
 
 def test_verify_refuses_to_judge_when_its_runtime_is_not_the_model(calibrated, texts, tmp_path, monkeypatch):

@@ -126,3 +126,45 @@ def test_kv_sharing_layers_read_their_source_layers_cache(tmp_path) -> None:
     with pytest.raises(Fp8kvError, match=r"^layer 4 has no K/V cache here: it owns none and shares none "
                                          r"\(cache layers \[0, 1\], shared \{2: 0, 3: 1\}\)$"):
         fp8.cache.owner(4)
+
+
+# Gemma 4 with global layers of another head_dim and KV-head count, the last two layers sharing the first two's caches.
+GEMMA4_GLOBAL = {"head_dim": 32, "num_key_value_heads": 1}
+GEMMA4_SHARING = {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
+                  "layer_types": ["sliding_attention", "full_attention"] * 2,
+                  "per_layer_config": {"1": GEMMA4_GLOBAL, "3": GEMMA4_GLOBAL}}
+
+
+def test_gemma4_layers_of_other_geometry_and_shared_caches_run_on_their_own_pages(tmp_path) -> None:
+    import torch
+
+    from fp8kv.geometry import AttentionGeometry
+    from fp8kv.models.zoo import make_zoo_checkpoint
+    from fp8kv.runtime.runner import PagedModelRunner
+    from fp8kv.verify.fidelity import measure_fidelity
+
+    path = make_zoo_checkpoint("gemma4_text", tmp_path / "gemma4", overrides=GEMMA4_SHARING)
+    geometry = AttentionGeometry.from_dir(path)
+    assert (geometry.kv_layers, geometry.shared_kv_sources) == ((0, 1), ((2, 0), (3, 1)))
+    samples = [list(range(5, 45)), list(range(50, 80))]
+    bf16 = PagedModelRunner(path, device="cpu", cache_dtype="bf16", max_model_len=64, max_num_seqs=2)
+    assert [tuple(pages.shape[2:]) for pages in bf16.cache.pages] == [(4, 16), (2, 32)]  # [2*kv_heads, head_dim]
+    assert measure_fidelity(bf16, samples).reproduces
+    fp8 = PagedModelRunner(path, device="cpu", cache_dtype="fp8_e4m3", k_scales={0: [0.05, 0.04], 1: 0.05},
+                           v_scales={0: 0.05, 1: [0.03]}, max_model_len=64, max_num_seqs=1, model=bf16.model)
+    seq, _ = fp8.start()
+    assert torch.isfinite(fp8.step([(seq, samples[0])])[0]).all()
+    assert fp8.counts()["written"] == {0: (40 * 2 * 16,) * 2, 1: (40 * 1 * 32,) * 2}
+
+
+@pytest.mark.parametrize("model_type", REPRESENTATIVE)
+def test_verify_runs_on_every_architecture_that_calibrates(model_type: str, tmp_path) -> None:
+    from fp8kv.models.zoo_matrix import PASS, WARN, judge_and_verify
+
+    result = judge_and_verify(model_type, tmp_path)
+    if result.status not in (EXACT, TOLERANCE):
+        assert result.verify is None  # nothing calibrated, nothing to verify
+        return
+    outcome = result.verify  # hybrids, MoE, falcon's own attention code, llava's language model, Gemma 4 included
+    assert outcome is not None and outcome.status in (PASS, WARN), outcome
+    assert outcome.fidelity_kl <= outcome.fidelity_bound, outcome  # the runtime is the model it judged

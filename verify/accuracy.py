@@ -75,8 +75,9 @@ def readback(runner: PagedModelRunner, scales: KVScales) -> dict[str, Any]:
     cache, mismatches = runner.cache, []
     for row, layer in enumerate(cache.kv_layers):
         attn_k, attn_v = cache.scale_args(layer)
-        for name, held, attn, stored in (("k_scale", cache.scales[row, 0], attn_k, scales.k[layer]),
-                                         ("v_scale", cache.scales[row, 1], attn_v, scales.v[layer])):
+        heads = cache.layer_kv_heads(layer)  # the table's row is as wide as the layer with most KV heads
+        for name, held, attn, stored in (("k_scale", cache.scales[row, 0, :heads], attn_k, scales.k[layer]),
+                                         ("v_scale", cache.scales[row, 1, :heads], attn_v, scales.v[layer])):
             for what, value in (("cache", held), ("attention", attn)):
                 if not _same_bits(value, stored):
                     mismatches.append(f"layer {layer}: {name} in the {what} is {_shown(value, stored)}, "

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fp8kv.checks import FAIL, WARN, Finding
-from fp8kv.runtime.runner import ATTN_IMPLEMENTATION, PagedModelRunner
+from fp8kv.runtime.runner import PagedModelRunner
 from fp8kv.verify.accuracy import prefill, token_kl
 
 # Measured (bench/bench_fidelity.py, 4 samples of 256 tokens): runtime / noise 0.66 on the bundled
@@ -28,7 +28,8 @@ from fp8kv.verify.accuracy import prefill, token_kl
 # 1.4e-6; with float32 weights the noise is ~1e-9 but the bf16 cache's rounding of K/V gives up to
 # 1.4e-7, which MIN_BOUND covers 14x. Runtimes that miss a feature of a tiny model sit above it:
 # llama4 chunked attention ignored 1.2e-3, phimoe's window applied only in the mask 5.6e-5,
-# linear-attention state leaking between packed sequences 9.8e-6 (minimax, noise 5e-8). A larger
+# linear-attention state leaking between packed sequences 9.8e-6 (minimax, noise 5e-8, before hybrids ran
+# one sequence per forward). A larger
 # random llama (8 layers, hidden 1024, vocab 32k, bf16) is at 2.8e-6 with eager-vs-SDPA noise of
 # 6e-10: the bf16 rounding of a wider model, not a bug, so the floor sits above it.
 NOISE_FACTOR = 4.0
@@ -92,6 +93,8 @@ def measure_fidelity(runner: PagedModelRunner, samples: list[list[int]], num_sam
 def _noise(model: torch.nn.Module, batch: list[list[int]], reference: list[torch.Tensor], default: str) -> float | None:
     """Mean KL of transformers' default attention against its other one (eager / SDPA); None if it has one."""
     other = "sdpa" if default == "eager" else "eager"
+    if not model._can_set_attn_implementation():  # its own attention code: it keeps the one it was loaded with
+        return None
     try:
         return float(_kl(reference, transformers_logits(model, batch, other)).mean())
     except ValueError:  # transformers refuses an implementation the architecture does not support
@@ -108,10 +111,10 @@ def transformers_logits(model: torch.nn.Module, samples: list[list[int]], attent
 
     The runners' shared model is switched to `attention` for these forwards and back after.
     """
-    device = next(model.parameters()).device
+    device, previous = next(model.parameters()).device, model.config._attn_implementation
     model.set_attn_implementation(attention)
     try:
         return [model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0].float().cpu()
                 for ids in samples]
     finally:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        model.set_attn_implementation(previous)

@@ -1,0 +1,76 @@
+"""The paged cache seen as a transformers cache, for models the attention function cannot run inside.
+
+Two kinds of model run this way, one sequence per forward:
+- models that compute attention in their own code (falcon, bloom, mpt, gpt_neo) and never call
+  transformers' AttentionInterface;
+- hybrids whose Mamba or linear-attention layers carry a recurrent state from step to step, which
+  must stay apart per sequence (packed into one row, one sequence's state leaks into the next).
+
+Every one of them hands its K/V to the cache object it is given and attends over what `update`
+returns. `sequence_cache` is such a cache for one sequence in one step: `update` quantizes the new
+K/V into the sequence's pages, as the attention function does, and returns the sequence's whole K/V
+read back from the pages (dequantized), so the model attends over exactly what the fp8 cache holds,
+with its own masks, ALiBi and softmax. A hybrid's recurrent layers stay transformers' own, in a cache
+object the runner keeps per sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fp8kv.runtime.attention import gather_kv
+from fp8kv.runtime.cache import PagedKVCache
+
+
+def recurrent_layers(layer_types: Sequence[str]) -> list[int]:
+    """Layers whose transformers cache layer keeps a recurrent state (Mamba, linear attention), not K/V."""
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin
+
+    return [i for i, kind in enumerate(layer_types)
+            if issubclass(DYNAMIC_LAYER_TYPE_MAPPING.get(kind, object), LinearAttentionCacheLayerMixin)]
+
+
+def sequence_cache(cache: PagedKVCache, attention_layers: Sequence[int], past: int, slots: torch.Tensor,
+                   pages: Sequence[int], state: Any = None) -> Any:
+    """A transformers `Cache` over `cache` for one sequence: `past` cached tokens, new tokens at `slots` `[T]`,
+    its page table `pages`. `state`: the sequence's own transformers cache holding its recurrent layers
+    (hybrids), whose attention layers are replaced; None builds a cache of `attention_layers` only."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class PagedSequenceLayer(DynamicLayer):
+        """One attention layer: `update` writes the new K/V into the pages and returns the sequence's K/V."""
+
+        def __init__(self, layer: int) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            # [1, kv_heads, T, d] -> [T, kv_heads, d]
+            k, v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+            owner = cache.owner(self.layer)
+            if owner == self.layer:
+                cache.write(owner, k, v, slots, torch.ones_like(slots, dtype=torch.bool))
+            length = past + k.shape[0]
+            table = torch.tensor([list(pages)], dtype=torch.int32, device=slots.device)
+            lens = torch.tensor([length], dtype=torch.int32, device=slots.device)
+            keys, values = gather_kv(cache.layer_pages(owner), table, lens, *cache.scale_args(owner))
+            head_dim = cache.layer_head_dim(owner)
+            # [1, L, kv_heads, D] -> [1, kv_heads, length, head_dim] in the model's dtype
+            self.keys, self.values = (x[:, :length, :, :head_dim].transpose(1, 2).to(key_states.dtype)
+                                      for x in (keys, values))
+            self.is_initialized = True
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.keys.shape[-2] if self.is_initialized else past
+
+    if state is None:
+        return Cache(layers=[PagedSequenceLayer(layer) for layer in attention_layers])
+    for layer in attention_layers:
+        while len(state.layers) <= layer:  # caches that add their layers lazily (MiniMax's)
+            state.layers.append(DynamicLayer())
+        state.layers[layer] = PagedSequenceLayer(layer)
+    return state
