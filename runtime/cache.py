@@ -124,8 +124,8 @@ class PagedKVCache:
         self.head_dim_padded = max(self._padded)
         self.dtype = dtype
         self.engine = check_engine(engine)
-        k_given = _layer_scales(k_scales, self.kv_layers, self._kv_heads, "k_scale")
-        v_given = _layer_scales(v_scales, self.kv_layers, self._kv_heads, "v_scale")
+        k_given = layer_scales(k_scales, self.kv_layers, self._kv_heads, "k_scale")
+        v_given = layer_scales(v_scales, self.kv_layers, self._kv_heads, "v_scale")
         # a layer with fewer KV heads than the largest repeats its last value in the padding of its row
         table = torch.tensor([[_padded_row(k, heads, self.num_kv_heads), _padded_row(v, heads, self.num_kv_heads)]
                               for k, v, heads in zip(k_given, v_given, self._kv_heads)], dtype=torch.float32)
@@ -210,12 +210,18 @@ class PagedKVCache:
 
     def counts(self) -> dict[str, dict[int, tuple[int, int]]]:
         """Per KV layer `(k, v)` counts: {"clamped": ..., "nonfinite": ...}, plus values "written" per K (or V)."""
-        clamped, nonfinite, written = self.clamped.cpu().tolist(), self.nonfinite.cpu().tolist(), self.written.cpu()
-        return {
-            "clamped": {l: tuple(clamped[i]) for i, l in enumerate(self.kv_layers)},
-            "nonfinite": {l: tuple(nonfinite[i]) for i, l in enumerate(self.kv_layers)},
-            "written": {l: (int(written[i]), int(written[i])) for i, l in enumerate(self.kv_layers)},
-        }
+        return layer_counts(self.kv_layers, self.clamped, self.nonfinite, self.written)
+
+
+def layer_counts(kv_layers: tuple[int, ...], clamped: torch.Tensor, nonfinite: torch.Tensor,
+                 written: torch.Tensor) -> dict[str, dict[int, tuple[int, int]]]:
+    """A cache's device counters (`[layers, 2]`, `[layers, 2]`, `[layers]`) as per-layer `(k, v)` tuples."""
+    clamped_rows, nonfinite_rows, written_rows = clamped.cpu().tolist(), nonfinite.cpu().tolist(), written.cpu()
+    return {
+        "clamped": {l: tuple(clamped_rows[i]) for i, l in enumerate(kv_layers)},
+        "nonfinite": {l: tuple(nonfinite_rows[i]) for i, l in enumerate(kv_layers)},
+        "written": {l: (int(written_rows[i]), int(written_rows[i])) for i, l in enumerate(kv_layers)},
+    }
 
 
 def _per_layer(value: int | Sequence[int], kv_layers: tuple[int, ...], name: str) -> list[int]:
@@ -232,7 +238,7 @@ def _padded_row(values: list[float], heads: int, width: int) -> list[float]:
     return row + row[-1:] * (width - heads)
 
 
-def _layer_scales(
+def layer_scales(
     scales: Mapping[int, Scale] | None, kv_layers: tuple[int, ...], kv_heads: list[int], name: str
 ) -> list[list[float]]:
     """Per KV layer (in `kv_layers` order) its validated scale: one value, or one per KV head of that layer."""

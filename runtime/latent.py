@@ -19,7 +19,7 @@ import torch
 
 from fp8kv.fp8 import check_engine, is_fp8, quantize
 from fp8kv.geometry import LatentCache
-from fp8kv.runtime.cache import Scale, _layer_scales
+from fp8kv.runtime.cache import Scale, layer_counts, layer_scales
 
 # The attention module attribute that holds the current forward's kv_c_normed `[1, T, kv_lora_rank]`.
 _CAPTURED = "fp8kv_kv_c_normed"
@@ -49,8 +49,8 @@ class LatentPagedCache:
         self.kv_layers, self.latent = tuple(kv_layers), latent
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
         self.engine = check_engine(engine)
-        k_given = _layer_scales(k_scales, self.kv_layers, 1, "k_scale")
-        v_given = _layer_scales(v_scales, self.kv_layers, 1, "v_scale")
+        k_given = layer_scales(k_scales, self.kv_layers, [1] * len(self.kv_layers), "k_scale")
+        v_given = layer_scales(v_scales, self.kv_layers, [1] * len(self.kv_layers), "v_scale")
         self.scales = torch.tensor([[k, v] for k, v in zip(k_given, v_given)], dtype=torch.float32).to(device)
         self._k_floats = [k[0] for k in k_given]
         self.pages = [torch.zeros(num_pages, page_size, latent.width, dtype=dtype, device=device)
@@ -63,6 +63,10 @@ class LatentPagedCache:
     def owner(self, layer: int) -> int:
         """MLA layers own their cache (no KV sharing)."""
         return layer
+
+    def layer_kv_heads(self, layer: int) -> int:
+        """One latent vector per token: one "head" (the width of the scale table's rows)."""
+        return 1
 
     def write(self, layer: int, vectors: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
         """Quantize and store `vectors` `[T, width]` at flat `slots` `[T]`; `valid` `[T]` marks real tokens."""
@@ -105,12 +109,7 @@ class LatentPagedCache:
 
     def counts(self) -> dict[str, dict[int, tuple[int, int]]]:
         """Per layer `(k, v)` counts as `PagedKVCache.counts`; both slots count the latent vector."""
-        clamped, nonfinite, written = self.clamped.cpu().tolist(), self.nonfinite.cpu().tolist(), self.written.cpu()
-        return {
-            "clamped": {l: tuple(clamped[i]) for i, l in enumerate(self.kv_layers)},
-            "nonfinite": {l: tuple(nonfinite[i]) for i, l in enumerate(self.kv_layers)},
-            "written": {l: (int(written[i]), int(written[i])) for i, l in enumerate(self.kv_layers)},
-        }
+        return layer_counts(self.kv_layers, self.clamped, self.nonfinite, self.written)
 
 
 def capture_latents(model: torch.nn.Module) -> None:
