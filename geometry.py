@@ -54,9 +54,11 @@ class AttentionGeometry:
         The config class applies its attribute maps (gpt2's n_layer, n_head), its defaults and its
         derived fields (multi-query KV heads, per-layer overrides), exactly as the model will see them.
         """
-        text = text_config(config, source)
-        _refuse_unsupported(text, source)
-        _require_keys(config, text, ("num_hidden_layers", "num_attention_heads", "hidden_size"), source)
+        whole = config_object(config, source)
+        text = whole.get_text_config(decoder=True)
+        _refuse_unsupported(whole, text, source)
+        _require_keys(_stored_text(config, whole, text, source), text,
+                      ("num_hidden_layers", "num_attention_heads", "hidden_size"), source)
         model_type = str(getattr(text, "model_type", "") or config.get("model_type") or "")
         num_layers = _positive_int(text, "num_hidden_layers", source)
         per_layer = _per_layer_configs(text, num_layers)
@@ -67,6 +69,9 @@ class AttentionGeometry:
         kv_heads = tuple(_kv_heads(layer, num_heads, source) for layer in per_layer)
         head_dims = tuple(_head_dim(layer, hidden_size, num_heads, source) for layer in per_layer)
         kv_layers = tuple(i for i in range(num_layers) if owns_cache[i])
+        if not kv_layers and getattr(text, "num_kv_shared_layers", 0) == num_layers:
+            raise Fp8kvError(f"{source}: every layer attends over another model's K/V (num_kv_shared_layers = "
+                             "num_hidden_layers, a speculative-decoding assistant): it owns no K/V cache to scale")
         if not kv_layers:
             raise Fp8kvError(f"{source}: no layer owns a K/V cache (layer types {sorted(set(kinds))})")
         for i in kv_layers:
@@ -167,13 +172,25 @@ def _shared_kv_sources(text: Any, num_layers: int, source: str) -> tuple[tuple[i
     return tuple(pairs)
 
 
-def _require_keys(config: dict[str, Any], text: Any, keys: tuple[str, ...], source: str) -> None:
-    """The config class would fill a missing size with its default; a checkpoint must state it."""
-    raw = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    if "text_config" in config and not isinstance(config["text_config"], dict):
-        raise Fp8kvError(f"{source}: 'text_config' must be an object")
+def _stored_text(config: dict[str, Any], whole: Any, text: Any, source: str) -> dict[str, Any]:
+    """The part of config.json the decoder's config was read from (`text_config`, musicgen's `decoder`, or all)."""
+    for name in getattr(whole, "sub_configs", {}):
+        if getattr(whole, name, None) is text and name in config:
+            if not isinstance(config[name], dict):
+                raise Fp8kvError(f"{source}: '{name}' must be an object")
+            return config[name]
+    return config
+
+
+def _require_keys(raw: dict[str, Any], text: Any, keys: tuple[str, ...], source: str) -> None:
+    """The config class would fill a missing size with its default; a checkpoint must state it.
+
+    A size the config class derives from other keys (nemotron_h's layer count from its layer pattern) is stated.
+    """
     stored_as = getattr(text, "attribute_map", {})  # e.g. gpt2: num_hidden_layers is stored as n_layer
     for key in keys:
+        if isinstance(getattr(type(text), key, None), property):
+            continue
         if key not in raw and stored_as.get(key) not in raw:
             if key == "num_attention_heads" and not hasattr(text, key):
                 raise Fp8kvError(f"{source}: {text.model_type} has no attention layers, so no K/V cache to scale")
@@ -187,10 +204,28 @@ def _per_layer_configs(text: Any, num_layers: int) -> list[Any]:
     return list(text.per_layer_config)
 
 
-def _refuse_unsupported(text: Any, source: str) -> None:
-    if getattr(text, "is_encoder_decoder", False):
+# Caches that hold something other than one K/V pair per decoder layer, by model_type.
+_NOT_A_KV_CACHE = {
+    "reformer": "its cache holds each layer's hidden states and LSH bucket ids, not K/V",
+    "xlnet": "it keeps a memory of hidden states (mems), not a K/V cache",
+    "blt": "its local encoder and global transformer write one cache under the same layer indices, and its "
+           "local decoder caches cross-attention K/V of the patches",
+    "hrm_text": "each decoder layer runs in several recurrent cycles, each caching its K/V under its own cache "
+                "slot, while a checkpoint has one scale per layer",
+}
+
+
+def _refuse_unsupported(whole: Any, text: Any, source: str) -> None:
+    if text.model_type in _NOT_A_KV_CACHE:
+        raise Fp8kvError(f"{source}: {text.model_type} is not supported: {_NOT_A_KV_CACHE[text.model_type]}")
+    if getattr(text, "recurrent_kv_cache_mode", None) == "per_loop" and getattr(text, "n_recurrent_layers", 0):
         raise Fp8kvError(
-            f"{source}: {text.model_type} is an encoder-decoder model: its decoder also caches cross-attention "
+            f"{source}: recurrent_kv_cache_mode 'per_loop' is not supported: each loop over the recurrent layers "
+            "caches its K/V in extra cache layers after the model's own, while a checkpoint has one scale per layer"
+        )
+    if getattr(text, "is_encoder_decoder", False) or getattr(whole, "is_encoder_decoder", False):
+        raise Fp8kvError(
+            f"{source}: {whole.model_type} is an encoder-decoder model: its decoder also caches cross-attention "
             "K/V of the encoder output, which fp8kv neither observes nor verifies"
         )
     if getattr(text, "kv_lora_rank", None) is not None:

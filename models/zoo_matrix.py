@@ -116,20 +116,23 @@ def cache_amax(model_dir: Path, samples: list[list[int]]) -> dict[int, torch.Ten
 
     from fp8kv.checkpoint.load import model_class
     from fp8kv.geometry import read_config
+    from fp8kv.observe import cache_kwargs
 
     model = model_class(read_config(model_dir)).from_pretrained(model_dir).eval()
     running: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for sample in samples:
             out = model(input_ids=torch.tensor([sample]), use_cache=True)  # the model builds its own cache
-            cache = out.past_key_values
-            if cache is None:  # decoders of encoder families (BERT) cache only into a cache they are given
+            cache = getattr(out, "past_key_values", None)
+            if cache is None:  # decoders of encoder families (BERT), models keeping their own state, cache only
+                # into a cache they are given
                 cache = DynamicCache(config=model.config)
-                model(input_ids=torch.tensor([sample]), use_cache=True, past_key_values=cache)
+                model(input_ids=torch.tensor([sample]), **cache_kwargs(model, cache))
             for index, layer in enumerate(cache.layers):
                 if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
                     continue
-                assert layer.keys.shape[2] == len(sample), "the cache dropped tokens; the reference needs them all"
+                # the cache may hold tokens the model adds in front (CPM-Ant's prompt), never fewer than the sample
+                assert layer.keys.shape[2] >= len(sample), "the cache dropped tokens; the reference needs them all"
                 amax = torch.stack([layer.keys.abs().amax(), layer.values.abs().amax()]).float()
                 running[index] = amax if index not in running else torch.maximum(running[index], amax)
     return running
