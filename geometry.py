@@ -33,6 +33,8 @@ class AttentionGeometry:
     head_dim_per_layer: tuple[int, ...] = ()
     # (layer, source): the layer attends over the K/V cache of the earlier layer `source` (KV sharing)
     shared_kv_sources: tuple[tuple[int, int], ...] = ()
+    # V's head_dim where it differs from K's (MiMo-V2-Flash: 192 for K, 128 for V); None: the same
+    v_head_dim: int | None = None
 
     @property
     def skipped_layers(self) -> tuple[int, ...]:
@@ -68,6 +70,7 @@ class AttentionGeometry:
         kinds, owns_cache = cache_layout(text, num_layers, source)
         kv_heads = tuple(_kv_heads(layer, num_heads, source) for layer in per_layer)
         head_dims = tuple(_head_dim(layer, hidden_size, num_heads, source) for layer in per_layer)
+        kv_heads, head_dims = _sliding_layer_sizes(text, kv_heads, head_dims, source)
         kv_layers = tuple(i for i in range(num_layers) if owns_cache[i])
         if not kv_layers and getattr(text, "num_kv_shared_layers", 0) == num_layers:
             raise Fp8kvError(f"{source}: every layer attends over another model's K/V (num_kv_shared_layers = "
@@ -94,6 +97,7 @@ class AttentionGeometry:
             kv_heads_per_layer=kv_heads,
             head_dim_per_layer=head_dims,
             shared_kv_sources=_shared_kv_sources(text, num_layers, source),
+            v_head_dim=_optional_int(text, "v_head_dim", source) or None,
         )
 
     @classmethod
@@ -281,6 +285,31 @@ def _kv_heads(config: Any, num_heads: int, source: str) -> int:
         if getattr(config, key, None) is not None:
             return _positive_int(config, key, source)
     return num_heads
+
+
+# Sliding-window layers whose attention code multiplies the config's KV heads (MiMo-V2-Flash doubles them).
+_SLIDING_KV_HEADS_FACTOR = {"mimo_v2_flash": 2}
+
+
+def _sliding_layer_sizes(text: Any, kv_heads: tuple[int, ...], head_dims: tuple[int, ...],
+                         source: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """KV heads and head_dim per layer, with the sizes the model's sliding-window layers use where they differ.
+
+    Inkling states them as swa_num_key_value_heads / swa_head_dim; MiMo-V2-Flash's attention code
+    doubles the KV heads of its sliding layers.
+    """
+    types = list(getattr(text, "layer_types", None) or ())
+    sliding = [i for i, kind in enumerate(types) if kind in ("sliding_attention", "hybrid_sliding")]
+    factor = _SLIDING_KV_HEADS_FACTOR.get(text.model_type, 1)
+    if not sliding or (factor == 1 and getattr(text, "swa_num_key_value_heads", None) is None):
+        return kv_heads, head_dims
+    heads, dims = list(kv_heads), list(head_dims)
+    for i in sliding:
+        if getattr(text, "swa_num_key_value_heads", None) is not None:
+            heads[i] = _positive_int(text, "swa_num_key_value_heads", source)
+            dims[i] = _positive_int(text, "swa_head_dim", source, default=dims[i])
+        heads[i] *= factor
+    return tuple(heads), tuple(dims)
 
 
 def _head_dim(config: Any, hidden_size: int, num_heads: int, source: str) -> int:

@@ -43,7 +43,8 @@ _SIZES: dict[str, Any] = {
 # against each other (mamba2's heads x head_dim = expand x hidden).
 _QWEN_QSA = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 32,
              "indexer_compress_ratio": 4}
-_INKLING2 = {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16}
+# sliding layers with more KV heads than global ones, as in the released configs
+_INKLING = {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_head_dim": 16}
 _DOTS3 = {"num_key_value_heads": 4, "per_layer_config": {1: {  # MLA with as many KV heads as heads
     "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "head_dim": 16,
     "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16}}}
@@ -63,7 +64,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},  # as real DBRX configs
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     "qwen4_exp": _QWEN_QSA, "qwen4_exp_text": _QWEN_QSA,
-    "inkling2": _INKLING2, "inkling2_text": _INKLING2, "inkling2_loop_text": _INKLING2,
+    "inkling_text": _INKLING, "inkling2": _INKLING, "inkling2_text": _INKLING, "inkling2_loop_text": _INKLING,
+    "mimo_v2_flash": {"v_head_dim": 8},  # V heads narrower than K heads, as in the released config
     "qwen2_vl": _MROPE, "qwen2_5_vl": _MROPE,  # mrope_section splits head_dim / 2 over (time, height, width)
     "falcon_h1": {"mamba_d_ssm": 128},
     "mamba2": {"num_heads": 8},
