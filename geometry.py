@@ -208,8 +208,11 @@ def _per_layer_configs(text: Any, num_layers: int) -> list[Any]:
     return list(text.per_layer_config)
 
 
-# Caches that hold something other than one K/V pair per decoder layer, by model_type.
-_NOT_A_KV_CACHE = {
+# Caches that hold something other than one K/V pair per decoder layer, or none, by model_type.
+_UNSUPPORTED_CACHES = {
+    "openai-gpt": "its transformers model keeps no KV cache (its forward takes none), so no scale would apply",
+    "deepseek_v4": "each layer caches one shared K=V head over a sliding window plus compressed entries for older "
+                   "tokens (compressor states), which fp8kv neither observes nor verifies",
     "reformer": "its cache holds each layer's hidden states and LSH bucket ids, not K/V",
     "xlnet": "it keeps a memory of hidden states (mems), not a K/V cache",
     "blt": "its local encoder and global transformer write one cache under the same layer indices, and its "
@@ -220,8 +223,8 @@ _NOT_A_KV_CACHE = {
 
 
 def _refuse_unsupported(whole: Any, text: Any, source: str) -> None:
-    if text.model_type in _NOT_A_KV_CACHE:
-        raise Fp8kvError(f"{source}: {text.model_type} is not supported: {_NOT_A_KV_CACHE[text.model_type]}")
+    if text.model_type in _UNSUPPORTED_CACHES:
+        raise Fp8kvError(f"{source}: {text.model_type} is not supported: {_UNSUPPORTED_CACHES[text.model_type]}")
     if getattr(text, "recurrent_kv_cache_mode", None) == "per_loop" and getattr(text, "n_recurrent_layers", 0):
         raise Fp8kvError(
             f"{source}: recurrent_kv_cache_mode 'per_loop' is not supported: each loop over the recurrent layers "

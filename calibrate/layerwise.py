@@ -20,7 +20,9 @@ import contextlib
 import itertools
 import math
 import os
+import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -97,8 +99,9 @@ def observe_layerwise(
     """
     device = resolve_device(request.device, torch_only=True).device
     model = build_skeleton(source, request.dtype, request.trust_remote_code)
-    base, layers = model.base_model, decoder_layers(model)
+    base, layers = model.base_model, decoder_layers(model, source.geometry.num_layers)
     names = {module: name for name, module in model.named_modules()}
+    weights = StoredWeights(source.path, model_weight_map(source, model))
     materialize_buffers(model, device)
     batches = shard_batches(make_batches(data.samples, request.batch_size, pad_id(tokenizer)))
     last = max(source.geometry.kv_layers, default=-1)  # layers after the last cache-owning one never matter
@@ -106,16 +109,18 @@ def observe_layerwise(
     observed = frozenset(source.geometry.kv_layers)
     total = sum(batch.input_ids.shape[0] for batch in batches) * (last + 1)
     done = 0
-    with torch.no_grad(), _spill_dir(request.out) as spill_root:
-        with loaded(source, [m for m in base.children() if m is not layers], names, device):
-            firsts = [capture(base, layers, 0, input_ids=b.input_ids.to(device), attention_mask=b.attention_mask.to(device))
-                      for b in batches]
+    # Embeddings and the like stay loaded: every layer's arguments are computed from them (GPT-2's position
+    # embeddings, Gemma 3n's per-layer inputs), as in the whole model's forward.
+    with torch.no_grad(), _spill_dir(request.out) as spill_root, loaded(weights, outside(base, layers), names, device):
+        firsts = [capture(base, layers, 0, input_ids=b.input_ids.to(device), attention_mask=b.attention_mask.to(device))
+                  for b in batches]
         store = HiddenStates([h for h, _, _ in firsts], spill, spill_root, device, _largest_layer(source))
         del firsts
+        returns = 0
         for index in range(last + 1):
-            with loaded(source, [layers[index]], names, device):
+            with loaded(weights, [layers[index]], names, device):
                 for i, batch in enumerate(batches):
-                    run_layer(base, layers, index, batch, store, i, statistics, observed, device)
+                    returns = run_layer(base, layers, index, batch, store, i, statistics, observed, device, returns)
                     done += batch.input_ids.shape[0]
                     if progress is not None:
                         progress(done, total)
@@ -132,16 +137,23 @@ def run_layer(
     statistics: KVStatistics,
     observed: frozenset[int],
     device: torch.device,
-) -> None:
-    """Run batch `slot`'s hidden states through `layers[index]`, folding its K/V, and store the output."""
+    returns: int = 0,
+) -> int:
+    """Run batch `slot`'s hidden states through `layers[index]`, folding its K/V, and store the output.
+
+    The layer's arguments come from the model's forward on the batch's tokens; `returns` is how many
+    values a decoder layer returns (0: a tensor), which the skipped earlier layers imitate. Returns it.
+    """
     mask = batch.attention_mask.to(device)
     hidden = store.get(slot, device)  # [batch, seq, hidden]
     valid = mask.bool()
     step = ObservationStep(statistics, None if bool(valid.all()) else valid, observed)
     cache = observing_cache(base, step)
-    _, args, kwargs = capture(base, layers, index, inputs_embeds=hidden, attention_mask=mask, **cache_kwargs(base, cache))
+    _, args, kwargs = capture(base, layers, index, returns, input_ids=batch.input_ids.to(device), attention_mask=mask,
+                              **cache_kwargs(base, cache))
     out = layers[index](hidden, *args, **kwargs)
     store.put(slot, out[0] if isinstance(out, tuple) else out)
+    return len(out) if isinstance(out, tuple) else 0
 
 
 def build_skeleton(source: SourceCheckpoint, dtype: str, trust_remote_code: bool) -> torch.nn.Module:
@@ -174,15 +186,42 @@ def resolve_dtype(source: SourceCheckpoint, config: Any, dtype: str) -> torch.dt
     return torch.get_default_dtype()
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The base model's decoder layers (`base_model.layers`)."""
-    layers = getattr(model.base_model, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
+# Names of the decoder layer list: `layers` (llama), `h` (gpt2, falcon, bloom), `blocks`.
+_LAYER_LISTS = ("layers", "h", "blocks")
+
+
+def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
+    """The decoder layers: the base model's `num_layers`-long layer list, nearest the base model first
+    (`layers`, gpt2's `h`, a vision-language wrapper's `language_model.layers`)."""
+    found = [(name.count("."), name, module) for name, module in model.base_model.named_modules()
+             if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers
+             and name.rpartition(".")[2] in _LAYER_LISTS and not _TOWER.search(name)]
+    if not found:
         raise Fp8kvError(
-            f"{type(model).__name__}: no `layers` list of decoder layers on the base model; "
+            f"{type(model).__name__}: no list of {num_layers} decoder layers on the base model; "
             "layer-by-layer calibration cannot run it (use --no-layerwise)"
         )
-    return layers
+    return min(found, key=lambda entry: entry[:2])[2]
+
+
+_TOWER = re.compile(r"vision|visual|audio|projector|encoder")
+
+
+def outside(root: torch.nn.Module, layers: torch.nn.ModuleList) -> list[torch.nn.Module]:
+    """The submodules of `root` that hold every parameter the text forward needs outside `layers` (embeddings, norms)."""
+    inner = set(layers.modules())
+    parts = []
+    for name, child in root.named_children():
+        if child is layers or (_TOWER.search(name) and not any(m in inner for m in child.modules())):
+            continue  # text-only calibration never runs an image or audio tower
+        if any(m in inner for m in child.modules()):
+            if child._parameters:
+                raise Fp8kvError(f"{type(child).__name__}: parameters next to the decoder layers; "
+                                 "layer-by-layer calibration cannot load them (use --no-layerwise)")
+            parts.extend(outside(child, layers))
+        else:
+            parts.append(child)
+    return parts
 
 
 def materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
@@ -203,11 +242,11 @@ def materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
 
 @contextlib.contextmanager
 def loaded(
-    source: SourceCheckpoint, modules: list[torch.nn.Module], names: dict[torch.nn.Module, str], device: torch.device
+    weights: StoredWeights, modules: list[torch.nn.Module], names: dict[torch.nn.Module, str], device: torch.device
 ) -> Iterator[None]:
     """Read `modules`' parameters from the checkpoint onto `device`; put them back on meta afterwards."""
     for module in modules:
-        load_module(source, module, names[module], device)
+        load_module(weights, module, names[module], device)
     try:
         yield
     finally:
@@ -218,23 +257,42 @@ def loaded(
                         sub._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=False)
 
 
-def load_module(source: SourceCheckpoint, module: torch.nn.Module, prefix: str, device: torch.device) -> None:
+@dataclass(frozen=True)
+class StoredWeights:
+    """Where each of the model's tensors is stored: `by_name[model name] = (weight file, stored name)`."""
+
+    path: Path
+    by_name: dict[str, tuple[str, str]]
+
+
+def model_weight_map(source: SourceCheckpoint, model: torch.nn.Module) -> dict[str, tuple[str, str]]:
+    """The model's tensor name -> (weight file, stored name), through transformers' renamings of stored names
+    (a vision-language checkpoint's `language_model.model.` is the model's `model.language_model.`)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+    renamings = [t for t in get_model_conversion_mapping(model) if type(t) is WeightRenaming]
+    return {apply_renamings(stored, renamings): (file, stored) for stored, file in source.weight_map.items()}
+
+
+def load_module(weights: StoredWeights, module: torch.nn.Module, prefix: str, device: torch.device) -> None:
     """Assign `module`'s parameters from the tensors named `prefix.<param>` (cast to the skeleton's dtype)."""
     wanted = {f"{prefix}.{name}": param for name, param in module.named_parameters()}
     by_file: dict[str, list[str]] = {}
-    weight_map = source.weight_map
+    weight_map = weights.by_name
     for tensor in sorted(wanted):
         if tensor not in weight_map:
             raise Fp8kvError(
-                f"{source.path}: tensor {tensor!r} is not in the checkpoint under the model's own name; "
+                f"{weights.path}: tensor {tensor!r} is not in the checkpoint under that name or one transformers renames to it "
+                "(experts stored one by one, which transformers fuses on load, are not read layer by layer); "
                 "layer-by-layer calibration needs it (use --no-layerwise)"
             )
-        by_file.setdefault(weight_map[tensor], []).append(tensor)
+        by_file.setdefault(weight_map[tensor][0], []).append(tensor)
     values = {}
     for file, tensors in by_file.items():
-        with safe_open(source.path / file, framework="pt", device=str(device)) as handle:
+        with safe_open(weights.path / file, framework="pt", device=str(device)) as handle:
             for tensor in tensors:
-                values[tensor[len(prefix) + 1 :]] = handle.get_tensor(tensor).to(wanted[tensor].dtype)
+                values[tensor[len(prefix) + 1 :]] = handle.get_tensor(weight_map[tensor][1]).to(wanted[tensor].dtype)
     for name, value in values.items():
         owner, _, leaf = name.rpartition(".")
         target = module.get_submodule(owner) if owner else module
@@ -250,17 +308,18 @@ class _Caught(Exception):
 
 
 def capture(
-    base: torch.nn.Module, layers: torch.nn.ModuleList, index: int, **inputs: Any
+    base: torch.nn.Module, layers: torch.nn.ModuleList, index: int, returns: int = 0, **inputs: Any
 ) -> tuple[torch.Tensor, tuple, dict]:
     """Run the base model's forward until it calls `layers[index]`; return that call's (hidden, args, kwargs).
 
-    Earlier layers are skipped (identity): only the arguments matter, and they do not depend on
-    the hidden states' values. For index 0 with `input_ids`, the hidden states are the embeddings.
-    With an observing cache among `inputs`, the layer's call carries it, as in the whole-model path.
+    Earlier layers are skipped (identity, returning a tuple of `returns` values where layers return
+    tuples, as Bamba's): only the arguments matter, and they do not depend on the hidden states'
+    values. For index 0 with `input_ids`, the hidden states are the embeddings. With an observing
+    cache among `inputs`, the layer's call carries it, as in the whole-model path.
     """
 
     def skip(hidden_states, *args, **kwargs):
-        return hidden_states
+        return (hidden_states, *[None] * (returns - 1)) if returns else hidden_states
 
     def catch(hidden_states, *args, **kwargs):
         raise _Caught((hidden_states, *args), kwargs)
@@ -279,13 +338,14 @@ def capture(
 
 
 def _largest_layer(source: SourceCheckpoint) -> int:
-    """Bytes of the largest decoder layer's stored tensors (`model.layers.N.`), for the memory budget."""
+    """Bytes of the largest decoder layer's stored tensors (`model.layers.N.`, `transformer.h.N.`), for the memory budget."""
     sizes: dict[str, int] = {}
     for header in source.headers.values():
         for tensor, entry in header.items():
             parts = tensor.split(".")
-            if "layers" in parts[:-1]:
-                key = ".".join(parts[: parts.index("layers") + 2])
+            at = next((i for i, part in enumerate(parts[:-2]) if part in _LAYER_LISTS and parts[i + 1].isdigit()), None)
+            if at is not None:
+                key = ".".join(parts[: at + 2])
                 sizes[key] = sizes.get(key, 0) + entry["data_offsets"][1] - entry["data_offsets"][0]
     return max(sizes.values(), default=0)
 

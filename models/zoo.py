@@ -64,7 +64,7 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},  # as real DBRX configs
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     "qwen4_exp": _QWEN_QSA, "qwen4_exp_text": _QWEN_QSA,
-    "inkling_text": _INKLING, "inkling2": _INKLING, "inkling2_text": _INKLING, "inkling2_loop_text": _INKLING,
+    "inkling_text": _INKLING, "inkling2_text": _INKLING, "inkling2_loop_text": _INKLING,
     "mimo_v2_flash": {"v_head_dim": 8},  # V heads narrower than K heads, as in the released config
     "qwen2_vl": _MROPE, "qwen2_5_vl": _MROPE,  # mrope_section splits head_dim / 2 over (time, height, width)
     "falcon_h1": {"mamba_d_ssm": 128},

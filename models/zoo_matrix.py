@@ -10,6 +10,7 @@ forward, as the calibration batches them), and the output folder is loaded back 
 `AutoModelForCausalLM.from_pretrained`.
 
     python -m fp8kv.models.zoo_matrix            # prints the README table for every architecture
+    python -m fp8kv.models.zoo_matrix --layerwise llama jamba   # layer by layer against the whole model
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -98,6 +100,34 @@ def _calibrate_and_compare(model_type: str, folder: Path) -> ZooResult:
     return ZooResult(model_type, FAILING, f"{note}; amax off by {worst:.2e} relative", load_error)
 
 
+def judge_layerwise(model_type: str, folder: Path) -> ZooResult:
+    """Calibrate a tiny `model_type` whole and with `layerwise=True`: EXACT when the scales are bit-identical.
+
+    REFUSED: one of the two paths refuses (layer by layer must then say to use --no-layerwise, unless
+    the whole-model path refuses the same way); FAILING: different scales or a traceback. Never raises.
+    """
+    from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
+    from fp8kv.data import DataRequest
+
+    try:
+        src = make_zoo_checkpoint(model_type, folder / "src")
+        data = DataRequest(dataset=corpus(folder), num_samples=NUM_SAMPLES, seq_len=SEQ_LEN)
+        runs = {}
+        for by_layer in (False, True):
+            request = CalibrationRequest(model=str(src), data=data, batch_size=2, device="cpu", layerwise=by_layer)
+            runs[by_layer] = calibrate(request).table
+    except Fp8kvError as exc:
+        return ZooResult(model_type, REFUSED, _one_line(str(exc)))
+    except Exception as exc:  # the matrix reports every other failure instead of stopping
+        return ZooResult(model_type, FAILING, _one_line(f"{type(exc).__name__}: {exc}"))
+    whole, by_layer = runs[False], runs[True]
+    if whole.layers != by_layer.layers or not torch.equal(whole.scales, by_layer.scales):
+        differ = [layer for i, layer in enumerate(whole.layers)
+                  if i >= len(by_layer.layers) or not torch.equal(whole.scales[i], by_layer.scales[i])]
+        return ZooResult(model_type, FAILING, f"--layerwise scales differ from the whole model's at layers {differ}")
+    return ZooResult(model_type, EXACT, f"layers {list(whole.layers)}")
+
+
 def loads_in_transformers(model_dir: Path) -> str | None:
     """None when transformers' auto class loads `model_dir`, else its error in one line."""
     from fp8kv.checkpoint.load import model_class
@@ -142,12 +172,12 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())[:240]
 
 
-def run_matrix(model_types: list[str]) -> list[ZooResult]:
-    """Judge every architecture in its own temporary folder."""
+def run_matrix(model_types: list[str], how: Callable[[str, Path], ZooResult] = judge) -> list[ZooResult]:
+    """Judge every architecture in its own temporary folder (`how`: `judge` or `judge_layerwise`)."""
     results = []
     for model_type in model_types:
         with tempfile.TemporaryDirectory(prefix=f"fp8kv-zoo-{model_type}-") as folder:
-            results.append(judge(model_type, Path(folder)))
+            results.append(how(model_type, Path(folder)))
         print(f"{results[-1].model_type}: {results[-1].status}", file=sys.stderr, flush=True)
     return results
 
@@ -170,8 +200,9 @@ def _cell(text: str) -> str:
 
 
 if __name__ == "__main__":
-    chosen = sys.argv[1:] or causal_lm_types()
-    results = run_matrix(chosen)
+    layer_by_layer = "--layerwise" in sys.argv[1:]
+    chosen = [a for a in sys.argv[1:] if a != "--layerwise"] or causal_lm_types()
+    results = run_matrix(chosen, judge_layerwise if layer_by_layer else judge)
     print(markdown_table(results))
     for r in results:
         if r.load_error:
