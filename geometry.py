@@ -225,6 +225,12 @@ _UNSUPPORTED_CACHES = {
 def _refuse_unsupported(whole: Any, text: Any, source: str) -> None:
     if text.model_type in _UNSUPPORTED_CACHES:
         raise Fp8kvError(f"{source}: {text.model_type} is not supported: {_UNSUPPORTED_CACHES[text.model_type]}")
+    cross = [i for i in getattr(text, "cross_attention_layers", None) or () if i < getattr(text, "num_hidden_layers", 0)]
+    if cross:
+        raise Fp8kvError(
+            f"{source}: cross-attention layers {cross} are not supported: they cache K/V of the image (the vision "
+            "encoder's output), which calibration on text never produces"
+        )
     if getattr(text, "recurrent_kv_cache_mode", None) == "per_loop" and getattr(text, "n_recurrent_layers", 0):
         raise Fp8kvError(
             f"{source}: recurrent_kv_cache_mode 'per_loop' is not supported: each loop over the recurrent layers "

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry
 
 # Histogram of |x| with fixed bins read straight from the float32 bits: 32 bins per octave
@@ -83,6 +84,10 @@ class KVStatistics:
             self.amax[layer, kind, :heads] = torch.maximum(self.amax[layer, kind, :heads], amax)
             self.hist[layer, kind, :heads] += _histogram(bits, keep)
         self.tokens[layer] += key.shape[0] * key.shape[2] if valid is None else valid.sum().to(self.tokens.device)
+
+    @property
+    def num_layers(self) -> int:
+        return self.amax.shape[0]
 
     def merge(self, other: KVStatistics) -> None:
         """Fold another partial result in (max of amax, sum of counts)."""
@@ -195,6 +200,12 @@ def observing_cache(model: torch.nn.Module, step: ObservationStep):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             if layer_idx in step.layers:
                 step.statistics.fold(layer_idx, key_states, value_states, step.valid)
+            elif layer_idx >= step.statistics.num_layers:
+                raise Fp8kvError(
+                    f"the forward cached K/V under cache layer {layer_idx}, past the config's "
+                    f"{step.statistics.num_layers} layers (a layer run more than once per token, each run with its "
+                    "own cache); a checkpoint has one scale per layer, so fp8kv cannot scale it"
+                )
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     takes_config = "config" in inspect.signature(base.__init__).parameters

@@ -101,7 +101,7 @@ def observe_layerwise(
     model = build_skeleton(source, request.dtype, request.trust_remote_code)
     base, layers = model.base_model, decoder_layers(model, source.geometry.num_layers)
     names = {module: name for name, module in model.named_modules()}
-    weights = StoredWeights(source.path, model_weight_map(source, model))
+    weights = stored_weights(source, model)
     materialize_buffers(model, device)
     batches = shard_batches(make_batches(data.samples, request.batch_size, pad_id(tokenizer)))
     last = max(source.geometry.kv_layers, default=-1)  # layers after the last cache-owning one never matter
@@ -259,44 +259,57 @@ def loaded(
 
 @dataclass(frozen=True)
 class StoredWeights:
-    """Where each of the model's tensors is stored: `by_name[model name] = (weight file, stored name)`."""
+    """The checkpoint's tensors as transformers loads them into `model`: `targets[stored name] = (weight file,
+    the model tensor it becomes)` through transformers' renamings and conversions (`mapping`)."""
 
     path: Path
-    by_name: dict[str, tuple[str, str]]
+    model: torch.nn.Module
+    mapping: list
+    targets: dict[str, tuple[str, str]]
 
 
-def model_weight_map(source: SourceCheckpoint, model: torch.nn.Module) -> dict[str, tuple[str, str]]:
-    """The model's tensor name -> (weight file, stored name), through transformers' renamings of stored names
-    (a vision-language checkpoint's `language_model.model.` is the model's `model.language_model.`)."""
+def stored_weights(source: SourceCheckpoint, model: torch.nn.Module) -> StoredWeights:
+    """Where each model tensor comes from: a vision-language checkpoint's `language_model.model.` is the
+    model's `model.language_model.`; experts stored one by one become one fused tensor per layer."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, apply_renamings
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_converters, apply_renamings
 
-    renamings = [t for t in get_model_conversion_mapping(model) if type(t) is WeightRenaming]
-    return {apply_renamings(stored, renamings): (file, stored) for stored, file in source.weight_map.items()}
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    targets = {stored: (file, apply_converters(apply_renamings(stored, renamings), converters)[0])
+               for stored, file in source.weight_map.items()}
+    return StoredWeights(source.path, model, mapping, targets)
 
 
 def load_module(weights: StoredWeights, module: torch.nn.Module, prefix: str, device: torch.device) -> None:
-    """Assign `module`'s parameters from the tensors named `prefix.<param>` (cast to the skeleton's dtype)."""
-    wanted = {f"{prefix}.{name}": param for name, param in module.named_parameters()}
+    """Load `module` (named `prefix` in the model) from the checkpoint with transformers' own loader, as
+    `from_pretrained` does (renamed and fused tensors included), each parameter in the skeleton's dtype."""
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    dtypes = {name: param.dtype for name, param in module.named_parameters()}
     by_file: dict[str, list[str]] = {}
-    weight_map = weights.by_name
-    for tensor in sorted(wanted):
-        if tensor not in weight_map:
-            raise Fp8kvError(
-                f"{weights.path}: tensor {tensor!r} is not in the checkpoint under that name or one transformers renames to it "
-                "(experts stored one by one, which transformers fuses on load, are not read layer by layer); "
-                "layer-by-layer calibration needs it (use --no-layerwise)"
-            )
-        by_file.setdefault(weight_map[tensor][0], []).append(tensor)
-    values = {}
+    for stored, (file, target) in weights.targets.items():
+        if target.startswith(prefix + "."):
+            by_file.setdefault(file, []).append(stored)
+    state = {}
     for file, tensors in by_file.items():
         with safe_open(weights.path / file, framework="pt", device=str(device)) as handle:
-            for tensor in tensors:
-                values[tensor[len(prefix) + 1 :]] = handle.get_tensor(weight_map[tensor][1]).to(wanted[tensor].dtype)
-    for name, value in values.items():
-        owner, _, leaf = name.rpartition(".")
-        target = module.get_submodule(owner) if owner else module
-        target._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+            state.update({tensor: handle.get_tensor(tensor) for tensor in tensors})
+    config = LoadStateDictConfig(weight_mapping=weights.mapping, device_map={"": device})
+    convert_and_load_state_dict_in_model(weights.model, state, config)
+    missing = sorted(f"{prefix}.{name}" for name, param in module.named_parameters() if param.is_meta)
+    if missing:
+        raise Fp8kvError(
+            f"{weights.path}: tensor {missing[0]!r} is not in the checkpoint under a name transformers loads "
+            "it from; layer-by-layer calibration needs it (use --no-layerwise)"
+        )
+    for name, param in module.named_parameters():
+        if param.dtype != dtypes[name]:
+            owner, _, leaf = name.rpartition(".")
+            target = module.get_submodule(owner) if owner else module
+            target._parameters[leaf] = torch.nn.Parameter(param.to(dtypes[name]), requires_grad=False)
 
 
 class _Caught(Exception):

@@ -65,7 +65,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     "qwen4_exp": _QWEN_QSA, "qwen4_exp_text": _QWEN_QSA,
     "inkling_text": _INKLING, "inkling2_text": _INKLING, "inkling2_loop_text": _INKLING,
-    "mimo_v2_flash": {"v_head_dim": 8},  # V heads narrower than K heads, as in the released config
+    "mimo_v2_flash": {"v_head_dim": 8},
+    "mllama": {"cross_attention_layers": [1]},  # one of the two layers attends to the image  # V heads narrower than K heads, as in the released config
     "qwen2_vl": _MROPE, "qwen2_5_vl": _MROPE,  # mrope_section splits head_dim / 2 over (time, height, width)
     "falcon_h1": {"mamba_d_ssm": 128},
     "mamba2": {"num_heads": 8},
