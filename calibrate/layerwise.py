@@ -204,16 +204,17 @@ def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleLi
     return min(found, key=lambda entry: entry[:2])[2]
 
 
-_TOWER = re.compile(r"vision|visual|audio|projector|encoder")
+_TOWER = re.compile(r"vision|visual|audio|encoder")
 
 
 def outside(root: torch.nn.Module, layers: torch.nn.ModuleList) -> list[torch.nn.Module]:
-    """The submodules of `root` that hold every parameter the text forward needs outside `layers` (embeddings, norms)."""
+    """The submodules of `root` that hold every parameter not under `layers` (embeddings, norms, and towers, which
+    stay loaded too: the model's `device` is its first parameter's)."""
     inner = set(layers.modules())
     parts = []
-    for name, child in root.named_children():
-        if child is layers or (_TOWER.search(name) and not any(m in inner for m in child.modules())):
-            continue  # text-only calibration never runs an image or audio tower
+    for child in root.children():
+        if child is layers:
+            continue
         if any(m in inner for m in child.modules()):
             if child._parameters:
                 raise Fp8kvError(f"{type(child).__name__}: parameters next to the decoder layers; "
@@ -227,17 +228,17 @@ def outside(root: torch.nn.Module, layers: torch.nn.ModuleList) -> list[torch.nn
 def materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
     """Give non-persistent buffers (rotary inv_freq, embedding scales) their values, as from_pretrained does.
 
-    They are not in the checkpoint; the model's own `_init_weights` computes them from the config.
+    They are not in the checkpoint; transformers' `initialize_weights` computes them from the config,
+    each sub-model with its own `_init_weights` (a parent may fill its layers' buffers: Falcon-H1's
+    MuP vector). The parameters stay on meta, where initializing them does nothing.
     """
-    for module in model.modules():
-        own = [name for name in module._buffers if name in module._non_persistent_buffers_set]
-        if not own:
-            continue
-        for name in own:
-            module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
-        model._init_weights(module)
-        for name in own:
-            module._buffers[name] = module._buffers[name].to(device)
+    owned = [(module, name) for module in model.modules()
+             for name in module._buffers if name in module._non_persistent_buffers_set]
+    for module, name in owned:
+        module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+    model.initialize_weights()
+    for module, name in owned:
+        module._buffers[name] = module._buffers[name].to(device)
 
 
 @contextlib.contextmanager
