@@ -58,9 +58,9 @@ class AttentionGeometry:
         """
         whole = config_object(config, source)
         text = whole.get_text_config(decoder=True)
+        stored = _stored_text(config, whole, text, source)
         _refuse_unsupported(whole, text, source)
-        _require_keys(_stored_text(config, whole, text, source), text,
-                      ("num_hidden_layers", "num_attention_heads", "hidden_size"), source)
+        _require_keys(stored, text, ("num_hidden_layers", "num_attention_heads", "hidden_size"), source)
         model_type = str(getattr(text, "model_type", "") or config.get("model_type") or "")
         num_layers = _positive_int(text, "num_hidden_layers", source)
         per_layer = _per_layer_configs(text, num_layers)
@@ -223,7 +223,7 @@ _UNSUPPORTED_CACHES = {
 
 
 def _refuse_unsupported(whole: Any, text: Any, source: str) -> None:
-    if text.model_type in _UNSUPPORTED_CACHES:
+    if getattr(text, "model_type", None) in _UNSUPPORTED_CACHES:
         raise Fp8kvError(f"{source}: {text.model_type} is not supported: {_UNSUPPORTED_CACHES[text.model_type]}")
     cross = [i for i in getattr(text, "cross_attention_layers", None) or () if i < getattr(text, "num_hidden_layers", 0)]
     if cross:
