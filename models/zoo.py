@@ -65,8 +65,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     "qwen4_exp": _QWEN_QSA, "qwen4_exp_text": _QWEN_QSA,
     "inkling_text": _INKLING, "inkling2_text": _INKLING, "inkling2_loop_text": _INKLING,
-    "mimo_v2_flash": {"v_head_dim": 8},
-    "mllama": {"cross_attention_layers": [1]},  # one of the two layers attends to the image  # V heads narrower than K heads, as in the released config
+    "mimo_v2_flash": {"v_head_dim": 8},  # V heads narrower than K heads, as in the released config
+    "mllama": {"cross_attention_layers": [1]},  # one of the two layers attends to the image
     "qwen2_vl": _MROPE, "qwen2_5_vl": _MROPE,  # mrope_section splits head_dim / 2 over (time, height, width)
     "falcon_h1": {"mamba_d_ssm": 128},
     "mamba2": {"num_heads": 8},
@@ -77,7 +77,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
              "n_output_layers": 0},
     "gemma4_assistant": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0},
     # the causal-LM heads of encoder families, configured as the decoders AutoModelForCausalLM implies
-    "xlm": {"causal": True}, "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32]}, "xmod": {"default_language": "en_XX"},
+    "xlm": {"causal": True}, "xmod": {"default_language": "en_XX"},
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32]},
 }
 # Constructor arguments for configs whose own defaults fail their validation (an assistant's text config).
 _CONSTRUCTION: dict[str, dict[str, Any]] = {
