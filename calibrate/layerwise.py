@@ -1,17 +1,19 @@
 """Layer-by-layer observation: calibrate a model that does not fit in memory.
 
-The causal LM is built on the meta device (no weight is allocated). The embeddings of every
-batch are computed first; then one decoder layer at a time is read straight from the
-safetensors files (only that layer's tensors), every batch's hidden states go through it while
-the observing attention folds K/V into the statistics, and the layer goes back to meta.
-Peak memory is about one layer plus the hidden states (kept in memory, or spilled to a
-memory-mapped file when they do not fit).
+The causal LM is built on the meta device (no weight is allocated). Everything outside the
+decoder layers (embeddings, norms, a vision-language wrapper's towers) is loaded and stays; the
+embeddings of every batch are computed first; then one decoder layer at a time is read from the
+safetensors files with transformers' own loader (only that layer's tensors, renamed and fused as
+`from_pretrained` does: MoE experts stored one by one), every batch's hidden states go through it
+while the observing cache folds K/V into the statistics, and the layer goes back to meta. Peak
+memory is about one layer plus the embeddings plus the hidden states (kept in memory, or spilled
+to a memory-mapped file when they do not fit).
 
-Each layer receives exactly what the whole model would pass it: the model's own forward runs
-on the skeleton with every decoder layer replaced by a catcher, so masks (causal, sliding
-window, per-layer attention type), rotary embeddings and embedding scaling come from the
-model's code, not from a re-implementation. Batches are the same as the whole-model path's,
-so the statistics, and the scales, are bit-identical.
+Each layer receives exactly what the whole model would pass it: the model's own forward runs on
+the batch's tokens with every decoder layer replaced by a catcher, so masks (causal, sliding
+window, per-layer attention type), rotary and position embeddings, per-layer inputs (Gemma 3n)
+and embedding scaling come from the model's code, not from a re-implementation. Batches are the
+same as the whole-model path's, so the statistics, and the scales, are bit-identical.
 """
 
 from __future__ import annotations
