@@ -212,15 +212,15 @@ _TOWER = re.compile(r"vision|visual|audio|encoder")
 def outside(root: torch.nn.Module, layers: torch.nn.ModuleList) -> list[torch.nn.Module]:
     """The submodules of `root` that hold every parameter not under `layers` (embeddings, norms, and towers, which
     stay loaded too: the model's `device` is its first parameter's)."""
+    if root._parameters:  # loading them by name would load everything under `root`, the layers included
+        raise Fp8kvError(f"{type(root).__name__}: parameters next to the decoder layers; "
+                         "layer-by-layer calibration cannot load them (use --no-layerwise)")
     inner = set(layers.modules())
     parts = []
     for child in root.children():
         if child is layers:
             continue
         if any(m in inner for m in child.modules()):
-            if child._parameters:
-                raise Fp8kvError(f"{type(child).__name__}: parameters next to the decoder layers; "
-                                 "layer-by-layer calibration cannot load them (use --no-layerwise)")
             parts.extend(outside(child, layers))
         else:
             parts.append(child)
