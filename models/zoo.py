@@ -84,7 +84,10 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
 _CONSTRUCTION: dict[str, dict[str, Any]] = {
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
 }
-_MULTIMODAL_TOWERS = ("vision_config", "audio_config", "vq_config", "speech_config")
+# Tower settings a composite config validates against the tiny text model (dots3: adapters into its width).
+_TOWER_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
+    "dots3_note": {"vision_config": {"adapter_out_dim": 64}, "audio_config": {"adapter_out_dim": 64}},
+}
 
 
 # Vision-language wrappers transformers does not list as causal LMs, judged with them.
@@ -112,6 +115,8 @@ def tiny_config(model_type: str, vocab_size: int, tokenizer: Any):
         if getattr(config, name, None) is getattr(config, "text_config", None) and name in data:
             data[name] = {**data[name], **values}
     data.update({k: v for k, v in values.items() if k in ("vocab_size",) and "vocab_size" in data})
+    for name, tower in _TOWER_OVERRIDES.get(model_type, {}).items():
+        data[name] = {**data[name], **tower}
     return type(config).from_dict(data)
 
 
