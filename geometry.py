@@ -208,23 +208,31 @@ def _per_layer_configs(text: Any, num_layers: int) -> list[Any]:
     return list(text.per_layer_config)
 
 
-# Caches that hold something other than one K/V pair per decoder layer, or none, by model_type.
-_UNSUPPORTED_CACHES = {
+# Architectures whose cache holds something other than one K/V pair per decoder layer (or nothing), or whose
+# decoder does not read text, by model_type: what stops fp8kv.
+_AUDIO_CODES = ("its decoder reads and predicts num_codebooks parallel streams of audio codes conditioned on a text "
+                "encoder, not text, so text calibration data does not exercise it")
+_UNSUPPORTED = {
+    "musicgen": _AUDIO_CODES,
+    "musicgen_melody": _AUDIO_CODES,
     "openai-gpt": "its transformers model keeps no KV cache (its forward takes none), so no scale would apply",
     "deepseek_v4": "each layer caches one shared K=V head over a sliding window plus compressed entries for older "
                    "tokens (compressor states), which fp8kv neither observes nor verifies",
     "reformer": "its cache holds each layer's hidden states and LSH bucket ids, not K/V",
     "xlnet": "it keeps a memory of hidden states (mems), not a K/V cache",
-    "blt": "its local encoder and global transformer write one cache under the same layer indices, and its "
-           "local decoder caches cross-attention K/V of the patches",
+    "blt": "it runs three transformer stacks (a byte-level local encoder and local decoder, each caching its K/V "
+           "in its own cache from layer 0, and an uncached patch-level global transformer), while a checkpoint has "
+           "one scale per layer index",
     "hrm_text": "each decoder layer runs in several recurrent cycles, each caching its K/V under its own cache "
                 "slot, while a checkpoint has one scale per layer",
 }
 
 
 def _refuse_unsupported(whole: Any, text: Any, source: str) -> None:
-    if getattr(text, "model_type", None) in _UNSUPPORTED_CACHES:
-        raise Fp8kvError(f"{source}: {text.model_type} is not supported: {_UNSUPPORTED_CACHES[text.model_type]}")
+    model_type = getattr(whole, "model_type", None)
+    model_type = model_type if model_type in _UNSUPPORTED else getattr(text, "model_type", None)
+    if model_type in _UNSUPPORTED:
+        raise Fp8kvError(f"{source}: {model_type} is not supported: {_UNSUPPORTED[model_type]}")
     cross = [i for i in getattr(text, "cross_attention_layers", None) or () if i < getattr(text, "num_hidden_layers", 0)]
     if cross:
         raise Fp8kvError(
