@@ -120,7 +120,7 @@ def observe_layerwise(
         del firsts
         returns = 0
         for index in range(last + 1):
-            with loaded(weights, [layers[index]], names, device):
+            with loaded(weights, [(layers[index], True)], names, device):
                 for i, batch in enumerate(batches):
                     returns = run_layer(base, layers, index, batch, store, i, statistics, observed, device, returns)
                     done += batch.input_ids.shape[0]
@@ -188,8 +188,8 @@ def resolve_dtype(source: SourceCheckpoint, config: Any, dtype: str) -> torch.dt
     return torch.get_default_dtype()
 
 
-# Names of the decoder layer list: `layers` (llama), `h` (gpt2, falcon, bloom), `blocks`.
-_LAYER_LISTS = ("layers", "h", "blocks")
+# Names of the decoder layer list: `layers` (llama), `h` (gpt2, falcon, bloom), `blocks`, `layer` (BERT's encoder).
+_LAYER_LISTS = ("layers", "h", "blocks", "layer")
 
 
 def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
@@ -206,24 +206,22 @@ def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleLi
     return min(found, key=lambda entry: entry[:2])[2]
 
 
-_TOWER = re.compile(r"vision|visual|audio|encoder")
+_TOWER = re.compile(r"vision|visual|audio")
 
 
-def outside(root: torch.nn.Module, layers: torch.nn.ModuleList) -> list[torch.nn.Module]:
-    """The submodules of `root` that hold every parameter not under `layers` (embeddings, norms, and towers, which
-    stay loaded too: the model's `device` is its first parameter's)."""
-    if root._parameters:  # loading them by name would load everything under `root`, the layers included
-        raise Fp8kvError(f"{type(root).__name__}: parameters next to the decoder layers; "
-                         "layer-by-layer calibration cannot load them (use --no-layerwise)")
+def outside(root: torch.nn.Module, layers: torch.nn.ModuleList) -> list[tuple[torch.nn.Module, bool]]:
+    """(module, whole subtree?) pairs that hold every parameter not under `layers`: embeddings, norms, towers
+    (which stay loaded too: the model's `device` is its first parameter's), and the own parameters of the
+    modules that contain the layers (LLaVA-NeXT's image_newline)."""
     inner = set(layers.modules())
-    parts = []
+    parts = [(root, False)] if root._parameters else []
     for child in root.children():
         if child is layers:
             continue
         if any(m in inner for m in child.modules()):
             parts.extend(outside(child, layers))
         else:
-            parts.append(child)
+            parts.append((child, True))
     return parts
 
 
@@ -245,16 +243,18 @@ def materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
 
 @contextlib.contextmanager
 def loaded(
-    weights: StoredWeights, modules: list[torch.nn.Module], names: dict[torch.nn.Module, str], device: torch.device
+    weights: StoredWeights, parts: list[tuple[torch.nn.Module, bool]], names: dict[torch.nn.Module, str],
+    device: torch.device,
 ) -> Iterator[None]:
-    """Read `modules`' parameters from the checkpoint onto `device`; put them back on meta afterwards."""
-    for module in modules:
-        load_module(weights, module, names[module], device)
+    """Read the parameters of `parts` ((module, its whole subtree or only its own)) from the checkpoint onto
+    `device`; put them back on meta afterwards."""
+    for module, subtree in parts:
+        load_module(weights, module, names[module], device, subtree)
     try:
         yield
     finally:
-        for module in modules:
-            for sub in module.modules():
+        for module, subtree in parts:
+            for sub in module.modules() if subtree else [module]:
                 for name, param in list(sub._parameters.items()):
                     if param is not None:
                         sub._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=False)
@@ -285,16 +285,19 @@ def stored_weights(source: SourceCheckpoint, model: torch.nn.Module) -> StoredWe
     return StoredWeights(source.path, model, mapping, targets)
 
 
-def load_module(weights: StoredWeights, module: torch.nn.Module, prefix: str, device: torch.device) -> None:
-    """Load `module` (named `prefix` in the model) from the checkpoint with transformers' own loader, as
-    `from_pretrained` does (renamed and fused tensors included), each parameter in the skeleton's dtype."""
+def load_module(weights: StoredWeights, module: torch.nn.Module, prefix: str, device: torch.device,
+                subtree: bool = True) -> None:
+    """Load `module` (named `prefix` in the model; with `subtree` False only its own parameters) from the
+    checkpoint with transformers' own loader, as `from_pretrained` does (renamed and fused tensors included),
+    each parameter in the skeleton's dtype."""
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
-    dtypes = {name: param.dtype for name, param in module.named_parameters()}
+    dtypes = {name: param.dtype for name, param in module.named_parameters(recurse=subtree)}
+    own = {f"{prefix}.{name}" for name in dtypes}
     by_file: dict[str, list[str]] = {}
     for stored, (file, target) in weights.targets.items():
-        if target.startswith(prefix + "."):
+        if target in own or (subtree and target.startswith(prefix + ".")):
             by_file.setdefault(file, []).append(stored)
     state = {}
     for file, tensors in by_file.items():
@@ -302,13 +305,13 @@ def load_module(weights: StoredWeights, module: torch.nn.Module, prefix: str, de
             state.update({tensor: handle.get_tensor(tensor) for tensor in tensors})
     config = LoadStateDictConfig(weight_mapping=weights.mapping, device_map={"": device})
     convert_and_load_state_dict_in_model(weights.model, state, config)
-    missing = sorted(f"{prefix}.{name}" for name, param in module.named_parameters() if param.is_meta)
+    missing = sorted(f"{prefix}.{name}" for name, param in module.named_parameters(recurse=subtree) if param.is_meta)
     if missing:
         raise Fp8kvError(
             f"{weights.path}: tensor {missing[0]!r} is not in the checkpoint under a name transformers loads "
             "it from; layer-by-layer calibration needs it (use --no-layerwise)"
         )
-    for name, param in module.named_parameters():
+    for name, param in module.named_parameters(recurse=subtree):
         if param.dtype != dtypes[name]:
             owner, _, leaf = name.rpartition(".")
             target = module.get_submodule(owner) if owner else module
