@@ -38,8 +38,9 @@ REPRESENTATIVE = (
     "qwen2_moe", "jamba", "bamba", "deepseek_v3", "bart", "mamba", "llava", "gemma4_text", "minimax",
     "zamba2", "nemotron_h", "inkling_text", "xlnet",
 )
-# Layer by layer against the whole model: the usual layouts, GPT-2's `h`, hybrids, vision-language wrappers, MoE.
-LAYERWISE = ("llama", "gpt2", "gemma3_text", "mixtral", "jamba", "bamba", "falcon_h1", "qwen3_next", "llava",
+# Layer by layer against the whole model: the usual layouts, GPT-2's `h`, BERT's `encoder.layer`, hybrids,
+# vision-language wrappers, MoE.
+LAYERWISE = ("llama", "gpt2", "bert", "gemma3_text", "mixtral", "jamba", "bamba", "falcon_h1", "qwen3_next", "llava",
              "idefics3", "gemma4_text")
 EXACT, TOLERANCE, REFUSED, FAILING = "exact", "within tolerance", "refused", "failing"
 
