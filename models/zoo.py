@@ -80,9 +80,13 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "xlm": {"causal": True}, "xmod": {"default_language": "en_XX"},
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32]},
 }
-# Constructor arguments for configs whose own defaults fail their validation (an assistant's text config).
+# Constructor arguments for configs whose own defaults fail their validation (an assistant's text config)
+# or cannot build a model (Emu3 without its image-token map).
 _CONSTRUCTION: dict[str, dict[str, Any]] = {
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
+    # Emu3 maps its image tokens into the text vocabulary; the tiny one puts them at the end of it
+    "emu3": {"vocabulary_map": {"<|extra_200|>": 509, "<image>": 510,
+                                **{f"<|visual token {i:06d}|>": 500 + i for i in range(8)}}},
 }
 # Tower settings a composite config validates against the tiny text model (dots3: adapters into its width).
 _TOWER_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
