@@ -78,6 +78,8 @@ class AttentionGeometry:
     shared_kv_sources: tuple[tuple[int, int], ...] = ()
     # multi-head latent attention: every cache layer stores one latent vector per token, not K and V
     latent: LatentCache | None = None
+    # V's head_dim where it differs from K's (MiMo-V2-Flash: 192 for K, 128 for V); None: the same
+    v_head_dim: int | None = None
 
     @property
     def skipped_layers(self) -> tuple[int, ...]:
@@ -99,9 +101,11 @@ class AttentionGeometry:
         The config class applies its attribute maps (gpt2's n_layer, n_head), its defaults and its
         derived fields (multi-query KV heads, per-layer overrides), exactly as the model will see them.
         """
-        text = text_config(config, source)
-        _refuse_unsupported(text, source)
-        _require_keys(config, text, ("num_hidden_layers", "num_attention_heads", "hidden_size"), source)
+        whole = config_object(config, source)
+        text = whole.get_text_config(decoder=True)
+        stored = _stored_text(config, whole, text, source)
+        _refuse_unsupported(whole, text, source)
+        _require_keys(stored, text, ("num_hidden_layers", "num_attention_heads", "hidden_size"), source)
         model_type = str(getattr(text, "model_type", "") or config.get("model_type") or "")
         num_layers = _positive_int(text, "num_hidden_layers", source)
         per_layer = _per_layer_configs(text, num_layers)
@@ -113,9 +117,13 @@ class AttentionGeometry:
         if latent is None:
             kv_heads = tuple(_kv_heads(layer, num_heads, source) for layer in per_layer)
             head_dims = tuple(_head_dim(layer, hidden_size, num_heads, source) for layer in per_layer)
+            kv_heads, head_dims = _sliding_layer_sizes(text, kv_heads, head_dims, source)
         else:  # the latent is one "head" of width kv_lora_rank + qk_rope_head_dim
             kv_heads, head_dims = (1,) * num_layers, (latent.width,) * num_layers
         kv_layers = tuple(i for i in range(num_layers) if owns_cache[i])
+        if not kv_layers and getattr(text, "num_kv_shared_layers", 0) == num_layers:
+            raise Fp8kvError(f"{source}: every layer attends over another model's K/V (num_kv_shared_layers = "
+                             "num_hidden_layers, a speculative-decoding assistant): it owns no K/V cache to scale")
         if not kv_layers:
             raise Fp8kvError(f"{source}: no layer owns a K/V cache (layer types {sorted(set(kinds))})")
         for i in kv_layers:
@@ -139,6 +147,7 @@ class AttentionGeometry:
             head_dim_per_layer=head_dims,
             shared_kv_sources=_shared_kv_sources(text, num_layers, source),
             latent=latent,
+            v_head_dim=None if latent else _optional_int(text, "v_head_dim", source) or None,
         )
 
     @classmethod
@@ -217,13 +226,25 @@ def _shared_kv_sources(text: Any, num_layers: int, source: str) -> tuple[tuple[i
     return tuple(pairs)
 
 
-def _require_keys(config: dict[str, Any], text: Any, keys: tuple[str, ...], source: str) -> None:
-    """The config class would fill a missing size with its default; a checkpoint must state it."""
-    raw = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    if "text_config" in config and not isinstance(config["text_config"], dict):
-        raise Fp8kvError(f"{source}: 'text_config' must be an object")
+def _stored_text(config: dict[str, Any], whole: Any, text: Any, source: str) -> dict[str, Any]:
+    """The part of config.json the decoder's config was read from (`text_config`, musicgen's `decoder`, or all)."""
+    for name in getattr(whole, "sub_configs", {}):
+        if getattr(whole, name, None) is text and name in config:
+            if not isinstance(config[name], dict):
+                raise Fp8kvError(f"{source}: '{name}' must be an object")
+            return config[name]
+    return config
+
+
+def _require_keys(raw: dict[str, Any], text: Any, keys: tuple[str, ...], source: str) -> None:
+    """The config class would fill a missing size with its default; a checkpoint must state it.
+
+    A size the config class derives from other keys (nemotron_h's layer count from its layer pattern) is stated.
+    """
     stored_as = getattr(text, "attribute_map", {})  # e.g. gpt2: num_hidden_layers is stored as n_layer
     for key in keys:
+        if isinstance(getattr(type(text), key, None), property):
+            continue
         if key not in raw and stored_as.get(key) not in raw:
             if key == "num_attention_heads" and not hasattr(text, key):
                 raise Fp8kvError(f"{source}: {text.model_type} has no attention layers, so no K/V cache to scale")
@@ -237,10 +258,45 @@ def _per_layer_configs(text: Any, num_layers: int) -> list[Any]:
     return list(text.per_layer_config)
 
 
-def _refuse_unsupported(text: Any, source: str) -> None:
-    if getattr(text, "is_encoder_decoder", False):
+# Architectures whose cache holds something other than one K/V pair per decoder layer (or nothing), or whose
+# decoder does not read text, by model_type: what stops fp8kv.
+_AUDIO_CODES = ("its decoder reads and predicts num_codebooks parallel streams of audio codes conditioned on a text "
+                "encoder, not text, so text calibration data does not exercise it")
+_UNSUPPORTED = {
+    "musicgen": _AUDIO_CODES,
+    "musicgen_melody": _AUDIO_CODES,
+    "openai-gpt": "its transformers model keeps no KV cache (its forward takes none), so no scale would apply",
+    "deepseek_v4": "each layer caches one shared K=V head over a sliding window plus compressed entries for older "
+                   "tokens (compressor states), which fp8kv neither observes nor verifies",
+    "reformer": "its cache holds each layer's hidden states and LSH bucket ids, not K/V",
+    "xlnet": "it keeps a memory of hidden states (mems), not a K/V cache",
+    "blt": "it runs three transformer stacks (a byte-level local encoder and local decoder, each caching its K/V "
+           "in its own cache from layer 0, and an uncached patch-level global transformer), while a checkpoint has "
+           "one scale per layer index",
+    "hrm_text": "each decoder layer runs in several recurrent cycles, each caching its K/V under its own cache "
+                "slot, while a checkpoint has one scale per layer",
+}
+
+
+def _refuse_unsupported(whole: Any, text: Any, source: str) -> None:
+    model_type = getattr(whole, "model_type", None)
+    model_type = model_type if model_type in _UNSUPPORTED else getattr(text, "model_type", None)
+    if model_type in _UNSUPPORTED:
+        raise Fp8kvError(f"{source}: {model_type} is not supported: {_UNSUPPORTED[model_type]}")
+    cross = [i for i in getattr(text, "cross_attention_layers", None) or () if i < getattr(text, "num_hidden_layers", 0)]
+    if cross:
         raise Fp8kvError(
-            f"{source}: {text.model_type} is an encoder-decoder model: its decoder also caches cross-attention "
+            f"{source}: cross-attention layers {cross} are not supported: they cache K/V of the image (the vision "
+            "encoder's output), which calibration on text never produces"
+        )
+    if getattr(text, "recurrent_kv_cache_mode", None) == "per_loop" and getattr(text, "n_recurrent_layers", 0):
+        raise Fp8kvError(
+            f"{source}: recurrent_kv_cache_mode 'per_loop' is not supported: each loop over the recurrent layers "
+            "caches its K/V in extra cache layers after the model's own, while a checkpoint has one scale per layer"
+        )
+    if getattr(text, "is_encoder_decoder", False) or getattr(whole, "is_encoder_decoder", False):
+        raise Fp8kvError(
+            f"{source}: {whole.model_type} is an encoder-decoder model: its decoder also caches cross-attention "
             "K/V of the encoder output, which fp8kv neither observes nor verifies"
         )
 
@@ -290,6 +346,31 @@ def _kv_heads(config: Any, num_heads: int, source: str) -> int:
         if getattr(config, key, None) is not None:
             return _positive_int(config, key, source)
     return num_heads
+
+
+# Sliding-window layers whose attention code multiplies the config's KV heads (MiMo-V2-Flash doubles them).
+_SLIDING_KV_HEADS_FACTOR = {"mimo_v2_flash": 2}
+
+
+def _sliding_layer_sizes(text: Any, kv_heads: tuple[int, ...], head_dims: tuple[int, ...],
+                         source: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """KV heads and head_dim per layer, with the sizes the model's sliding-window layers use where they differ.
+
+    Inkling states them as swa_num_key_value_heads / swa_head_dim; MiMo-V2-Flash's attention code
+    doubles the KV heads of its sliding layers.
+    """
+    types = list(getattr(text, "layer_types", None) or ())
+    sliding = [i for i, kind in enumerate(types) if kind in ("sliding_attention", "hybrid_sliding")]
+    factor = _SLIDING_KV_HEADS_FACTOR.get(text.model_type, 1)
+    if not sliding or (factor == 1 and getattr(text, "swa_num_key_value_heads", None) is None):
+        return kv_heads, head_dims
+    heads, dims = list(kv_heads), list(head_dims)
+    for i in sliding:
+        if getattr(text, "swa_num_key_value_heads", None) is not None:
+            heads[i] = _positive_int(text, "swa_num_key_value_heads", source)
+            dims[i] = _positive_int(text, "swa_head_dim", source, default=dims[i])
+        heads[i] *= factor
+    return tuple(heads), tuple(dims)
 
 
 def _head_dim(config: Any, hidden_size: int, num_heads: int, source: str) -> int:

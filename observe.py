@@ -86,6 +86,10 @@ class KVStatistics:
             self.hist[layer, kind, :heads] += _histogram(bits, keep)
         self.tokens[layer] += key.shape[0] * key.shape[2] if valid is None else valid.sum().to(self.tokens.device)
 
+    @property
+    def num_layers(self) -> int:
+        return self.amax.shape[0]
+
     def merge(self, other: KVStatistics) -> None:
         """Fold another partial result in (max of amax, sum of counts)."""
         self.amax = torch.maximum(self.amax, other.amax.to(self.amax.device))
@@ -200,6 +204,12 @@ def observing_cache(model: torch.nn.Module, step: ObservationStep):
                 fold_latent(step, layer_idx, key_states, value_states, latent)
             elif layer_idx in step.layers:
                 step.statistics.fold(layer_idx, key_states, value_states, step.valid)
+            elif layer_idx >= step.statistics.num_layers:
+                raise Fp8kvError(
+                    f"the forward cached K/V under cache layer {layer_idx}, past the config's "
+                    f"{step.statistics.num_layers} layers (a layer run more than once per token, each run with its "
+                    "own cache); a checkpoint has one scale per layer, so fp8kv cannot scale it"
+                )
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     return new_cache(ObservingCache, model)

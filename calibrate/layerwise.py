@@ -1,17 +1,19 @@
 """Layer-by-layer observation: calibrate a model that does not fit in memory.
 
-The causal LM is built on the meta device (no weight is allocated). The embeddings of every
-batch are computed first; then one decoder layer at a time is read straight from the
-safetensors files (only that layer's tensors), every batch's hidden states go through it while
-the observing attention folds K/V into the statistics, and the layer goes back to meta.
-Peak memory is about one layer plus the hidden states (kept in memory, or spilled to a
-memory-mapped file when they do not fit).
+The causal LM is built on the meta device (no weight is allocated). Everything outside the
+decoder layers (embeddings, norms, a vision-language wrapper's towers) is loaded and stays; the
+embeddings of every batch are computed first; then one decoder layer at a time is read from the
+safetensors files with transformers' own loader (only that layer's tensors, renamed and fused as
+`from_pretrained` does: MoE experts stored one by one), every batch's hidden states go through it
+while the observing cache folds K/V into the statistics, and the layer goes back to meta. Peak
+memory is about one layer plus the embeddings plus the hidden states (kept in memory, or spilled
+to a memory-mapped file when they do not fit).
 
-Each layer receives exactly what the whole model would pass it: the model's own forward runs
-on the skeleton with every decoder layer replaced by a catcher, so masks (causal, sliding
-window, per-layer attention type), rotary embeddings and embedding scaling come from the
-model's code, not from a re-implementation. Batches are the same as the whole-model path's,
-so the statistics, and the scales, are bit-identical.
+Each layer receives exactly what the whole model would pass it: the model's own forward runs on
+the batch's tokens with every decoder layer replaced by a catcher, so masks (causal, sliding
+window, per-layer attention type), rotary and position embeddings, per-layer inputs (Gemma 3n)
+and embedding scaling come from the model's code, not from a re-implementation. Batches are the
+same as the whole-model path's, so the statistics, and the scales, are bit-identical.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import contextlib
 import itertools
 import math
 import os
+import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,11 +33,11 @@ from safetensors import safe_open
 
 from fp8kv.calibrate.distributed import shard_batches
 from fp8kv.calibrate.request import CalibrationRequest
-from fp8kv.checkpoint.load import MODEL_DTYPES, model_class
+from fp8kv.checkpoint.load import MODEL_DTYPES, cache_kwargs, model_class
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.data import Batch, CalibrationData, make_batches, pad_id
 from fp8kv.errors import Fp8kvError
-from fp8kv.observe import KVStatistics, ObservationStep, Progress, cache_kwargs, observing_cache
+from fp8kv.observe import KVStatistics, ObservationStep, Progress, observing_cache
 from fp8kv.runtime.device import resolve_device
 
 # Whole-model loading is chosen while the weights take at most this share of available memory.
@@ -97,8 +101,9 @@ def observe_layerwise(
     """
     device = resolve_device(request.device, torch_only=True).device
     model = build_skeleton(source, request.dtype, request.trust_remote_code)
-    base, layers = model.base_model, decoder_layers(model)
+    base, layers = model.base_model, decoder_layers(model, source.geometry.num_layers)
     names = {module: name for name, module in model.named_modules()}
+    weights = stored_weights(source, model)
     materialize_buffers(model, device)
     batches = shard_batches(make_batches(data.samples, request.batch_size, pad_id(tokenizer)))
     last = max(source.geometry.kv_layers, default=-1)  # layers after the last cache-owning one never matter
@@ -106,16 +111,18 @@ def observe_layerwise(
     observed = frozenset(source.geometry.kv_layers)
     total = sum(batch.input_ids.shape[0] for batch in batches) * (last + 1)
     done = 0
-    with torch.no_grad(), _spill_dir(request.out) as spill_root:
-        with loaded(source, [m for m in base.children() if m is not layers], names, device):
-            firsts = [capture(base, layers, 0, input_ids=b.input_ids.to(device), attention_mask=b.attention_mask.to(device))
-                      for b in batches]
+    # Embeddings and the like stay loaded: every layer's arguments are computed from them (GPT-2's position
+    # embeddings, Gemma 3n's per-layer inputs), as in the whole model's forward.
+    with torch.no_grad(), _spill_dir(request.out) as spill_root, loaded(weights, outside(base, layers), names, device):
+        firsts = [capture(base, layers, 0, input_ids=b.input_ids.to(device), attention_mask=b.attention_mask.to(device))
+                  for b in batches]
         store = HiddenStates([h for h, _, _ in firsts], spill, spill_root, device, _largest_layer(source))
         del firsts
+        returns = 0
         for index in range(last + 1):
-            with loaded(source, [layers[index]], names, device):
+            with loaded(weights, [(layers[index], True)], names, device):
                 for i, batch in enumerate(batches):
-                    run_layer(base, layers, index, batch, store, i, statistics, observed, device)
+                    returns = run_layer(base, layers, index, batch, store, i, statistics, observed, device, returns)
                     done += batch.input_ids.shape[0]
                     if progress is not None:
                         progress(done, total)
@@ -132,16 +139,23 @@ def run_layer(
     statistics: KVStatistics,
     observed: frozenset[int],
     device: torch.device,
-) -> None:
-    """Run batch `slot`'s hidden states through `layers[index]`, folding its K/V, and store the output."""
+    returns: int = 0,
+) -> int:
+    """Run batch `slot`'s hidden states through `layers[index]`, folding its K/V, and store the output.
+
+    The layer's arguments come from the model's forward on the batch's tokens; `returns` is how many
+    values a decoder layer returns (0: a tensor), which the skipped earlier layers imitate. Returns it.
+    """
     mask = batch.attention_mask.to(device)
     hidden = store.get(slot, device)  # [batch, seq, hidden]
     valid = mask.bool()
     step = ObservationStep(statistics, None if bool(valid.all()) else valid, observed)
     cache = observing_cache(base, step)
-    _, args, kwargs = capture(base, layers, index, inputs_embeds=hidden, attention_mask=mask, **cache_kwargs(base, cache))
+    _, args, kwargs = capture(base, layers, index, returns, input_ids=batch.input_ids.to(device), attention_mask=mask,
+                              **cache_kwargs(base, cache))
     out = layers[index](hidden, *args, **kwargs)
     store.put(slot, out[0] if isinstance(out, tuple) else out)
+    return len(out) if isinstance(out, tuple) else 0
 
 
 def build_skeleton(source: SourceCheckpoint, dtype: str, trust_remote_code: bool) -> torch.nn.Module:
@@ -174,71 +188,134 @@ def resolve_dtype(source: SourceCheckpoint, config: Any, dtype: str) -> torch.dt
     return torch.get_default_dtype()
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The base model's decoder layers (`base_model.layers`)."""
-    layers = getattr(model.base_model, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
+# Names of the decoder layer list: `layers` (llama), `h` (gpt2, falcon, bloom), `blocks`, `layer` (BERT's encoder).
+_LAYER_LISTS = ("layers", "h", "blocks", "layer")
+
+
+def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
+    """The decoder layers: the base model's `num_layers`-long layer list, nearest the base model first
+    (`layers`, gpt2's `h`, a vision-language wrapper's `language_model.layers`)."""
+    found = [(name.count("."), name, module) for name, module in model.base_model.named_modules()
+             if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers
+             and name.rpartition(".")[2] in _LAYER_LISTS and not _TOWER.search(name)]
+    if not found:
         raise Fp8kvError(
-            f"{type(model).__name__}: no `layers` list of decoder layers on the base model; "
+            f"{type(model).__name__}: no list of {num_layers} decoder layers on the base model; "
             "layer-by-layer calibration cannot run it (use --no-layerwise)"
         )
-    return layers
+    return min(found, key=lambda entry: entry[:2])[2]
+
+
+_TOWER = re.compile(r"vision|visual|audio")
+
+
+def outside(root: torch.nn.Module, layers: torch.nn.ModuleList) -> list[tuple[torch.nn.Module, bool]]:
+    """(module, whole subtree?) pairs that hold every parameter not under `layers`: embeddings, norms, towers
+    (which stay loaded too: the model's `device` is its first parameter's), and the own parameters of the
+    modules that contain the layers (LLaVA-NeXT's image_newline)."""
+    inner = set(layers.modules())
+    parts = [(root, False)] if root._parameters else []
+    for child in root.children():
+        if child is layers:
+            continue
+        if any(m in inner for m in child.modules()):
+            parts.extend(outside(child, layers))
+        else:
+            parts.append((child, True))
+    return parts
 
 
 def materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
     """Give non-persistent buffers (rotary inv_freq, embedding scales) their values, as from_pretrained does.
 
-    They are not in the checkpoint; the model's own `_init_weights` computes them from the config.
+    They are not in the checkpoint; transformers' `initialize_weights` computes them from the config,
+    each sub-model with its own `_init_weights` (a parent may fill its layers' buffers: Falcon-H1's
+    MuP vector). The parameters stay on meta, where initializing them does nothing.
     """
-    for module in model.modules():
-        own = [name for name in module._buffers if name in module._non_persistent_buffers_set]
-        if not own:
-            continue
-        for name in own:
-            module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
-        model._init_weights(module)
-        for name in own:
-            module._buffers[name] = module._buffers[name].to(device)
+    owned = [(module, name) for module in model.modules()
+             for name in module._buffers if name in module._non_persistent_buffers_set]
+    for module, name in owned:
+        module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+    model.initialize_weights()
+    for module, name in owned:
+        module._buffers[name] = module._buffers[name].to(device)
 
 
 @contextlib.contextmanager
 def loaded(
-    source: SourceCheckpoint, modules: list[torch.nn.Module], names: dict[torch.nn.Module, str], device: torch.device
+    weights: StoredWeights, parts: list[tuple[torch.nn.Module, bool]], names: dict[torch.nn.Module, str],
+    device: torch.device,
 ) -> Iterator[None]:
-    """Read `modules`' parameters from the checkpoint onto `device`; put them back on meta afterwards."""
-    for module in modules:
-        load_module(source, module, names[module], device)
+    """Read the parameters of `parts` ((module, its whole subtree or only its own)) from the checkpoint onto
+    `device`; put them back on meta afterwards."""
+    for module, subtree in parts:
+        load_module(weights, module, names[module], device, subtree)
     try:
         yield
     finally:
-        for module in modules:
-            for sub in module.modules():
+        for module, subtree in parts:
+            for sub in module.modules() if subtree else [module]:
                 for name, param in list(sub._parameters.items()):
                     if param is not None:
                         sub._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=False)
 
 
-def load_module(source: SourceCheckpoint, module: torch.nn.Module, prefix: str, device: torch.device) -> None:
-    """Assign `module`'s parameters from the tensors named `prefix.<param>` (cast to the skeleton's dtype)."""
-    wanted = {f"{prefix}.{name}": param for name, param in module.named_parameters()}
+@dataclass(frozen=True)
+class StoredWeights:
+    """The checkpoint's tensors as transformers loads them into `model`: `targets[stored name] = (weight file,
+    the model tensor it becomes)` through transformers' renamings and conversions (`mapping`)."""
+
+    path: Path
+    model: torch.nn.Module
+    mapping: list
+    targets: dict[str, tuple[str, str]]
+
+
+def stored_weights(source: SourceCheckpoint, model: torch.nn.Module) -> StoredWeights:
+    """Where each model tensor comes from: a vision-language checkpoint's `language_model.model.` is the
+    model's `model.language_model.`; experts stored one by one become one fused tensor per layer."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_converters, apply_renamings
+
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    targets = {stored: (file, apply_converters(apply_renamings(stored, renamings), converters)[0])
+               for stored, file in source.weight_map.items()}
+    return StoredWeights(source.path, model, mapping, targets)
+
+
+def load_module(weights: StoredWeights, module: torch.nn.Module, prefix: str, device: torch.device,
+                subtree: bool = True) -> None:
+    """Load `module` (named `prefix` in the model; with `subtree` False only its own parameters) from the
+    checkpoint with transformers' own loader, as `from_pretrained` does (renamed and fused tensors included),
+    each parameter in the skeleton's dtype."""
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    dtypes = {name: param.dtype for name, param in module.named_parameters(recurse=subtree)}
+    own = {f"{prefix}.{name}" for name in dtypes}
     by_file: dict[str, list[str]] = {}
-    weight_map = source.weight_map
-    for tensor in sorted(wanted):
-        if tensor not in weight_map:
-            raise Fp8kvError(
-                f"{source.path}: tensor {tensor!r} is not in the checkpoint under the model's own name; "
-                "layer-by-layer calibration needs it (use --no-layerwise)"
-            )
-        by_file.setdefault(weight_map[tensor], []).append(tensor)
-    values = {}
+    for stored, (file, target) in weights.targets.items():
+        if target in own or (subtree and target.startswith(prefix + ".")):
+            by_file.setdefault(file, []).append(stored)
+    state = {}
     for file, tensors in by_file.items():
-        with safe_open(source.path / file, framework="pt", device=str(device)) as handle:
-            for tensor in tensors:
-                values[tensor[len(prefix) + 1 :]] = handle.get_tensor(tensor).to(wanted[tensor].dtype)
-    for name, value in values.items():
-        owner, _, leaf = name.rpartition(".")
-        target = module.get_submodule(owner) if owner else module
-        target._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+        with safe_open(weights.path / file, framework="pt", device=str(device)) as handle:
+            state.update({tensor: handle.get_tensor(tensor) for tensor in tensors})
+    config = LoadStateDictConfig(weight_mapping=weights.mapping, device_map={"": device})
+    convert_and_load_state_dict_in_model(weights.model, state, config)
+    missing = sorted(f"{prefix}.{name}" for name, param in module.named_parameters(recurse=subtree) if param.is_meta)
+    if missing:
+        raise Fp8kvError(
+            f"{weights.path}: tensor {missing[0]!r} is not in the checkpoint under a name transformers loads "
+            "it from; layer-by-layer calibration needs it (use --no-layerwise)"
+        )
+    for name, param in module.named_parameters(recurse=subtree):
+        if param.dtype != dtypes[name]:
+            owner, _, leaf = name.rpartition(".")
+            target = module.get_submodule(owner) if owner else module
+            target._parameters[leaf] = torch.nn.Parameter(param.to(dtypes[name]), requires_grad=False)
 
 
 class _Caught(Exception):
@@ -250,17 +327,18 @@ class _Caught(Exception):
 
 
 def capture(
-    base: torch.nn.Module, layers: torch.nn.ModuleList, index: int, **inputs: Any
+    base: torch.nn.Module, layers: torch.nn.ModuleList, index: int, returns: int = 0, **inputs: Any
 ) -> tuple[torch.Tensor, tuple, dict]:
     """Run the base model's forward until it calls `layers[index]`; return that call's (hidden, args, kwargs).
 
-    Earlier layers are skipped (identity): only the arguments matter, and they do not depend on
-    the hidden states' values. For index 0 with `input_ids`, the hidden states are the embeddings.
-    With an observing cache among `inputs`, the layer's call carries it, as in the whole-model path.
+    Earlier layers are skipped (identity, returning a tuple of `returns` values where layers return
+    tuples, as Bamba's): only the arguments matter, and they do not depend on the hidden states'
+    values. For index 0 with `input_ids`, the hidden states are the embeddings. With an observing
+    cache among `inputs`, the layer's call carries it, as in the whole-model path.
     """
 
     def skip(hidden_states, *args, **kwargs):
-        return hidden_states
+        return (hidden_states, *[None] * (returns - 1)) if returns else hidden_states
 
     def catch(hidden_states, *args, **kwargs):
         raise _Caught((hidden_states, *args), kwargs)
@@ -279,13 +357,14 @@ def capture(
 
 
 def _largest_layer(source: SourceCheckpoint) -> int:
-    """Bytes of the largest decoder layer's stored tensors (`model.layers.N.`), for the memory budget."""
+    """Bytes of the largest decoder layer's stored tensors (`model.layers.N.`, `transformer.h.N.`), for the memory budget."""
     sizes: dict[str, int] = {}
     for header in source.headers.values():
         for tensor, entry in header.items():
             parts = tensor.split(".")
-            if "layers" in parts[:-1]:
-                key = ".".join(parts[: parts.index("layers") + 2])
+            at = next((i for i, part in enumerate(parts[:-2]) if part in _LAYER_LISTS and parts[i + 1].isdigit()), None)
+            if at is not None:
+                key = ".".join(parts[: at + 2])
                 sizes[key] = sizes.get(key, 0) + entry["data_offsets"][1] - entry["data_offsets"][0]
     return max(sizes.values(), default=0)
 

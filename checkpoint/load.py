@@ -68,7 +68,13 @@ def model_class(config: dict[str, Any]):
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as VLM
 
     model_type = config.get("model_type")
-    return AutoModelForImageTextToText if model_type in VLM and model_type not in CAUSAL else AutoModelForCausalLM
+    wrapped = model_type in VLM and (model_type not in CAUSAL or model_type in _CAUSAL_CLASS_READS_TEXT_ONLY)
+    return AutoModelForImageTextToText if wrapped else AutoModelForCausalLM
+
+
+# Vision-language model types whose causal-LM class loads only a text-only checkpoint: from the full
+# checkpoint (Emu3ForConditionalGeneration's `model.text_model.`) it would start from random weights.
+_CAUSAL_CLASS_READS_TEXT_ONLY = frozenset({"emu3"})
 
 
 def load_language_model(model_dir: str | Path, device: Any, dtype: str = "auto", trust_remote_code: bool = False,

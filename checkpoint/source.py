@@ -221,6 +221,8 @@ def _check_projections(root: Path, geometry: AttentionGeometry, headers: dict[st
             if layer not in geometry.kv_layers:
                 continue
             heads, head_dim = geometry.layer_kv_heads(layer), geometry.layer_head_dim(layer)
+            if match[2] == "v" and geometry.v_head_dim is not None:
+                head_dim = geometry.v_head_dim
             if entry["shape"][0] != heads * head_dim:
                 raise Fp8kvError(
                     f"{root / 'config.json'}: {tensor} in {file} has {entry['shape'][0]} rows but the config's "

@@ -38,14 +38,60 @@ _SIZES: dict[str, Any] = {
     "d_model": 64, "encoder_layers": NUM_LAYERS, "decoder_layers": NUM_LAYERS, "encoder_ffn_dim": 128,
     "decoder_ffn_dim": 128, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "n_embd": 64,
 }
-# Architecture-specific settings so the 2 tiny layers keep what makes the architecture what it is.
+# Architecture-specific settings so the 2 tiny layers keep what makes the architecture what it is,
+# and sizes the config class stores derived from its defaults (zamba's attention width) or validates
+# against each other (mamba2's heads x head_dim = expand x hidden).
+_QWEN_QSA = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 32,
+             "indexer_compress_ratio": 4}
+# sliding layers with more KV heads than global ones, as in the released configs
+_INKLING = {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_head_dim": 16}
+_DOTS3 = {"num_key_value_heads": 4, "per_layer_config": {1: {  # MLA with as many KV heads as heads
+    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "head_dim": 16,
+    "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16}}}
+_MROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}}
 _OVERRIDES: dict[str, dict[str, Any]] = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
-    "zamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    # the shared attention block runs on [hidden, embeddings] concatenated: twice the hidden width
+    "zamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "attention_hidden_size": 128, "attention_head_dim": 32},
+    "zamba2": {"attention_hidden_size": 128, "attention_head_dim": 32, "kv_channels": 16, "num_query_groups": 4,
+               "hybrid_layer_ids": [1]},
     "bamba": {"attn_layer_indices": [1]},
     "llama4_text": {"interleave_moe_layer_step": 2, "no_rope_layers": [1, 0]},
+    # transformers' defaults give these hybrids no attention layer (or none among the first two)
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},  # as real DBRX configs
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "qwen4_exp": _QWEN_QSA, "qwen4_exp_text": _QWEN_QSA,
+    "inkling_text": _INKLING, "inkling2_text": _INKLING, "inkling2_loop_text": _INKLING,
+    "mimo_v2_flash": {"v_head_dim": 8},  # V heads narrower than K heads, as in the released config
+    "mllama": {"cross_attention_layers": [1]},  # one of the two layers attends to the image
+    "qwen2_vl": _MROPE, "qwen2_5_vl": _MROPE,  # mrope_section splits head_dim / 2 over (time, height, width)
+    "falcon_h1": {"mamba_d_ssm": 128},
+    "mamba2": {"num_heads": 8},
+    "xlnet": {"d_head": 16},
+    "zaya": {"num_experts_per_tok": 1},
+    "dots3_note": _DOTS3, "dots3_note_text": _DOTS3,
+    "dory": {"layer_types": ["sliding_attention", "full_attention"], "n_input_layers": 1, "n_recurrent_layers": 1,
+             "n_output_layers": 0},
+    "gemma4_assistant": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0},
+    # the causal-LM heads of encoder families, configured as the decoders AutoModelForCausalLM implies
+    "xlm": {"causal": True}, "xmod": {"default_language": "en_XX"},
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32]},
 }
-_MULTIMODAL_TOWERS = ("vision_config", "audio_config", "vq_config", "speech_config")
+# Constructor arguments for configs whose own defaults fail their validation (an assistant's text config)
+# or cannot build a model (Emu3 without its image-token map).
+_CONSTRUCTION: dict[str, dict[str, Any]] = {
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
+    # Emu3 maps its image tokens into the text vocabulary; the tiny one puts them at the end of it
+    "emu3": {"vocabulary_map": {"<|extra_200|>": 509, "<image>": 510,
+                                **{f"<|visual token {i:06d}|>": 500 + i for i in range(8)}}},
+}
+# Tower settings a composite config validates against the tiny text model (dots3: adapters into its width).
+_TOWER_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
+    "dots3_note": {"vision_config": {"adapter_out_dim": 64}, "audio_config": {"adapter_out_dim": 64}},
+}
 
 
 # Vision-language wrappers transformers does not list as causal LMs, judged with them.
@@ -63,7 +109,7 @@ def tiny_config(model_type: str, vocab_size: int, tokenizer: Any):
     """transformers' config for `model_type`, shrunk to a tiny model with `vocab_size` tokens."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(model_type)
+    config = AutoConfig.for_model(model_type, **_CONSTRUCTION.get(model_type, {}))
     text = config.get_text_config(decoder=True)
     values = _shrunk(text, vocab_size, tokenizer) | _OVERRIDES.get(model_type, {})
     if text is config:
@@ -73,6 +119,8 @@ def tiny_config(model_type: str, vocab_size: int, tokenizer: Any):
         if getattr(config, name, None) is getattr(config, "text_config", None) and name in data:
             data[name] = {**data[name], **values}
     data.update({k: v for k, v in values.items() if k in ("vocab_size",) and "vocab_size" in data})
+    for name, tower in _TOWER_OVERRIDES.get(model_type, {}).items():
+        data[name] = {**data[name], **tower}
     return type(config).from_dict(data)
 
 
@@ -88,8 +136,9 @@ def _shrunk(text: Any, vocab_size: int, tokenizer: Any) -> dict[str, Any]:
         values.update({k: v for k, v in (("num_key_value_heads", _SIZES["num_attention_heads"]),) if k in stored})
         if stored.get("head_dim") == stored.get("qk_rope_head_dim"):  # RoPE is built for head_dim
             values["head_dim"] = _SIZES["qk_rope_head_dim"]
-    if "vocab_size_per_layer_input" in stored:
-        values["vocab_size_per_layer_input"] = vocab_size
+    for name in ("vocab_size_per_layer_input", "unpadded_vocab_size"):  # Gemma 3n's per-layer inputs; Inkling 2's head
+        if name in stored:
+            values[name] = vocab_size
     for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
         values[token] = getattr(tokenizer, token)
     values.update(_per_layer_lists(text))
@@ -102,12 +151,19 @@ def _spelled(config: Any, name: str) -> str:
 
 
 def _per_layer_lists(text: Any) -> dict[str, list]:
-    """Per-layer lists cut to NUM_LAYERS entries: layer 0 and the first layer of another type, if any."""
+    """Per-layer lists cut to NUM_LAYERS entries: layer 0 and the first layer of another type, if any.
+
+    When layer 0 has no K/V cache (Mamba, MoE-only), the other is the first layer that has one.
+    """
+    from fp8kv.geometry import cache_layout
+
     data = text.to_dict()
     count = getattr(text, "num_hidden_layers", None)
     lists = {k: v for k, v in data.items() if isinstance(v, list) and len(v) == count and k != "architectures"}
     types = getattr(text, "layer_types", None) or [0] * (count or 0)
-    other = next((i for i, t in enumerate(types) if t != types[0]), 1)
+    caches = cache_layout(text, len(types), "config")[1] if getattr(text, "layer_types", None) else [True] * len(types)
+    others = [i for i, t in enumerate(types) if t != types[0]]
+    other = next((i for i in others if caches[i] or caches[0]), others[0] if others else 1)
     kept = {k: [v[0], v[other]] for k, v in lists.items()}
     overrides = data.get("per_layer_config")
     if isinstance(overrides, dict):  # heterogeneous configs (Gemma 4): overrides keyed by layer index

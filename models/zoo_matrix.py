@@ -14,6 +14,7 @@ refusal, or a crash, and the fidelity KL it measured).
 
     python -m fp8kv.models.zoo_matrix            # prints the README table for every architecture
     python -m fp8kv.models.zoo_matrix llama gpt2  # only these
+    python -m fp8kv.models.zoo_matrix --layerwise llama jamba   # layer by layer against the whole model
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -38,7 +40,12 @@ BF16_STEP = 2.0**-8
 REPRESENTATIVE = (
     "llama", "gpt2", "gpt_neox", "falcon", "stablelm", "qwen3", "gemma3_text", "mixtral", "olmoe",
     "qwen2_moe", "jamba", "bamba", "deepseek_v3", "bart", "mamba", "llava", "gemma4_text", "minimax",
+    "zamba2", "nemotron_h", "inkling_text", "xlnet",
 )
+# Layer by layer against the whole model: the usual layouts, GPT-2's `h`, BERT's `encoder.layer`, hybrids,
+# vision-language wrappers, MoE.
+LAYERWISE = ("llama", "gpt2", "bert", "gemma3_text", "mixtral", "jamba", "bamba", "falcon_h1", "qwen3_next", "llava",
+             "idefics3", "gemma4_text")
 EXACT, TOLERANCE, REFUSED, FAILING = "exact", "within tolerance", "refused", "failing"
 
 
@@ -106,6 +113,34 @@ def _calibrate_and_compare(model_type: str, folder: Path) -> ZooResult:
     return ZooResult(model_type, FAILING, f"{note}; amax off by {worst:.2e} relative", load_error)
 
 
+def judge_layerwise(model_type: str, folder: Path) -> ZooResult:
+    """Calibrate a tiny `model_type` whole and with `layerwise=True`: EXACT when the scales are bit-identical.
+
+    REFUSED: one of the two paths refuses (layer by layer must then say to use --no-layerwise, unless
+    the whole-model path refuses the same way); FAILING: different scales or a traceback. Never raises.
+    """
+    from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
+    from fp8kv.data import DataRequest
+
+    try:
+        src = make_zoo_checkpoint(model_type, folder / "src")
+        data = DataRequest(dataset=corpus(folder), num_samples=NUM_SAMPLES, seq_len=SEQ_LEN)
+        runs = {}
+        for by_layer in (False, True):
+            request = CalibrationRequest(model=str(src), data=data, batch_size=2, device="cpu", layerwise=by_layer)
+            runs[by_layer] = calibrate(request).table
+    except Fp8kvError as exc:
+        return ZooResult(model_type, REFUSED, _one_line(str(exc)))
+    except Exception as exc:  # the matrix reports every other failure instead of stopping
+        return ZooResult(model_type, FAILING, _one_line(f"{type(exc).__name__}: {exc}"))
+    whole, by_layer = runs[False], runs[True]
+    if whole.layers != by_layer.layers or not torch.equal(whole.scales, by_layer.scales):
+        differ = [layer for i, layer in enumerate(whole.layers)
+                  if i >= len(by_layer.layers) or not torch.equal(whole.scales[i], by_layer.scales[i])]
+        return ZooResult(model_type, FAILING, f"--layerwise scales differ from the whole model's at layers {differ}")
+    return ZooResult(model_type, EXACT, f"layers {list(whole.layers)}")
+
+
 def loads_in_transformers(model_dir: Path) -> str | None:
     """None when transformers' auto class loads `model_dir`, else its error in one line."""
     from fp8kv.checkpoint.load import model_class
@@ -124,20 +159,23 @@ def cache_amax(model_dir: Path, samples: list[list[int]]) -> dict[int, torch.Ten
 
     from fp8kv.checkpoint.load import model_class
     from fp8kv.geometry import read_config
+    from fp8kv.checkpoint.load import cache_kwargs
 
     model = model_class(read_config(model_dir)).from_pretrained(model_dir).eval()
     running: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for sample in samples:
             out = model(input_ids=torch.tensor([sample]), use_cache=True)  # the model builds its own cache
-            cache = out.past_key_values
-            if cache is None:  # decoders of encoder families (BERT) cache only into a cache they are given
+            cache = getattr(out, "past_key_values", None)
+            if cache is None:  # decoders of encoder families (BERT), models keeping their own state, cache only
+                # into a cache they are given
                 cache = DynamicCache(config=model.config)
-                model(input_ids=torch.tensor([sample]), use_cache=True, past_key_values=cache)
+                model(input_ids=torch.tensor([sample]), **cache_kwargs(model, cache))
             for index, layer in enumerate(cache.layers):
                 if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
                     continue
-                assert layer.keys.shape[2] == len(sample), "the cache dropped tokens; the reference needs them all"
+                # the cache may hold tokens the model adds in front (CPM-Ant's prompt), never fewer than the sample
+                assert layer.keys.shape[2] >= len(sample), "the cache dropped tokens; the reference needs them all"
                 amax = torch.stack([layer.keys.abs().amax(), layer.values.abs().amax()]).float()
                 running[index] = amax if index not in running else torch.maximum(running[index], amax)
     return running
@@ -242,12 +280,12 @@ def judge_and_verify(model_type: str, folder: Path) -> ZooResult:
     return replace(result, verify=verify_outcome(folder / "out", folder))
 
 
-def run_matrix(model_types: list[str]) -> list[ZooResult]:
-    """Judge and verify every architecture in its own temporary folder."""
+def run_matrix(model_types: list[str], how: Callable[[str, Path], ZooResult] = judge_and_verify) -> list[ZooResult]:
+    """Judge every architecture in its own temporary folder (`how`: `judge_and_verify` or `judge_layerwise`)."""
     results = []
     for model_type in model_types:
         with tempfile.TemporaryDirectory(prefix=f"fp8kv-zoo-{model_type}-") as folder:
-            results.append(judge_and_verify(model_type, Path(folder)))
+            results.append(how(model_type, Path(folder)))
         print(f"{results[-1].model_type}: {results[-1].status}", file=sys.stderr, flush=True)
     return results
 
@@ -278,8 +316,9 @@ def _cell(text: str) -> str:
 
 
 if __name__ == "__main__":
-    chosen = sys.argv[1:] or causal_lm_types()
-    results = run_matrix(chosen)
+    layer_by_layer = "--layerwise" in sys.argv[1:]
+    chosen = [a for a in sys.argv[1:] if a != "--layerwise"] or causal_lm_types()
+    results = run_matrix(chosen, judge_layerwise if layer_by_layer else judge_and_verify)
     print(markdown_table(results))
     for r in results:
         if r.load_error:

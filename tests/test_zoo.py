@@ -13,7 +13,9 @@ import os
 import pytest
 
 from fp8kv.models.zoo import causal_lm_types
-from fp8kv.models.zoo_matrix import EXACT, FAILING, REFUSED, REPRESENTATIVE, TOLERANCE, judge
+from fp8kv.models.zoo_matrix import (
+    EXACT, FAILING, LAYERWISE, REFUSED, REPRESENTATIVE, TOLERANCE, judge, judge_layerwise,
+)
 
 ALL = os.environ.get("FP8KV_ZOO") == "all"
 
@@ -37,6 +39,10 @@ EXPECTED = {
     "llava": (EXACT, "layers [0, 1]"),  # the language model under the vision-language wrapper
     "gemma4_text": (EXACT, "layers [0, 1]"),  # global layers: other head_dim than sliding ones
     "minimax": (EXACT, "layers [0], skipped [1]"),  # its own cache class; linear-attention layer 1
+    "zamba2": (EXACT, "layers [1], skipped [0]"),  # shared attention on [hidden, embeddings]: twice the width
+    "nemotron_h": (EXACT, "layers [1], skipped [0]"),  # layer count derived from its block pattern
+    "inkling_text": (EXACT, "layers [0, 1]"),  # sliding layers cache more KV heads (swa_num_key_value_heads)
+    "xlnet": (REFUSED, "memory of hidden states (mems), not a K/V cache"),
 }
 
 
@@ -57,6 +63,43 @@ def test_architecture(model_type: str, tmp_path) -> None:
         return
     assert result.status in (EXACT, TOLERANCE)
     assert result.load_error is None, result.load_error
+
+
+@pytest.mark.parametrize("model_type", causal_lm_types() if ALL else LAYERWISE)
+def test_layerwise_scales_are_the_whole_models(model_type: str, tmp_path) -> None:
+    result = judge_layerwise(model_type, tmp_path)
+    if result.status == REFUSED:  # refused by both paths, or by layer by layer alone with the way out
+        assert model_type not in LAYERWISE and ("--no-layerwise" in result.detail or "config.json" in result.detail)
+        return
+    assert result.status == EXACT, result.detail
+
+
+def test_mimo_sliding_layers_cache_twice_the_kv_heads_and_narrower_v(tmp_path) -> None:
+    from fp8kv.geometry import AttentionGeometry
+    from fp8kv.models.zoo import make_zoo_config
+
+    geometry = AttentionGeometry.from_dir(make_zoo_config("mimo_v2_flash", tmp_path))
+    assert geometry.layer_types == ("full_attention", "sliding_attention")
+    assert (geometry.kv_heads_per_layer, geometry.head_dim, geometry.v_head_dim) == ((2, 4), 16, 8)
+
+
+def test_a_cache_layer_past_the_config_is_refused_while_observing() -> None:
+    import torch
+    from transformers import DynamicCache
+
+    from fp8kv.errors import Fp8kvError
+    from fp8kv.observe import KVStatistics, ObservationStep, observing_cache
+
+    class Model(torch.nn.Module):  # observing_cache only needs the config and the module the model lives in
+        config = None
+
+    step = ObservationStep(KVStatistics.empty(2, 2), None, frozenset({0, 1}))
+    cache = observing_cache(Model(), step)
+    assert isinstance(cache, DynamicCache)
+    states = torch.ones(1, 2, 3, 4)
+    cache.update(states, states, 1)
+    with pytest.raises(Fp8kvError, match=r"cached K/V under cache layer 2, past the config's 2 layers"):
+        cache.update(states, states, 2)
 
 
 def test_a_cache_layer_that_never_updates_is_named_not_defaulted(factory_checkpoint) -> None:
