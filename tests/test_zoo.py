@@ -85,13 +85,13 @@ def test_mimo_sliding_layers_cache_twice_the_kv_heads_and_narrower_v(tmp_path) -
 
 def test_a_cache_layer_past_the_config_is_refused_while_observing() -> None:
     import torch
-    from transformers import DynamicCache
+    from transformers import DynamicCache, LlamaConfig
 
     from fp8kv.errors import Fp8kvError
     from fp8kv.observe import KVStatistics, ObservationStep, observing_cache
 
     class Model(torch.nn.Module):  # observing_cache only needs the config and the module the model lives in
-        config = None
+        config = LlamaConfig(num_hidden_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_heads=2)
 
     step = ObservationStep(KVStatistics.empty(2, 2), None, frozenset({0, 1}))
     cache = observing_cache(Model(), step)
