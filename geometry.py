@@ -103,6 +103,8 @@ class AttentionGeometry:
         """
         whole = config_object(config, source)
         text = whole.get_text_config(decoder=True)
+        if not hasattr(text, "to_dict"):  # transformers hands back whatever a stray `text_config` key holds
+            raise Fp8kvError(f"{source}: 'text_config' must be an object, not {type(text).__name__}")
         stored = _stored_text(config, whole, text, source)
         _refuse_unsupported(whole, text, source)
         _require_keys(stored, text, ("num_hidden_layers", "num_attention_heads", "hidden_size"), source)
