@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import check_engine, is_fp8, quantize
 from fp8kv.geometry import LatentCache
 from fp8kv.runtime.cache import Scale, layer_counts, layer_scales
@@ -113,8 +114,15 @@ class LatentPagedCache:
 
 
 def capture_latents(model: torch.nn.Module) -> None:
-    """Hook each MLA attention module's `kv_a_layernorm` once, keeping its output for the attention function."""
+    """Hook each MLA attention module's `kv_a_layernorm` once, keeping its output for the attention function.
+
+    Refuses DeepSeek sparse attention: its indexer restricts each query to its top-k cached tokens, a
+    selection (and an indexer key cache) the paged latent attention does not compute.
+    """
     for module in model.modules():
+        if getattr(module, "indexer", None) is not None:
+            raise Fp8kvError(f"{model.config.model_type}: DeepSeek sparse attention (an indexer choosing the top-k "
+                             "cached tokens each query attends to) is not modelled by the verify runtime")
         norm = getattr(module, "kv_a_layernorm", None)
         if norm is None or not hasattr(module, "layer_idx") or hasattr(module, _CAPTURED):
             continue

@@ -7,6 +7,7 @@ import torch
 
 from fp8kv.calibrate.scales import DEFAULT_HEADROOM, scale_from_amax
 from fp8kv.checkpoint.load import load_language_model
+from fp8kv.errors import Fp8kvError
 from fp8kv.models.zoo import make_zoo_checkpoint
 from fp8kv.models.zoo_matrix import latent_cache_amax
 from fp8kv.runtime.latent import LatentPagedCache
@@ -103,3 +104,10 @@ def test_a_hybrid_runs_its_latent_attention_on_a_cache_view(tmp_path) -> None:
     with torch.no_grad():
         reference = runner.model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0, 19:].float()
     assert float(_kl([reference], [torch.cat(rows)]).max()) <= 1e-6
+
+
+def test_sparse_attention_is_refused_in_one_line(tmp_path) -> None:
+    """DeepSeek V3.2's indexer picks the cached tokens each query attends to: the runtime names it, not a traceback."""
+    model_dir = make_zoo_checkpoint("deepseek_v32", tmp_path / "deepseek_v32")
+    with pytest.raises(Fp8kvError, match="deepseek_v32: DeepSeek sparse attention"):
+        PagedModelRunner(model_dir, device="cpu", cache_dtype="bf16", max_model_len=64, max_num_seqs=2)
