@@ -113,6 +113,15 @@ class LatentPagedCache:
         return layer_counts(self.kv_layers, self.clamped, self.nonfinite, self.written)
 
 
+def latent_gain(module: torch.nn.Module) -> float:
+    """The factor an MLA attention module multiplies `kv_a_layernorm`'s output by before caching it: Dots 3's
+    `kv_lora_scale`, LongCat-Flash's `mla_scale_kv_lora`; 1 for DeepSeek and most others."""
+    for name in ("kv_lora_scale", "mla_scale_kv_lora"):
+        if hasattr(module, name):
+            return float(getattr(module, name))
+    return 1.0
+
+
 def capture_latents(model: torch.nn.Module) -> None:
     """Hook each MLA attention module's `kv_a_layernorm` once, keeping its output for the attention function.
 
@@ -127,7 +136,8 @@ def capture_latents(model: torch.nn.Module) -> None:
         if norm is None or not hasattr(module, "layer_idx") or hasattr(module, _CAPTURED):
             continue
         setattr(module, _CAPTURED, None)
-        norm.register_forward_hook(lambda _, __, out, owner=module: setattr(owner, _CAPTURED, out))
+        norm.register_forward_hook(
+            lambda _, __, out, owner=module, gain=latent_gain(module): setattr(owner, _CAPTURED, out * gain))
 
 
 def latent_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, cache: LatentPagedCache,
