@@ -111,3 +111,13 @@ def test_sparse_attention_is_refused_in_one_line(tmp_path) -> None:
     model_dir = make_zoo_checkpoint("deepseek_v32", tmp_path / "deepseek_v32")
     with pytest.raises(Fp8kvError, match="deepseek_v32: DeepSeek sparse attention"):
         PagedModelRunner(model_dir, device="cpu", cache_dtype="bf16", max_model_len=64, max_num_seqs=2)
+
+
+def test_a_latent_gain_before_the_cache_is_applied(tmp_path) -> None:
+    """LongCat-Flash multiplies kv_a_layernorm's output by mla_scale_kv_lora before caching it (2.0 here): the
+    runtime's latent carries the factor, so its bf16 cache reproduces transformers (without it KL ~7e-4)."""
+    model_dir = make_zoo_checkpoint("longcat_flash", tmp_path / "longcat_flash")
+    runner = PagedModelRunner(model_dir, device="cpu", cache_dtype="bf16", max_model_len=64, max_num_seqs=2)
+    assert runner.geometry.kv_layers == (0, 1)
+    fidelity = measure_fidelity(runner, SAMPLES)
+    assert fidelity.reproduces and fidelity.kl_mean <= 1e-6
