@@ -72,6 +72,7 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "mamba2": {"num_heads": 8},
     "xlnet": {"d_head": 16},
     "zaya": {"num_experts_per_tok": 1},
+    "longcat_flash": {"num_layers": 1},  # each decoder layer holds two attention layers (num_hidden_layers = 2 x this)
     "dots3_note": _DOTS3, "dots3_note_text": _DOTS3,
     "dory": {"layer_types": ["sliding_attention", "full_attention"], "n_input_layers": 1, "n_recurrent_layers": 1,
              "n_output_layers": 0},
@@ -136,6 +137,8 @@ def _shrunk(text: Any, vocab_size: int, tokenizer: Any) -> dict[str, Any]:
         values.update({k: v for k, v in (("num_key_value_heads", _SIZES["num_attention_heads"]),) if k in stored})
         if stored.get("head_dim") == stored.get("qk_rope_head_dim"):  # RoPE is built for head_dim
             values["head_dim"] = _SIZES["qk_rope_head_dim"]
+        if "qk_head_dim" in stored:  # stored from the defaults (LongCat-Flash): the query splits into nope + rope
+            values["qk_head_dim"] = _SIZES["qk_nope_head_dim"] + _SIZES["qk_rope_head_dim"]
     for name in ("vocab_size_per_layer_input", "unpadded_vocab_size"):  # Gemma 3n's per-layer inputs; Inkling 2's head
         if name in stored:
             values[name] = vocab_size

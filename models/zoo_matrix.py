@@ -185,8 +185,9 @@ def latent_cache_amax(model_dir: Path, samples: list[list[int]]) -> dict[int, to
     """Independent reference for multi-head latent attention: per layer float32 [2], max |latent| twice.
 
     The latent vLLM caches is `concat(kv_c_normed, k_pe)`. Both parts are read from the model's own
-    forward without a cache: the output of `kv_a_layernorm`, and the rope slice of the key its attention
-    function receives (k_pe after RoPE, repeated over the heads).
+    forward without a cache: the output of `kv_a_layernorm` (times the gain some models apply before
+    caching it), and the rope slice of the key its attention function receives (k_pe after RoPE,
+    repeated over the heads).
     """
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -194,6 +195,7 @@ def latent_cache_amax(model_dir: Path, samples: list[list[int]]) -> dict[int, to
 
     from fp8kv.checkpoint.load import model_class
     from fp8kv.geometry import read_config
+    from fp8kv.runtime.latent import latent_gain
 
     running: dict[int, torch.Tensor] = {}
 
@@ -211,7 +213,7 @@ def latent_cache_amax(model_dir: Path, samples: list[list[int]]) -> dict[int, to
     for module in model.modules():
         if hasattr(module, "kv_a_layernorm") and hasattr(module, "layer_idx"):
             module.kv_a_layernorm.register_forward_hook(
-                lambda _, __, out, layer=module.layer_idx: fold(layer, out))
+                lambda _, __, out, layer=module.layer_idx, gain=latent_gain(module): fold(layer, out * gain))
     with torch.no_grad():
         for sample in samples:
             model.eval()(input_ids=torch.tensor([sample]), use_cache=False)

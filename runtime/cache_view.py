@@ -23,6 +23,7 @@ import torch
 
 from fp8kv.runtime.attention import gather_kv
 from fp8kv.runtime.cache import PagedKVCache
+from fp8kv.runtime.latent import LatentPagedCache
 
 
 def recurrent_layers(layer_types: Sequence[str]) -> list[int]:
@@ -48,6 +49,8 @@ def sequence_cache(cache: PagedKVCache, attention_layers: Sequence[int], past: i
             self.layer = layer
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if isinstance(cache, LatentPagedCache):
+                return self._update_latent(key_states, value_states)
             # [1, kv_heads, T, d] -> [T, kv_heads, d]
             k, v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
             owner = cache.owner(self.layer)
@@ -61,6 +64,16 @@ def sequence_cache(cache: PagedKVCache, attention_layers: Sequence[int], past: i
             # [1, L, kv_heads, D] -> [1, kv_heads, length, head_dim] in the model's dtype
             self.keys, self.values = (x[:, :length, :, :head_dim].transpose(1, 2).to(key_states.dtype)
                                       for x in (keys, values))
+            self.is_initialized = True
+            return self.keys, self.values
+
+        def _update_latent(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor):
+            # MLA hands its cache the latent, kv_c_normed [1, 1, T, rank] and k_pe [1, 1, T, rope], not K/V
+            vectors = torch.cat([kv_c_normed, k_pe.to(kv_c_normed.dtype)], -1)[0, 0]  # [T, width]
+            cache.write(self.layer, vectors, slots, torch.ones_like(slots, dtype=torch.bool))
+            table = torch.tensor(list(pages), dtype=torch.int32, device=slots.device)
+            stored = cache.read(self.layer, table, past + vectors.shape[0]).to(kv_c_normed.dtype)
+            self.keys, self.values = (x[None, None] for x in stored.split([kv_c_normed.shape[-1], k_pe.shape[-1]], -1))
             self.is_initialized = True
             return self.keys, self.values
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import check_engine, is_fp8, quantize
 from fp8kv.geometry import LatentCache
 from fp8kv.runtime.cache import Scale, layer_counts, layer_scales
@@ -112,14 +113,31 @@ class LatentPagedCache:
         return layer_counts(self.kv_layers, self.clamped, self.nonfinite, self.written)
 
 
+def latent_gain(module: torch.nn.Module) -> float:
+    """The factor an MLA attention module multiplies `kv_a_layernorm`'s output by before caching it: Dots 3's
+    `kv_lora_scale`, LongCat-Flash's `mla_scale_kv_lora`; 1 for DeepSeek and most others."""
+    for name in ("kv_lora_scale", "mla_scale_kv_lora"):
+        if hasattr(module, name):
+            return float(getattr(module, name))
+    return 1.0
+
+
 def capture_latents(model: torch.nn.Module) -> None:
-    """Hook each MLA attention module's `kv_a_layernorm` once, keeping its output for the attention function."""
+    """Hook each MLA attention module's `kv_a_layernorm` once, keeping its output for the attention function.
+
+    Refuses DeepSeek sparse attention: its indexer restricts each query to its top-k cached tokens, a
+    selection (and an indexer key cache) the paged latent attention does not compute.
+    """
     for module in model.modules():
+        if getattr(module, "indexer", None) is not None:
+            raise Fp8kvError(f"{model.config.model_type}: DeepSeek sparse attention (an indexer choosing the top-k "
+                             "cached tokens each query attends to) is not modelled by the verify runtime")
         norm = getattr(module, "kv_a_layernorm", None)
         if norm is None or not hasattr(module, "layer_idx") or hasattr(module, _CAPTURED):
             continue
         setattr(module, _CAPTURED, None)
-        norm.register_forward_hook(lambda _, __, out, owner=module: setattr(owner, _CAPTURED, out))
+        norm.register_forward_hook(
+            lambda _, __, out, owner=module, gain=latent_gain(module): setattr(owner, _CAPTURED, out * gain))
 
 
 def latent_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, cache: LatentPagedCache,

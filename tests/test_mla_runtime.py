@@ -7,6 +7,7 @@ import torch
 
 from fp8kv.calibrate.scales import DEFAULT_HEADROOM, scale_from_amax
 from fp8kv.checkpoint.load import load_language_model
+from fp8kv.errors import Fp8kvError
 from fp8kv.models.zoo import make_zoo_checkpoint
 from fp8kv.models.zoo_matrix import latent_cache_amax
 from fp8kv.runtime.latent import LatentPagedCache
@@ -86,3 +87,37 @@ def test_a_scale_below_the_latent_amax_clamps_and_is_counted(deepseek, bf16) -> 
     assert torch.isfinite(fp8.step([(seq, SAMPLES[0])])[0]).all()
     clamped = fp8.counts()["clamped"]
     assert clamped[0][0] > 0 and clamped[0][0] == clamped[0][1]
+
+
+def test_a_hybrid_runs_its_latent_attention_on_a_cache_view(tmp_path) -> None:
+    """bailing_hybrid (MLA beside linear-attention layers) runs one sequence per forward: its attention hands
+    the cache view kv_c_normed and k_pe, which must land in the latent pages and come back for decode steps."""
+    model_dir = make_zoo_checkpoint("bailing_hybrid", tmp_path / "bailing_hybrid")
+    runner = PagedModelRunner(model_dir, device="cpu", cache_dtype="bf16", max_model_len=64, max_num_seqs=2)
+    assert runner.cache_view and isinstance(runner.cache, LatentPagedCache)
+    tokens = SAMPLES[0][:24]
+    seq, _ = runner.start()
+    rows = [runner.step([(seq, tokens[:20])])[0][-1:]]
+    rows += [runner.step([(seq, [token])])[0] for token in tokens[20:]]
+    assert runner.counts()["written"][runner.geometry.kv_layers[0]][0] == len(tokens) * runner.cache.latent.width
+    runner.free(seq)
+    with torch.no_grad():
+        reference = runner.model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0, 19:].float()
+    assert float(_kl([reference], [torch.cat(rows)]).max()) <= 1e-6
+
+
+def test_sparse_attention_is_refused_in_one_line(tmp_path) -> None:
+    """DeepSeek V3.2's indexer picks the cached tokens each query attends to: the runtime names it, not a traceback."""
+    model_dir = make_zoo_checkpoint("deepseek_v32", tmp_path / "deepseek_v32")
+    with pytest.raises(Fp8kvError, match="deepseek_v32: DeepSeek sparse attention"):
+        PagedModelRunner(model_dir, device="cpu", cache_dtype="bf16", max_model_len=64, max_num_seqs=2)
+
+
+def test_a_latent_gain_before_the_cache_is_applied(tmp_path) -> None:
+    """LongCat-Flash multiplies kv_a_layernorm's output by mla_scale_kv_lora before caching it (2.0 here): the
+    runtime's latent carries the factor, so its bf16 cache reproduces transformers (without it KL ~7e-4)."""
+    model_dir = make_zoo_checkpoint("longcat_flash", tmp_path / "longcat_flash")
+    runner = PagedModelRunner(model_dir, device="cpu", cache_dtype="bf16", max_model_len=64, max_num_seqs=2)
+    assert runner.geometry.kv_layers == (0, 1)
+    fidelity = measure_fidelity(runner, SAMPLES)
+    assert fidelity.reproduces and fidelity.kl_mean <= 1e-6
