@@ -80,7 +80,8 @@ class ConvertedFrom:
 
 @dataclass(frozen=True)
 class Execution:
-    """How the observation ran."""
+    """How the observation ran: `layerwise`, one decoder layer at a time; `processes`, the torchrun ranks
+    (each observing its share of the batches); `device`, where the forward passes ran."""
 
     layerwise: bool
     processes: int
