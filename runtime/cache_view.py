@@ -69,8 +69,14 @@ def sequence_cache(cache: PagedKVCache, attention_layers: Sequence[int], past: i
 
     if state is None:
         return Cache(layers=[PagedSequenceLayer(layer) for layer in attention_layers])
+    own = vars(DynamicLayer()).keys() | {"layer"}
     for layer in attention_layers:
         while len(state.layers) <= layer:  # caches that add their layers lazily (MiniMax's)
             state.layers.append(DynamicLayer())
-        state.layers[layer] = PagedSequenceLayer(layer)
+        # the model's own layer class, and what it keeps besides K/V (an indexer's keys and positions), carry over
+        replaced = state.layers[layer]
+        own_class = next(c for c in type(replaced).__mro__ if c.__module__ != __name__)
+        paged = type("PagedSequenceLayer", (PagedSequenceLayer, own_class), {"__module__": __name__})(layer)
+        paged.__dict__.update({k: v for k, v in vars(replaced).items() if k not in own})
+        state.layers[layer] = paged
     return state

@@ -215,7 +215,7 @@ def test_runner_through_torch_xla_reference_attention(checkpoints):
     assert _compiles() == start
 
 
-@pytest.mark.parametrize("model_type", ["falcon", "bloom"])  # rotary multi-query; ALiBi
+@pytest.mark.parametrize("model_type", ["falcon", "bloom", "git"])  # rotary multi-query; ALiBi; own table of attention names
 def test_models_with_their_own_attention_code_attend_over_the_pages(model_type, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -243,7 +243,7 @@ def test_models_with_their_own_attention_code_attend_over_the_pages(model_type, 
     assert min(fp8.counts()["clamped"][0]) > 0 and not torch.allclose(clamped, full[0], atol=1e-2)
 
 
-@pytest.mark.parametrize("model_type", ["jamba", "minimax"])  # Mamba layer 0; linear attention layer 1, own cache
+@pytest.mark.parametrize("model_type", ["jamba", "minimax", "qwen4_exp"])  # Mamba; linear attention, own cache; an indexer
 def test_hybrids_keep_each_sequences_recurrent_state_apart(model_type, tmp_path):
     from transformers import AutoModelForCausalLM
 
