@@ -270,3 +270,19 @@ def test_hybrids_keep_each_sequences_recurrent_state_apart(model_type, tmp_path)
     seq, _ = fp8.start()
     clamped = fp8.step([(seq, PROMPTS[0])])[0]
     assert min(fp8.counts()["clamped"][layer]) > 0 and not torch.allclose(clamped, full[0], atol=1e-2)
+
+
+def test_v_narrower_than_k_is_padded_in_the_cache_and_cut_from_the_output(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fp8kv.models.zoo import make_zoo_checkpoint
+
+    path = make_zoo_checkpoint("mimo_v2_flash", tmp_path / "mimo")  # V head_dim 8, K head_dim 16
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = _runner(path, dtype=torch.float32)
+    a, _ = runner.start()
+    prefill = runner.step([(a, PROMPTS[0][:20])])[0]
+    decode = runner.step([(a, PROMPTS[0][20:21])])[0]
+    full = _eager_logits(model, PROMPTS[0])
+    torch.testing.assert_close(prefill, full[:20], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(decode, full[20:21], rtol=1e-4, atol=1e-4)
