@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fp8kv.errors import Fp8kvError
 from fp8kv.runtime.attention import gather_kv
 from fp8kv.runtime.cache import PagedKVCache
 
@@ -50,6 +51,10 @@ def sequence_cache(cache: PagedKVCache, attention_layers: Sequence[int], past: i
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
             # [1, kv_heads, T, d] -> [T, kv_heads, d]
             k, v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+            if k.shape[0] != slots.shape[0]:  # cpmant prepends its own prompt tokens; xlm expects the whole sequence
+                raise Fp8kvError(f"layer {self.layer}: the model cached K/V of {k.shape[0]} tokens for "
+                                 f"{slots.shape[0]} new ones (it adds tokens of its own or re-reads the whole "
+                                 "sequence each step); the paged runtime feeds each step's new tokens only")
             owner = cache.owner(self.layer)
             if owner == self.layer:
                 cache.write(owner, k, v, slots, torch.ones_like(slots, dtype=torch.bool))

@@ -286,3 +286,14 @@ def test_v_narrower_than_k_is_padded_in_the_cache_and_cut_from_the_output(tmp_pa
     full = _eager_logits(model, PROMPTS[0])
     torch.testing.assert_close(prefill, full[:20], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(decode, full[20:21], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["cpmant", "xlm"])  # prepends its prompt tokens; re-reads the whole sequence
+def test_models_caching_other_tokens_than_the_new_ones_are_refused_in_one_line(model_type, tmp_path):
+    from fp8kv.models.zoo import make_zoo_checkpoint
+
+    runner = _runner(make_zoo_checkpoint(model_type, tmp_path / model_type), dtype=torch.float32)
+    seq, _ = runner.start()
+    with pytest.raises(Fp8kvError, match=r"^layer 0: the model cached K/V of \d+ tokens for \d+ new ones"):
+        runner.step([(seq, PROMPTS[0][:20])])
+        runner.step([(seq, PROMPTS[0][20:21])])
