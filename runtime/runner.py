@@ -83,6 +83,15 @@ def _paged_attention(
     if isinstance(step.cache, LatentPagedCache):
         return latent_attention(module, query, key, step.cache, step.meta, scaling), None
     meta, layer = step.meta, step.cache.owner(module.layer_idx)
+    tiles, restore = key.shape[1] // step.cache.layer_kv_heads(layer), None
+    if tiles > 1:  # JetMoe hands K/V tiled once per chosen expert (repeat, not repeat_interleave): cache one tile
+        kv_heads = key.shape[1] // tiles
+        key, value = key[:, :kv_heads], value[:, :kv_heads]
+        # query head i reads tiled head i // group, i.e. cache head (i // group) % kv_heads; the paged attention
+        # reads cache head i // (tiles * group): order the query heads by cache head, and the output back
+        group = query.shape[1] // (tiles * kv_heads)
+        order = torch.arange(query.shape[1], device=query.device).view(tiles, kv_heads, group).transpose(0, 1)
+        query, restore = query[:, order.flatten()], torch.argsort(order.flatten())
     v_dim = value.shape[-1]
     if v_dim > key.shape[-1]:
         raise Fp8kvError(f"layer {module.layer_idx}: V head_dim {v_dim} wider than K's {key.shape[-1]} is not supported")
@@ -113,6 +122,7 @@ def _paged_attention(
         sinks=kwargs.get("s_aux"),
         chunk_size=_chunk_size(module),
     )
+    out = out if restore is None else out[:, restore]
     return out[..., :v_dim].unsqueeze(0), None  # [1, T, q_heads, v_dim]
 
 

@@ -272,12 +272,13 @@ def test_hybrids_keep_each_sequences_recurrent_state_apart(model_type, tmp_path)
     assert min(fp8.counts()["clamped"][layer]) > 0 and not torch.allclose(clamped, full[0], atol=1e-2)
 
 
-def test_v_narrower_than_k_is_padded_in_the_cache_and_cut_from_the_output(tmp_path):
+@pytest.mark.parametrize("model_type", ["mimo_v2_flash", "jetmoe"])  # V narrower than K; K/V tiled per expert
+def test_attention_shapes_the_cache_reshapes_reproduce_the_model(model_type, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from fp8kv.models.zoo import make_zoo_checkpoint
 
-    path = make_zoo_checkpoint("mimo_v2_flash", tmp_path / "mimo")  # V head_dim 8, K head_dim 16
+    path = make_zoo_checkpoint(model_type, tmp_path / model_type)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     runner = _runner(path, dtype=torch.float32)
     a, _ = runner.start()
