@@ -191,6 +191,7 @@ class PagedModelRunner:
         self.cache_view = self.model.config._attn_implementation != ATTN_IMPLEMENTATION
         self.recurrent = recurrent_layers(self.geometry.layer_types)
         self._states: dict[int, object] = {}
+        self.position_offset = _position_offset(self.model)
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.backend = _resolve_backend(attention_backend, self.runtime_device)
@@ -298,7 +299,7 @@ class PagedModelRunner:
         cache = sequence_cache(self.cache, attention, past, slots, self.allocator.tables[seq_id],
                                self._states.get(seq_id))
         ids = torch.tensor([list(tokens)]).to(dev)
-        positions = torch.arange(past, past + len(tokens))[None].to(dev)
+        positions = torch.arange(past, past + len(tokens))[None].to(dev) + self.position_offset
         logits = self.model(input_ids=ids, position_ids=positions, **cache_kwargs(self.model, cache)).logits
         self._sync()
         return logits[0].float().cpu()
@@ -350,7 +351,7 @@ class PagedModelRunner:
             start = self.length(seq_id)
             slots += self.allocator.extend(seq_id, len(tokens))
             ids += list(tokens)
-            positions += range(start, start + len(tokens))
+            positions += range(start + self.position_offset, start + self.position_offset + len(tokens))
             kv_lens.append(start + len(tokens))
             tables.append(self.allocator.tables[seq_id])
             cu.append(cu[-1] + len(tokens))
@@ -377,6 +378,15 @@ class PagedModelRunner:
         input_ids = torch.tensor([ids + [0] * pad]).to(dev)
         position_ids = torch.tensor([positions + [0] * pad]).to(dev)
         return input_ids, position_ids, meta
+
+
+def _position_offset(model: torch.nn.Module) -> int:
+    """The first position id: past the padding index where the embeddings number positions from there (RoBERTa's
+    `create_position_ids_from_input_ids`: padding_idx + 1 on), else 0."""
+    for module in model.modules():
+        if hasattr(module, "create_position_ids_from_input_ids") and isinstance(getattr(module, "padding_idx", None), int):
+            return module.padding_idx + 1
+    return 0
 
 
 def _bucket(n: int, smallest: int = 8) -> int:

@@ -272,14 +272,16 @@ def test_hybrids_keep_each_sequences_recurrent_state_apart(model_type, tmp_path)
     assert min(fp8.counts()["clamped"][layer]) > 0 and not torch.allclose(clamped, full[0], atol=1e-2)
 
 
-@pytest.mark.parametrize("model_type", ["mimo_v2_flash", "jetmoe"])  # V narrower than K; K/V tiled per expert
-def test_attention_shapes_the_cache_reshapes_reproduce_the_model(model_type, tmp_path):
+# V narrower than K; K/V tiled per expert; positions numbered from past the padding index
+@pytest.mark.parametrize("model_type", ["mimo_v2_flash", "jetmoe", "roberta"])
+def test_models_the_runtime_adapts_to_reproduce_transformers(model_type, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from fp8kv.models.zoo import make_zoo_checkpoint
 
     path = make_zoo_checkpoint(model_type, tmp_path / model_type)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    decoder = {"is_decoder": True} if model_type == "roberta" else {}  # the paged attention is causal
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **decoder).eval()
     runner = _runner(path, dtype=torch.float32)
     a, _ = runner.start()
     prefill = runner.step([(a, PROMPTS[0][:20])])[0]
