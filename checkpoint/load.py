@@ -111,10 +111,10 @@ def takes_attention_function(config: Any) -> bool:
 def _own_attention_table(model_cls: type) -> bool:
     """Whether the model's module picks its attention classes from its own table keyed by attention name
     (git's text attention: eager only); transformers' check sees only that the module calls the interface
-    somewhere (git's vision tower does)."""
+    somewhere (git's vision tower does). A vision tower's own table (SAM's, in OCR models) says nothing of the text."""
     module = sys.modules[model_cls.__module__]
-    return any(name.endswith("ATTENTION_CLASSES") and isinstance(table, dict) and "eager" in table
-               for name, table in vars(module).items())
+    return any(name.endswith("ATTENTION_CLASSES") and "VISION" not in name and isinstance(table, dict)
+               and "eager" in table for name, table in vars(module).items())
 
 
 def model_cache_class(model: Any) -> type:
