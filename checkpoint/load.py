@@ -105,7 +105,16 @@ def takes_attention_function(config: Any) -> bool:
     does not map (remote code) is assumed to take one.
     """
     model_cls = model_class(config.to_dict())._model_mapping.get(type(config), None)
-    return model_cls is None or model_cls._can_set_attn_implementation()
+    return model_cls is None or (model_cls._can_set_attn_implementation() and not _own_attention_table(model_cls))
+
+
+def _own_attention_table(model_cls: type) -> bool:
+    """Whether the model's module picks its attention classes from its own table keyed by attention name
+    (git's text attention: eager only); transformers' check sees only that the module calls the interface
+    somewhere (git's vision tower does). A vision tower's own table (SAM's, in OCR models) says nothing of the text."""
+    module = sys.modules[model_cls.__module__]
+    return any(name.endswith("ATTENTION_CLASSES") and "VISION" not in name and isinstance(table, dict)
+               and "eager" in table for name, table in vars(module).items())
 
 
 def model_cache_class(model: Any) -> type:

@@ -133,6 +133,8 @@ def _shrunk(text: Any, vocab_size: int, tokenizer: Any) -> dict[str, Any]:
         if _spelled(text, name) in stored and not isinstance(getattr(type(text), name, None), property):
             values[_spelled(text, name)] = value
     values[_spelled(text, "vocab_size")] = vocab_size
+    if "is_decoder" in stored:  # an encoder family's causal-LM head attends causally only as a decoder
+        values["is_decoder"] = True
     if "kv_lora_rank" in stored:  # MLA: every head has its K/V; head_dim keeps its meaning (the rope width or not)
         values.update({k: v for k, v in (("num_key_value_heads", _SIZES["num_attention_heads"]),) if k in stored})
         if stored.get("head_dim") == stored.get("qk_rope_head_dim"):  # RoPE is built for head_dim

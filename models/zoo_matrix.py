@@ -171,6 +171,7 @@ def cache_amax(model_dir: Path, samples: list[list[int]]) -> dict[int, torch.Ten
                 # into a cache they are given
                 cache = DynamicCache(config=model.config)
                 model(input_ids=torch.tensor([sample]), **cache_kwargs(model, cache))
+            cache = getattr(cache, "self_attention_cache", cache)  # a decoder's cache beside its empty cross-attention one
             for index, layer in enumerate(cache.layers):
                 if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
                     continue

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fp8kv.errors import Fp8kvError
 from fp8kv.runtime.attention import gather_kv
 from fp8kv.runtime.cache import PagedKVCache
 from fp8kv.runtime.latent import LatentPagedCache
@@ -53,6 +54,10 @@ def sequence_cache(cache: PagedKVCache, attention_layers: Sequence[int], past: i
                 return self._update_latent(key_states, value_states)
             # [1, kv_heads, T, d] -> [T, kv_heads, d]
             k, v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+            if k.shape[0] != slots.shape[0]:  # cpmant prepends its own prompt tokens; xlm expects the whole sequence
+                raise Fp8kvError(f"layer {self.layer}: the model cached K/V of {k.shape[0]} tokens for "
+                                 f"{slots.shape[0]} new ones (it adds tokens of its own or re-reads the whole "
+                                 "sequence each step); the paged runtime feeds each step's new tokens only")
             owner = cache.owner(self.layer)
             if owner == self.layer:
                 cache.write(owner, k, v, slots, torch.ones_like(slots, dtype=torch.bool))
@@ -82,8 +87,14 @@ def sequence_cache(cache: PagedKVCache, attention_layers: Sequence[int], past: i
 
     if state is None:
         return Cache(layers=[PagedSequenceLayer(layer) for layer in attention_layers])
+    own = vars(DynamicLayer()).keys() | {"layer"}
     for layer in attention_layers:
         while len(state.layers) <= layer:  # caches that add their layers lazily (MiniMax's)
             state.layers.append(DynamicLayer())
-        state.layers[layer] = PagedSequenceLayer(layer)
+        # the model's own layer class, and what it keeps besides K/V (an indexer's keys and positions), carry over
+        replaced = state.layers[layer]
+        own_class = next(c for c in type(replaced).__mro__ if c.__module__ != __name__)
+        paged = type("PagedSequenceLayer", (PagedSequenceLayer, own_class), {"__module__": __name__})(layer)
+        paged.__dict__.update({k: v for k, v in vars(replaced).items() if k not in own})
+        state.layers[layer] = paged
     return state

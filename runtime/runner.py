@@ -83,6 +83,20 @@ def _paged_attention(
     if isinstance(step.cache, LatentPagedCache):
         return latent_attention(module, query, key, step.cache, step.meta, scaling), None
     meta, layer = step.meta, step.cache.owner(module.layer_idx)
+    tiles, restore = key.shape[1] // step.cache.layer_kv_heads(layer), None
+    if tiles > 1:  # JetMoe hands K/V tiled once per chosen expert (repeat, not repeat_interleave): cache one tile
+        kv_heads = key.shape[1] // tiles
+        key, value = key[:, :kv_heads], value[:, :kv_heads]
+        # query head i reads tiled head i // group, i.e. cache head (i // group) % kv_heads; the paged attention
+        # reads cache head i // (tiles * group): order the query heads by cache head, and the output back
+        group = query.shape[1] // (tiles * kv_heads)
+        order = torch.arange(query.shape[1], device=query.device).view(tiles, kv_heads, group).transpose(0, 1)
+        query, restore = query[:, order.flatten()], torch.argsort(order.flatten())
+    v_dim = value.shape[-1]
+    if v_dim > key.shape[-1]:
+        raise Fp8kvError(f"layer {module.layer_idx}: V head_dim {v_dim} wider than K's {key.shape[-1]} is not supported")
+    # V narrower than K (mimo_v2_flash): zero columns in the cache, cut from the output
+    value = torch.nn.functional.pad(value, (0, key.shape[-1] - v_dim))
     if layer == module.layer_idx:  # a KV-sharing layer reads K/V its owner wrote in this forward
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d]
         step.cache.write(layer, k, v, meta.slot_mapping, meta.valid)
@@ -108,7 +122,8 @@ def _paged_attention(
         sinks=kwargs.get("s_aux"),
         chunk_size=_chunk_size(module),
     )
-    return out.unsqueeze(0), None  # [1, T, q_heads, d]
+    out = out if restore is None else out[:, restore]
+    return out[..., :v_dim].unsqueeze(0), None  # [1, T, q_heads, v_dim]
 
 
 def _chunk_size(module: torch.nn.Module) -> int | None:
@@ -176,6 +191,7 @@ class PagedModelRunner:
         self.cache_view = self.model.config._attn_implementation != ATTN_IMPLEMENTATION
         self.recurrent = recurrent_layers(self.geometry.layer_types)
         self._states: dict[int, object] = {}
+        self.position_offset = _position_offset(self.model)
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.backend = _resolve_backend(attention_backend, self.runtime_device)
@@ -283,7 +299,7 @@ class PagedModelRunner:
         cache = sequence_cache(self.cache, attention, past, slots, self.allocator.tables[seq_id],
                                self._states.get(seq_id))
         ids = torch.tensor([list(tokens)]).to(dev)
-        positions = torch.arange(past, past + len(tokens))[None].to(dev)
+        positions = torch.arange(past, past + len(tokens))[None].to(dev) + self.position_offset
         logits = self.model(input_ids=ids, position_ids=positions, **cache_kwargs(self.model, cache)).logits
         self._sync()
         return logits[0].float().cpu()
@@ -335,7 +351,7 @@ class PagedModelRunner:
             start = self.length(seq_id)
             slots += self.allocator.extend(seq_id, len(tokens))
             ids += list(tokens)
-            positions += range(start, start + len(tokens))
+            positions += range(start + self.position_offset, start + self.position_offset + len(tokens))
             kv_lens.append(start + len(tokens))
             tables.append(self.allocator.tables[seq_id])
             cu.append(cu[-1] + len(tokens))
@@ -362,6 +378,15 @@ class PagedModelRunner:
         input_ids = torch.tensor([ids + [0] * pad]).to(dev)
         position_ids = torch.tensor([positions + [0] * pad]).to(dev)
         return input_ids, position_ids, meta
+
+
+def _position_offset(model: torch.nn.Module) -> int:
+    """The first position id: past the padding index where the embeddings number positions from there (RoBERTa's
+    `create_position_ids_from_input_ids`: padding_idx + 1 on), else 0."""
+    for module in model.modules():
+        if hasattr(module, "create_position_ids_from_input_ids") and isinstance(getattr(module, "padding_idx", None), int):
+            return module.padding_idx + 1
+    return 0
 
 
 def _bucket(n: int, smallest: int = 8) -> int:

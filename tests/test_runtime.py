@@ -215,7 +215,7 @@ def test_runner_through_torch_xla_reference_attention(checkpoints):
     assert _compiles() == start
 
 
-@pytest.mark.parametrize("model_type", ["falcon", "bloom"])  # rotary multi-query; ALiBi
+@pytest.mark.parametrize("model_type", ["falcon", "bloom", "git"])  # rotary multi-query; ALiBi; own table of attention names
 def test_models_with_their_own_attention_code_attend_over_the_pages(model_type, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -243,7 +243,7 @@ def test_models_with_their_own_attention_code_attend_over_the_pages(model_type, 
     assert min(fp8.counts()["clamped"][0]) > 0 and not torch.allclose(clamped, full[0], atol=1e-2)
 
 
-@pytest.mark.parametrize("model_type", ["jamba", "minimax"])  # Mamba layer 0; linear attention layer 1, own cache
+@pytest.mark.parametrize("model_type", ["jamba", "minimax", "qwen4_exp"])  # Mamba; linear attention, own cache; an indexer
 def test_hybrids_keep_each_sequences_recurrent_state_apart(model_type, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -270,3 +270,33 @@ def test_hybrids_keep_each_sequences_recurrent_state_apart(model_type, tmp_path)
     seq, _ = fp8.start()
     clamped = fp8.step([(seq, PROMPTS[0])])[0]
     assert min(fp8.counts()["clamped"][layer]) > 0 and not torch.allclose(clamped, full[0], atol=1e-2)
+
+
+# V narrower than K; K/V tiled per expert; positions numbered from past the padding index
+@pytest.mark.parametrize("model_type", ["mimo_v2_flash", "jetmoe", "roberta"])
+def test_models_the_runtime_adapts_to_reproduce_transformers(model_type, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fp8kv.models.zoo import make_zoo_checkpoint
+
+    path = make_zoo_checkpoint(model_type, tmp_path / model_type)
+    decoder = {"is_decoder": True} if model_type == "roberta" else {}  # the paged attention is causal
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **decoder).eval()
+    runner = _runner(path, dtype=torch.float32)
+    a, _ = runner.start()
+    prefill = runner.step([(a, PROMPTS[0][:20])])[0]
+    decode = runner.step([(a, PROMPTS[0][20:21])])[0]
+    full = _eager_logits(model, PROMPTS[0])
+    torch.testing.assert_close(prefill, full[:20], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(decode, full[20:21], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["cpmant", "xlm"])  # prepends its prompt tokens; re-reads the whole sequence
+def test_models_caching_other_tokens_than_the_new_ones_are_refused_in_one_line(model_type, tmp_path):
+    from fp8kv.models.zoo import make_zoo_checkpoint
+
+    runner = _runner(make_zoo_checkpoint(model_type, tmp_path / model_type), dtype=torch.float32)
+    seq, _ = runner.start()
+    with pytest.raises(Fp8kvError, match=r"^layer 0: the model cached K/V of \d+ tokens for \d+ new ones"):
+        runner.step([(seq, PROMPTS[0][:20])])
+        runner.step([(seq, PROMPTS[0][20:21])])

@@ -211,3 +211,13 @@ def test_verify_runs_on_every_architecture_that_calibrates(model_type: str, tmp_
     outcome = result.verify  # hybrids, MoE, falcon's own attention code, llava's language model, Gemma 4 included
     assert outcome is not None and outcome.status in (PASS, WARN), outcome
     assert outcome.fidelity_kl <= outcome.fidelity_bound, outcome  # the runtime is the model it judged
+
+
+# RoBERTa's causal-LM head attends causally only as a decoder; RemBERT's then returns an EncoderDecoderCache
+@pytest.mark.parametrize("model_type", ["roberta", "rembert"])
+def test_encoder_families_are_built_as_the_decoders_their_causal_lm_heads_are(model_type: str, tmp_path) -> None:
+    import json
+
+    result = judge(model_type, tmp_path)
+    assert result.status == EXACT, result.detail
+    assert json.loads((tmp_path / "src" / "config.json").read_text())["is_decoder"] is True
