@@ -301,6 +301,11 @@ def _refuse_unsupported(whole: Any, text: Any, source: str) -> None:
             f"{source}: {whole.model_type} is an encoder-decoder model: its decoder also caches cross-attention "
             "K/V of the encoder output, which fp8kv neither observes nor verifies"
         )
+    if getattr(text, "is_decoder", None) is False:  # only encoder families (BERT, RoBERTa, ...) carry the flag
+        raise Fp8kvError(
+            f"{source}: is_decoder is false: transformers runs this {text.model_type} as a bidirectional encoder, "
+            "which keeps no K/V cache; a causal LM built from it sets is_decoder: true"
+        )
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:

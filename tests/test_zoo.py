@@ -221,3 +221,21 @@ def test_encoder_families_are_built_as_the_decoders_their_causal_lm_heads_are(mo
     result = judge(model_type, tmp_path)
     assert result.status == EXACT, result.detail
     assert json.loads((tmp_path / "src" / "config.json").read_text())["is_decoder"] is True
+
+
+def test_an_encoder_config_without_is_decoder_is_refused_in_one_line(tmp_path) -> None:
+    """BERT-family configs run bidirectionally unless is_decoder is set: there is no causal K/V cache to scale."""
+    import json
+
+    from fp8kv.errors import Fp8kvError
+    from fp8kv.geometry import AttentionGeometry
+    from fp8kv.models.zoo import make_zoo_config
+
+    folder = make_zoo_config("roberta", tmp_path / "roberta")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["is_decoder"] is True
+    AttentionGeometry.from_dir(folder)
+    (folder / "config.json").write_text(json.dumps({**config, "is_decoder": False}))
+    with pytest.raises(Fp8kvError, match=r"config\.json: is_decoder is false: transformers runs this roberta as a "
+                                         r"bidirectional encoder"):
+        AttentionGeometry.from_dir(folder)
