@@ -46,7 +46,9 @@ def sequence_cache(cache: PagedKVCache, attention_layers: Sequence[int], past: i
         """One attention layer: `update` writes the new K/V into the pages and returns the sequence's K/V."""
 
         def __init__(self, layer: int) -> None:
-            super().__init__()
+            # DynamicLayer's own initialiser, not the model's layer class's (which may take arguments, e.g. a
+            # sliding window): what that class keeps is copied over from the layer this one replaces
+            DynamicLayer.__init__(self)
             self.layer = layer
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -84,6 +86,9 @@ def sequence_cache(cache: PagedKVCache, attention_layers: Sequence[int], past: i
 
         def get_seq_length(self) -> int:
             return self.keys.shape[-2] if self.is_initialized else past
+
+        # The K/V it returns are the whole sequence's, whatever window the model's own layer class keeps
+        get_mask_sizes = DynamicLayer.get_mask_sizes
 
     if state is None:
         return Cache(layers=[PagedSequenceLayer(layer) for layer in attention_layers])

@@ -190,6 +190,11 @@ class PagedModelRunner:
         # pages through a cache view, one sequence per forward; a hybrid keeps each sequence's recurrent state
         self.cache_view = self.model.config._attn_implementation != ATTN_IMPLEMENTATION
         self.recurrent = recurrent_layers(self.geometry.layer_types)
+        if any(hasattr(module, "_setup_cache") for module in self.model.modules()):
+            # its recurrent state lives in the modules, shared by every sequence, not in a cache per sequence
+            raise Fp8kvError(f"{self.geometry.model_type} keeps its recurrent state inside its modules "
+                             "(_setup_cache), not in a cache per sequence: the paged runtime cannot run "
+                             "sequences side by side")
         self._states: dict[int, object] = {}
         self.position_offset = _position_offset(self.model)
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs

@@ -243,7 +243,7 @@ def test_models_with_their_own_attention_code_attend_over_the_pages(model_type, 
     assert min(fp8.counts()["clamped"][0]) > 0 and not torch.allclose(clamped, full[0], atol=1e-2)
 
 
-@pytest.mark.parametrize("model_type", ["jamba", "minimax", "qwen4_exp"])  # Mamba; linear attention, own cache; an indexer
+@pytest.mark.parametrize("model_type", ["jamba", "minimax", "qwen4_exp", "lara_mini"])  # Mamba; linear attention, own cache; an indexer; sliding-window layers
 def test_hybrids_keep_each_sequences_recurrent_state_apart(model_type, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -300,3 +300,11 @@ def test_models_caching_other_tokens_than_the_new_ones_are_refused_in_one_line(m
     with pytest.raises(Fp8kvError, match=r"^layer 0: the model cached K/V of \d+ tokens for \d+ new ones"):
         runner.step([(seq, PROMPTS[0][:20])])
         runner.step([(seq, PROMPTS[0][20:21])])
+
+
+def test_a_model_keeping_its_recurrent_state_in_its_modules_is_refused_in_one_line(tmp_path):
+    from fp8kv.models.zoo import make_zoo_checkpoint
+
+    path = make_zoo_checkpoint("recurrent_gemma", tmp_path / "recurrent_gemma")
+    with pytest.raises(Fp8kvError, match=r"^recurrent_gemma keeps its recurrent state inside its modules"):
+        _runner(path, dtype=torch.float32)
