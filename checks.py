@@ -44,9 +44,9 @@ def check_readout(readout: ScaleReadout, provenance: Provenance | None = None) -
 
 
 def tpu_layout_findings(readout: ScaleReadout) -> list[Finding]:
-    """How a TPU cache would pad this model's head_dim (a cost, never a fault)."""
+    """How a TPU cache would pad this model's head_dim (a cost, never a fault); not the MLA latent cache."""
     g = readout.source.geometry
-    if not g.head_dim % TPU_HEAD_DIM_MULTIPLE:
+    if g.latent is not None or not g.head_dim % TPU_HEAD_DIM_MULTIPLE:
         return []
     padded = -(-g.head_dim // TPU_HEAD_DIM_MULTIPLE) * TPU_HEAD_DIM_MULTIPLE
     return [Finding(INFO, f"head_dim={g.head_dim} is padded to {padded} in a TPU cache "

@@ -198,11 +198,12 @@ def test_the_vllm_loader_gap_is_named_and_grows_to_a_warning_past_max(calibrated
     """vLLM runs an MLA latent cache at scale 1.0: a note while the latent fits fp8 at 1.0, a WARN past MAX."""
     from dataclasses import replace
 
-    from fp8kv.checks import INFO, WARN, check_readout
+    from fp8kv.checks import INFO, WARN, check_readout, tpu_layout_findings
     from fp8kv.checkpoint.provenance import read_provenance
     from fp8kv.checkpoint.reader import read_kv_scales
 
     readout, provenance = read_kv_scales(calibrated), read_provenance(calibrated)
+    assert tpu_layout_findings(readout) == []  # the K/V head_dim padding note is about another cache layout
     notes = [f for f in check_readout(readout, provenance) if f.message.startswith("MLA: vLLM")]
     assert [f.level for f in notes] == [INFO] and "fits at 1.0" in notes[0].message
     big = replace(provenance, layers=(replace(provenance.layers[0], k=replace(provenance.layers[0].k, amax=600.0)),))
