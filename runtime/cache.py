@@ -176,13 +176,7 @@ class PagedKVCache:
         kv = torch.nn.functional.pad(kv, (0, self._padded[row] - self._head_dims[row]))
         stored = quantize(kv, self._write_scales[row, : 2 * self._kv_heads[row]], self.dtype, self.engine)
         self._count(row, kv, stored, valid)
-        flat = self.pages[row].flatten(0, 1)  # [num_pages*page_size, 2*kv_heads, head_dim_padded]
-        # CPU torch 2.9 has no fp8 index_copy_, so copy bytes there; XLA copies fp8 natively, and a
-        # dtype view on XLA would fall back to the CPU and round-trip the cache through the host.
-        if is_fp8(self.dtype) and flat.device.type != "xla":
-            flat.view(torch.uint8).index_copy_(0, slots, stored.view(torch.uint8))
-        else:
-            flat.index_copy_(0, slots, stored)
+        store_rows(self.pages[row].flatten(0, 1), slots, stored)  # [num_pages*page_size, 2*kv_heads, d_padded]
 
     def _count(self, row: int, kv: torch.Tensor, stored: torch.Tensor, valid: torch.Tensor) -> None:
         mask, heads = valid[:, None, None], self._kv_heads[row]
@@ -211,6 +205,25 @@ class PagedKVCache:
     def counts(self) -> dict[str, dict[int, tuple[int, int]]]:
         """Per KV layer `(k, v)` counts: {"clamped": ..., "nonfinite": ...}, plus values "written" per K (or V)."""
         return layer_counts(self.kv_layers, self.clamped, self.nonfinite, self.written)
+
+
+def store_rows(flat: torch.Tensor, slots: torch.Tensor, stored: torch.Tensor) -> None:
+    """`flat[slots] = stored` along dim 0, for a cache tensor of any dtype.
+
+    CPU torch 2.9 has no fp8 index_copy_, so bytes are copied there; XLA copies fp8 natively, and a
+    dtype view on XLA would fall back to the CPU and round-trip the cache through the host.
+    """
+    if is_fp8(flat.dtype) and flat.device.type != "xla":
+        flat.view(torch.uint8).index_copy_(0, slots, stored.view(torch.uint8))
+    else:
+        flat.index_copy_(0, slots, stored)
+
+
+def load_rows(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`flat[slots]` along dim 0 (CPU torch 2.9 cannot gather fp8 either: bytes are read there)."""
+    if is_fp8(flat.dtype) and flat.device.type != "xla":
+        return flat.view(torch.uint8).index_select(0, slots).view(flat.dtype)
+    return flat.index_select(0, slots)
 
 
 def layer_counts(kv_layers: tuple[int, ...], clamped: torch.Tensor, nonfinite: torch.Tensor,

@@ -20,7 +20,7 @@ import torch
 from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import check_engine, is_fp8, quantize
 from fp8kv.geometry import LatentCache
-from fp8kv.runtime.cache import Scale, layer_counts, layer_scales
+from fp8kv.runtime.cache import Scale, layer_counts, layer_scales, load_rows, store_rows
 
 # The attention module attribute that holds the current forward's kv_c_normed `[1, T, kv_lora_rank]`.
 _CAPTURED = "fp8kv_kv_c_normed"
@@ -79,22 +79,14 @@ class LatentPagedCache:
             self.clamped[row] += ((vectors.float().abs() / scale > torch.finfo(self.dtype).max) & mask).sum()
         self.nonfinite[row] += (~torch.isfinite(stored.float()) & mask).sum()
         self.written[row] += valid.sum() * self.latent.width
-        flat = self.pages[row].flatten(0, 1)  # [num_pages * page_size, width]
-        if is_fp8(self.dtype) and flat.device.type != "xla":  # CPU torch has no fp8 index_copy_
-            flat.view(torch.uint8).index_copy_(0, slots, stored.view(torch.uint8))
-        else:
-            flat.index_copy_(0, slots, stored)
+        store_rows(self.pages[row].flatten(0, 1), slots, stored)  # [num_pages * page_size, width]
 
     def read(self, layer: int, pages: torch.Tensor, length: int) -> torch.Tensor:
         """The first `length` vectors of a sequence whose page table is `pages` `[pages_per_seq]`, dequantized (float32)."""
         row = self._row[layer]
         positions = torch.arange(length, device=pages.device)
         slots = pages.long()[positions // self.page_size] * self.page_size + positions % self.page_size
-        flat = self.pages[row].flatten(0, 1)
-        if is_fp8(self.dtype) and flat.device.type != "xla":
-            stored = flat.view(torch.uint8).index_select(0, slots).view(self.dtype)
-        else:
-            stored = flat.index_select(0, slots)
+        stored = load_rows(self.pages[row].flatten(0, 1), slots)
         return stored.float() * self.scales[row, 0] if is_fp8(self.dtype) else stored.float()
 
     def scale_args(self, layer: int) -> tuple[float | None, float | None]:
