@@ -168,9 +168,8 @@ def _kernel_findings(readout: ScaleReadout) -> list[Finding]:
 
 
 def _latent_loader_findings(readout: ScaleReadout, provenance: Provenance | None) -> list[Finding]:
-    """vLLM's DeepSeek loader (read in releases 0.22 to 0.33) maps `self_attn.k_scale` onto
-    `self_attn.attn.k_scale`, a parameter only its non-MLA layers have, and drops it: an MLA layer's
-    latent cache runs at scale 1.0 there. That is harmless while the latent fits fp8's range at 1.0."""
+    """vLLM runs an MLA latent cache at scale 1.0 (its loader places no checkpoint k_scale there; see
+    `checkpoint/latent.py`): harmless while the calibrated latent fits fp8's range at 1.0."""
     if readout.source.geometry.latent is None:
         return []
     note = ("MLA: vLLM's DeepSeek loader does not place a static k_scale on its latent-cache layers and "

@@ -95,8 +95,8 @@ def _paged_attention(
     v_dim = value.shape[-1]
     if v_dim > key.shape[-1]:
         raise Fp8kvError(f"layer {module.layer_idx}: V head_dim {v_dim} wider than K's {key.shape[-1]} is not supported")
-    # V narrower than K (mimo_v2_flash): zero columns in the cache, cut from the output
-    value = torch.nn.functional.pad(value, (0, key.shape[-1] - v_dim))
+    if v_dim < key.shape[-1]:  # V narrower than K (mimo_v2_flash): zero columns in the cache, cut from the output
+        value = torch.nn.functional.pad(value, (0, key.shape[-1] - v_dim))
     if layer == module.layer_idx:  # a KV-sharing layer reads K/V its owner wrote in this forward
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, kv_heads, d]
         step.cache.write(layer, k, v, meta.slot_mapping, meta.valid)
