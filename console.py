@@ -13,12 +13,19 @@ def markdown_table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
+def text_console(stderr: bool = False):
+    """A rich console whose lines are never broken mid-sentence (piped to a file, rich would wrap them at 80
+    columns); tables still fit the width."""
+    from rich.console import Console
+
+    return Console(stderr=stderr, soft_wrap=True)
+
+
 def print_inspect_report(report: dict[str, Any]) -> None:
     """Render an `inspect_checkpoint` report as text tables on stdout."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = text_console()
     console.print(f"[bold]{report['path']}[/bold] ({report['model_type']})")
     console.print(f"convention: {', '.join(report['conventions']) or 'none'}   kv dtype: {report['kv_dtype']}   "
                   f"strategy: {report['strategy'] or '-'}   kv heads: {report['num_kv_heads']}")

@@ -6,10 +6,10 @@ import json
 import shlex
 import sys
 
-from rich.console import Console
 from rich.table import Table
 
 from fp8kv.calibrate.pipeline import CalibrationResult
+from fp8kv.console import text_console
 
 
 def command_line() -> str:
@@ -22,7 +22,7 @@ def show(result: CalibrationResult, json_output: bool = False) -> None:
 
     The data note was announced before the work (`StageProgress.note`); it is in the provenance too.
     """
-    err = Console(stderr=True)
+    err = text_console(stderr=True)
     for line in result.warnings:
         err.print(f"fp8kv: {line}", highlight=False)
     if json_output:
@@ -40,7 +40,7 @@ def show(result: CalibrationResult, json_output: bool = False) -> None:
             f"{row.k.amax:.6g}", f"{row.k.scale:.6g}", f"{row.k.saturation:.3%}",
             f"{row.v.amax:.6g}", f"{row.v.scale:.6g}", f"{row.v.saturation:.3%}",
         )
-    console = Console()
+    console = text_console()
     console.print(table)
     if prov.skipped_layers:
         console.print(f"layers without their own KV cache (no scale): {list(prov.skipped_layers)}")

@@ -139,3 +139,14 @@ def test_inspect_and_verify_show_each_finding_once(llama, tmp_path):
         f for f in findings if f.level == FAIL and "kv_cache_scheme" in f.message]
     assert len([r for r in reasons if "kv_cache_scheme" in r.message]) == 1
     assert len(reasons) == len(set(reasons))
+
+
+def test_inspect_text_piped_to_a_file_keeps_each_line_whole(capsys) -> None:
+    """Piped, rich would wrap at 80 columns mid-sentence; a log reader greps whole warnings."""
+    from fp8kv.console import print_inspect_report
+
+    warning = "transformer.h.0.attn.k_scale (and 3 more): vLLM loads gpt2 scales as " + "x" * 120
+    print_inspect_report({"path": "/tmp/model", "model_type": "gpt2", "conventions": ["compressed-tensors"],
+                          "kv_dtype": "fp8_e4m3", "strategy": "tensor", "num_kv_heads": 4, "layers": [],
+                          "warnings": [warning]})
+    assert f"warning: {warning}" in capsys.readouterr().out.splitlines()
