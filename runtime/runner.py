@@ -123,7 +123,8 @@ def _paged_attention(
         chunk_size=_chunk_size(module),
     )
     out = out if restore is None else out[:, restore]
-    return out[..., :v_dim].unsqueeze(0), None  # [1, T, q_heads, v_dim]
+    out = out if v_dim == out.shape[-1] else out[..., :v_dim]
+    return out.unsqueeze(0), None  # [1, T, q_heads, v_dim]
 
 
 def _chunk_size(module: torch.nn.Module) -> int | None:
