@@ -14,7 +14,7 @@ from fp8kv import __version__
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError
 if TYPE_CHECKING:
     from fp8kv.data import DataRequest
-from fp8kv.options import DEFAULT_KV_DTYPE, AttentionChoice, TorchDeviceChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, WriteMode, kv_dtype_name
+from fp8kv.options import DEFAULT_KV_DTYPE, AttentionChoice, TorchDeviceChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, WriteMode, kv_dtype_name
 
 DEBUG_ENV = "FP8KV_DEBUG"
 
@@ -225,6 +225,17 @@ def convert_command(
         typer.echo(f"load it with: vllm serve {written} {engine_flag(written)}")
 
 
+def _engines(value: str) -> str:
+    """--engine/--engines: every name must be an engine model (a usage error otherwise)."""
+    from fp8kv.engine_models import parse_engines
+
+    try:
+        parse_engines(value)
+    except Fp8kvError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
 def _headroom(value: str) -> str:
     """`--headroom`: "auto" or a number >= 1, checked before anything loads (a usage error otherwise)."""
     if value == "auto":
@@ -341,9 +352,11 @@ def verify_command(
     max_saturation: float | None = typer.Option(
         None, "--max-saturation", help="WARN when a layer clamps a larger share of K or V [file: 1e-4]."
     ),
-    engine: EngineChoice = typer.Option(
-        "all", "--engine", help="Engine cast model(s) to run: clamp (saturating), raw (plain cast), raw-bf16 "
-        "(bf16 division, plain cast) or all. Any engine whose logits go NaN/inf is a FAIL."
+    engine: str = typer.Option(
+        "", "--engine", show_default="every released engine", callback=_engines,
+        help="Engine models to run, comma-separated: vllm-cuda, vllm-tpu, vllm-triton, tpu-inference, "
+        "tpu-inference-v6e, sglang, tensorrt-llm; bugs: no-clamp, inverted-scale, scales-ignored, kv-swapped, "
+        "e5m2-read; 'all' is every one. A released engine whose logits go NaN/inf is a FAIL (docs/engines.md).",
     ),
     unit_kl_ratio: float | None = typer.Option(
         None, "--unit-kl-ratio", help="WARN when mean KL exceeds this x the unit-scale KL [file: 1.25]."
@@ -358,7 +371,7 @@ def verify_command(
     ),
 ) -> None:
     from fp8kv.progress import StageProgress
-    from fp8kv.verify.engines import parse_engines
+    from fp8kv.engine_models import parse_engines
     from fp8kv.verify.report import show
     from fp8kv.verify.run import VerifyRequest, verify
     from fp8kv.verify.verdict import load_thresholds
@@ -388,7 +401,7 @@ def eval_command(
     ),
     limit: int | None = typer.Option(None, "--limit", help="At most N items per task."),
     engines: str = typer.Option(
-        "clamp,raw,raw-bf16", "--engines", help="Engine cast models to compare: clamp, raw, raw-bf16 (comma-separated)."
+        "vllm-tpu,sglang", "--engines", callback=_engines, help="Engine models to compare, comma-separated (fp8kv verify --help lists them)."
     ),
     device: RuntimeDeviceOpt = "auto",
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per runner step."),
@@ -399,11 +412,12 @@ def eval_command(
     ),
 ) -> None:
     """Task scores (lm-evaluation-harness) on bf16, fp8 unit-scale and fp8 checkpoint-scale caches, per engine."""
+    from fp8kv.engine_models import parse_engines
     from fp8kv.evaluation.compare import EvalRequest, evaluate
 
     request = EvalRequest(
         model_dir=model_dir, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit,
-        engines=tuple(e.strip() for e in engines.split(",") if e.strip()), device=device, batch_size=batch_size,
+        engines=parse_engines(engines), device=device, batch_size=batch_size,
         max_length=max_length, include_path=include_path, report_dir=report_dir,
     )
     result, folder = evaluate(request, progress=lambda label: typer.echo(f"evaluating {label} ...", err=True))

@@ -17,9 +17,6 @@ RuntimeChoice = Literal["auto", "tpu", "xla-cpu", "cuda", "cpu"]
 TorchDeviceChoice = Literal["auto", "cuda", "cpu"]
 # kv: K/V cache scales only; fp8: also query scales for fp8 attention kernels.
 AttentionChoice = Literal["kv", "fp8"]
-# How an engine casts `x / scale` to fp8; fp8kv.fp8 says what each one does.
-EngineName = Literal["clamp", "raw", "raw-bf16"]
-EngineChoice = Literal["all", "clamp", "raw", "raw-bf16"]
 
 # vLLM's `--kv-cache-dtype fp8` means e4m3; accept its spelling.
 KV_DTYPE_SPELLINGS: dict[str, KvDtype] = {"fp8": "fp8_e4m3"}

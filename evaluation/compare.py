@@ -18,7 +18,7 @@ from fp8kv.checkpoint.writer import write_file_atomic
 from fp8kv.errors import Fp8kvError
 from fp8kv.evaluation.results import RESULTS_JSON, RESULTS_MD, RESULTS_SUBDIR, ConfigScores, EvalResults, metric_values
 from fp8kv.evaluation.spec import CacheSpec
-from fp8kv.fp8 import ENGINES
+from fp8kv.engine_models import RELEASED
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class EvalRequest:
     model_dir: Path
     tasks: tuple[str, ...]
     limit: int | None = None
-    engines: tuple[str, ...] = ENGINES
+    engines: tuple[str, ...] = RELEASED
     device: str = "auto"
     batch_size: int = 8
     max_length: int | None = None

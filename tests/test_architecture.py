@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS: list[set[str]] = [
     {"errors", "options", "configs"},
     {"fp8", "geometry", "console", "progress", "models"},
+    {"engine_models"},
     {"checkpoint"},
     {"data", "observe", "runtime"},
     {"checks"},
