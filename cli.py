@@ -257,7 +257,7 @@ def calibrate(
     ),
     headroom: str = typer.Option(
         "auto", "--headroom", callback=_headroom,
-        help="auto (the margin measured to keep unseen text inside fp8's range; README: Scales) or a factor "
+        help="auto (the margin measured to keep unseen text inside fp8's range; docs/margin.md) or a factor "
         "F >= 1 multiplying every scale; 1.0 writes amax/MAX exactly.",
     ),
     per_head: bool = typer.Option(False, "--per-head", help="One scale per KV head ([num_kv_heads,1,1], attn_head strategy)."),
