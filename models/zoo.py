@@ -2,7 +2,7 @@
 
 Each one is built from transformers' own config class (its defaults, shrunk: 2 layers, hidden 64,
 4 heads of 16, 2 KV heads, a vocabulary matching the factory tokenizer), seeded, saved as bf16
-safetensors with the factory tokenizer. Tests and the README table enumerate them from
+safetensors with the factory tokenizer. Tests and the docs/architectures.md table enumerate them from
 `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, so a new transformers release brings its new architectures.
 
     from fp8kv.models.zoo import causal_lm_types, make_zoo_checkpoint

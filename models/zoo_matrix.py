@@ -1,4 +1,4 @@
-"""Judge fp8kv on a tiny checkpoint of one transformers architecture: the zoo test and README table.
+"""Judge fp8kv on a tiny checkpoint of one transformers architecture: the zoo test and the docs/architectures.md table.
 
 The loader is the one calibration uses (`AutoModelForCausalLM`, or `AutoModelForImageTextToText` for
 vision-language wrappers).
@@ -12,7 +12,7 @@ not K and V: they are compared with `latent_cache_amax`, read from the model's f
 `judge_and_verify` then runs `fp8kv verify` on it, briefly (`verify_outcome`: its verdict, a one-line
 refusal, or a crash, and the fidelity KL it measured).
 
-    python -m fp8kv.models.zoo_matrix            # prints the README table for every architecture
+    python -m fp8kv.models.zoo_matrix            # prints the docs/architectures.md table for every architecture
     python -m fp8kv.models.zoo_matrix llama gpt2  # only these
     python -m fp8kv.models.zoo_matrix --layerwise llama jamba   # layer by layer against the whole model
 """
@@ -294,7 +294,7 @@ def run_matrix(model_types: list[str], how: Callable[[str, Path], ZooResult] = j
 
 
 def markdown_table(results: list[ZooResult]) -> str:
-    """The README table: a count line, then one row per architecture."""
+    """The docs/architectures.md table: a count line, then one row per architecture."""
     counts = {status: sum(r.status == status for r in results) for status in (EXACT, TOLERANCE, REFUSED, FAILING)}
     head = ", ".join(f"{n} {status}" for status, n in counts.items())
     unloadable = sum(r.load_error is not None for r in results)

@@ -140,7 +140,7 @@ class PagedKVCache:
         self._write_scales = self.scales.transpose(1, 2).reshape(len(self.kv_layers), 2 * self.num_kv_heads, 1)
         self.num_pages = num_pages
         # One tensor per layer, not views of one [layers, ...] tensor: on XLA an in-place write into a view
-        # of the big tensor measured 0.68x fp8 decode (bench/bench_runtime.py, see README's Runtime).
+        # of the big tensor measured 0.68x fp8 decode (bench/bench_runtime.py, bench/README.md: Runtime).
         self.pages = [torch.zeros((num_pages, page_size, 2 * heads, padded), dtype=dtype, device=device)
                       for heads, padded in zip(self._kv_heads, self._padded)]
         self._row = {layer: i for i, layer in enumerate(self.kv_layers)}

@@ -5,12 +5,14 @@ from __future__ import annotations
 import io
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import fp8kv
 import fp8kv.data as data_module
 import fp8kv.calibrate.pipeline as pipeline
 from fp8kv.data import DataRequest, load_calibration_data
@@ -80,17 +82,28 @@ def test_plain_progress_is_timestamped_per_stage_and_quiet_keeps_notes():
     assert quiet.getvalue() == "fp8kv: still shown\n"
 
 
+def _readme_quickstart() -> list[list[str]]:
+    """The commands of README's first Quickstart block, one argv per line."""
+    readme = (Path(fp8kv.__file__).parent / "README.md").read_text()
+    section = readme[readme.index("## Quickstart"):]
+    block = section[section.index("```sh\n") + len("```sh\n"):section.index("```", section.index("```sh\n") + 5)]
+    return [shlex.split(line.split("#")[0]) for line in block.splitlines() if line.strip()]
+
+
 def test_readme_quickstart_runs_offline_from_another_folder(tmp_path):
+    """Every command of README's quickstart, as typed, in an empty folder outside the repository."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PJRT_DEVICE": "CPU"}
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "fp8kv", "calibrate", "bundled", "--dataset", "bundled",
-                           "--num-samples", "8", "--seq-len", "32", "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert f"next: fp8kv verify {out}" in proc.stdout
-    stages = [line for line in proc.stderr.splitlines() if STAMP.match(line)]
-    assert any("observing K/V over 8 samples" in line for line in stages), proc.stderr
-    assert (out / "fp8kv.json").is_file()
+    commands = _readme_quickstart()
+    assert [argv[:2] for argv in commands] == [["fp8kv", "calibrate"], ["fp8kv", "verify"], ["fp8kv", "inspect"],
+                                               ["fp8kv", "card"], ["fp8kv", "push"]]
+    for argv in commands:
+        proc = subprocess.run([sys.executable, "-m", *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, (argv, proc.stdout, proc.stderr)
+    out = tmp_path / "bundled-fp8kv"
+    assert (out / "fp8kv.json").is_file() and (out / "verify" / "report.json").is_file()
+    assert "you/bundled-fp8kv" in (out / "README.md").read_text()
+    assert "README.md" in proc.stdout and "kv_scales.safetensors" in proc.stdout  # push --dry-run lists the files
 
 
 class _Terminal(io.StringIO):

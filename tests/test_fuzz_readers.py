@@ -2,7 +2,7 @@
 
 Targets: config.json (geometry), the safetensors index, the safetensors header, scale tensors
 and the legacy vLLM JSON. The budget per test is FP8KV_FUZZ_EXAMPLES (default 50) so CI stays
-fast; set it higher for a long session (see README).
+fast; set it higher for a long session (see docs/development.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each architecture is built tiny from transformers' own config class and calibrated; its amax must
 equal what transformers' DynamicCache stores (exact, or within one bf16 step), and fp8kv's output
 must load in transformers. A representative subset runs by default; FP8KV_ZOO=all runs them all
-(`python -m fp8kv.models.zoo_matrix` prints the README table from the same code).
+(`python -m fp8kv.models.zoo_matrix` prints the docs/architectures.md table from the same code).
 """
 
 from __future__ import annotations
