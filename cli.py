@@ -12,9 +12,10 @@ from typer.core import TyperGroup
 
 from fp8kv import __version__
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError
+from fp8kv.evaluation.bundled_tasks import BUNDLED_TASKS
 if TYPE_CHECKING:
     from fp8kv.data import DataRequest
-from fp8kv.options import DEFAULT_KV_DTYPE, AttentionChoice, TorchDeviceChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, WriteMode, kv_dtype_name
+from fp8kv.options import DEFAULT_KV_DTYPE, AttentionChoice, TorchDeviceChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, WriteMode, headroom_problem, kv_dtype_name
 
 DEBUG_ENV = "FP8KV_DEBUG"
 
@@ -233,8 +234,9 @@ def _headroom(value: str) -> str:
         factor = float(value)
     except ValueError:
         raise typer.BadParameter(f"{value!r} is neither auto nor a number") from None
-    if not factor >= 1.0:
-        raise typer.BadParameter(f"{value} is below 1.0: a scale under amax/MAX clips values it has seen")
+    problem = headroom_problem(factor)
+    if problem is not None:
+        raise typer.BadParameter(problem)
     return value
 
 
@@ -246,7 +248,7 @@ def calibrate(
     data: "DataRequest" = None,  # the text options, made one by @reads_text
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Samples per forward pass (right-padded; padding is never observed)."),
     kv_dtype: KvDtypeSpelling = typer.Option(
-        DEFAULT_KV_DTYPE, "--kv-dtype", help="KV-cache dtype: fp8_e4m3 (MAX 448; vLLM's 'fp8') or fp8_e5m2 (MAX 57344)."
+        DEFAULT_KV_DTYPE, "--kv-dtype", help="KV-cache dtype: fp8_e4m3 (vLLM's 'fp8') or fp8_e5m2 (a wider range, a coarser step)."
     ),
     strategy: str = typer.Option(
         "amax", "--strategy",
@@ -383,7 +385,7 @@ def verify_command(
 def eval_command(
     model_dir: Path = typer.Argument(..., metavar="DIR", help="Checkpoint folder (KV scales in any convention), or 'bundled'."),
     tasks: str = typer.Option(
-        "fp8kv_pydoc_mc,fp8kv_pydoc_gen,fp8kv_pydoc_ppl", "--tasks",
+        ",".join(BUNDLED_TASKS), "--tasks",
         help="Comma-separated lm_eval tasks (default: the bundled model's offline tasks).",
     ),
     limit: int | None = typer.Option(None, "--limit", help="At most N items per task."),

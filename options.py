@@ -25,6 +25,11 @@ EngineChoice = Literal["all", "clamp", "raw", "raw-bf16"]
 KV_DTYPE_SPELLINGS: dict[str, KvDtype] = {"fp8": "fp8_e4m3"}
 
 
+def headroom_problem(factor: float) -> str | None:
+    """Why `--headroom factor` is refused, or None: a scale under amax/MAX clips values calibration saw."""
+    return None if factor >= 1.0 else f"{factor} is below 1.0: a scale under amax/MAX clips values it has seen"
+
+
 def kv_dtype_name(spelling: str) -> str:
     """fp8kv's name for a kv dtype as typed (`fp8` -> `fp8_e4m3`)."""
     return KV_DTYPE_SPELLINGS.get(spelling, spelling)

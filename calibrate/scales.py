@@ -18,6 +18,7 @@ import torch
 from fp8kv.observe import BINS_PER_OCTAVE, KVStatistics, bin_edges
 from fp8kv.fp8 import FP8_DTYPES, FP8_MAX
 from fp8kv.errors import Fp8kvError
+from fp8kv.options import headroom_problem
 
 MSE_CANDIDATES = 256  # clip candidates amax * 2**(-j/32), j < 256: down to amax / 256
 LAST_BATCH = "last-batch"
@@ -34,6 +35,13 @@ def fp8_max(kv_dtype: str) -> float:
     return FP8_MAX[kv_dtype]
 
 
+def check_headroom(headroom: float) -> None:
+    """One `Fp8kvError` for a --headroom below 1."""
+    problem = headroom_problem(headroom)
+    if problem is not None:
+        raise Fp8kvError(f"--headroom {problem}")
+
+
 def scale_from_amax(amax: torch.Tensor, kv_dtype: str = "fp8_e4m3", headroom: float = 1.0) -> torch.Tensor:
     """`scale = amax / MAX * headroom` in float32, rounded up so that amax / scale <= MAX holds.
 
@@ -41,8 +49,7 @@ def scale_from_amax(amax: torch.Tensor, kv_dtype: str = "fp8_e4m3", headroom: fl
     is then moved up with nextafter until the bound holds exactly (checked in float64) and as the
     float32 division a runtime performs.
     """
-    if not headroom >= 1.0:
-        raise Fp8kvError(f"--headroom must be at least 1.0, got {headroom}")
+    check_headroom(headroom)
     limit = fp8_max(kv_dtype)
     amax32 = amax.to(torch.float32)
     scale = amax32 / limit * headroom

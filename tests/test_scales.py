@@ -35,7 +35,7 @@ def test_round_up_happens_where_division_rounds_down():
 
 def test_headroom_multiplies_and_must_be_at_least_one():
     assert scale_from_amax(torch.tensor([448.0]), headroom=1.5).item() == 1.5
-    with pytest.raises(Fp8kvError, match="--headroom must be at least 1.0"):
+    with pytest.raises(Fp8kvError, match="--headroom 0.5 is below 1.0"):
         scale_from_amax(torch.tensor([1.0]), headroom=0.5)
 
 

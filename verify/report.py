@@ -21,6 +21,7 @@ from fp8kv.checks import Finding
 from fp8kv.errors import Fp8kvError
 from fp8kv.console import markdown_table
 from fp8kv.fp8 import FP8_MAX, RAW_CAST_FINITE_LIMIT
+from fp8kv.json_fields import typed
 from fp8kv.options import DEFAULT_KV_DTYPE
 
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "scales.png"
@@ -85,9 +86,9 @@ class VerifyReport:
             raise Fp8kvError(f"{where}: cannot be read as JSON ({exc})") from None
         digest = CheckpointDigest.from_json(data.get("digest") if isinstance(data, dict) else None, str(where))
         try:
-            values = {name: _checked(data, name, kind) for name, kind in _JSON_KINDS.items()
+            values = {name: typed(data, name, kind) for name, kind in _JSON_KINDS.items()
                       if name not in _OPTIONAL_SECTIONS or data.get(name) is not None}
-            reasons = tuple(Finding(_checked(r, "level", str), _checked(r, "message", str)) for r in values.pop("reasons"))
+            reasons = tuple(Finding(typed(r, "level", str), typed(r, "message", str)) for r in values.pop("reasons"))
         except (KeyError, TypeError) as exc:
             detail = f"missing {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
             raise Fp8kvError(f"{where}: not an fp8kv verify report ({detail}); run `fp8kv verify` again") from None
@@ -104,16 +105,6 @@ _JSON_KINDS: dict[str, type | tuple[type, ...]] = {
     "runtime": (dict, _NONE), "engines": list, "query": dict, "generation_details": dict, "fidelity": dict,
     "verdict": str, "exit_code": int, "timings_s": dict, "reasons": list,
 }
-
-
-def _checked(data: Any, key: str, kind: type | tuple[type, ...]) -> Any:
-    if not isinstance(data, dict):
-        raise TypeError(f"{data!r} is not an object")
-    value = data[key]
-    if not isinstance(value, kind):
-        expected = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise TypeError(f"{key!r} is {type(value).__name__}, not {expected}")
-    return value
 
 
 def write_report(report: VerifyReport, out_dir: Path) -> None:
