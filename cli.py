@@ -22,6 +22,7 @@ DEBUG_ENV = "FP8KV_DEBUG"
 BASE_MODEL_HELP = ("Hub id org/name of the model the scales are for (the card's base_model). Default: MODEL when it "
                    "is a Hub id or a Hub cache folder, else what the source's fp8kv.json or config.json records.")
 
+LICENSE_HELP = "Hub license id of the model (the card's license). Default: the source's README.md metadata."
 OVERWRITE_HELP = "Replace --out if it is empty or fp8kv wrote it (its fp8kv.json is there); never another folder."
 QUIET_HELP = ("No progress on stderr (notes and errors still print). Without a terminal, progress is plain "
               "timestamped lines.")
@@ -155,11 +156,16 @@ def card(
         "rewrites a card that names another target)."
     ),
     base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
+    license: str | None = typer.Option(None, "--license", help=LICENSE_HELP),
+    force: bool = typer.Option(False, "--force", help="Replace a README.md that fp8kv did not write or that was edited."),
 ) -> None:
     """Write DIR/README.md: Hub metadata, provenance, per-layer scales, verify results, serve commands."""
-    from fp8kv.hub.card import write_card
+    from fp8kv.hub.card import card_warnings, write_card
 
-    typer.echo(f"Wrote {write_card(out_dir, repo_id=repo_id, base_model=base_model)}")
+    path = write_card(out_dir, repo_id=repo_id, base_model=base_model, license=license, force=force)
+    for line in card_warnings(out_dir, base_model=base_model, license=license):
+        typer.echo(f"fp8kv: warning: {line}", err=True)
+    typer.echo(f"Wrote {path}")
 
 
 @app.command()
@@ -170,13 +176,19 @@ def push(
     revision: str | None = typer.Option(None, "--revision", help="Branch to commit to (created if missing)."),
     commit_message: str | None = typer.Option(None, "--commit-message", help="Commit message."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the files and sizes; upload nothing."),
-    force: bool = typer.Option(False, "--force", help="Upload even when verify failed or never ran."),
+    force: bool = typer.Option(
+        False, "--force", help="Upload even when verify failed or never ran; replace a README.md fp8kv did not write."),
+    base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
+    license: str | None = typer.Option(None, "--license", help=LICENSE_HELP),
 ) -> None:
     """Upload DIR to the Hub in one commit (token from huggingface_hub: HF_TOKEN or `hf auth login`)."""
     from fp8kv.hub.push import PUSHABLE_VERDICTS, format_plan, human_size, plan_push
     from fp8kv.hub.push import push as push_plan
 
-    plan = plan_push(out_dir, repo_id, private=private, revision=revision, commit_message=commit_message, force=force)
+    plan = plan_push(out_dir, repo_id, private=private, revision=revision, commit_message=commit_message, force=force,
+                     base_model=base_model, license=license)
+    for line in plan.warnings:
+        typer.echo(f"fp8kv: warning: {line}", err=True)
     if dry_run:
         typer.echo(format_plan(plan))
         return

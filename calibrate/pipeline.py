@@ -22,7 +22,6 @@ from fp8kv.checkpoint.locate import infer_base_model, resolve_model
 from fp8kv.calibrate.scales import (
     DEFAULT_HEADROOM, LAST_BATCH, ScaleTable, Strategy, compute_scales, fp8_max, scale_from_amax,
 )
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.provenance import (
     CacheRecord, DatasetRecord, Execution, LayerRecord, Provenance, QueryScaleRecord, SourceRecord,
 )
@@ -119,7 +118,6 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
     record = provenance(request, source, data, table, strategy, execution, query_rows)
     if request.out is not None and distributed.is_writer():
         _stage(progress, f"writing {request.out}")
-        extra = {PROVENANCE_FILE: record.to_json().encode()}
         write_checkpoint(
             source.path,
             request.out,
@@ -127,7 +125,7 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
             convention=request.convention,
             mode=request.mode,
             overwrite=request.overwrite,
-            extra_files=extra,
+            record=record,
         )
     return CalibrationResult(source.path, request.out, table, scales, record, warnings, data.note)
 

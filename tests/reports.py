@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from fp8kv.checkpoint.provenance import record_written
 from fp8kv.checkpoint.digest import checkpoint_digest
 from fp8kv.checks import Finding
 from fp8kv.verify.report import REPORT_JSON, VerifyReport
@@ -30,4 +31,5 @@ def write_report(folder: Path, report: VerifyReport) -> Path:
     path = folder / "verify" / REPORT_JSON
     path.parent.mkdir(exist_ok=True)
     path.write_text(report.to_json())
+    record_written(path)  # as verify records what it writes
     return path
