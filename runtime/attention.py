@@ -8,13 +8,24 @@ stored in pages `page_indices[s]`. Queries are aligned to the end of their KV (c
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import is_fp8
 from fp8kv.runtime.kernel_rule import FP8_HEAD_RULE, heads_tile
+
 BACKENDS = ("auto", "torch", "xla")
 Scale = float | torch.Tensor | None
+# The arithmetic of the torch backend, each named for what it reproduces (torch_xla 2.9):
+# "float32": dequantized K/V, scores, softmax and P·V all in float32; only the output is rounded to q's dtype.
+# "xla-reference": `ragged_paged_attention(use_kernel=False)`, what runs on XLA:CPU: K/V dequantized in float32
+#   and rounded to q's dtype; QK, the sm_scale product, the soft cap, each softmax step and P·V in q's dtype.
+# "pallas-kernel": the v2 Pallas kernel vLLM's TPU backend runs: raw fp8 K and V, QK in float32 times
+#   (sm_scale * k_scale), softmax in float32, P·V in float32 times v_scale, the output rounded to q's dtype.
+AttentionNumerics = Literal["float32", "xla-reference", "pallas-kernel"]
+NUMERICS: tuple[str, ...] = get_args(AttentionNumerics)
 
 
 def ragged_paged_attention(
@@ -35,6 +46,7 @@ def ragged_paged_attention(
     use_kernel: bool = False,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    numerics: AttentionNumerics = "float32",
 ) -> torch.Tensor:
     """Attention of `q` `[T, q_heads, head_dim]` over `kv_pages` `[pages, page_size, 2*kv_heads, D]`.
 
@@ -44,7 +56,8 @@ def ragged_paged_attention(
     Rows of `q` past `cu_q_lens[num_seqs]` are padding and come back as zeros. `sinks` `[q_heads]`
     are per-head logits that join every softmax and take probability without a value (gpt-oss);
     `chunk_size` limits each query to keys of its own chunk of positions (llama4's chunked layers).
-    Both run on the torch backend only: torch_xla's function has neither.
+    Both run on the torch backend only: torch_xla's function has neither. `numerics` is the torch
+    backend's arithmetic (`AttentionNumerics`); torch_xla's function has its own.
 
     backend: "xla" calls torch_xla's function as vLLM's TPU backend does (the Pallas kernel with
     `use_kernel`, which needs a TPU: see `kernel_supported`; torch_xla's reference otherwise);
@@ -54,6 +67,8 @@ def ragged_paged_attention(
     """
     if backend not in BACKENDS:
         raise Fp8kvError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if numerics not in NUMERICS:
+        raise Fp8kvError(f"unknown attention numerics {numerics!r}; choose one of {', '.join(NUMERICS)}")
     head_dim = q.shape[-1]
     q = torch.nn.functional.pad(q, (0, kv_pages.shape[-1] - head_dim))  # zeros leave q·k unchanged
     if backend == "xla" or (backend == "auto" and q.device.type == "xla"):
@@ -68,7 +83,7 @@ def ragged_paged_attention(
     else:
         out = _torch_attention(
             q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, sliding_window,
-            soft_cap, max_q_len, sinks, chunk_size,
+            soft_cap, max_q_len, sinks, chunk_size, numerics,
         )
     return out[..., :head_dim]
 
@@ -105,11 +120,14 @@ def _xla_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_s
 
 
 def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, window,
-                     cap, max_q_len, sinks, chunk_size):
+                     cap, max_q_len, sinks, chunk_size, numerics):
     tokens, q_heads, dim = q.shape
     num_slots = page_indices.shape[0]
     kv_heads = kv_pages.shape[2] // 2
     device = q.device
+    # the dtype each stage is rounded to, and whether the scales wait until after QK and P·V (the kernel)
+    work = q.dtype if numerics == "xla-reference" else torch.float32
+    late = numerics == "pallas-kernel" and is_fp8(kv_pages.dtype)
     live = torch.arange(num_slots, device=device) < num_seqs.to(device)  # [S]
     q_lens = torch.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0).long()  # [S]
     kv_lens = torch.where(live, kv_lens, 0).long()
@@ -118,10 +136,11 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     j = torch.arange(max_q_len, device=device)
     q_valid = j < q_lens[:, None]  # [S, Qm]
     rows = torch.where(q_valid, cu_q_lens[:-1, None].long() + j, tokens)  # padding reads/writes row `tokens`
-    qs = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, 1))[rows].float()  # [S, Qm, q_heads, D]
+    qs = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, 1))[rows].to(work)  # [S, Qm, q_heads, D]
     qs = qs.unflatten(2, (kv_heads, q_heads // kv_heads))  # [S, Qm, kv_heads, group, D]
-    k, v = gather_kv(kv_pages, page_indices, kv_lens, k_scale, v_scale)  # [S, L, kv_heads, D]
-    scores = torch.einsum("sqhgd,slhd->shgql", qs, k) * sm_scale
+    k, v = gather_kv(kv_pages, page_indices, kv_lens, None if late else k_scale, None if late else v_scale)
+    k, v = k.to(work), v.to(work)  # [S, L, kv_heads, D]
+    scores = torch.einsum("sqhgd,slhd->shgql", qs, k) * (sm_scale * _head_scale(k_scale, 3) if late else sm_scale)
     if cap:
         scores = cap * torch.tanh(scores / cap)
     positions = (kv_lens - q_lens)[:, None] + j  # [S, Qm] absolute position of each query
@@ -131,16 +150,28 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
         allowed &= keys > positions[..., None] - window
     if chunk_size:
         allowed &= keys // chunk_size == positions[..., None] // chunk_size
-    scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(torch.float32).min)
+    scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(work).min)
     if sinks is not None:  # one extra logit per head in the softmax, dropped afterwards
-        sink = sinks.float().reshape(1, kv_heads, -1, 1, 1).expand(*scores.shape[:-1], 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        sink = sinks.to(work).reshape(1, kv_heads, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = _softmax(torch.cat([scores, sink], dim=-1))[..., :-1]
     else:
-        probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("shgql,slhd->sqhgd", probs, v).flatten(2, 3)  # [S, Qm, q_heads, D]
+        probs = _softmax(scores)
+    out = torch.einsum("shgql,slhd->sqhgd", probs, v)  # [S, Qm, kv_heads, group, D]
+    if late:
+        out = out * _head_scale(v_scale, 2)
+    out = out.flatten(2, 3)  # [S, Qm, q_heads, D]
     flat = torch.zeros(tokens + 1, q_heads, dim, dtype=torch.float32, device=device)
-    flat = flat.index_put((rows.flatten(),), out.flatten(0, 1))
+    flat = flat.index_put((rows.flatten(),), out.float().flatten(0, 1))
     return flat[:tokens].to(q.dtype)
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last axis, each step (max shift, exp, sum, divide) rounded to `scores`' dtype, as XLA
+    lowers torch.softmax; in float32 that is torch's own softmax."""
+    if scores.dtype == torch.float32:
+        return torch.softmax(scores, dim=-1)
+    e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    return e / e.float().sum(dim=-1, keepdim=True).to(e.dtype)
 
 
 def gather_kv(kv_pages, page_indices, kv_lens, k_scale, v_scale):
@@ -154,10 +185,12 @@ def gather_kv(kv_pages, page_indices, kv_lens, k_scale, v_scale):
     # stale slots past kv_len may hold NaN from an earlier sequence: 0 * NaN would leak into the output
     inside = torch.arange(pages.shape[1], device=pages.device) < kv_lens[:, None]
     pages = torch.where(inside[..., None, None], pages, 0.0)
-    return pages[:, :, 0::2] * _head_scale(k_scale), pages[:, :, 1::2] * _head_scale(v_scale)
+    return pages[:, :, 0::2] * _head_scale(k_scale, 1), pages[:, :, 1::2] * _head_scale(v_scale, 1)
 
 
-def _head_scale(scale: Scale) -> float | torch.Tensor:
+def _head_scale(scale: Scale, trailing: int) -> float | torch.Tensor:
+    """A K or V scale as a float, or per KV head shaped `[kv_heads, 1 x trailing]` to broadcast over the axes after
+    the head axis (1 for K/V `[S, L, kv_heads, D]`, 3 for scores `[S, kv_heads, group, Qm, L]`)."""
     if scale is None:
         return 1.0
-    return scale[:, None].float() if isinstance(scale, torch.Tensor) else scale
+    return scale.float().reshape(-1, *[1] * trailing) if isinstance(scale, torch.Tensor) else scale

@@ -28,7 +28,7 @@ from fp8kv.fp8 import cache_dtype as _cache_dtype
 from fp8kv.fp8 import FP8_DTYPES, quantize
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.options import DEFAULT_KV_DTYPE
-from fp8kv.runtime.attention import kernel_supported, ragged_paged_attention
+from fp8kv.runtime.attention import NUMERICS, AttentionNumerics, kernel_supported, ragged_paged_attention
 from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale
 from fp8kv.runtime.cache_view import recurrent_layers, sequence_cache
 from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
@@ -62,6 +62,7 @@ class PagedStep:
     meta: StepMetadata
     backend: str
     use_kernel: bool
+    numerics: AttentionNumerics = "float32"  # the torch backend's arithmetic (runtime.attention)
     q_scales: dict[int, torch.Tensor] | None = None  # fp8 attention: the query is read as fp8(q / q_scale)
 
 
@@ -121,6 +122,7 @@ def _paged_attention(
         use_kernel=step.use_kernel,
         sinks=kwargs.get("s_aux"),
         chunk_size=_chunk_size(module),
+        numerics=step.numerics,
     )
     out = out if restore is None else out[:, restore]
     out = out if v_dim == out.shape[-1] else out[..., :v_dim]
@@ -161,6 +163,9 @@ class PagedModelRunner:
             None loads them from `model_dir`.
         q_scales: {kv layer index: float}: quantize the query to fp8 e4m3 with these scales before
             attention, as fp8 attention kernels do (None: the query stays in the model dtype).
+        attention_numerics: the arithmetic of the torch backend (`runtime.attention.AttentionNumerics`):
+            "float32" (default), or torch_xla's "xla-reference" or "pallas-kernel" rounding reproduced. On the
+            "xla" backend torch_xla's function has its own, and only that one may be asked for.
 
     A multi-head latent attention model (`geometry.latent`) runs on a `LatentPagedCache` instead: one
     latent vector per token, quantized with k_scale, expanded through `kv_b_proj` when attending.
@@ -183,6 +188,7 @@ class PagedModelRunner:
         attention_backend: str = "auto",
         model: torch.nn.Module | None = None,
         q_scales: Mapping[int, float] | None = None,
+        attention_numerics: AttentionNumerics | None = None,
     ) -> None:
         self.runtime_device: RuntimeDevice = resolve_device(device)
         self.geometry = AttentionGeometry.from_dir(model_dir)
@@ -228,6 +234,7 @@ class PagedModelRunner:
         # The Pallas kernel where vLLM's TPU backend would run it; torch_xla's reference elsewhere.
         self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu" and g.latent is None and all(
             kernel_supported(tpu_version(), g.layer_kv_heads(layer), self.cache.dtype) for layer in g.kv_layers))
+        self.numerics = _resolve_numerics(attention_numerics, self.backend, self.use_kernel)
         self.allocator = PageAllocator(self.cache.num_pages, page_size)
         if q_scales is not None and self.cache_view:
             raise Fp8kvError(f"{g.model_type} runs its own attention on a cache view: its query cannot be quantized")
@@ -284,7 +291,7 @@ class PagedModelRunner:
         if self.cache_view:
             return [self._cache_view_step(seq_id, tokens) for seq_id, tokens in batch]
         ids, positions, meta = self._prepare(batch)
-        step = PagedStep(self.cache, meta, self.backend, self.use_kernel, self.q_scales)
+        step = PagedStep(self.cache, meta, self.backend, self.use_kernel, self.numerics, self.q_scales)
         bound = _ACTIVE_STEP.set(step)
         try:
             logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
@@ -407,6 +414,20 @@ def _resolve_backend(choice: str, device: RuntimeDevice) -> str:
     if choice not in ("torch", "xla"):
         raise Fp8kvError(f"unknown attention backend {choice!r}; choose one of auto, torch, xla")
     return choice
+
+
+def _resolve_numerics(requested: AttentionNumerics | None, backend: str, use_kernel: bool) -> AttentionNumerics:
+    """The attention arithmetic that runs: the torch backend's as requested (float32 by default); on the xla
+    backend torch_xla's own, which a request must name."""
+    if requested is not None and requested not in NUMERICS:
+        raise Fp8kvError(f"unknown attention numerics {requested!r}; choose one of {', '.join(NUMERICS)}")
+    if backend == "torch":
+        return requested or "float32"
+    runs = "pallas-kernel" if use_kernel else "xla-reference"
+    if requested not in (None, runs):
+        raise Fp8kvError(f"attention numerics {requested!r}: torch_xla's function runs {runs!r} here; "
+                         "choose the torch attention backend to reproduce another arithmetic")
+    return runs
 
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:

@@ -114,3 +114,60 @@ def test_unknown_backend_is_refused():
     q, kv_pages, meta, _ = _ragged_batch(torch.bfloat16)
     with pytest.raises(Fp8kvError, match="unknown attention backend 'cuda'"):
         ragged_paged_attention(q, kv_pages, **meta, backend="cuda")
+
+
+def _tpu_scale_batch():
+    """bf16 queries over an fp8 cache whose dequantized outputs reach tens, where bf16's step is 0.125 to 0.5."""
+    q, kv_pages, meta, real = _ragged_batch(torch.float32, seed=3)
+    kv_pages = (kv_pages * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return (q * 2).to(torch.bfloat16), kv_pages, meta, real
+
+
+def test_xla_reference_numerics_reproduce_torch_xla_far_closer_than_float32():
+    """torch_xla's reference rounds K/V, scores and probabilities to bf16: the float32 path misses by several bf16
+    steps, the rounding reproduced by at most one step, and on most outputs not at all."""
+    import torch_xla
+
+    q, kv_pages, meta, real = _tpu_scale_batch()
+    kwargs = dict(sm_scale=HEAD_DIM ** -0.5, k_scale=0.05, v_scale=0.2)
+    dev = torch_xla.device()
+    with torch.no_grad():
+        xla_meta = {k: v.to(dev) for k, v in meta.items()}
+        ref = ragged_paged_attention(q.to(dev), kv_pages.to(dev), **xla_meta, **kwargs, backend="xla").cpu()[:real]
+    gaps = {numerics: (ragged_paged_attention(q, kv_pages, **meta, **kwargs, numerics=numerics)[:real].float()
+                       - ref.float()).abs() for numerics in ("float32", "xla-reference")}
+    step = 2.0 ** (torch.frexp(ref.float().abs().max()).exponent.item() - 8)  # bf16's step at the largest output
+    assert ref.float().abs().max() > 16
+    # measured: float32 misses by up to 1.31 (2.6 steps of 0.5), mean 0.060, 67% exact; the reproduced rounding
+    # by up to 0.125, mean 0.0008, 98% exact (what remains: the order XLA sums the softmax in)
+    assert gaps["float32"].max() >= 2 * step and gaps["xla-reference"].max() <= step / 2
+    assert gaps["xla-reference"].mean() * 20 < gaps["float32"].mean()
+    assert (gaps["xla-reference"] == 0).float().mean() > 0.95 > 0.8 > (gaps["float32"] == 0).float().mean()
+
+
+def test_pallas_kernel_numerics_scale_after_qk_and_pv():
+    """The v2 kernel multiplies raw fp8 K and V and applies (sm_scale * k_scale) to QK, v_scale to PV, in float32."""
+    q, kv_pages, meta, real = _tpu_scale_batch()
+    q = q.float()
+    k_scale, v_scale = torch.tensor([0.05, 0.07]), torch.tensor([0.2, 0.3])
+    kernel = ragged_paged_attention(q, kv_pages, **meta, sm_scale=0.1, k_scale=k_scale, v_scale=v_scale,
+                                    numerics="pallas-kernel")[:real]
+    group = Q_HEADS // KV_HEADS
+    outs = []
+    for s in range(int(meta["num_seqs"][0])):
+        start, end, kv_len = int(meta["cu_q_lens"][s]), int(meta["cu_q_lens"][s + 1]), int(meta["kv_lens"][s])
+        pages = kv_pages.view(torch.uint8)[meta["page_indices"][s].long()].view(kv_pages.dtype)
+        pages = pages.flatten(0, 1)[:kv_len].float()
+        k, v = pages[:, 0::2].repeat_interleave(group, 1), pages[:, 1::2].repeat_interleave(group, 1)
+        qk = torch.einsum("qhd,khd->hqk", q[start:end], k) * (0.1 * k_scale.repeat_interleave(group))[:, None, None]
+        qk = qk.masked_fill(torch.arange(kv_len)[None] > torch.arange(kv_len - (end - start), kv_len)[:, None], -torch.inf)
+        outs.append(torch.einsum("hqk,khd->qhd", qk.softmax(-1), v) * v_scale.repeat_interleave(group)[:, None])
+    torch.testing.assert_close(kernel, torch.cat(outs), rtol=1e-6, atol=1e-5)
+    float32 = ragged_paged_attention(q, kv_pages, **meta, sm_scale=0.1, k_scale=k_scale, v_scale=v_scale)[:real]
+    torch.testing.assert_close(kernel, float32, rtol=1e-5, atol=1e-4)  # the same sums, in another order
+
+
+def test_unknown_numerics_are_refused():
+    q, kv_pages, meta, _ = _ragged_batch(torch.bfloat16)
+    with pytest.raises(Fp8kvError, match="unknown attention numerics 'bf16'; choose one of float32, xla-reference"):
+        ragged_paged_attention(q, kv_pages, **meta, numerics="bf16")
