@@ -20,7 +20,7 @@ from fp8kv.data import CalibrationData, load_calibration_data, load_tokenizer, m
 from fp8kv.observe import KVStatistics, Progress, observe, query_observer_for
 from fp8kv.checkpoint.locate import infer_base_model, resolve_model
 from fp8kv.calibrate.scales import (
-    DEFAULT_HEADROOM, LAST_BATCH, ScaleTable, Strategy, compute_scales, fp8_max, scale_from_amax,
+    ScaleTable, compute_scales, fp8_max, scale_from_amax,
 )
 from fp8kv.checkpoint.provenance import (
     CacheRecord, DatasetRecord, Execution, LayerRecord, Provenance, QueryScaleRecord, SourceRecord,
@@ -34,6 +34,7 @@ from fp8kv.checkpoint.writer import (
     MODES, check_output, check_weight_method, check_writable_location, write_checkpoint,
 )
 from fp8kv.errors import Fp8kvError
+from fp8kv.options import LAST_BATCH, Strategy, check_headroom
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.checkpoint.hub_cache import is_repo_id
 from fp8kv.progress import StageProgress, stage_callback
@@ -253,8 +254,7 @@ def _validate(request: CalibrationRequest) -> Strategy:
     """Check every option before anything slow happens."""
     fp8_max(request.kv_dtype)
     strategy = Strategy.parse(request.strategy)
-    if not request.headroom >= 1.0:
-        raise Fp8kvError(f"--headroom must be at least 1.0, got {request.headroom}")
+    check_headroom(request.headroom)
     if request.convention not in CONVENTIONS:
         raise Fp8kvError(f"--format {request.convention!r}: choose one of {', '.join(CONVENTIONS)}")
     if request.mode not in MODES:

@@ -21,7 +21,7 @@ from fp8kv.checkpoint.locate import bundled_name, infer_base_model, infer_licens
 from fp8kv.checkpoint.provenance import Provenance, read_provenance as read_record, record_written, unrecorded_files
 from fp8kv.console import fmt_number, layer_table, markdown_table
 from fp8kv.errors import Fp8kvError
-from fp8kv.fp8 import FP8_MAX, VLLM_KV_CACHE_DTYPE
+from fp8kv.kvdtypes import FP8_MAX, VLLM_KV_CACHE_DTYPE
 from fp8kv.geometry import read_json
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.kernel_rule import FP8_HEAD_RULE

@@ -14,7 +14,7 @@ import torch
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import is_fp8
-from fp8kv.runtime.kernel_rule import FP8_HEAD_RULE, heads_tile
+from fp8kv.runtime.kernel_rule import heads_tile
 
 BACKENDS = ("auto", "torch", "xla")
 Scale = float | torch.Tensor | None
@@ -92,14 +92,6 @@ def kernel_supported(tpu_generation: int, num_kv_heads: int, kv_dtype: torch.dty
     """Whether torch_xla 2.9's Pallas kernel (ragged_paged_attention_v2) can run this cache: a TPU v4 or
     newer, and KV heads that tile (`heads_tile`)."""
     return tpu_generation >= 4 and heads_tile(num_kv_heads, torch.finfo(kv_dtype).bits)
-
-
-def fp8_kernel_note(num_kv_heads: int, kv_dtype: torch.dtype) -> str | None:
-    """One line when torch_xla 2.9's Pallas kernel cannot run an fp8 cache with this many KV heads, else None."""
-    if kernel_supported(4, num_kv_heads, kv_dtype):
-        return None
-    return (f"num_key_value_heads={num_kv_heads}: {FP8_HEAD_RULE}, so vLLM's torch_xla TPU backend will not run "
-            "this checkpoint with an fp8 cache")
 
 
 def _xla_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, window, cap,

@@ -21,7 +21,7 @@ from fp8kv.checkpoint.provenance import record_written
 from fp8kv.checks import Finding
 from fp8kv.errors import Fp8kvError
 from fp8kv.console import markdown_table
-from fp8kv.fp8 import FP8_MAX, RAW_CAST_FINITE_LIMIT
+from fp8kv.kvdtypes import FP8_MAX, RAW_CAST_FINITE_LIMIT
 from fp8kv.options import DEFAULT_KV_DTYPE
 
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "scales.png"
