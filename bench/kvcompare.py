@@ -19,7 +19,8 @@ from fp8kv.data import CalibrationData, DataRequest, load_calibration_data
 from fp8kv.observe import KVStatistics
 from fp8kv.calibrate.pipeline import CalibrationRequest, observe_whole_model
 from fp8kv.data import load_tokenizer
-from fp8kv.calibrate.scales import ScaleTable, Strategy, compute_scales
+from fp8kv.calibrate.scales import ScaleTable, compute_scales
+from fp8kv.options import Strategy
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.runtime.runner import PagedModelRunner, load_model

@@ -20,9 +20,8 @@ from fp8kv.data import CalibrationData, load_calibration_data, load_tokenizer, m
 from fp8kv.observe import KVStatistics, Progress, observe, query_observer_for
 from fp8kv.checkpoint.locate import infer_base_model, resolve_model
 from fp8kv.calibrate.scales import (
-    DEFAULT_HEADROOM, LAST_BATCH, ScaleTable, Strategy, check_headroom, compute_scales, fp8_max, scale_from_amax,
+    ScaleTable, compute_scales, fp8_max, scale_from_amax,
 )
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.provenance import (
     CacheRecord, DatasetRecord, Execution, LayerRecord, Provenance, QueryScaleRecord, SourceRecord,
 )
@@ -35,6 +34,7 @@ from fp8kv.checkpoint.writer import (
     MODES, check_output, check_weight_method, check_writable_location, write_checkpoint,
 )
 from fp8kv.errors import Fp8kvError
+from fp8kv.options import LAST_BATCH, Strategy, check_headroom
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.checkpoint.hub_cache import is_repo_id
 from fp8kv.progress import StageProgress, announce, stage_callback
@@ -119,7 +119,6 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
     record = provenance(request, source, data, table, strategy, execution, query_rows)
     if request.out is not None and distributed.is_writer():
         announce(progress, f"writing {request.out}")
-        extra = {PROVENANCE_FILE: record.to_json().encode()}
         write_checkpoint(
             source.path,
             request.out,
@@ -127,7 +126,7 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
             convention=request.convention,
             mode=request.mode,
             overwrite=request.overwrite,
-            extra_files=extra,
+            record=record,
         )
     return CalibrationResult(source.path, request.out, table, scales, record, warnings, data.note)
 

@@ -12,13 +12,15 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from fp8kv.checkpoint.engine_names import vllm_scale_module
-from fp8kv.checkpoint.kvscales import KVScales
-from fp8kv.fp8 import TORCH_DTYPE_NAME
+from fp8kv.kvdtypes import TORCH_DTYPE_NAME
 from fp8kv.errors import Fp8kvError
 from fp8kv.options import Convention
+
+if TYPE_CHECKING:  # reading names and configs needs no torch
+    from fp8kv.checkpoint.kvscales import KVScales
 
 CONVENTIONS = get_args(Convention)
 HF_QUANT_CONFIG = "hf_quant_config.json"

@@ -14,7 +14,8 @@ from typing import Callable
 from fp8kv.checkpoint.artifacts import EVAL_DIR, PROVENANCE_FILE, is_fp8kv_output
 from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.checkpoint.reader import read_kv_scales
-from fp8kv.checkpoint.writer import write_file_atomic
+from fp8kv.checkpoint.artifacts import write_file_atomic
+from fp8kv.checkpoint.provenance import record_written
 from fp8kv.errors import Fp8kvError
 from fp8kv.evaluation.results import RESULTS_JSON, RESULTS_MD, ConfigScores, EvalResults, metric_values
 from fp8kv.evaluation.spec import CacheSpec
@@ -98,4 +99,5 @@ def evaluate(request: EvalRequest, progress: Callable[[str], None] | None = None
     folder.mkdir(parents=True, exist_ok=True)
     write_file_atomic(folder / RESULTS_JSON, result.to_json().encode())
     write_file_atomic(folder / RESULTS_MD, result.markdown().encode())
+    record_written(folder / RESULTS_JSON, folder / RESULTS_MD)
     return result, folder

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp8kv.observe import NUM_BINS, KVStatistics
-from fp8kv.calibrate.scales import Strategy, compute_scales, saturation_share, scale_from_amax
+from fp8kv.calibrate.scales import compute_scales, saturation_share, scale_from_amax
+from fp8kv.options import Strategy
 from fp8kv.errors import Fp8kvError
 
 
@@ -35,7 +36,7 @@ def test_round_up_happens_where_division_rounds_down():
 
 def test_headroom_multiplies_and_must_be_at_least_one():
     assert scale_from_amax(torch.tensor([448.0]), headroom=1.5).item() == 1.5
-    with pytest.raises(Fp8kvError, match="--headroom 0.5 is below 1.0"):
+    with pytest.raises(Fp8kvError, match="--headroom 0.5 is below 1.0: a scale under amax/MAX clips values it has seen"):
         scale_from_amax(torch.tensor([1.0]), headroom=0.5)
 
 

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from fp8kv.checkpoint.digest import CheckpointDigest
-from fp8kv.checkpoint.writer import write_file_atomic
+from fp8kv.checkpoint.artifacts import write_file_atomic
+from fp8kv.checkpoint.provenance import record_written
 from fp8kv.checks import Finding
 from fp8kv.errors import Fp8kvError
 from fp8kv.console import markdown_table
-from fp8kv.fp8 import FP8_MAX, RAW_CAST_FINITE_LIMIT
+from fp8kv.kvdtypes import FP8_MAX, RAW_CAST_FINITE_LIMIT
 from fp8kv.json_fields import typed
 from fp8kv.options import DEFAULT_KV_DTYPE
 
@@ -115,6 +116,7 @@ def write_report(report: VerifyReport, out_dir: Path) -> None:
     write_file_atomic(out_dir / REPORT_JSON, text.encode())
     write_file_atomic(out_dir / REPORT_MD, render_markdown(clean).encode())
     write_file_atomic(out_dir / PLOT, plot_png(clean))
+    record_written(out_dir / REPORT_JSON, out_dir / REPORT_MD, out_dir / PLOT)
 
 
 def finite_json(value: Any) -> Any:
