@@ -109,13 +109,18 @@ _JSON_KINDS: dict[str, type | tuple[type, ...]] = {
 
 
 def write_report(report: VerifyReport, out_dir: Path) -> None:
-    """Write report.json, report.md and scales.png into `out_dir` (created if missing)."""
+    """Write report.json, report.md and, with the `plot` extra, scales.png into `out_dir` (created if missing)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     text = report.to_json()
     clean = VerifyReport.from_json(text, out_dir / REPORT_JSON)  # what a reader of report.json sees: NaN as None
     write_file_atomic(out_dir / REPORT_JSON, text.encode())
     write_file_atomic(out_dir / REPORT_MD, render_markdown(clean).encode())
-    write_file_atomic(out_dir / PLOT, plot_png(clean))
+    png = plot_png(clean)
+    if png is None:  # a plot of an earlier run would show other numbers than this report
+        (out_dir / PLOT).unlink(missing_ok=True)
+        record_written(out_dir / REPORT_JSON, out_dir / REPORT_MD)
+        return
+    write_file_atomic(out_dir / PLOT, png)
     record_written(out_dir / REPORT_JSON, out_dir / REPORT_MD, out_dir / PLOT)
 
 
@@ -201,8 +206,8 @@ def _fmt(value: Any, spec: str = "{}") -> str:
     return spec.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
-def plot_png(report: VerifyReport) -> bytes:
-    """PNG bytes: the reason for the verdict at a glance.
+def plot_png(report: VerifyReport) -> bytes | None:
+    """PNG bytes: the reason for the verdict at a glance; None without matplotlib (`pip install "fp8kv[plot]"`).
 
     Top: per layer, the largest |x|/scale of K and V on the held-out text against the fp8 maximum
     (clamped above it) and the raw-cast limit (NaN/inf above it without a clamp). Bottom: the share
@@ -212,7 +217,10 @@ def plot_png(report: VerifyReport) -> bytes:
 
     # matplotlib caches its font list in ~/.cache; keep it in the temp dir (fp8kv writes nowhere else).
     os.environ.setdefault("MPLCONFIGDIR", os.path.join(tempfile.gettempdir(), "fp8kv-matplotlib"))
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure

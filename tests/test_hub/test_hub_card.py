@@ -59,7 +59,7 @@ def test_card_shows_provenance_scales_and_report_numbers(verified_dir: Path) -> 
     text = write_card(verified_dir).read_text()
     prov = read_provenance(verified_dir)
     report = json.loads((verified_dir / "verify" / "report.json").read_text())
-    assert f"```bash\nfp8kv calibrate llama --out DIR --num-samples 512\n```" in text  # no local path
+    assert "```bash\nfp8kv calibrate llama --out DIR --num-samples 512\n```" in text  # no local path
     assert str(prov.source.path) not in text
     assert f"| Source hash | `{prov.source.content_hash}` |" in text
     assert "| layer | K amax | k_scale | K saturation | V amax | v_scale | V saturation |" in text
