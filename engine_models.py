@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.fp8 import FP8_DTYPES, to_fp8
+from fp8kv.kvdtypes import KV_DTYPES
+
+if TYPE_CHECKING:  # the table is read without torch (the CLI checks --engine names before torch loads)
+    import torch
 
 ScaleMap = Mapping[int, object] | None  # {kv layer: float or per-head list}; None = 1.0 everywhere
 
@@ -84,6 +86,8 @@ class EngineModel:
 
     def write(self, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """What the engine stores for `x` with dequantization `scale` in a cache of fp8 `dtype`."""
+        from fp8kv.fp8 import FP8_DTYPES, to_fp8
+
         if self.written is None:
             return to_fp8(self.divide(x, scale), dtype, saturate=self.saturate)
         # a dtype view falls back to the CPU on XLA: only the bug that reinterprets bytes pays it
@@ -91,7 +95,7 @@ class EngineModel:
 
     def cache_dtype(self, name: str) -> str:
         """The cache dtype the engine allocates when asked for the cache dtype `name` (fp8kv's spelling)."""
-        return self.cache if self.cache and name in FP8_DTYPES else name
+        return self.cache if self.cache and name in KV_DTYPES else name
 
     @property
     def twin_key(self) -> tuple:

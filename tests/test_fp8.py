@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8kv.fp8 import FP8_DTYPES, FP8_MAX, canonical_cache_dtype, to_fp8
+from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, to_fp8
+from fp8kv.kvdtypes import FP8_MAX
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 INPUTS = [448.0, -448.0, 464.0, 464.0001, 1000.0, float("inf"), float("-inf"), float("nan"), 1.0]
