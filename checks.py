@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass
 
 from fp8kv.checkpoint.conventions import (
-    COMPRESSION_CONFIG, QUANTIZATION_CONFIG, attention_modules, parse_scale_name, scale_names,
+    COMPRESSION_CONFIG, QUANTIZATION_CONFIG, VLLM_JSON_FILE, attention_modules, parse_scale_name, scale_names,
+    vllm_json_readers,
 )
 from fp8kv.checkpoint.provenance import Provenance
 from fp8kv.checkpoint.reader import ScaleReadout
@@ -133,8 +134,7 @@ def _declaration_findings(readout: ScaleReadout) -> list[Finding]:
         findings.append(Finding(FAIL, "k_proj.output_scale tensors without a Quark kv_cache_group or fp8 "
                                       "kv_cache_scheme in config.json: engines ignore or refuse the scales"))
     if "vllm-json" in readout.conventions:
-        findings.append(Finding(INFO, "scales in the legacy vLLM JSON file: engines read them only with "
-                                      "--quantization-param-path"))
+        findings.append(Finding(INFO, f"scales in the legacy vLLM JSON file: {vllm_json_readers(VLLM_JSON_FILE)}"))
     return findings
 
 

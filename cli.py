@@ -214,7 +214,7 @@ def convert_command(
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
     from fp8kv.calibrate.report import command_line
-    from fp8kv.checkpoint.convert import convert_checkpoint, engine_flag
+    from fp8kv.checkpoint.convert import convert_checkpoint, serve_hint
     from fp8kv.checkpoint.reader import read_kv_scales
 
     written = convert_checkpoint(model, out, convention, overwrite=overwrite, mode=mode, command=command_line())
@@ -222,7 +222,7 @@ def convert_command(
     if convention != "compressed-tensors" and read_kv_scales(model).scales.q is not None:
         typer.echo(f"note: {convention} has no query-scale convention; q_scale was left out", err=True)
     if convention == "vllm-json":
-        typer.echo(f"load it with: vllm serve {written} {engine_flag(written)}")
+        typer.echo(serve_hint(written))
 
 
 def _headroom(value: str) -> str:

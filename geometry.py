@@ -301,11 +301,30 @@ def _refuse_unsupported(whole: Any, text: Any, source: str) -> None:
             f"{source}: {whole.model_type} is an encoder-decoder model: its decoder also caches cross-attention "
             "K/V of the encoder output, which fp8kv neither observes nor verifies"
         )
-    if getattr(text, "is_decoder", None) is False:  # only encoder families (BERT, RoBERTa, ...) carry the flag
+    if getattr(text, "is_decoder", None) is False and _attends_bidirectionally(text):
         raise Fp8kvError(
             f"{source}: is_decoder is false: transformers runs this {text.model_type} as a bidirectional encoder, "
             "which keeps no K/V cache; a causal LM built from it sets is_decoder: true"
         )
+
+
+def _attends_bidirectionally(text: Any) -> bool:
+    """Whether transformers' model of `text` (is_decoder false) runs its self-attention bidirectionally.
+
+    Many config classes carry an `is_decoder` flag (GPT-NeoX's defaults it to false), but only encoder
+    families (BERT, RoBERTa, RoFormer, ...) read it: their layers copy it and attend causally only when it
+    is true. The model is built on the meta device (no weights) and asked; one transformers cannot build
+    keeps the flag's word.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(text)
+    except Exception:  # an unmapped or unbuildable config: trust the flag
+        return True
+    return any(getattr(module, "is_decoder", None) is False for module in model.modules())
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:

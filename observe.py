@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fp8kv.checkpoint.load import cache_kwargs, model_cache_class, new_cache
+from fp8kv.checkpoint.load import cache_kwargs, fold_repeated_heads, model_cache_class, new_cache
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry, LatentCache
 
@@ -74,8 +74,12 @@ class KVStatistics:
     def fold(self, layer: int, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None) -> None:
         """Fold one layer's `key`/`value` [batch, kv_heads, seq, head_dim]; `valid` [batch, seq] marks real tokens.
 
-        A layer with fewer KV heads than the widest layer fills the first `kv_heads` slots.
+        A layer with fewer KV heads than the widest layer fills the first `kv_heads` slots; one handing over
+        more heads than there are slots (K/V repeated per query head) is folded back to its KV heads.
         """
+        slots = self.amax.shape[2]
+        if key.shape[1] > slots:
+            key, value = (fold_repeated_heads(states, slots, f"layer {layer}") for states in (key, value))
         heads = key.shape[1]
         keep = None if valid is None else valid.to(key.device)[:, None, :, None]  # [batch, 1, seq, 1]
         for kind, states in ((K, key), (V, value)):
@@ -253,7 +257,29 @@ def observe_batch(
     step = ObservationStep(statistics, None if bool(valid.all()) else valid, layers)
     cache = observing_cache(base_model, step)
     extra = {} if query is None else {QUERY_KWARG: QueryObservation(query, step.valid)}
-    base_model(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(base_model, cache), **extra)
+    try:
+        base_model(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(base_model, cache), **extra)
+    except Fp8kvError:
+        raise
+    except Exception as exc:
+        own = _own_forward_failure(base_model, input_ids, attention_mask)
+        if own is None:  # transformers runs it: the failure is fp8kv's
+            raise
+        raise own from exc
+
+
+def _own_forward_failure(base_model: torch.nn.Module, input_ids: torch.Tensor,
+                         attention_mask: torch.Tensor) -> Fp8kvError | None:
+    """After the observed forward raised: the error saying that transformers' own forward (its own cache,
+    nothing of fp8kv's) fails on the same batch too, else None."""
+    try:
+        base_model(input_ids=input_ids, attention_mask=attention_mask)
+    except Exception as own:  # whatever the model's code raises is the checkpoint's problem, reported as is
+        message = " ".join(str(own).split())[:300]
+        return Fp8kvError(f"{base_model.name_or_path}: transformers' own {type(base_model).__name__} forward fails on "
+                          f"this checkpoint ({type(own).__name__}: {message}); fp8kv calibrates and verifies only "
+                          "models transformers runs")
+    return None
 
 
 def observe(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from fp8kv import __version__
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
-from fp8kv.checkpoint.conventions import VLLM_JSON_FILE
+from fp8kv.checkpoint.conventions import VLLM_JSON_FILE, vllm_json_readers
 from fp8kv.checkpoint.provenance import ConvertedFrom, Provenance, read_provenance
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
@@ -39,6 +39,6 @@ def convert_checkpoint(
                             extra_files=extra)
 
 
-def engine_flag(out_dir: Path) -> str:
-    """The vLLM flags that load a legacy JSON scale file written to `out_dir`."""
-    return f"--kv-cache-dtype fp8 --quantization-param-path {out_dir / VLLM_JSON_FILE}"
+def serve_hint(out_dir: Path) -> str:
+    """Which engine reads the legacy JSON scale file written to `out_dir`, and how."""
+    return f"{VLLM_JSON_FILE}: {vllm_json_readers(out_dir / VLLM_JSON_FILE)}"

@@ -138,3 +138,17 @@ def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     """The forward keywords that hand `cache` to `model`: `cache=` (newer models) or `past_key_values=`."""
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     return {name: cache, "use_cache": True}
+
+
+def fold_repeated_heads(states: torch.Tensor, kv_heads: int, where: str) -> torch.Tensor:
+    """[batch, heads, seq, head_dim] whose head h repeats KV head h // (heads / kv_heads) -> [batch, kv_heads, seq, head_dim].
+
+    Falcon's new decoder architecture (Falcon-40B, -180B, Falcon2) hands its cache K and V already broadcast
+    to every query head; vLLM caches the KV heads, so the copies fold back, checked to be exact copies.
+    """
+    heads = states.shape[1]
+    grouped = states.unflatten(1, (kv_heads, heads // kv_heads)) if heads % kv_heads == 0 else None
+    if grouped is None or not torch.equal(grouped, grouped[:, :, :1].expand_as(grouped)):
+        raise Fp8kvError(f"{where}: the cache update got {heads} K/V heads that are not copies of the config's "
+                         f"{kv_heads} KV heads; fp8kv cannot tell which heads an engine would cache")
+    return grouped[:, :, 0]

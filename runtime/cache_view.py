@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from fp8kv.checkpoint.load import fold_repeated_heads
 from fp8kv.errors import Fp8kvError
 from fp8kv.runtime.attention import gather_kv
 from fp8kv.runtime.cache import PagedKVCache
@@ -60,13 +61,17 @@ def sequence_cache(cache: PagedKVCache, attention_layers: Sequence[int], past: i
             calls[CACHE_VIEW] += 1
             if isinstance(cache, LatentPagedCache):
                 return self._update_latent(key_states, value_states)
+            owner = cache.owner(self.layer)
+            kv_heads, heads = cache.layer_kv_heads(owner), key_states.shape[1]
+            if heads > kv_heads:  # K/V broadcast to every query head (new-architecture Falcon): cache the KV heads
+                key_states, value_states = (fold_repeated_heads(x, kv_heads, f"layer {self.layer}")
+                                            for x in (key_states, value_states))
             # [1, kv_heads, T, d] -> [T, kv_heads, d]
             k, v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
             if k.shape[0] != slots.shape[0]:  # cpmant prepends its own prompt tokens; xlm expects the whole sequence
                 raise Fp8kvError(f"layer {self.layer}: the model cached K/V of {k.shape[0]} tokens for "
                                  f"{slots.shape[0]} new ones (it adds tokens of its own or re-reads the whole "
                                  "sequence each step); the paged runtime feeds each step's new tokens only")
-            owner = cache.owner(self.layer)
             if owner == self.layer:
                 cache.write(owner, k, v, slots, torch.ones_like(slots, dtype=torch.bool))
             length = past + k.shape[0]
@@ -77,6 +82,8 @@ def sequence_cache(cache: PagedKVCache, attention_layers: Sequence[int], past: i
             # [1, L, kv_heads, D] -> [1, kv_heads, length, head_dim] in the model's dtype
             self.keys, self.values = (x[:, :length, :, :head_dim].transpose(1, 2).to(key_states.dtype)
                                       for x in (keys, values))
+            if heads > kv_heads:  # handed back as the model broadcast them
+                self.keys, self.values = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (self.keys, self.values))
             self.is_initialized = True
             return self.keys, self.values
 

@@ -114,12 +114,17 @@ def test_inspect_without_scales_says_so(llama):
     assert report["warnings"] == ["no KV scales found: engines use 1.0 for every layer (uncalibrated; run fp8kv calibrate)"]
 
 
-def test_convert_to_vllm_json_prints_the_engine_flag(llama, tmp_path):
+def test_convert_to_vllm_json_says_which_engine_reads_it(llama, tmp_path):
     src = golden(llama, tmp_path / "ct", "compressed-tensors")
     out = tmp_path / "json"
     result = runner.invoke(app, ["convert", str(src), "--to", "vllm-json", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert f"--quantization-param-path {out / 'kv_cache_scales.json'}" in result.stdout
+    file = out / "kv_cache_scales.json"
+    assert result.stdout.splitlines()[1] == (
+        f"kv_cache_scales.json: SGLang reads it (--kv-cache-dtype fp8_e4m3 --quantization-param-path {file}); "
+        "vLLM no longer does (0.32 runs the folder at scale 1.0): for vLLM, fp8kv convert --to compressed-tensors")
+    assert "scales in the legacy vLLM JSON file: SGLang reads it (--kv-cache-dtype fp8_e4m3 --quantization-param-path " \
+        "kv_cache_scales.json); vLLM no longer does" in " ".join(_inspect(out)["warnings"])
     data = json.loads((out / "kv_cache_scales.json").read_text())
     assert data["kv_cache"] == {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 0.0625, "1": 0.125}}}
     assert "quantization_config" not in json.loads((out / "config.json").read_text())

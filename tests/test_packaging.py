@@ -45,7 +45,8 @@ def test_every_command_has_help() -> None:
 
 def _source_copy(destination: Path) -> Path:
     """The repository without venv, VCS and build outputs, so building touches nothing shared."""
-    ignored = shutil.ignore_patterns(*NOT_PACKAGED - {"tests", "bench"}, "*.egg-info", ".*cache")
+    # bench/.vllm-venv: vLLM's own venv (bench/vllm_venv.sh), gigabytes that are never packaged
+    ignored = shutil.ignore_patterns(*NOT_PACKAGED - {"tests", "bench"}, ".vllm-venv", "*.egg-info", ".*cache")
     return Path(shutil.copytree(REPO, destination, ignore=ignored))
 
 

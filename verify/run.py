@@ -92,12 +92,19 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     else:
         reasons.append(Finding(FAIL, "held-out checks skipped: the scales cannot drive an fp8 cache"))
     timings = {**timings, "total": time.perf_counter() - clock}
-    outcome = verdict(reasons)
-    report = VerifyReport(**_static_fields(static, runtime.kind, thresholds), **held_out, verdict=outcome,
-                          exit_code=EXIT_CODES[outcome], timings_s=timings, reasons=tuple(reasons))
+    report = build_report(static, runtime.kind, thresholds, reasons, held_out, timings)
     _stage(progress, f"writing the report to {report_dir}")
     write_report(report, report_dir)
-    return VerifyResult(outcome, EXIT_CODES[outcome], report, report_dir)
+    return VerifyResult(report.verdict, report.exit_code, report, report_dir)
+
+
+def build_report(static: StaticResult, device: str, thresholds: Thresholds, reasons: list[Finding],
+                 held_out: dict[str, Any], timings: dict[str, float]) -> VerifyReport:
+    """The report of one run: the static part, the held-out sections measured (none when skipped), and the
+    verdict `reasons` give."""
+    outcome = verdict(reasons)
+    return VerifyReport(**_static_fields(static, device, thresholds), **held_out, verdict=outcome,
+                        exit_code=EXIT_CODES[outcome], timings_s=timings, reasons=tuple(reasons))
 
 
 def report_location(model: str, model_dir: Path, requested: Path | None) -> Path:

@@ -102,7 +102,7 @@ def fake_token(monkeypatch: pytest.MonkeyPatch) -> str:
 def report(out: Path) -> VerifyReport:
     """A WARN verify of `out` over 16 held-out samples, with its digest as it is now."""
     return report_for(
-        out, "WARN", (Finding(WARN, "layer 1 K saturation 0.042%"),), text_source="bundled heldout",
+        out, (Finding(WARN, "layer 1 K saturation 0.042%"),), text_source="bundled heldout",
         num_samples=16, num_tokens=4096,
         accuracy={"ppl_bf16": 10.137, "ppl_fp8": 10.2461, "ppl_fp8_unit": 10.9133, "kl_mean": 0.00123,
                   "kl_max": 0.0345, "top1_agreement": 0.9876},
