@@ -86,14 +86,15 @@ def load_calibration_data(request: DataRequest, tokenizer: Any) -> CalibrationDa
     column = _text_column(records, request.text_column, name)
     samples = _tokenize(records.shuffle(seed=request.seed), column, tokenizer, request.seq_len, request.num_samples)
     if len(samples) < request.num_samples and _is_bundled(name):
-        short = f"the bundled corpus has {len(samples)} records; using all {len(samples)} (--num-samples {request.num_samples})"
+        short = (f"the bundled corpus has {len(samples)} records, fewer than the {request.num_samples} samples asked "
+                 f"for; all {len(samples)} are used")
         note = f"{note}; {short}" if note else short
     elif len(samples) < request.num_samples:
         tokens = sum(len(s) for s in samples)
         raise Fp8kvError(
             f"{name} (split {split!r}, column {column!r}): found {len(samples)} non-empty records "
             f"({tokens} tokens) but --num-samples is {request.num_samples}; "
-            f"lower --num-samples to {len(samples)} or give more text"
+            + (f"lower --num-samples to {len(samples)} or give more text" if samples else "give it text")
         )
     return CalibrationData(samples, name, split, column, note)
 

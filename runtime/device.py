@@ -11,10 +11,10 @@ import torch
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.options import RuntimeChoice, TorchDeviceChoice
+from fp8kv.runtime.kernel_rule import TPU_HEAD_DIM_MULTIPLE
 
 DEVICE_CHOICES = get_args(RuntimeChoice)
 TORCH_DEVICE_CHOICES = get_args(TorchDeviceChoice)
-TPU_HEAD_DIM_MULTIPLE = 128  # vLLM's TPU backend pads head_dim to a multiple of 128
 
 
 @dataclass(frozen=True)

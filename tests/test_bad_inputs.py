@@ -423,16 +423,23 @@ def tokenizer_missing(env):
 # ---- output folder ----------------------------------------------------------------------------
 
 def out_exists(env):
-    env.out.mkdir()
-    (env.out / "keep.txt").write_text("mine")
-    return calibrate_args(env.shared["src"], env), str(env.out), "already exists; pass --overwrite"
+    out = shutil.copytree(env.shared["calibrated"], env.out)
+    return calibrate_args(env.shared["src"], env), str(out), "already exists; pass --overwrite to replace it$"
 
 
 def overwrite_user_folder(env):
     env.out.mkdir()
     (env.out / "notes.txt").write_text("the user's own file")
     return [*calibrate_args(env.shared["src"], env), "--overwrite"], str(env.out), \
-        "--overwrite replaces only an empty folder or one fp8kv wrote"
+        r"holds files fp8kv did not write \(notes.txt\); --overwrite replaces only what fp8kv wrote there"
+
+
+def overwrite_user_notes_in_output(env):
+    out = shutil.copytree(env.shared["calibrated"], env.out)
+    (out / "MY_NOTES.txt").write_text("the user's notes")
+    (out / "generation_config.json").write_text("{}")
+    return [*calibrate_args(env.shared["src"], env), "--overwrite"], str(out), \
+        r"holds files fp8kv did not write \(MY_NOTES.txt\)"
 
 
 def out_inside_source(env):
@@ -657,7 +664,7 @@ CASES = [Case(f.__name__, f) for f in (
     pickle_bin, pickle_pt,
     data_empty, data_missing_path, data_too_short, data_binary, data_wrong_column, data_no_text_column, data_unsupported_type,
     data_chat_without_template, tokenizer_missing,
-    out_exists, overwrite_user_folder, out_inside_source, out_is_a_file, out_unwritable, calibrate_out_unwritable,
+    out_exists, overwrite_user_folder, overwrite_user_notes_in_output, out_inside_source, out_is_a_file, out_unwritable, calibrate_out_unwritable,
     e5m2_in_compressed_tensors, per_head_in_modelopt, disk_full, disk_full_on_copy,
     unsupported_architecture, mla_model,
     scales_conflicting, scales_wrong_shape, scales_wrong_dtype, scales_vllm_json_not_a_number,

@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from fp8kv.calibrate.scales import DEFAULT_HEADROOM
+from fp8kv.options import DEFAULT_HEADROOM
 from fp8kv.cli import app
 from fp8kv.models.factory import make_checkpoint
 

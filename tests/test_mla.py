@@ -109,7 +109,8 @@ def test_checkpoint_holds_one_latent_scale_per_layer_as_k_scale(calibrated, deep
     from transformers import AutoTokenizer
     from typer.testing import CliRunner
 
-    from fp8kv.calibrate.scales import DEFAULT_HEADROOM, scale_from_amax
+    from fp8kv.calibrate.scales import scale_from_amax
+    from fp8kv.options import DEFAULT_HEADROOM
     from fp8kv.checkpoint.conventions import SCALES_FILE
     from fp8kv.cli import app
     from fp8kv.data import DataRequest, load_calibration_data

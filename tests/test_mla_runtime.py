@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8kv.calibrate.scales import DEFAULT_HEADROOM, scale_from_amax
+from fp8kv.calibrate.scales import scale_from_amax
+from fp8kv.options import DEFAULT_HEADROOM
 from fp8kv.checkpoint.load import load_language_model
 from fp8kv.errors import Fp8kvError
 from fp8kv.models.zoo import make_zoo_checkpoint
