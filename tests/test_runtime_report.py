@@ -6,7 +6,6 @@ import json
 import os
 
 import pytest
-import torch
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
@@ -77,19 +76,20 @@ def test_on_a_tpu_heads_that_do_not_tile_fail_vllm_tpu_naming_the_rule(kv_heads,
     model_dir = make_checkpoint("llama", tmp_path / "llama", num_heads=kv_heads * 2, num_kv_heads=kv_heads,
                                 hidden_size=kv_heads * 32)
     runner = _run(model_dir, device="tpu")
-    reasons = tpu_kernel_reasons("tpu", runner.geometry, runner.cache.dtype, runner.calls)
+    reasons = tpu_kernel_reasons("tpu", runner.geometry, runner.calls)
     if tiles:
         assert dict(runner.calls) == {XLA_KERNEL: 2} and reasons == []
         return
     assert dict(runner.calls) == {XLA_REFERENCE: 2}
     assert [r.level for r in reasons] == ["FAIL"]
     assert reasons[0].message.startswith(
-        f"engine vllm-tpu: num_key_value_heads={kv_heads}: torch_xla 2.9's Pallas kernel cannot tile {2 * kv_heads} "
-        "combined fp8 K/V heads (2*kv/4 must be 1, 2, 4, 8 or a multiple of 8)")
-    assert "under tensor parallelism the per-chip count is what counts" in reasons[0].message
+        f"engine vllm-tpu: num_key_value_heads={kv_heads}: torch_xla 2.9's Pallas kernel (vLLM's torch_xla TPU "
+        "backend) needs the combined K/V heads 2*num_kv_heads divisible by 4 for an fp8 cache, with 2*kv/4 in "
+        "{1, 2, 4, 8} or a multiple of 8")
+    assert "(per chip under tensor parallelism)" in reasons[0].message
     assert reasons[0].message.endswith(f"verify ran {XLA_REFERENCE} (2 calls) instead of the kernel, so its numbers "
                                        "are not that engine's")
-    assert tpu_kernel_reasons("xla-cpu", runner.geometry, runner.cache.dtype, runner.calls) == []  # no TPU: no claim
+    assert tpu_kernel_reasons("xla-cpu", runner.geometry, runner.calls) == []  # no TPU: no claim
 
 
 def test_verify_on_a_tpu_fails_vllm_tpu_for_heads_that_do_not_tile(monkeypatch, tmp_path):

@@ -10,26 +10,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
-
 from fp8kv.checks import FAIL, Finding
 from fp8kv.geometry import AttentionGeometry
-from fp8kv.runtime.attention import XLA_KERNEL, fp8_kernel_note
+from fp8kv.runtime.attention import XLA_KERNEL
+from fp8kv.runtime.kernel_rule import fp8_kernel_note
 
 VLLM_TPU = "vllm-tpu"
 
 
-def tpu_kernel_reasons(device_kind: str, geometry: AttentionGeometry, kv_dtype: torch.dtype,
-                       calls: Mapping[str, int]) -> list[Finding]:
-    """A FAIL for vLLM's TPU engine when, on a TPU, any attention call was not torch_xla's Pallas kernel.
-
-    `calls` counts attention calls by the function that ran (`PagedModelRunner.calls`).
+def tpu_kernel_reasons(device_kind: str, geometry: AttentionGeometry, calls: Mapping[str, int]) -> list[Finding]:
+    """A FAIL for vLLM's TPU engine when, on a TPU, any attention call of verify's fp8 runner was not torch_xla's
+    Pallas kernel. `calls` counts attention calls by the function that ran (`PagedModelRunner.calls`).
     """
     others = {name: count for name, count in sorted(calls.items()) if name != XLA_KERNEL and count}
     if device_kind != "tpu" or not others:
         return []
     heads = [] if geometry.latent is not None else sorted({geometry.layer_kv_heads(layer) for layer in geometry.kv_layers})
-    rules = [note for note in (fp8_kernel_note(count, kv_dtype) for count in heads) if note]
+    rules = [note for note in (fp8_kernel_note(count) for count in heads) if note]
     why = "; ".join(rules) if rules else ("vLLM's TPU backend runs torch_xla's Pallas kernel for every attention "
                                          "layer and has no other path")
     ran = ", ".join(f"{name} ({count} calls)" for name, count in others.items())
