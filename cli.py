@@ -13,6 +13,8 @@ from typer.core import TyperCommand, TyperGroup
 
 from fp8kv import __version__
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError
+from fp8kv.evaluation.bundled_tasks import BUNDLED_TASKS
+from fp8kv.kvdtypes import FP8_MAX
 if TYPE_CHECKING:
     from fp8kv.data import DataRequest
 from fp8kv.options import (
@@ -287,7 +289,8 @@ def calibrate(
     data: "DataRequest" = None,  # the text options, made one by @reads_text
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Samples per forward pass (right-padded; padding is never observed)."),
     kv_dtype: KvDtypeSpelling = typer.Option(
-        DEFAULT_KV_DTYPE, "--kv-dtype", help="KV-cache dtype: fp8_e4m3 (MAX 448; vLLM's 'fp8') or fp8_e5m2 (MAX 57344)."
+        DEFAULT_KV_DTYPE, "--kv-dtype", help=f"KV-cache dtype: fp8_e4m3 (MAX {FP8_MAX['fp8_e4m3']:g}; vLLM's 'fp8') or fp8_e5m2 "
+        f"(MAX {FP8_MAX['fp8_e5m2']:g}).",
     ),
     strategy: str = typer.Option(
         "amax", "--strategy", callback=_checked(Strategy.parse),
@@ -423,7 +426,7 @@ def verify_command(
 def eval_command(
     model_dir: Path = typer.Argument(..., metavar="DIR", help="Checkpoint folder (KV scales in any convention), or 'bundled'."),
     tasks: str = typer.Option(
-        "fp8kv_pydoc_mc,fp8kv_pydoc_gen,fp8kv_pydoc_ppl", "--tasks",
+        ",".join(BUNDLED_TASKS), "--tasks",
         help="Comma-separated lm_eval tasks (default: the bundled model's offline tasks).",
     ),
     limit: int | None = typer.Option(None, "--limit", min=1, help="At most N items per task."),

@@ -12,7 +12,7 @@ from typing import get_args
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.kvdtypes import FP8_MAX, RAW_CAST_FINITE_LIMIT, TORCH_DTYPE_NAME, VLLM_KV_CACHE_DTYPE, kv_dtype_from_file
+from fp8kv.kvdtypes import FP8_MAX, TORCH_DTYPE_NAME
 from fp8kv.options import KV_DTYPE_SPELLINGS, EngineName
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

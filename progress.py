@@ -91,6 +91,12 @@ class StageProgress:
         print(f"{time.strftime('%H:%M:%S')} fp8kv: {text}", file=self.stream, flush=True)
 
 
+def announce(progress: StageProgress | None, stage: str) -> None:
+    """`progress(stage)`: a timestamped line naming the stage, or nothing without progress."""
+    if progress is not None:
+        progress(stage)
+
+
 def stage_callback(progress: StageProgress | None, stage: str) -> Callable[[int, int], None] | None:
     """`progress.stage(stage)`, or None without progress."""
     return None if progress is None else progress.stage(stage)

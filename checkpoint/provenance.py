@@ -15,6 +15,7 @@ from typing import Any
 
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, is_fp8kv_output, read_artifact, write_file_atomic
 from fp8kv.errors import Fp8kvError
+from fp8kv.json_fields import checked, json_object, typed
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,7 @@ def _layer_to_dict(row: LayerRecord) -> dict[str, Any]:
 
 
 def _provenance_from_dict(data: Any) -> Provenance:
-    data = _object(data, "the record")
+    data = json_object(data, "the record")
     required = {"version": _text(data, "version"), "command": _text(data, "command", True),
                 "format": _text(data, "format"), "tool": _text(data, "tool")}
     optional = {
@@ -259,27 +260,27 @@ def _provenance_from_dict(data: Any) -> Provenance:
         "dataset": lambda d: DatasetRecord(_text(d, "name"), _text(d, "split"), _text(d, "text_column"),
                                            _integer(d, "num_samples"), _integer(d, "num_tokens"),
                                            _integer(d, "seq_len"), _integer(d, "seed"), _text(d, "note", True)),
-        "execution": lambda d: Execution(_typed(d, "layerwise", bool), _integer(d, "processes"), _text(d, "device")),
+        "execution": lambda d: Execution(typed(d, "layerwise", bool), _integer(d, "processes"), _text(d, "device")),
         "converted_from": lambda d: ConvertedFrom(_text(d, "path"), _each(d, "conventions", str)),
     }
-    values: dict[str, Any] = {name: parse(_object(data[name], name)) for name, parse in optional.items()
+    values: dict[str, Any] = {name: parse(json_object(data[name], name)) for name, parse in optional.items()
                               if data.get(name) is not None}
     for name in ("strategy", "scale_formula", "kv_dtype"):
         values[name] = _text(data, name, True)
     for name in ("headroom", "fp8_max"):
         values[name] = _number(data, name, True)
-    values["per_head"] = _typed(data, "per_head", bool, True)
+    values["per_head"] = typed(data, "per_head", bool, True)
     for name in ("skipped_layers", "defaulted_layers"):
         if data.get(name) is not None:
             values[name] = _each(data, name, int)
     if data.get("query_scales") is not None:
         values["query_scales"] = tuple(QueryScaleRecord(_integer(q, "layer"), _number(q, "q_amax"),
                                                         _number(q, "q_scale"))
-                                       for q in map(_object, _typed(data, "query_scales", list)))
+                                       for q in map(json_object, typed(data, "query_scales", list)))
     if data.get("files") is not None:
-        values["files"] = tuple(sorted((name, _checked(digest, str, f"the digest of {name!r}"))
-                                       for name, digest in _object(data["files"], "files").items()))
-    layers = tuple(_layer_from_dict(_object(row, "a layer row")) for row in _typed(data, "layers", list))
+        values["files"] = tuple(sorted((name, checked(digest, str, f"the digest of {name!r}"))
+                                       for name, digest in json_object(data["files"], "files").items()))
+    layers = tuple(_layer_from_dict(json_object(row, "a layer row")) for row in typed(data, "layers", list))
     return Provenance(**required, layers=layers, **values)
 
 
@@ -298,39 +299,20 @@ def _layer_from_dict(row: dict[str, Any]) -> LayerRecord:
         raise ValueError(f"missing {exc.args[0]!r} in layer {layer}") from None
 
 
-def _object(value: Any, what: str = "an entry") -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise TypeError(f"{what} is not an object")
-    return value
-
-
-def _typed(data: dict[str, Any], key: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
-    value = data.get(key) if optional else data[key]
-    if value is None and optional:
-        return None
-    return _checked(value, kind, repr(key))
-
-
-def _checked(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise TypeError(f"{what} is {value!r}, not {getattr(kind, '__name__', 'a number')}")
-    return value
-
-
 def _each(data: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> tuple[Any, ...]:
-    return tuple(_checked(value, kind, f"an item of {key!r}") for value in _typed(data, key, list))
+    return tuple(checked(value, kind, f"an item of {key!r}") for value in typed(data, key, list))
 
 
 def _text(data: dict[str, Any], key: str, optional: bool = False) -> str | None:
-    return _typed(data, key, str, optional)
+    return typed(data, key, str, optional)
 
 
 def _integer(data: dict[str, Any], key: str) -> int:
-    return _typed(data, key, int)
+    return typed(data, key, int)
 
 
 def _number(data: dict[str, Any], key: str, optional: bool = False) -> float | None:
-    value = _typed(data, key, (int, float), optional)
+    value = typed(data, key, (int, float), optional)
     return None if value is None else float(value)
 
 

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, is_fp8kv_output
+from fp8kv.checkpoint.artifacts import EVAL_DIR, PROVENANCE_FILE, is_fp8kv_output
 from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.artifacts import write_file_atomic
 from fp8kv.checkpoint.provenance import record_written
 from fp8kv.errors import Fp8kvError
-from fp8kv.evaluation.results import RESULTS_JSON, RESULTS_MD, RESULTS_SUBDIR, ConfigScores, EvalResults, metric_values
+from fp8kv.evaluation.results import RESULTS_JSON, RESULTS_MD, ConfigScores, EvalResults, metric_values
 from fp8kv.evaluation.spec import CacheSpec
 from fp8kv.fp8 import ENGINES
 
@@ -58,7 +58,7 @@ def report_folder(model_dir: Path, report_dir: Path | None) -> Path:
     if not is_fp8kv_output(model_dir):
         raise Fp8kvError(f"{model_dir}: not written by fp8kv (no {PROVENANCE_FILE}); pass --report FOLDER "
                          "so nothing is added to a checkpoint fp8kv does not own")
-    return Path(model_dir) / RESULTS_SUBDIR
+    return Path(model_dir) / EVAL_DIR
 
 
 def evaluate(request: EvalRequest, progress: Callable[[str, int, int], None] | None = None) -> tuple[EvalResults, Path]:

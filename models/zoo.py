@@ -116,7 +116,7 @@ def tiny_config(model_type: str, vocab_size: int, tokenizer: Any):
     if text is config:
         return type(config).from_dict({**config.to_dict(), **values})
     data = config.to_dict()
-    for name, sub in config.sub_configs.items():
+    for name in config.sub_configs:
         if getattr(config, name, None) is getattr(config, "text_config", None) and name in data:
             data[name] = {**data[name], **values}
     data.update({k: v for k, v in values.items() if k in ("vocab_size",) and "vocab_size" in data})

@@ -103,7 +103,7 @@ def _calibrate_and_compare(model_type: str, folder: Path) -> ZooResult:
     if sorted(reference) != sorted(got):
         return ZooResult(model_type, FAILING, f"cached layers {sorted(reference)} but fp8kv scaled {sorted(got)}")
     load_error = loads_in_transformers(folder / "out")
-    worst = max(float(((got[l] - reference[l]).abs() / reference[l]).max()) for l in got)
+    worst = max(float(((got[layer] - reference[layer]).abs() / reference[layer]).max()) for layer in got)
     skipped = list(result.provenance.skipped_layers or ())
     note = f"layers {sorted(got)}" + (f", skipped {skipped}" if skipped else "")
     if worst == 0.0:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # A part is a top-level module or package of fp8kv; the builders are named by module because they
 # sit above the package (`models`, the bundled files' paths) they live in.
 LAYERS: list[set[str]] = [
-    {"errors"},
+    {"errors", "json_fields"},
     {"options", "configs"},
     {"kvdtypes"},
     {"fp8", "geometry", "console", "progress", "models"},

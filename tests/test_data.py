@@ -44,7 +44,10 @@ def test_every_local_format_gives_one_sample_per_record(tmp_path, tokenizer, suf
 
 def test_same_seed_same_samples_other_seed_other_order(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in TEXTS])
-    ask = lambda seed: load_calibration_data(DataRequest(dataset=str(path), num_samples=5, seed=seed), tokenizer).samples
+
+    def ask(seed: int) -> list[list[int]]:
+        return load_calibration_data(DataRequest(dataset=str(path), num_samples=5, seed=seed), tokenizer).samples
+
     assert ask(42) == ask(42)
     assert ask(42) != ask(7)
 

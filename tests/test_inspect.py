@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checks import FAIL, check_readout
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.provenance import CacheRecord, LayerRecord, Provenance

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 import fp8kv.calibrate.pipeline as pipeline
 from fp8kv.checkpoint.conventions import CONVENTIONS
 from fp8kv.checkpoint.load import MODEL_DTYPES
-from fp8kv.fp8 import ENGINE_DESCRIPTIONS, ENGINES, FP8_MAX, VLLM_KV_CACHE_DTYPE
+from fp8kv.fp8 import ENGINE_DESCRIPTIONS, ENGINES
+from fp8kv.kvdtypes import FP8_MAX, VLLM_KV_CACHE_DTYPE
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode
 from fp8kv.options import KvDtype, ModelDtype

@@ -3,7 +3,6 @@ rounds like e4m3, K and V scales swapped."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 

@@ -57,8 +57,7 @@ def statistics_from(values: dict[tuple[int, int], torch.Tensor], layers: int = 2
     for layer in range(layers):
         k = values.get((layer, 0), torch.ones(4, heads, 2))
         v = values.get((layer, 1), torch.ones(4, heads, 2))
-        as_cache = lambda x: x.permute(1, 0, 2).unsqueeze(0)  # [1, heads, tokens, dim]
-        stats.fold(layer, as_cache(k), as_cache(v), None)
+        stats.fold(layer, _as_cache(k), _as_cache(v), None)
     return stats
 
 
@@ -129,3 +128,8 @@ def test_histogram_counts_every_real_value_once():
     stats = statistics_from({(0, 0): torch.randn(10, 2, 4)})
     assert stats.hist[0, 0].sum().item() == 10 * 2 * 4
     assert stats.tokens.tolist() == [10, 4]
+
+
+def _as_cache(x: torch.Tensor) -> torch.Tensor:
+    """[tokens, heads, dim] as a cache holds it: [1, heads, tokens, dim]."""
+    return x.permute(1, 0, 2).unsqueeze(0)

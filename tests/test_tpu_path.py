@@ -37,7 +37,8 @@ def test_device_tpu_says_what_is_missing(monkeypatch):
         resolve_device("tpu")
     real_find_spec = importlib.util.find_spec
     for package in ("libtpu", "torch_xla"):
-        monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == package else real_find_spec(name))
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, missing=package: None if name == missing else real_find_spec(name))
         with pytest.raises(Fp8kvError, match=rf"^device 'tpu' requested but {package} is not installed"):
             resolve_device("tpu")
     monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)

@@ -22,6 +22,7 @@ from fp8kv.checks import Finding
 from fp8kv.errors import Fp8kvError
 from fp8kv.console import markdown_table
 from fp8kv.kvdtypes import FP8_MAX, RAW_CAST_FINITE_LIMIT
+from fp8kv.json_fields import typed
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.verify.verdict import unit_scale_note
 
@@ -87,9 +88,9 @@ class VerifyReport:
             raise Fp8kvError(f"{where}: cannot be read as JSON ({exc})") from None
         digest = CheckpointDigest.from_json(data.get("digest") if isinstance(data, dict) else None, str(where))
         try:
-            values = {name: _checked(data, name, kind) for name, kind in _JSON_KINDS.items()
+            values = {name: typed(data, name, kind) for name, kind in _JSON_KINDS.items()
                       if name not in _OPTIONAL_SECTIONS or data.get(name) is not None}
-            reasons = tuple(Finding(_checked(r, "level", str), _checked(r, "message", str)) for r in values.pop("reasons"))
+            reasons = tuple(Finding(typed(r, "level", str), typed(r, "message", str)) for r in values.pop("reasons"))
         except (KeyError, TypeError) as exc:
             detail = f"missing {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
             raise Fp8kvError(f"{where}: not an fp8kv verify report ({detail}); run `fp8kv verify` again") from None
@@ -108,24 +109,19 @@ _JSON_KINDS: dict[str, type | tuple[type, ...]] = {
 }
 
 
-def _checked(data: Any, key: str, kind: type | tuple[type, ...]) -> Any:
-    if not isinstance(data, dict):
-        raise TypeError(f"{data!r} is not an object")
-    value = data[key]
-    if not isinstance(value, kind):
-        expected = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise TypeError(f"{key!r} is {type(value).__name__}, not {expected}")
-    return value
-
-
 def write_report(report: VerifyReport, out_dir: Path) -> None:
-    """Write report.json, report.md and scales.png into `out_dir` (created if missing)."""
+    """Write report.json, report.md and, with the `plot` extra, scales.png into `out_dir` (created if missing)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     text = report.to_json()
     clean = VerifyReport.from_json(text, out_dir / REPORT_JSON)  # what a reader of report.json sees: NaN as None
     write_file_atomic(out_dir / REPORT_JSON, text.encode())
     write_file_atomic(out_dir / REPORT_MD, render_markdown(clean).encode())
-    write_file_atomic(out_dir / PLOT, plot_png(clean))
+    png = plot_png(clean)
+    if png is None:  # a plot of an earlier run would show other numbers than this report
+        (out_dir / PLOT).unlink(missing_ok=True)
+        record_written(out_dir / REPORT_JSON, out_dir / REPORT_MD)
+        return
+    write_file_atomic(out_dir / PLOT, png)
     record_written(out_dir / REPORT_JSON, out_dir / REPORT_MD, out_dir / PLOT)
 
 
@@ -211,8 +207,8 @@ def _fmt(value: Any, spec: str = "{}") -> str:
     return spec.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
-def plot_png(report: VerifyReport) -> bytes:
-    """PNG bytes: the reason for the verdict at a glance.
+def plot_png(report: VerifyReport) -> bytes | None:
+    """PNG bytes: the reason for the verdict at a glance; None without matplotlib (`pip install "fp8kv[plot]"`).
 
     Top: per layer, the largest |x|/scale of K and V on the held-out text against the fp8 maximum
     (clamped above it) and the raw-cast limit (NaN/inf above it without a clamp). Bottom: the share
@@ -222,7 +218,10 @@ def plot_png(report: VerifyReport) -> bytes:
 
     # matplotlib caches its font list in ~/.cache; keep it in the temp dir (fp8kv writes nowhere else).
     os.environ.setdefault("MPLCONFIGDIR", os.path.join(tempfile.gettempdir(), "fp8kv-matplotlib"))
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure

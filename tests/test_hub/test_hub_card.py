@@ -59,7 +59,7 @@ def test_card_shows_provenance_scales_and_report_numbers(verified_dir: Path) -> 
     text = write_card(verified_dir).read_text()
     prov = read_provenance(verified_dir)
     report = json.loads((verified_dir / "verify" / "report.json").read_text())
-    assert f"```bash\nfp8kv calibrate llama --out DIR --num-samples 512\n```" in text  # no local path
+    assert "```bash\nfp8kv calibrate llama --out DIR --num-samples 512\n```" in text  # no local path
     assert str(prov.source.path) not in text
     assert f"| Source hash | `{prov.source.content_hash}` |" in text
     assert "| layer | K amax | k_scale | K saturation | V amax | v_scale | V saturation |" in text
@@ -171,12 +171,13 @@ def test_card_limitations_follow_the_settings(calibrated_dir: Path) -> None:
 
 
 def test_card_includes_the_eval_table_when_present(calibrated_dir: Path) -> None:
-    from fp8kv.evaluation.results import RESULTS_JSON, RESULTS_SUBDIR, ConfigScores, EvalResults
+    from fp8kv.checkpoint.artifacts import EVAL_DIR
+    from fp8kv.evaluation.results import RESULTS_JSON, ConfigScores, EvalResults
 
     assert "## Task scores" not in render_card(calibrated_dir)
     rows = (ConfigScores("bf16", "bf16", "checkpoint", "clamp", {"gsm8k exact_match": 0.78}, 0),
             ConfigScores("fp8 checkpoint raw", "fp8", "checkpoint", "raw", {"gsm8k exact_match": 0.025}, 12))
-    (calibrated_dir / RESULTS_SUBDIR).mkdir()
-    (calibrated_dir / RESULTS_SUBDIR / RESULTS_JSON).write_text(EvalResults("x", ("gsm8k",), None, "tpu", rows).to_json())
+    (calibrated_dir / EVAL_DIR).mkdir()
+    (calibrated_dir / EVAL_DIR / RESULTS_JSON).write_text(EvalResults("x", ("gsm8k",), None, "tpu", rows).to_json())
     card = render_card(calibrated_dir)
     assert "## Task scores" in card and "| fp8 checkpoint raw | 0.025 | 12 |" in card
