@@ -33,7 +33,7 @@ from fp8kv.checkpoint.source import MAX_HEADER_BYTES
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode
 from fp8kv.checks import FAIL, Finding
-from fp8kv.models.factory import make_checkpoint
+from fp8kv.tools.factory import make_checkpoint
 from tests.reports import report_for, write_report
 
 DATA_ARGS = ["--num-samples", "2", "--seq-len", "16", "--batch-size", "2"]

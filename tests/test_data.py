@@ -10,7 +10,7 @@ import pytest
 from fp8kv import data as data_module
 from fp8kv.data import DataRequest, load_calibration_data, make_batches
 from fp8kv.errors import Fp8kvError
-from fp8kv.models.factory import make_tokenizer
+from fp8kv.tools.factory import make_tokenizer
 
 TEXTS = [f"Record {i}: the quick brown fox jumps over {i} lazy dogs." for i in range(12)]
 
