@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8kv.models.factory import make_checkpoint
+from fp8kv.tools.factory import make_checkpoint
 
 
 # Tests that ran over 20 s in `pytest --durations=60` (2 cores shared, load average 10-13, the whole

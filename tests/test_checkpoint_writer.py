@@ -18,7 +18,7 @@ from fp8kv.checkpoint.provenance import Provenance, file_digest, folder_files, r
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.errors import Fp8kvError
-from fp8kv.models.factory import make_checkpoint
+from fp8kv.tools.factory import make_checkpoint
 
 SCALES = KVScales.from_floats({0: 0.01, 1: 0.02}, {0: 0.03, 1: 0.04})
 RECORD = Provenance(version="0.1.0", command=None, format="compressed-tensors")

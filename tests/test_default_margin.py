@@ -22,7 +22,7 @@ from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.cli import app
 from fp8kv.errors import Fp8kvError
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT
-from fp8kv.models.factory import ARCHITECTURES
+from fp8kv.tools.factory import ARCHITECTURES
 from fp8kv.verify.run import VerifyRequest, verify
 
 SCALES_FILE = "kv_scales.safetensors"

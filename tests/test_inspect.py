@@ -17,7 +17,7 @@ from fp8kv.checkpoint.provenance import CacheRecord, LayerRecord, Provenance
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.cli import app
-from fp8kv.models.factory import make_checkpoint
+from fp8kv.tools.factory import make_checkpoint
 from fp8kv.verify.static import static_checks
 from tests.test_interop_conventions import golden
 

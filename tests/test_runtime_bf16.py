@@ -14,7 +14,7 @@ import torch
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-from fp8kv.models.factory import make_checkpoint  # noqa: E402
+from fp8kv.tools.factory import make_checkpoint  # noqa: E402
 from fp8kv.runtime.runner import PagedModelRunner  # noqa: E402
 
 PROMPTS = [[(7 * i + 11) % 500 + 4 for i in range(23)], [(13 * i + 5) % 500 + 4 for i in range(9)],

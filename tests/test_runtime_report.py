@@ -13,8 +13,8 @@ import torch_xla  # noqa: E402
 
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
 from fp8kv.data import DataRequest  # noqa: E402
-from fp8kv.models.factory import make_checkpoint  # noqa: E402
-from fp8kv.models.zoo import make_zoo_checkpoint  # noqa: E402
+from fp8kv.tools.factory import make_checkpoint  # noqa: E402
+from fp8kv.tools.zoo import make_zoo_checkpoint  # noqa: E402
 from fp8kv.runtime import runner as runtime_runner  # noqa: E402
 from fp8kv.runtime.attention import TORCH, XLA_KERNEL, XLA_REFERENCE  # noqa: E402
 from fp8kv.runtime.cache_view import CACHE_VIEW  # noqa: E402

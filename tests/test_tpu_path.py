@@ -14,7 +14,7 @@ import torch_xla  # noqa: E402
 import torch_xla.experimental.custom_kernel as custom_kernel  # noqa: E402
 
 from fp8kv.errors import Fp8kvError  # noqa: E402
-from fp8kv.models.factory import make_checkpoint  # noqa: E402
+from fp8kv.tools.factory import make_checkpoint  # noqa: E402
 from fp8kv.runtime import device as runtime_device  # noqa: E402
 from fp8kv.runtime import runner as runtime_runner  # noqa: E402
 from fp8kv.runtime.attention import kernel_supported  # noqa: E402
