@@ -14,7 +14,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[tpu,dev,eval]"
+	$(BIN)/python -m pip install --quiet -e ".[tpu,dev,eval,plot]"
 	touch $(STAMP)
 
 # What calibration buys (bench/demo_table.py: bf16, unit scales, calibrated with and without a margin,
@@ -26,7 +26,9 @@ demo: $(STAMP)
 		--num-samples 64 --seq-len 512 --out out/demo --overwrite
 	$(BIN)/fp8kv verify out/demo
 
+# ruff first (seconds), then every test, the slow ones included (`pytest -m "not slow"` for a quick run).
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)

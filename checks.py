@@ -9,17 +9,20 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fp8kv.checkpoint.conventions import (
-    COMPRESSION_CONFIG, HF_QUANT_CONFIG, QUANTIZATION_CONFIG, VLLM_JSON_FILE, attention_modules, parse_scale_name, scale_names,
-    vllm_json_readers, vllm_loading_gap,
+    COMPRESSION_CONFIG, HF_QUANT_CONFIG, QUANTIZATION_CONFIG, VLLM_JSON_FILE, attention_modules, parse_scale_name,
+    scale_names, vllm_json_readers, vllm_loading_gap,
 )
 from fp8kv.checkpoint.provenance import Provenance
-from fp8kv.checkpoint.reader import ScaleReadout
-from fp8kv.fp8 import FP8_DTYPES, FP8_MAX
 from fp8kv.geometry import read_json
-from fp8kv.runtime.attention import fp8_kernel_note
-from fp8kv.runtime.device import TPU_HEAD_DIM_MULTIPLE
+from fp8kv.kvdtypes import FP8_MAX
+
+from fp8kv.runtime.kernel_rule import TPU_HEAD_DIM_MULTIPLE, fp8_kernel_note
+
+if TYPE_CHECKING:  # a Finding (what reports hold) needs no torch
+    from fp8kv.checkpoint.reader import ScaleReadout
 
 FAIL, WARN, INFO = "FAIL", "WARN", "INFO"
 _QK_NORM = re.compile(r"self_attn\.(k_norm|k_layernorm|key_layernorm)\.weight$")
@@ -169,7 +172,7 @@ def _kernel_findings(readout: ScaleReadout) -> list[Finding]:
     """Where vLLM's TPU backend would not run the fp8 Pallas kernel (its K/V head layout; MLA has none)."""
     if readout.source.geometry.latent is not None:
         return []
-    note = fp8_kernel_note(readout.source.geometry.num_kv_heads, FP8_DTYPES[readout.kv_dtype])
+    note = fp8_kernel_note(readout.source.geometry.num_kv_heads)
     return [Finding(WARN, note)] if note else []
 
 

@@ -24,8 +24,8 @@ from fp8kv.data import DataRequest
 from fp8kv.errors import Fp8kvError
 from fp8kv.inspection import inspect_checkpoint
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT
-from fp8kv.models.factory import make_checkpoint
-from fp8kv.models.zoo import make_zoo_checkpoint
+from fp8kv.tools.factory import make_checkpoint
+from fp8kv.tools.zoo import make_zoo_checkpoint
 
 BENCH = Path(__file__).parent
 RESULTS = BENCH / "results" / "vllm_loading.json"

@@ -12,13 +12,15 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from fp8kv.checkpoint.engine_names import vllm_scale_module
-from fp8kv.checkpoint.kvscales import KVScales
-from fp8kv.fp8 import TORCH_DTYPE_NAME
+from fp8kv.kvdtypes import TORCH_DTYPE_NAME
 from fp8kv.errors import Fp8kvError
 from fp8kv.options import Convention
+
+if TYPE_CHECKING:  # reading names and configs needs no torch
+    from fp8kv.checkpoint.kvscales import KVScales
 
 CONVENTIONS = get_args(Convention)
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -50,6 +52,8 @@ _K_PROJECTION = re.compile(
     r"^(?P<module>(?P<prefix>(?:[^.]+\.)*?)(?P<layer>\d+)\.(?:[A-Za-z_]\w*\.)*?[A-Za-z_]\w*)"
     r"\.(?:k_proj|key|c_attn|query_key_value|qkv_proj|Wqkv|qkv|attn\.k_proj)\.weight$"
 )
+# Towers of multimodal checkpoints and multi-token-prediction heads have their own attention, not the text
+# config's layers.
 _OTHER_TOWER = re.compile(r"vision|visual|audio|encoder\.|mtp")
 
 _CT_BASE = {"quant_method": "compressed-tensors", "format": "dense", "quantization_status": "frozen",
@@ -67,10 +71,15 @@ QUARK_KV_ONLY_EXCLUDE = r"re:.*(?<!\.attn)$"
 ATTENTION_GROUP = "fp8kv_attention"
 
 
+def is_other_tower(name: str) -> bool:
+    """Whether tensor `name` belongs to a vision/audio tower or an MTP head rather than the text layers."""
+    return _OTHER_TOWER.search(name) is not None
+
+
 def parse_scale_name(name: str) -> tuple[int, str, str] | None:
     """(layer, "k"|"v"|"kv", convention) for a KV-scale tensor name, the way vLLM maps it; else None."""
     match = _NAME.match(name)
-    if match is None or _OTHER_TOWER.search(name):
+    if match is None or is_other_tower(name):
         return None
     convention, kind = _SUFFIXES[match["suffix"]]
     return int(match["layer"]), kind, convention
@@ -88,7 +97,7 @@ def attention_modules(tensor_names: list[str], layers: tuple[int, ...]) -> dict[
     found: dict[int, str] = {}
     for name in sorted(tensor_names):
         match = _K_PROJECTION.match(name)
-        if match and not _OTHER_TOWER.search(name):
+        if match and not is_other_tower(name):
             found.setdefault(int(match["layer"]), match["module"])
     prefix = layer_prefix(tensor_names)
     return {layer: found.get(layer, f"{prefix}layers.{layer}.self_attn") for layer in layers}
@@ -98,7 +107,7 @@ def layer_prefix(tensor_names: list[str]) -> str:
     """The prefix in front of `layers.N.` ("model.", "model.language_model.", ...)."""
     for name in sorted(tensor_names):
         match = re.match(r"^(?P<prefix>.*?)layers\.\d+\.", name)
-        if match and not _OTHER_TOWER.search(name):
+        if match and not is_other_tower(name):
             return match["prefix"]
     return "model."
 

@@ -6,7 +6,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from fp8kv import __version__
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.conventions import VLLM_JSON_FILE, vllm_json_readers
 from fp8kv.checkpoint.provenance import ConvertedFrom, Provenance, read_provenance
 from fp8kv.checkpoint.reader import read_kv_scales
@@ -33,10 +32,9 @@ def convert_checkpoint(
         record = Provenance(version=__version__, command=command, format=convention, converted_from=origin)
     else:
         record = source_record.converted(__version__, command, convention, origin)
-    extra = {PROVENANCE_FILE: record.to_json().encode()}
     scales = readout.scales if convention == "compressed-tensors" else replace(readout.scales, q=None)
     return write_checkpoint(model_dir, out_dir, scales, convention=convention, mode=mode, overwrite=overwrite,
-                            extra_files=extra)
+                            record=record)
 
 
 def serve_hint(out_dir: Path) -> str:

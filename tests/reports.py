@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8kv.checkpoint.artifacts import VERIFY_DIR
+from fp8kv.checkpoint.provenance import record_written
 from fp8kv.checks import Finding
 from fp8kv.verify.report import REPORT_JSON, VerifyReport
 from fp8kv.verify.run import build_report
@@ -24,4 +25,5 @@ def write_report(folder: Path, report: VerifyReport) -> Path:
     path = folder / VERIFY_DIR / REPORT_JSON
     path.parent.mkdir(exist_ok=True)
     path.write_text(report.to_json())
+    record_written(path)  # as verify records what it writes
     return path

@@ -17,7 +17,7 @@ from fp8kv.calibrate.scales import scale_from_amax
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.provenance import Provenance
 from fp8kv.errors import Fp8kvError
-from fp8kv.models.factory import ARCHITECTURES, make_checkpoint
+from fp8kv.tools.factory import ARCHITECTURES, make_checkpoint
 
 E4M3_MAX = 448.0
 

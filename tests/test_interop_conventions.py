@@ -19,7 +19,7 @@ from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.checks import check_readout
 from fp8kv.errors import Fp8kvError
-from fp8kv.models.factory import make_checkpoint
+from fp8kv.tools.factory import make_checkpoint
 
 # Powers of two: exact in bfloat16, so a bf16 golden reads back bit-exactly.
 K = {0: 0.015625, 1: 0.03125}
