@@ -8,6 +8,7 @@ stored in pages `page_indices[s]`. Queries are aligned to the end of their KV (c
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Literal, get_args
 
 import torch
@@ -26,6 +27,10 @@ Scale = float | torch.Tensor | None
 #   (sm_scale * k_scale), softmax in float32, P·V in float32 times v_scale, the output rounded to q's dtype.
 AttentionNumerics = Literal["float32", "xla-reference", "pallas-kernel"]
 NUMERICS: tuple[str, ...] = get_args(AttentionNumerics)
+# What the runtime report names, one count per call of the function that ran.
+TORCH = "fp8kv.torch"
+XLA_KERNEL = "torch_xla.ragged_paged_attention (Pallas kernel)"
+XLA_REFERENCE = "torch_xla.ragged_paged_attention (reference)"
 
 
 def ragged_paged_attention(
@@ -47,6 +52,7 @@ def ragged_paged_attention(
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     numerics: AttentionNumerics = "float32",
+    calls: Counter[str] | None = None,
 ) -> torch.Tensor:
     """Attention of `q` `[T, q_heads, head_dim]` over `kv_pages` `[pages, page_size, 2*kv_heads, D]`.
 
@@ -57,7 +63,8 @@ def ragged_paged_attention(
     are per-head logits that join every softmax and take probability without a value (gpt-oss);
     `chunk_size` limits each query to keys of its own chunk of positions (llama4's chunked layers).
     Both run on the torch backend only: torch_xla's function has neither. `numerics` is the torch
-    backend's arithmetic (`AttentionNumerics`); torch_xla's function has its own.
+    backend's arithmetic (`AttentionNumerics`); torch_xla's function has its own. `calls` counts each
+    call under the name of the function that ran (`TORCH`, `XLA_KERNEL`, `XLA_REFERENCE`).
 
     backend: "xla" calls torch_xla's function as vLLM's TPU backend does (the Pallas kernel with
     `use_kernel`, which needs a TPU: see `kernel_supported`; torch_xla's reference otherwise);
@@ -80,11 +87,15 @@ def ragged_paged_attention(
             q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, sliding_window, soft_cap,
             use_kernel,
         )
+        name = XLA_KERNEL if use_kernel else XLA_REFERENCE
     else:
         out = _torch_attention(
             q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, sliding_window,
             soft_cap, max_q_len, sinks, chunk_size, numerics,
         )
+        name = TORCH
+    if calls is not None:
+        calls[name] += 1
     return out[..., :head_dim]
 
 
