@@ -51,7 +51,10 @@ def main() -> None:
         timed([*fp8kv, "calibrate", "bundled", "--dataset", "bundled", "--out", str(out), "-q"], base)
         for name, extra in SETTINGS.items():
             env = {**base, **extra}
-            imports = [timed([sys.executable, "-c", "import fp8kv.verify.run"], env)[0] for _ in range(args.repeats)]
+            # What `fp8kv verify --device cpu` imports: the CLI sets USE_TORCH_XLA=0 unless the setting says otherwise.
+            import_env = {**env, "USE_TORCH_XLA": env.get("USE_TORCH_XLA", "0")}
+            imports = [timed([sys.executable, "-c", "import fp8kv.verify.run"], import_env)[0]
+                       for _ in range(args.repeats)]
             runs, stages = [], []
             for _ in range(args.repeats):
                 runs.append(timed([*fp8kv, "verify", str(out), "--device", "cpu", "--num-samples",
