@@ -22,7 +22,7 @@ Scale = float | torch.Tensor | None
 # The arithmetic of the torch backend, each named for what it reproduces (torch_xla 2.9):
 # "float32": dequantized K/V, scores, softmax and P·V all in float32; only the output is rounded to q's dtype.
 # "xla-reference": `ragged_paged_attention(use_kernel=False)`, what runs on XLA:CPU: K/V dequantized in float32
-#   and rounded to q's dtype; QK, the sm_scale product, the soft cap, each softmax step and P·V in q's dtype.
+#   and rounded to q's dtype; QK, the sm_scale product, the soft cap, the softmax and P·V in q's dtype.
 # "pallas-kernel": the v2 Pallas kernel vLLM's TPU backend runs: raw fp8 K and V, QK in float32 times
 #   (sm_scale * k_scale), softmax in float32, P·V in float32 times v_scale, the output rounded to q's dtype.
 AttentionNumerics = Literal["float32", "xla-reference", "pallas-kernel"]
@@ -169,8 +169,9 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last axis, each step (max shift, exp, sum, divide) rounded to `scores`' dtype, as XLA
-    lowers torch.softmax; in float32 that is torch's own softmax."""
+    """Softmax over the last axis with the max shift, exp, row sum and divide each rounded to `scores`' dtype, as
+    XLA lowers torch.softmax; the sum accumulates in float32 (XLA:CPU adds in bf16, 32 values at a time, an order
+    a TPU need not share). In float32 this is torch's own softmax."""
     if scores.dtype == torch.float32:
         return torch.softmax(scores, dim=-1)
     e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
