@@ -6,7 +6,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, get_args
+from typing import Annotated
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -15,20 +15,12 @@ from fp8kv import __version__
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError
 from fp8kv.evaluation.bundled_tasks import BUNDLED_TASKS
 from fp8kv.kvdtypes import FP8_MAX
-<<<<<<< HEAD
-if TYPE_CHECKING:
-    from fp8kv.data import DataRequest
-from fp8kv.engine_models import parse_engines
-from fp8kv.options import (
-    DEFAULT_HEADROOM, DEFAULT_KV_DTYPE, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype,
-    RuntimeChoice, Strategy, TorchDeviceChoice, WriteMode, check_headroom, kv_dtype_name,
-=======
 from fp8kv.calibrate.request import CalibrationRequest
 from fp8kv.data import DataRequest
+from fp8kv.engine_models import parse_engines
 from fp8kv.options import (
-    DEFAULT_HEADROOM, EVAL_EXTRA_HINT, AttentionChoice, EngineName, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
-    TorchDeviceChoice, WriteMode, check_headroom, engine_names, kv_dtype_name,
->>>>>>> main
+    DEFAULT_HEADROOM, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
+    TorchDeviceChoice, WriteMode, check_headroom, kv_dtype_name,
 )
 
 DEBUG_ENV = "FP8KV_DEBUG"
@@ -455,12 +447,8 @@ def eval_command(
     ),
     limit: int | None = typer.Option(None, "--limit", min=1, help="At most N items per task."),
     engines: str = typer.Option(
-<<<<<<< HEAD
         "vllm-tpu,sglang", "--engines", callback=_checked(parse_engines),
         help="Engine models to compare, comma-separated (fp8kv verify --help lists them).",
-=======
-        ",".join(get_args(EngineName)), "--engines", callback=_checked(engine_names), help="Engine cast models to compare: clamp, raw, raw-bf16 (comma-separated)."
->>>>>>> main
     ),
     device: RuntimeDeviceOpt = "auto",
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per runner step."),

@@ -90,3 +90,28 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
     texts = [topics[key][: 40 + 37 * i] for i, key in enumerate(sorted(topics)[:6])]
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return str(path)
+
+
+def _saturating_torch_cast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make torch's cast to fp8 saturate, as torch >= 2.12 does on CPU (NaN stays NaN)."""
+    import torch
+
+    real = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        dtype = next((a for a in args if isinstance(a, torch.dtype)), kwargs.get("dtype"))
+        fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+        if dtype in fp8 and self.dtype not in fp8:
+            limit = torch.finfo(dtype).max
+            self = torch.where(self.isnan(), self, self.clamp(-limit, limit))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+
+
+@pytest.fixture(params=["installed torch", "saturating torch"])
+def cast(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test with the installed torch's fp8 cast, then with a saturating one (torch >= 2.12 on CPU)."""
+    if request.param == "saturating torch":
+        _saturating_torch_cast(monkeypatch)
+    return request.param

@@ -9,7 +9,7 @@ from fp8kv.engine_models import (
     ALL, BUGS, ENGINE_MODELS, RELEASED, EngineModel, engine_model, parse_engines,
 )
 from fp8kv.errors import Fp8kvError
-from tests.test_fp8 import E4M3, E4M3_BYTES, E5M2, E5M2_BYTES, E5M2_INPUTS, INPUTS, bytes_of, cast  # noqa: F401
+from tests.test_fp8 import E4M3, E4M3_BYTES, E5M2, E5M2_BYTES, E5M2_INPUTS, INPUTS, bytes_of
 
 NAMES = ["vllm-cuda", "vllm-tpu", "vllm-triton", "tpu-inference", "tpu-inference-v6e", "sglang", "tensorrt-llm"]
 BUG_NAMES = ["no-clamp", "inverted-scale", "scales-ignored", "kv-swapped", "e5m2-read"]

@@ -27,27 +27,6 @@ E5M2_BYTES = {
 }
 
 
-def _saturating_torch_cast(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make torch's cast to fp8 saturate, as torch >= 2.12 does on CPU (NaN stays NaN)."""
-    real = torch.Tensor.to
-
-    def to(self, *args, **kwargs):
-        dtype = next((a for a in args if isinstance(a, torch.dtype)), kwargs.get("dtype"))
-        if dtype in (E4M3, E5M2) and self.dtype not in (E4M3, E5M2):
-            limit = torch.finfo(dtype).max
-            self = torch.where(self.isnan(), self, self.clamp(-limit, limit))
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "to", to)
-
-
-@pytest.fixture(params=["installed torch", "saturating torch"])
-def cast(request, monkeypatch):
-    if request.param == "saturating torch":
-        _saturating_torch_cast(monkeypatch)
-    return request.param
-
-
 def bytes_of(stored: torch.Tensor) -> list[int]:
     return stored.view(torch.uint8).tolist()
 
