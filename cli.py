@@ -17,7 +17,7 @@ from fp8kv.evaluation.bundled_tasks import BUNDLED_TASKS
 from fp8kv.kvdtypes import FP8_MAX
 from fp8kv.calibrate.request import CalibrationRequest
 from fp8kv.data import DataRequest
-from fp8kv.engine_models import parse_engines
+from fp8kv.engine_models import EVAL_ENGINES, parse_engines
 from fp8kv.options import (
     DEFAULT_HEADROOM, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
     TorchDeviceChoice, WriteMode, check_headroom, kv_dtype_name,
@@ -447,7 +447,7 @@ def eval_command(
     ),
     limit: int | None = typer.Option(None, "--limit", min=1, help="At most N items per task."),
     engines: str = typer.Option(
-        "vllm-tpu,sglang", "--engines", callback=_checked(parse_engines),
+        ",".join(EVAL_ENGINES), "--engines", callback=_checked(parse_engines),
         help="Engine models to compare, comma-separated (fp8kv verify --help lists them).",
     ),
     device: RuntimeDeviceOpt = "auto",

@@ -160,6 +160,8 @@ RELEASED = tuple(m.name for m in ENGINE_MODELS if m.released)
 BUGS = tuple(m.name for m in ENGINE_MODELS if not m.released)
 # The runtime's default write: the correct one (vLLM TPU's, the backend whose layout the runtime keeps).
 DEFAULT_ENGINE = "vllm-tpu"
+# `fp8kv eval` scores whole task suites per engine: by default one engine that clamps and one that does not.
+EVAL_ENGINES = (DEFAULT_ENGINE, "sglang")
 ALL = "all"
 
 
