@@ -273,7 +273,7 @@ def convert_command(
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
     from fp8kv.calibrate.report import command_line
-    from fp8kv.checkpoint.convert import convert_checkpoint, serve_hint
+    from fp8kv.checkpoint.convert import convert_checkpoint, format_gap, serve_hint
     from fp8kv.checkpoint.reader import read_kv_scales
 
     written = convert_checkpoint(model, out, convention, overwrite=overwrite, mode=mode, command=command_line())
@@ -282,6 +282,8 @@ def convert_command(
         typer.echo(f"note: {convention} has no query-scale convention; q_scale was left out", err=True)
     if convention == "vllm-json":
         typer.echo(serve_hint(written))
+    if gap := format_gap(written, convention):
+        typer.echo(f"note: {gap}", err=True)
 
 
 def _headroom(value: str) -> float:

@@ -33,7 +33,8 @@ FACTORY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mi
 ZOO = ("gpt2", "gpt_neox", "falcon", "deepseek_v3")  # transformers' own tiny configs; deepseek_v3 is MLA
 # vLLM's CPU attention takes head sizes from 32 up: the zoo's 16-wide heads are widened (4 heads of 32)
 _ZOO_WIDTH = {"gpt2": {"n_embd": 128}, "gpt_neox": {"hidden_size": 128},
-              "falcon": {"hidden_size": 128}, "deepseek_v3": {"kv_lora_rank": 32, "qk_rope_head_dim": 32,
+              # vLLM's falcon.py always ties the LM head to the embeddings
+              "falcon": {"hidden_size": 128, "tie_word_embeddings": True}, "deepseek_v3": {"kv_lora_rank": 32, "qk_rope_head_dim": 32,
                                                               "qk_nope_head_dim": 32, "v_head_dim": 32, "head_dim": 32,
                                                               "topk_method": "noaux_tc"}}
 CONVERTED = ("modelopt", "quark", "vllm-json")
@@ -107,6 +108,7 @@ def main() -> int:
     options.add_argument("--archs", nargs="*", default=[*FACTORY, *ZOO])
     options.add_argument("--vllm-python", default=str(BENCH / ".vllm-venv" / "bin" / "python"))
     options.add_argument("--work", help="keep the checkpoints here (default: a temporary folder)")
+    options.add_argument("--results", type=Path, default=RESULTS)
     args = options.parse_args()
     if not Path(args.vllm_python).exists():
         print(f"{args.vllm_python}: not found; build it with bench/vllm_venv.sh", file=sys.stderr)
@@ -116,13 +118,13 @@ def main() -> int:
         manifest = root / "manifest.json"
         loads, refused = cases(args.archs, root)
         manifest.write_text(json.dumps(loads, indent=2))
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        args.results.parent.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PJRT_DEVICE")}
-        subprocess.run([args.vllm_python, str(BENCH / "vllm_load_check.py"), str(manifest), "--out", str(RESULTS)],
+        subprocess.run([args.vllm_python, str(BENCH / "vllm_load_check.py"), str(manifest), "--out", str(args.results)],
                        check=True, env=env)
-    results = json.loads(RESULTS.read_text())
+    results = json.loads(args.results.read_text())
     results["rows"] += refused
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    args.results.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nvLLM {results['meta']['vllm']} ({results['meta']['machine']}), load {results['meta']['load']}")
     print(markdown(results["rows"]))
     return 0

@@ -38,3 +38,26 @@ def vllm_scale_module(model_type: str, module: str) -> str:
     (vLLM remaps it; architectures vLLM lacks keep the checkpoint's own module path).
     """
     return f"{module}.{VLLM_ATTENTION_ATTRIBUTE}" if model_type in FULL_PATH_MODEL_TYPES else module
+
+
+# vLLM (0.32) maps ModelOpt's `<module>.k_proj.k_scale` onto its attention layer only under a module named
+# `self_attn` (its cache-scale name mapper): under GPT-2's `attn`, GPT-NeoX's `attention` or Falcon's
+# `self_attention` the name reaches no parameter and the load fails.
+MODELOPT_ATTENTION_MODULE = "self_attn"
+# vLLM (0.32)'s gemma2.py and gemma3.py map `k_proj` onto the fused `qkv_proj` before Quark's scale names are
+# mapped, so `k_proj.output_scale` reaches the fused linear ("'QKVParallelLinear' object has no attribute 'data'").
+QUARK_UNLOADABLE_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text"})
+
+
+def vllm_format_gap(convention: str, model_type: str, module: str) -> str | None:
+    """One line when vLLM (0.32) refuses `convention`'s scale names on the attention module at path `module` of
+    a `model_type` model, naming the format it loads; None when it loads them."""
+    fix = "for vLLM, fp8kv convert --to compressed-tensors"
+    attribute = module.rsplit(".", 1)[-1]
+    if convention == "modelopt" and attribute != MODELOPT_ATTENTION_MODULE:
+        return (f"vLLM (0.32) loads ModelOpt's k_proj.k_scale only under a {MODELOPT_ATTENTION_MODULE} module and "
+                f"{model_type}'s attention module is {attribute}, so it refuses this folder; {fix}")
+    if convention == "quark" and model_type in QUARK_UNLOADABLE_MODEL_TYPES:
+        return (f"vLLM (0.32)'s {model_type} loader maps k_proj onto the fused qkv_proj before Quark's scale names, "
+                f"so it refuses k_proj.output_scale; {fix}")
+    return None
