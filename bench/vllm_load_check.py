@@ -86,7 +86,7 @@ def run_case(case: dict[str, Any], timeout: int) -> dict[str, Any]:
         if not Path(result_file).exists():
             return {**case, "status": "crashed", "error": _last_line(child.stderr), "layers": [], "log": []}
         result = json.loads(Path(result_file).read_text())
-    return {**case, **compare(case["file"], result), "log": scale_warnings(child.stderr)}
+    return {**case, **compare(case["file"], result), "log": scale_warnings(child.stdout + child.stderr)}
 
 
 def scale_warnings(stderr: str) -> list[str]:
