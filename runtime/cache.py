@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
+from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, engine_model
 from fp8kv.fp8 import is_fp8
 
 SCRATCH_PAGE = 0
@@ -114,6 +114,7 @@ class PagedKVCache:
         v_scales: Mapping[int, Scale] | None = None,
         engine: str = DEFAULT_ENGINE,
         shared_layers: Mapping[int, int] | None = None,
+        shadows: Sequence[str] = (),
     ) -> None:
         self.kv_layers = tuple(kv_layers)
         self.shared_layers = dict(shared_layers or {})  # KV sharing: reading layer -> the layer owning the cache
@@ -125,6 +126,7 @@ class PagedKVCache:
         self.head_dim_padded = max(self._padded)
         self.dtype = dtype
         self.engine = engine_model(engine)
+        self.shadows = shadow_models(self.engine, shadows)
         k_scales, v_scales = self.engine.loads(k_scales, v_scales)
         k_given = layer_scales(k_scales, self.kv_layers, self._kv_heads, "k_scale")
         v_given = layer_scales(v_scales, self.kv_layers, self._kv_heads, "v_scale")
@@ -147,6 +149,7 @@ class PagedKVCache:
         self.clamped = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
         self.nonfinite = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
         self.written = torch.zeros(len(self.kv_layers), dtype=torch.int64, device=device)
+        self.shadow_diffs = torch.zeros(len(self.shadows), dtype=torch.int64, device=device)
 
     def owner(self, layer: int) -> int:
         """The cache layer `layer` attends over: itself, or the layer whose cache it shares."""
@@ -180,6 +183,9 @@ class PagedKVCache:
         stored = self.engine.write(kv, self._write_scales[row, : 2 * heads], self.dtype) if is_fp8(self.dtype) \
             else kv.to(self.dtype)
         self._count(row, kv, stored, valid)
+        if self.shadows and is_fp8(self.dtype):
+            scales = self._write_scales[row, : 2 * heads]
+            self.shadow_diffs += shadow_differences(self.shadows, kv, scales, stored, valid[:, None, None])
         store_rows(self.pages[row].flatten(0, 1), slots, stored)  # [num_pages*page_size, 2*kv_heads, d_padded]
 
     def _count(self, row: int, kv: torch.Tensor, stored: torch.Tensor, valid: torch.Tensor) -> None:
@@ -209,6 +215,34 @@ class PagedKVCache:
     def counts(self) -> dict[str, dict[int, tuple[int, int]]]:
         """Per KV layer `(k, v)` counts: {"clamped": ..., "nonfinite": ...}, plus values "written" per K (or V)."""
         return layer_counts(self.kv_layers, self.clamped, self.nonfinite, self.written)
+
+
+def shadow_models(engine: EngineModel, names: Sequence[str]) -> tuple[EngineModel, ...]:
+    """The engine models a cache also computes every write for, to count where their values would differ.
+
+    Only engines that read what they wrote with the same scales in the same format qualify: where every
+    stored value is the same, their attention reads the same numbers, so their logits are the same.
+    """
+    shadows = tuple(engine_model(name) for name in names)
+    for shadow in shadows:
+        if (shadow.loads, shadow.cache, shadow.written) != (engine.loads, engine.cache, engine.written):
+            raise Fp8kvError(f"engine {shadow.name} runs other scales or another cache format than {engine.name}: "
+                             "its writes cannot be compared value by value")
+    return shadows
+
+
+def shadow_differences(shadows: tuple[EngineModel, ...], x: torch.Tensor, scale: torch.Tensor, stored: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+    """Per shadow engine, how many values of `x` it would store differently from `stored` (`[len(shadows)]`).
+
+    Values compare as the attention reads them (a NaN equals a NaN); `mask` (broadcast to `x`) marks real tokens.
+    """
+    held = stored.float()
+    counts = []
+    for shadow in shadows:
+        other = shadow.write(x, scale, stored.dtype).float()
+        counts.append(((other != held) & ~(other.isnan() & held.isnan()) & mask).sum())
+    return torch.stack(counts)
 
 
 def store_rows(flat: torch.Tensor, slots: torch.Tensor, stored: torch.Tensor) -> None:

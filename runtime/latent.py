@@ -22,7 +22,9 @@ from fp8kv.errors import Fp8kvError
 from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
 from fp8kv.fp8 import is_fp8
 from fp8kv.geometry import LatentCache
-from fp8kv.runtime.cache import Scale, layer_counts, layer_scales, load_rows, store_rows
+from fp8kv.runtime.cache import (
+    Scale, layer_counts, layer_scales, load_rows, shadow_differences, shadow_models, store_rows,
+)
 
 # The attention module attribute that holds the current forward's kv_c_normed `[1, T, kv_lora_rank]`.
 _CAPTURED = "fp8kv_kv_c_normed"
@@ -50,10 +52,12 @@ class LatentPagedCache:
         k_scales: Mapping[int, Scale] | None = None,
         v_scales: Mapping[int, Scale] | None = None,
         engine: str = DEFAULT_ENGINE,
+        shadows: Sequence[str] = (),
     ) -> None:
         self.kv_layers, self.latent = tuple(kv_layers), latent
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
         self.engine = engine_model(engine)
+        self.shadows = shadow_models(self.engine, shadows)
         k_scales, v_scales = self.engine.loads(k_scales, v_scales)
         k_given = layer_scales(k_scales, self.kv_layers, [1] * len(self.kv_layers), "k_scale")
         v_given = layer_scales(v_scales, self.kv_layers, [1] * len(self.kv_layers), "v_scale")
@@ -65,6 +69,7 @@ class LatentPagedCache:
         self.clamped = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
         self.nonfinite = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
         self.written = torch.zeros(len(self.kv_layers), dtype=torch.int64, device=device)
+        self.shadow_diffs = torch.zeros(len(self.shadows), dtype=torch.int64, device=device)
 
     def owner(self, layer: int) -> int:
         """MLA layers own their cache (no KV sharing)."""
@@ -84,6 +89,8 @@ class LatentPagedCache:
             self.clamped[row] += ((vectors.float().abs() / scale > torch.finfo(self.dtype).max) & mask).sum()
         self.nonfinite[row] += (~torch.isfinite(stored.float()) & mask).sum()
         self.written[row] += valid.sum() * self.latent.width
+        if self.shadows and is_fp8(self.dtype):
+            self.shadow_diffs += shadow_differences(self.shadows, vectors, scale, stored, mask)
         store_rows(self.pages[row].flatten(0, 1), slots, stored)  # [num_pages * page_size, width]
 
     def read(self, layer: int, pages: torch.Tensor, length: int) -> torch.Tensor:
