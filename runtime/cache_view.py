@@ -21,19 +21,11 @@ from typing import Any
 
 import torch
 
-from fp8kv.checkpoint.load import fold_repeated_heads
+from fp8kv.transformers_cache import fold_repeated_heads
 from fp8kv.errors import Fp8kvError
 from fp8kv.runtime.attention import gather_kv
 from fp8kv.runtime.cache import PagedKVCache
 from fp8kv.runtime.latent import LatentPagedCache
-
-
-def recurrent_layers(layer_types: Sequence[str]) -> list[int]:
-    """Layers whose transformers cache layer keeps a recurrent state (Mamba, linear attention), not K/V."""
-    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin
-
-    return [i for i, kind in enumerate(layer_types)
-            if issubclass(DYNAMIC_LAYER_TYPE_MAPPING.get(kind, object), LinearAttentionCacheLayerMixin)]
 
 
 def sequence_cache(cache: PagedKVCache, attention_layers: Sequence[int], past: int, slots: torch.Tensor,

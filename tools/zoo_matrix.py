@@ -159,7 +159,7 @@ def cache_amax(model_dir: Path, samples: list[list[int]]) -> dict[int, torch.Ten
 
     from fp8kv.checkpoint.load import model_class
     from fp8kv.geometry import read_config
-    from fp8kv.checkpoint.load import cache_kwargs
+    from fp8kv.transformers_cache import cache_kwargs
 
     model = model_class(read_config(model_dir)).from_pretrained(model_dir).eval()
     running: dict[int, torch.Tensor] = {}
