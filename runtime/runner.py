@@ -30,7 +30,7 @@ from fp8kv.fp8 import FP8_DTYPES, quantize
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.attention import NUMERICS, AttentionNumerics, kernel_supported, ragged_paged_attention
-from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale
+from fp8kv.runtime.cache import SCRATCH_PAGE, CacheCounts, PageAllocator, PagedKVCache, Scale
 from fp8kv.runtime.cache_view import sequence_cache
 from fp8kv.transformers_cache import cache_kwargs, model_cache_class, new_cache, recurrent_layers
 from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
@@ -329,8 +329,8 @@ class PagedModelRunner:
             self.free(s)
         return tokens
 
-    def counts(self) -> dict[str, dict[int, tuple[int, int]]]:
-        """Per KV layer (k, v) counts of clamped and NaN/inf values, and values written (see PagedKVCache)."""
+    def counts(self) -> CacheCounts:
+        """The cache's counters per KV layer: values clamped, NaN/inf values stored, values written."""
         return self.cache.counts()
 
     def _sync(self) -> None:

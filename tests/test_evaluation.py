@@ -123,7 +123,7 @@ def test_quarter_scales_score_lower_under_the_raw_cast_than_clamped(
         out = lm_eval.simple_evaluate(model=lm, tasks=["test_pydoc_mc"], task_manager=tasks, limit=16,
                                       log_samples=False, bootstrap_iters=0)
         acc[engine] = out["results"]["test_pydoc_mc"]["acc,none"]
-        nonfinite[engine] = sum(k + v for k, v in lm.runner.counts()["nonfinite"].values())
+        nonfinite[engine] = sum(k + v for k, v in lm.runner.counts().nonfinite.values())
     assert nonfinite["clamp"] == 0 and nonfinite["raw"] > 0
     assert acc["raw"] < acc["clamp"]
 

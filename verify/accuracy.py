@@ -251,8 +251,8 @@ def cache_counts(runner: PagedModelRunner) -> dict[int, dict[str, float | int]]:
     """Per KV layer: exact shares of K and V values clamped at ±MAX, and NaN/inf values stored."""
     counts = runner.counts()
     rows = {}
-    for layer, (k_clamped, v_clamped) in counts["clamped"].items():
-        written = max(counts["written"][layer][0], 1)
+    for layer, (k_clamped, v_clamped) in counts.clamped.items():
+        written = max(counts.written[layer], 1)
         rows[layer] = {"k_saturation": k_clamped / written, "v_saturation": v_clamped / written,
-                       "nan_with_clamp": sum(counts["nonfinite"][layer])}
+                       "nan_with_clamp": sum(counts.nonfinite[layer])}
     return rows

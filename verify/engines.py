@@ -42,7 +42,7 @@ class EngineResult:
 
 def first_nonfinite_layer(runner: PagedModelRunner) -> int | None:
     """The lowest KV layer whose cache was written a NaN/inf value, or None."""
-    bad = [layer for layer, pair in runner.counts()["nonfinite"].items() if sum(pair)]
+    bad = [layer for layer, pair in runner.counts().nonfinite.items() if sum(pair)]
     return min(bad) if bad else None
 
 
