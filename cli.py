@@ -18,7 +18,7 @@ from fp8kv.kvdtypes import FP8_MAX
 if TYPE_CHECKING:
     from fp8kv.data import DataRequest
 from fp8kv.options import (
-    DEFAULT_HEADROOM, DEFAULT_KV_DTYPE, AttentionChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
+    DEFAULT_HEADROOM, DEFAULT_KV_DTYPE, EVAL_EXTRA_HINT, AttentionChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
     TorchDeviceChoice, WriteMode, check_headroom, engine_names, kv_dtype_name,
 )
 
@@ -171,8 +171,15 @@ def _root(
     version: bool = typer.Option(
         False, "--version", callback=_show_version, is_eager=True, help="Print the version and exit."
     ),
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v", help="Also show what transformers, datasets and lm_eval print (hidden otherwise)."
+    ),
 ) -> None:
     """Calibrate, verify and publish static FP8 KV-cache scales for Hugging Face checkpoints."""
+    if not verbose:
+        from fp8kv.progress import quiet_libraries
+
+        quiet_libraries()
 
 
 @app.command(cls=_Command)
@@ -435,14 +442,21 @@ def eval_command(
     ),
 ) -> None:
     """Task scores (lm-evaluation-harness) on bf16, fp8 unit-scale and fp8 checkpoint-scale caches, per engine."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:  # the `eval` extra: a usage error, before torch loads
+        typer.echo(f"fp8kv: error: fp8kv eval needs lm-evaluation-harness: {EVAL_EXTRA_HINT}", err=True)
+        raise typer.Exit(ExitCode.USAGE)
     from fp8kv.evaluation.compare import EvalRequest, evaluate
+    from fp8kv.progress import StageProgress
 
     request = EvalRequest(
         model_dir=model_dir, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit,
         engines=engine_names(engines), device=device, batch_size=batch_size,
         max_length=max_length, include_path=include_path, report_dir=report_dir,
     )
-    result, folder = evaluate(request, progress=lambda label: typer.echo(f"evaluating {label} ...", err=True))
+    with StageProgress() as progress:
+        result, folder = evaluate(request, progress=progress)
     typer.echo(result.markdown())
     typer.echo(f"Wrote {folder}")
 

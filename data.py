@@ -237,7 +237,8 @@ def _text_column(records: Any, requested: str | None, name: str) -> str:
     for candidate in ("text", "messages"):
         if candidate in columns:
             return candidate
-    raise Fp8kvError(f"{name}: no 'text' or 'messages' column; pass --text-column (columns: {sorted(columns)})")
+    choice = f" {columns[0]}" if len(columns) == 1 else f" with one of {sorted(columns)}"
+    raise Fp8kvError(f"{name}: no 'text' or 'messages' column; pass --text-column{choice}")
 
 
 def _tokenize(records: Any, column: str, tokenizer: Any, seq_len: int, wanted: int) -> list[list[int]]:
@@ -261,7 +262,8 @@ def _encode(value: Any, tokenizer: Any) -> list[int]:
         if not getattr(tokenizer, "chat_template", None):  # joining turns would calibrate on unseen text
             raise Fp8kvError(
                 f"{getattr(tokenizer, 'name_or_path', 'the tokenizer')}: has no chat template, but the records are "
-                "chat messages; pass --text-column with plain text, or use a tokenizer with a chat template"
+                "chat messages; give plain text (a 'text' column, or --text-column naming one), or use a tokenizer "
+                "with a chat template"
             )
         return list(tokenizer.apply_chat_template(value, tokenize=True, return_dict=False))
     if value is None:

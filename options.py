@@ -34,6 +34,10 @@ LAST_BATCH = "last-batch"
 # relative precision across its normal range.
 DEFAULT_HEADROOM = 1.25
 
+# How to install an extra, as every message says it (pip's name for the package; from a clone, the folder).
+EVAL_EXTRA_HINT = 'pip install "fp8kv[eval]" (from a clone: pip install ".[eval]")'
+TPU_EXTRA_HINT = 'pip install "fp8kv[tpu]" (from a clone: pip install ".[tpu]")'
+
 # vLLM's `--kv-cache-dtype fp8` means e4m3; accept its spelling.
 KV_DTYPE_SPELLINGS: dict[str, KvDtype] = {"fp8": "fp8_e4m3"}
 

@@ -8,12 +8,21 @@ the results mean (a fallback dataset, fewer samples than asked).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 from typing import Callable, TextIO
 
 PLAIN_INTERVAL_S = 10.0
+
+
+def quiet_libraries() -> None:
+    """Keep third-party notes off stderr (transformers' load report, datasets' and lm_eval's notices):
+    fp8kv says what matters itself; `fp8kv -v` leaves them on. Call before those libraries load."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DATASETS_VERBOSITY", "error")
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
 
 
 class StageProgress:

@@ -737,3 +737,47 @@ def test_real_console_script_gives_the_same_one_line(case, shared, tmp_path):
     assert proc.returncode == ExitCode.ERROR, proc.stderr
     assert_one_error_line(proc.stderr, named, problem)
     assert tree_hash(tmp_path) == before
+
+
+# The fixes error lines suggest, in the forms the catalogue's messages use.
+_PASS = re.compile(r"pass (--[\w-]+)(?: (?!to\b|or\b|it\b|with\b)([^\s;,)]+))?")
+_LOWER = re.compile(r"lower (--[\w-]+) to (\d+)")
+_RUN = re.compile(r"run `(fp8kv [^`]+)`")
+
+
+def _follow(args: list[str], line: str) -> list[list[str]] | None:
+    """The commands that carry out what `line` suggests for `args`: options to pass or lower, or an fp8kv
+    command to run first (a bare `fp8kv verify` means this folder); None when it suggests none of these."""
+    if (match := _LOWER.search(line)) is not None:
+        at = args.index(match[1])
+        return [[*args[:at + 1], match[2], *args[at + 2:]]]
+    if (match := _RUN.search(line)) is not None:
+        first = match[1].split()[1:]
+        if len(first) == 1:
+            first.append(args[1])
+        return [first, args]
+    if (match := _PASS.search(line)) is not None and match[1] != "--dataset":
+        return [[*args, match[1], *([match[2]] if match[2] and not match[2].startswith("--") else [])]]
+    return None
+
+
+def test_every_suggested_fix_works(shared, tmp_path, monkeypatch):
+    """Each catalogue error that suggests an option or a command is followed to the letter: the same
+    error line must not come back (the suggestion is one the CLI accepts and that helps)."""
+    followed = []
+    for case in CASES:
+        env = Env(tmp_path / case.id, shared)
+        env.root.mkdir()
+        with monkeypatch.context() as patch:
+            args, _, _ = _build(case, env, patch)
+            stderr = CliRunner().invoke(app, args).stderr
+            line = next(line for line in stderr.splitlines() if line.startswith("fp8kv: error:"))
+        steps = _follow(args, line)
+        if steps is None:
+            continue
+        for step in steps:
+            result = CliRunner().invoke(app, step)
+        assert result.exit_code != ExitCode.USAGE, (case.id, line, steps, result.output)
+        assert line not in result.stderr, (case.id, line, steps, result.stderr)
+        followed.append(case.id)
+    assert {"out_exists", "data_too_short", "push_not_verified", "push_failed_verdict"} <= set(followed), followed

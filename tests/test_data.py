@@ -66,7 +66,7 @@ def test_folder_of_files_and_explicit_column(tmp_path, tokenizer):
     folder.mkdir()
     write_jsonl(folder / "a.jsonl", [{"body": t} for t in TEXTS[:6]])
     write_jsonl(folder / "b.jsonl", [{"body": t} for t in TEXTS[6:]])
-    with pytest.raises(Fp8kvError, match=r"no 'text' or 'messages' column; pass --text-column \(columns: \['body'\]\)"):
+    with pytest.raises(Fp8kvError, match=r"no 'text' or 'messages' column; pass --text-column body$"):
         load_calibration_data(DataRequest(dataset=str(folder), num_samples=2), tokenizer)
     result = load_calibration_data(DataRequest(dataset=str(folder), text_column="body", num_samples=12), tokenizer)
     assert len(result.samples) == 12

@@ -154,3 +154,25 @@ def test_inspect_takes_bundled_like_verify_and_eval():
     result = CliRunner().invoke(app, ["inspect", "bundled", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["path"].endswith("models/bundled/model")
+
+
+def _probe(args: list[str], before: str = "") -> list[str]:
+    """Run the console entry point in a fresh interpreter; return its last lines after the command."""
+    probe = (f"import logging, os, sys\n{before}\nfrom fp8kv.cli import main\nsys.argv = ['fp8kv', *sys.argv[1:]]\n"
+             "try:\n    main()\nexcept SystemExit as exc:\n    print('exit', exc.code or 0)\n"
+             "print(os.environ.get('TRANSFORMERS_VERBOSITY'), logging.getLogger('lm_eval').level, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in __import__("os").environ.items() if k != "TRANSFORMERS_VERBOSITY"})
+    return [*proc.stdout.splitlines()[-2:], proc.stderr]
+
+
+def test_eval_without_its_extra_names_the_install_command():
+    exit_line, state, stderr = _probe(["eval", "bundled"], before="sys.modules['lm_eval'] = None  # not installed")
+    assert exit_line == f"exit {int(ExitCode.USAGE)}" and state.endswith("False")
+    assert stderr == ('fp8kv: error: fp8kv eval needs lm-evaluation-harness: pip install "fp8kv[eval]" '
+                      '(from a clone: pip install ".[eval]")\n')
+
+
+def test_third_party_notes_are_quiet_unless_verbose(tmp_path):
+    assert _probe(["card", str(tmp_path)])[1] == "error 40 False"  # TRANSFORMERS_VERBOSITY, logging.ERROR
+    assert _probe(["-v", "card", str(tmp_path)])[1] == "None 0 False"

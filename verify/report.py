@@ -24,6 +24,7 @@ from fp8kv.console import markdown_table
 from fp8kv.kvdtypes import FP8_MAX, RAW_CAST_FINITE_LIMIT
 from fp8kv.json_fields import typed
 from fp8kv.options import DEFAULT_KV_DTYPE
+from fp8kv.verify.verdict import unit_scale_note
 
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "scales.png"
 _ACCURACY = [("Perplexity, bf16 cache", "ppl_bf16", "{:.4f}"), ("Perplexity, fp8 + these scales", "ppl_fp8", "{:.4f}"),
@@ -268,6 +269,9 @@ def show(result: Any, json_output: bool = False) -> None:
     accuracy = report.accuracy or {}
     if accuracy:
         print("  " + ", ".join(f"{key} {_fmt(accuracy.get(key), spec)}" for _, key, spec in _ACCURACY[:6]))
+    note = unit_scale_note(accuracy, report.thresholds["unit_ppl_ratio"]) if accuracy else None
+    if note:
+        print(f"  note: {note}")
     for e in report.engines:
         print(f"  engine {e['engine']}: ppl {_fmt(e['ppl'], '{:.4f}')}, NaN/inf rows {e['nan_rows']} of {e['rows']}, "
               f"sequences lost {e['sequences_lost']} of {e['sequences']}")

@@ -215,8 +215,8 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     nan_with_clamp = {row["layer"]: row["nan_with_clamp"] for row in layers if row["nan_with_clamp"]}
     reasons += accuracy_reasons(measured, nan_with_clamp, thresholds)
     worst_ratio = max((max(row["k_max_ratio"], row["v_max_ratio"]) for row in layers), default=0.0)
-    reasons += engines.engine_reasons(engine_results, worst_ratio, scales.fp8_max)
-    reasons += heldout_reasons(layers, thresholds, scales.fp8_max)
+    engine_failures = engines.engine_reasons(engine_results, worst_ratio, scales.fp8_max)  # each names the fix
+    reasons += engine_failures + heldout_reasons(layers, thresholds, scales.fp8_max, with_fix=not engine_failures)
     fields = {
         "accuracy": measured,
         "generation": {key: gen[key] for key in ("prefill_match", "decode_match", "prefix_match")},
