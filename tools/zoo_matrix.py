@@ -263,9 +263,9 @@ def verify_outcome(out_dir: Path, folder: Path) -> VerifyOutcome:
         return VerifyOutcome(REFUSED, _one_line(str(exc).removeprefix(f"{out_dir}: ")))
     except Exception as exc:  # the matrix reports every other failure instead of stopping
         return VerifyOutcome(CRASH, _one_line(f"{type(exc).__name__}: {exc}"))
-    fidelity = report.fidelity or {}
-    kl, bound = fidelity.get("kl_mean"), fidelity.get("bound")
-    refused = fidelity.get("noise") is not None and not kl <= bound  # a NaN KL refuses too
+    fidelity = report.held_out.fidelity
+    kl, bound = (fidelity.kl_mean, fidelity.bound) if fidelity else (None, None)
+    refused = fidelity is not None and fidelity.refuses
     status = REFUSED if refused else report.verdict
     reasons = [r.message for r in report.reasons if r.level == (FAIL if refused else status)]
     return VerifyOutcome(status, _one_line(reasons[0]) if reasons and status != PASS else "", kl, bound)

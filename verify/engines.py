@@ -8,12 +8,11 @@ NaN/inf value (later layers inherit it).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
 
 from fp8kv.fp8 import ENGINE_DESCRIPTIONS, ENGINES, check_engine
 from fp8kv.runtime.runner import PagedModelRunner
 from fp8kv.checks import FAIL, Finding
+from fp8kv.verify.results import EngineResult
 from fp8kv.verify.verdict import headroom_fix
 
 ALL = "all"
@@ -22,22 +21,6 @@ ALL = "all"
 def parse_engines(choice: str) -> tuple[str, ...]:
     """`--engine` value: one engine model, or "all" of them."""
     return ENGINES if choice == ALL else (check_engine(choice),)
-
-
-@dataclass(frozen=True)
-class EngineResult:
-    """One engine model's run over the held-out samples."""
-
-    engine: str
-    ppl: float
-    nan_rows: int  # logit rows (one per token) with any NaN/inf
-    rows: int
-    sequences_lost: int  # samples with any non-finite logit
-    sequences: int
-    first_nonfinite_layer: int | None  # first KV layer whose cache holds a NaN/inf value
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def first_nonfinite_layer(runner: PagedModelRunner) -> int | None:
