@@ -10,10 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import MISSING, fields, is_dataclass
 from types import UnionType
-from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 Kind = type | tuple[type, ...]
-T = TypeVar("T")
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def json_object(value: Any, what: str = "an entry") -> dict[str, Any]:
@@ -70,7 +73,7 @@ def from_json_value(kind: Any, value: Any, what: str) -> Any:
         return tuple(items) if origin is tuple else items
     if origin is dict:
         return {k: from_json_value(args[1], v, f"{what}[{k!r}]") for k, v in json_object(value, what).items()}
-    if is_dataclass(kind):
+    if isinstance(kind, type) and is_dataclass(kind):
         return dataclass_from_json(kind, value, what)
     if kind is Any:
         return value
