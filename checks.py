@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fp8kv.checkpoint.conventions import (
-    COMPRESSION_CONFIG, QUANTIZATION_CONFIG, VLLM_JSON_FILE, attention_modules, parse_scale_name, scale_names,
-    vllm_json_readers,
+    COMPRESSION_CONFIG, HF_QUANT_CONFIG, QUANTIZATION_CONFIG, VLLM_JSON_FILE, attention_modules, parse_scale_name,
+    scale_names, vllm_json_readers, vllm_loading_gap,
 )
 from fp8kv.checkpoint.provenance import Provenance
+from fp8kv.geometry import read_json
 from fp8kv.kvdtypes import FP8_MAX
 
 from fp8kv.runtime.kernel_rule import TPU_HEAD_DIM_MULTIPLE, fp8_kernel_note
@@ -136,6 +137,11 @@ def _declaration_findings(readout: ScaleReadout) -> list[Finding]:
     if "quark" in readout.conventions and not (declared["quark"] or declared["fp8"]):
         findings.append(Finding(FAIL, "k_proj.output_scale tensors without a Quark kv_cache_group or fp8 "
                                       "kv_cache_scheme in config.json: engines ignore or refuse the scales"))
+    hf_quant = read_json(readout.source.path / HF_QUANT_CONFIG) if HF_QUANT_CONFIG in readout.source.files else None
+    for convention in ("modelopt", "quark"):
+        gap = convention in readout.conventions and vllm_loading_gap(convention, readout.source.config, hf_quant)
+        if gap:
+            findings.append(Finding(WARN, f"{gap}; fp8kv convert --to {convention} writes the form vLLM loads"))
     if "vllm-json" in readout.conventions:
         findings.append(Finding(INFO, f"scales in the legacy vLLM JSON file: {vllm_json_readers(VLLM_JSON_FILE)}"))
     return findings

@@ -6,7 +6,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated, get_args
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -15,14 +15,17 @@ from fp8kv import __version__
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError
 from fp8kv.evaluation.bundled_tasks import BUNDLED_TASKS
 from fp8kv.kvdtypes import FP8_MAX
-if TYPE_CHECKING:
-    from fp8kv.data import DataRequest
+from fp8kv.calibrate.request import CalibrationRequest
+from fp8kv.data import DataRequest
 from fp8kv.options import (
-    DEFAULT_HEADROOM, DEFAULT_KV_DTYPE, EVAL_EXTRA_HINT, AttentionChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
+    DEFAULT_HEADROOM, EVAL_EXTRA_HINT, AttentionChoice, EngineName, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
     TorchDeviceChoice, WriteMode, check_headroom, engine_names, kv_dtype_name,
 )
 
 DEBUG_ENV = "FP8KV_DEBUG"
+# calibrate's defaults are its request's (both import without torch): one home for each.
+_CAL = CalibrationRequest(model="")
+_DATA = _CAL.data
 
 
 BASE_MODEL_HELP = ("Hub id org/name of the model the scales are for (the card's base_model). Default: MODEL when it "
@@ -57,7 +60,7 @@ def reads_text(*, num_samples: int, seq_len: int, seed: int = 42) -> Callable[[C
                 "num_samples": num_samples, "seq_len": seq_len, "seed": seed}
 
     def decorate(command: Callable) -> Callable:
-        signature = inspect.signature(command)  # `data` stays a string: DataRequest imports torch
+        signature = inspect.signature(command)
         names = list(signature.parameters)
         at = names.index("data")
         text = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation,
@@ -66,8 +69,6 @@ def reads_text(*, num_samples: int, seq_len: int, seed: int = 42) -> Callable[[C
 
         @functools.wraps(command)
         def with_data(**options):
-            from fp8kv.data import DataRequest
-
             data = DataRequest(**{name: options.pop(name) for name in TEXT_OPTIONS})
             return command(data=data, **options)
 
@@ -135,6 +136,17 @@ def _checked(parse: Callable[[str], object]) -> Callable[[str | None], str | Non
         return value
 
     return callback
+
+
+def _leave_out_xla(device: str) -> None:
+    """transformers and accelerate import torch_xla whenever it is installed (8 s of a bundled-model verify);
+    a run that cannot use it tells them not to, before they load (once loaded, the flag is moot)."""
+    import sys
+
+    from fp8kv.runtime.device import may_use_xla
+
+    if "transformers" not in sys.modules and not may_use_xla(device):
+        os.environ.setdefault("USE_TORCH_XLA", "0")
 
 
 def _is_usage_error(exc: Exception) -> bool:
@@ -282,18 +294,18 @@ def _headroom(value: str) -> float:
 
 
 @app.command(cls=_Command)
-@reads_text(num_samples=512, seq_len=2048)
+@reads_text(num_samples=_DATA.num_samples, seq_len=_DATA.seq_len, seed=_DATA.seed)
 def calibrate(
     model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint folder, a Hub id org/name[@revision] (from the local cache when offline), or 'bundled' / 'bundled-outliers' for a bundled model."),
     out: Path | None = typer.Option(None, "--out", help="Output folder (created atomically). Omit to only report scales."),
-    data: "DataRequest" = None,  # the text options, made one by @reads_text
-    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Samples per forward pass (right-padded; padding is never observed)."),
+    data: DataRequest = None,  # the text options, made one by @reads_text
+    batch_size: int = typer.Option(_CAL.batch_size, "--batch-size", min=1, help="Samples per forward pass (right-padded; padding is never observed)."),
     kv_dtype: KvDtypeSpelling = typer.Option(
-        DEFAULT_KV_DTYPE, "--kv-dtype", help=f"KV-cache dtype: fp8_e4m3 (MAX {FP8_MAX['fp8_e4m3']:g}; vLLM's 'fp8') or fp8_e5m2 "
+        _CAL.kv_dtype, "--kv-dtype", help=f"KV-cache dtype: fp8_e4m3 (MAX {FP8_MAX['fp8_e4m3']:g}; vLLM's 'fp8') or fp8_e5m2 "
         f"(MAX {FP8_MAX['fp8_e5m2']:g}).",
     ),
     strategy: str = typer.Option(
-        "amax", "--strategy", callback=_checked(Strategy.parse),
+        _CAL.strategy, "--strategy", callback=_checked(Strategy.parse),
         help="Clip value mapped to MAX: amax (nothing saturates; amax/scale <= MAX guaranteed), "
         "percentile:P (P-th percentile of |x|), mse (least squared fp8 error), or last-batch (the amax of the "
         "last batch alone: llm-compressor's default observer, for comparison; use --batch-size 1 --headroom 1.0). "
@@ -304,29 +316,29 @@ def calibrate(
         help="auto (the margin measured to keep unseen text inside fp8's range; docs/margin.md) or a factor "
         "F >= 1 multiplying every scale; 1.0 writes amax/MAX exactly.",
     ),
-    per_head: bool = typer.Option(False, "--per-head", help="One scale per KV head ([num_kv_heads,1,1], attn_head strategy)."),
+    per_head: bool = typer.Option(_CAL.per_head, "--per-head", help="One scale per KV head ([num_kv_heads,1,1], attn_head strategy)."),
     allow_unobserved: bool = typer.Option(
-        False, "--allow-unobserved", help="Write 1.0 (with a warning) for layers whose K/V were all zero or never seen."
+        _CAL.allow_unobserved, "--allow-unobserved", help="Write 1.0 (with a warning) for layers whose K/V were all zero or never seen."
     ),
-    mode: ModeOpt = "overlay",
-    convention: Convention = typer.Option("compressed-tensors", "--format", help="Scale convention."),
-    overwrite: OverwriteOpt = False,
+    mode: ModeOpt = _CAL.mode,
+    convention: Convention = typer.Option(_CAL.convention, "--format", help="Scale convention."),
+    overwrite: OverwriteOpt = _CAL.overwrite,
     base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
-    device: TorchDeviceChoice = typer.Option("auto", "--device", help="Where calibration runs (auto: CUDA when available)."),
-    dtype: ModelDtype = typer.Option("auto", "--dtype", help="Model dtype (auto: the checkpoint's)."),
+    device: TorchDeviceChoice = typer.Option(_CAL.device, "--device", help="Where calibration runs (auto: CUDA when available)."),
+    dtype: ModelDtype = typer.Option(_CAL.dtype, "--dtype", help="Model dtype (auto: the checkpoint's)."),
     trust_remote_code: bool = typer.Option(
-        False, "--trust-remote-code",
+        _CAL.trust_remote_code, "--trust-remote-code",
         help="Run Python code shipped inside the checkpoint (custom architectures). Only for checkpoints you trust.",
     ),
     attention: AttentionChoice = typer.Option(
-        "kv", "--attention",
+        _CAL.attention, "--attention",
         help="kv: K/V cache scales; fp8: also query scales (q_scale, after q_norm and RoPE) for fp8 attention "
         "kernels (FlashAttention-3 / FlashInfer), written as compressed-tensors' attention scheme.",
     ),
     layerwise: bool | None = typer.Option(
-        None, "--layerwise/--no-layerwise", show_default="automatic",
+        _CAL.layerwise, "--layerwise/--no-layerwise", show_default="automatic",
         help="Load one decoder layer at a time (for models larger than memory). "
         "Default: layer by layer when the weights exceed 60% of available RAM.",
     ),
@@ -336,6 +348,7 @@ def calibrate(
     The text defaults to HuggingFaceH4/ultrachat_200k (split train_sft); when that cannot be loaded, the
     bundled calibration split, announced before the work.
     """
+    _leave_out_xla(device)  # calibration runs transformers' forward on CUDA or the CPU
     from fp8kv.calibrate import report
     from fp8kv.calibrate.distributed import is_writer
     from fp8kv.calibrate.pipeline import CalibrationRequest
@@ -364,7 +377,7 @@ def verify_command(
         ..., metavar="MODEL", help="Checkpoint with KV scales (any convention): a folder, a Hub id org/name[@revision], "
         "or 'bundled'.",
     ),
-    data: "DataRequest" = None,  # the text options, made one by @reads_text
+    data: DataRequest = None,  # the text options, made one by @reads_text
     batch_size: int = typer.Option(4, "--batch-size", min=1, help="Samples per step."),
     device: RuntimeDeviceOpt = "auto",
     prompts: Path | None = typer.Option(
@@ -400,6 +413,7 @@ def verify_command(
         False, "--quantize-query", help="Also quantize Q with the checkpoint's q_scale (fp8 attention) and report the cost."
     ),
 ) -> None:
+    _leave_out_xla(device)
     from fp8kv.progress import StageProgress
     from fp8kv.verify.engines import parse_engines
     from fp8kv.verify.report import show
@@ -431,7 +445,7 @@ def eval_command(
     ),
     limit: int | None = typer.Option(None, "--limit", min=1, help="At most N items per task."),
     engines: str = typer.Option(
-        "clamp,raw,raw-bf16", "--engines", callback=_checked(engine_names), help="Engine cast models to compare: clamp, raw, raw-bf16 (comma-separated)."
+        ",".join(get_args(EngineName)), "--engines", callback=_checked(engine_names), help="Engine cast models to compare: clamp, raw, raw-bf16 (comma-separated)."
     ),
     device: RuntimeDeviceOpt = "auto",
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per runner step."),
@@ -447,6 +461,7 @@ def eval_command(
     if importlib.util.find_spec("lm_eval") is None:  # the `eval` extra: a usage error, before torch loads
         typer.echo(f"fp8kv: error: fp8kv eval needs lm-evaluation-harness: {EVAL_EXTRA_HINT}", err=True)
         raise typer.Exit(ExitCode.USAGE)
+    _leave_out_xla(device)
     from fp8kv.evaluation.compare import EvalRequest, evaluate
     from fp8kv.progress import StageProgress
 

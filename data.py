@@ -14,13 +14,14 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 from urllib.parse import urlparse
-
-import torch
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_MODEL_ALIAS
+
+if TYPE_CHECKING:  # DataRequest, the command line's defaults, needs no torch
+    import torch
 
 DEFAULT_DATASET = "HuggingFaceH4/ultrachat_200k"
 DEFAULT_SPLIT = "train_sft"
@@ -101,6 +102,8 @@ def load_calibration_data(request: DataRequest, tokenizer: Any) -> CalibrationDa
 
 def make_batches(samples: list[list[int]], batch_size: int, pad_id: int) -> list[Batch]:
     """Group samples (longest first, so padding stays small) into right-padded batches."""
+    import torch
+
     if batch_size < 1:
         raise Fp8kvError("--batch-size must be at least 1")
     order = sorted(range(len(samples)), key=lambda i: (-len(samples[i]), i))

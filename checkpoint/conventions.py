@@ -303,6 +303,23 @@ def _quark_config(qc: dict[str, Any] | None, scales: KVScales) -> dict[str, Any]
     return qc
 
 
+def vllm_loading_gap(convention: str, config: dict[str, Any], hf_quant: dict[str, Any] | None) -> str | None:
+    """Why vLLM (0.32) refuses a KV-only ModelOpt or Quark folder written without the fields above, or None.
+
+    ModelOpt's and Quark's own KV-only exports name no weight algorithm (ModelOpt) or exclude no module (Quark).
+    """
+    if weight_method(config, hf_quant) is not None:
+        return None
+    if convention == "modelopt" and hf_quant is not None and not (hf_quant.get("quantization") or {}).get("quant_algo"):
+        return ("hf_quant_config.json names no quant_algo: vLLM (0.32) loads ModelOpt KV scales only beside one "
+                "(\"'QKVParallelLinear' object has no attribute 'data'\")")
+    block = quantization_block(config)[1] or {}
+    if convention == "quark" and block.get("quant_method") == "quark" and not block.get("exclude"):
+        return ("the Quark config quantizes no weights and excludes no module: vLLM (0.32) then finds no scheme for "
+                "the linear layers (\"No quark compatible scheme was found\")")
+    return None
+
+
 def vllm_json_readers(path: str | Path) -> str:
     """Which engines read the legacy vLLM JSON scale file at `path`, in one line.
 

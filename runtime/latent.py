@@ -12,6 +12,7 @@ by a forward hook on `kv_a_layernorm` (`capture_latents`).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,6 +25,8 @@ from fp8kv.runtime.cache import PagedLayers, Scale, layer_scales
 
 # The attention module attribute that holds the current forward's kv_c_normed `[1, T, kv_lora_rank]`.
 _CAPTURED = "fp8kv_kv_c_normed"
+# What the runtime report names for `latent_attention`, one count per call.
+LATENT = "fp8kv.latent_attention"
 
 
 class LatentPagedCache(PagedLayers):
@@ -122,12 +125,14 @@ def capture_latents(model: torch.nn.Module) -> None:
 
 
 def latent_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, cache: LatentPagedCache,
-                     meta: Any, scaling: float) -> torch.Tensor:
+                     meta: Any, scaling: float, calls: Counter[str]) -> torch.Tensor:
     """Write the step's latents, then attend over each sequence's cached latents: `[1, T, heads, v_head_dim]`.
 
     `query` `[1, heads, T, qk_head_dim]`, `key` `[1, heads, T, qk_head_dim]` (the expanded K of the new
-    tokens); `meta` is the runner's `StepMetadata` (slots, kv_lens, page_indices, cu_q_lens, num_seqs).
+    tokens); `meta` is the runner's `StepMetadata` (slots, kv_lens, page_indices, cu_q_lens, num_seqs). The call
+    is counted in `calls` under `LATENT`.
     """
+    calls[LATENT] += 1
     layer, latent = module.layer_idx, cache.latent
     kv_c_normed = getattr(module, _CAPTURED).reshape(-1, latent.kv_lora_rank)  # [T, kv_lora_rank]
     setattr(module, _CAPTURED, None)

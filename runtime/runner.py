@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,8 @@ class PagedStep:
     meta: StepMetadata
     backend: str
     use_kernel: bool
-    numerics: AttentionNumerics = "float32"  # the torch backend's arithmetic (runtime.attention)
+    numerics: AttentionNumerics  # the torch backend's arithmetic (runtime.attention)
+    calls: Counter[str]  # the runner's count of attention calls, by the function that ran
     q_scales: dict[int, torch.Tensor] | None = None  # fp8 attention: the query is read as fp8(q / q_scale)
 
 
@@ -84,7 +86,7 @@ def _paged_attention(
     if step is None:
         raise Fp8kvError(f"{ATTN_IMPLEMENTATION} attention runs only inside PagedModelRunner.step")
     if isinstance(step.cache, LatentPagedCache):
-        return latent_attention(module, query, key, step.cache, step.meta, scaling), None
+        return latent_attention(module, query, key, step.cache, step.meta, scaling, step.calls), None
     meta, layer = step.meta, step.cache.owner(module.layer_idx)
     tiles, restore = key.shape[1] // step.cache.layer_kv_heads(layer), None
     if tiles > 1:  # JetMoe hands K/V tiled once per chosen expert (repeat, not repeat_interleave): cache one tile
@@ -125,6 +127,7 @@ def _paged_attention(
         sinks=kwargs.get("s_aux"),
         chunk_size=_chunk_size(module),
         numerics=step.numerics,
+        calls=step.calls,
     )
     out = out if restore is None else out[:, restore]
     out = out if v_dim == out.shape[-1] else out[..., :v_dim]
@@ -244,13 +247,14 @@ class PagedModelRunner:
             raise Fp8kvError(f"q_scales cover layers {sorted(q_scales)}; give one per KV layer {list(g.kv_layers)}")
         self.q_scales = None if q_scales is None else {
             layer: torch.tensor(float(q_scales[layer]), device=self.device) for layer in g.kv_layers}
+        self.calls: Counter[str] = Counter()
         self._next_id = 0
         self._sync()  # materialize the zeroed caches, so the first step compiles the same graph as later ones
 
     @property
     def attention(self) -> str:
-        """The attention function that runs: "torch_xla.ragged_paged_attention" or "fp8kv.torch"."""
-        return "torch_xla.ragged_paged_attention" if self.backend == "xla" else "fp8kv.torch"
+        """The attention that ran, from counted calls (`calls`): its name, names joined by " + ", or "none"."""
+        return " + ".join(sorted(self.calls)) or "none"
 
     @property
     def device(self) -> torch.device:
@@ -291,7 +295,7 @@ class PagedModelRunner:
         if self.cache_view:
             return [self._cache_view_step(seq_id, tokens) for seq_id, tokens in batch]
         ids, positions, meta = self._prepare(batch)
-        step = PagedStep(self.cache, meta, self.backend, self.use_kernel, self.numerics, self.q_scales)
+        step = PagedStep(self.cache, meta, self.backend, self.use_kernel, self.numerics, self.calls, self.q_scales)
         bound = _ACTIVE_STEP.set(step)
         try:
             logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
@@ -308,7 +312,7 @@ class PagedModelRunner:
         past, dev = self.length(seq_id), self.device
         slots = torch.tensor(self.allocator.extend(seq_id, len(tokens)), dtype=torch.int64).to(dev)
         attention = [i for i in range(self.geometry.num_layers) if i not in self.recurrent]
-        cache = sequence_cache(self.cache, attention, past, slots, self.allocator.tables[seq_id],
+        cache = sequence_cache(self.cache, attention, past, slots, self.allocator.tables[seq_id], self.calls,
                                self._states.get(seq_id))
         ids = torch.tensor([list(tokens)]).to(dev)
         positions = torch.arange(past, past + len(tokens))[None].to(dev) + self.position_offset

@@ -101,8 +101,10 @@ def test_a_checkpoint_calibrated_by_fp8kv_passes(calibrated, texts, tmp_path):
         assert (e["nan_rows"], e["sequences_lost"], e["first_nonfinite_layer"]) == (0, 0, None)
         assert e["sequences"] == 4 and e["rows"] == report["num_tokens"]
     assert engines["clamp"]["ppl"] == engines["raw"]["ppl"] == acc["ppl_fp8"]
-    assert report["runtime"] == {"attention": "fp8kv.torch", "use_kernel": False,
-                                 "xla_cpu_fallbacks_per_decode_step": None, "compiles": None}
+    runtime = report["runtime"]
+    assert list(runtime.pop("attention_calls")) == ["fp8kv.torch"]  # counted: the torch attention, nothing else
+    assert runtime == {"attention": "fp8kv.torch", "use_kernel": False, "attention_numerics": "float32",
+                       "xla_cpu_fallbacks_per_decode_step": None, "compiles": None}
     assert set(report["generation"]) == {"prefill_match", "decode_match", "prefix_match"}
     assert report["generation_details"]["shared_tokens"] == 2 * 16  # both prompts shared a whole page
     assert (tmp_path / "report" / "scales.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -177,7 +179,8 @@ def test_verify_runs_on_xla_cpu(calibrated, texts, tmp_path):
     assert held.accuracy.kl_mean < 1e-3 and held.accuracy.top1_agreement > 0.9
     assert result.verdict in ("PASS", "WARN") and not [r for r in report.reasons if r.level == "FAIL"]
     runtime = held.runtime
-    assert runtime["attention"] == "torch_xla.ragged_paged_attention" and runtime["use_kernel"] is False
+    assert runtime["attention"] == "torch_xla.ragged_paged_attention (reference)" and runtime["use_kernel"] is False
+    assert runtime["attention_numerics"] == "xla-reference"
     assert runtime["compiles"]["warmup"] > 0 and runtime["compiles"]["timed"] == 0
     assert runtime["xla_cpu_fallbacks_per_decode_step"] >= 0
 

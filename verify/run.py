@@ -31,6 +31,7 @@ from fp8kv.verify import accuracy, engines, fidelity, generation, heldout
 from fp8kv.verify.report import REPORT_JSON, HeldOut, VerifyReport, write_report
 from fp8kv.verify.results import LayerCheck, QueryCost
 from fp8kv.verify.static import StaticResult, static_checks
+from fp8kv.verify.tpu import tpu_kernel_reasons
 from fp8kv.checks import FAIL, WARN, Finding
 from fp8kv.verify.verdict import (
     EXIT_CODES, Thresholds, accuracy_reasons, heldout_reasons, load_thresholds, verdict,
@@ -207,6 +208,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     worst_ratio = max((max(row.k_max_ratio, row.v_max_ratio) for row in layers), default=0.0)
     engine_failures = engines.engine_reasons(engine_results, worst_ratio, scales.fp8_max)  # each names the fix
     reasons += engine_failures + heldout_reasons(layers, thresholds, scales.fp8_max, with_fix=not engine_failures)
+    reasons += tpu_kernel_reasons(device, source.geometry, runners.fp8.calls)
     measured_all = replace(
         text, accuracy=measured, generation=matched, readback=readback, layers=layers,
         runtime=to_json_value(xla_cost.summarize(runners.fp8, prompts[0], compiles_before)),
