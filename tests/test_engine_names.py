@@ -129,7 +129,8 @@ def test_verify_reads_the_gpt2_full_path_names(outputs, tmp_path):
     ("gpt2", "quark", None),
 ])
 def test_convert_names_the_formats_vllm_refuses_for_the_architecture(tmp_path, model_type, convention, note):
-    src = write_checkpoint(make_zoo_checkpoint(model_type, tmp_path / "src"), tmp_path / "ct", KVScales.from_floats(K, V))
+    scales = KVScales.from_floats(K, V)
+    src = write_checkpoint(make_zoo_checkpoint(model_type, tmp_path / "src"), tmp_path / "ct", scales)
     out = tmp_path / convention
     result = CliRunner().invoke(app, ["convert", str(src), "--to", convention, "--out", str(out)])
     assert result.exit_code == 0, result.output
