@@ -125,6 +125,9 @@ def quickstart_output(tmp_path_factory):
     result = CliRunner().invoke(app, ["calibrate", "bundled", "--dataset", "bundled", "--num-samples", "4",
                                       "--seq-len", "32", "--out", str(out)])
     assert result.exit_code == 0, result.output
+    from tests.reports import report_for, write_report
+
+    write_report(out, report_for(out))  # card and push check the report's digest against the folder
     return out
 
 
