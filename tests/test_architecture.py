@@ -27,9 +27,10 @@ LAYERS: list[set[str]] = [
     {"checks"},
     {"inspection", "calibrate"},
     {"verify"},
+    {"conformance"},
     {"evaluation"},
     {"hub"},
-    {"cli", "__main__", "tools"},
+    {"cli", "cli_conformance", "__main__", "tools"},
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 PACKAGE = "fp8kv"
