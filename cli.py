@@ -6,20 +6,22 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, get_args
+from typing import Annotated
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
 from fp8kv import __version__
+from fp8kv.cli_conformance import conformance_app
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError
 from fp8kv.evaluation.bundled_tasks import BUNDLED_TASKS
 from fp8kv.kvdtypes import FP8_MAX
 from fp8kv.calibrate.request import CalibrationRequest
 from fp8kv.data import DataRequest
+from fp8kv.engine_models import EVAL_ENGINES, parse_engines
 from fp8kv.options import (
-    DEFAULT_HEADROOM, EVAL_EXTRA_HINT, AttentionChoice, EngineName, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
-    TorchDeviceChoice, WriteMode, check_headroom, engine_names, kv_dtype_name,
+    DEFAULT_HEADROOM, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
+    TorchDeviceChoice, WriteMode, check_headroom, kv_dtype_name,
 )
 
 DEBUG_ENV = "FP8KV_DEBUG"
@@ -88,7 +90,7 @@ ModeOpt = Annotated[WriteMode, typer.Option(
     "--mode", help="overlay: hard-link the source weights; copy: a self-contained copy.")]
 
 # `fp8kv --help` lists the commands in the order of the workflow.
-WORKFLOW = ("calibrate", "verify", "eval", "inspect", "convert", "card", "push")
+WORKFLOW = ("calibrate", "verify", "eval", "inspect", "convert", "card", "push", "conformance")
 
 
 class _Group(TyperGroup):
@@ -272,7 +274,7 @@ def convert_command(
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
     from fp8kv.calibrate.report import command_line
-    from fp8kv.checkpoint.convert import convert_checkpoint, serve_hint
+    from fp8kv.checkpoint.convert import convert_checkpoint, format_gap, serve_hint
     from fp8kv.checkpoint.reader import read_kv_scales
 
     written = convert_checkpoint(model, out, convention, overwrite=overwrite, mode=mode, command=command_line())
@@ -281,6 +283,8 @@ def convert_command(
         typer.echo(f"note: {convention} has no query-scale convention; q_scale was left out", err=True)
     if convention == "vllm-json":
         typer.echo(serve_hint(written))
+    if gap := format_gap(written, convention):
+        typer.echo(f"note: {gap}", err=True)
 
 
 def _headroom(value: str) -> float:
@@ -397,9 +401,11 @@ def verify_command(
     max_saturation: float | None = typer.Option(
         None, "--max-saturation", help="WARN when a layer clamps a larger share of K or V [file: 1e-4]."
     ),
-    engine: EngineChoice = typer.Option(
-        "all", "--engine", help="Engine cast model(s) to run: clamp (saturating), raw (plain cast), raw-bf16 "
-        "(bf16 division, plain cast) or all. Any engine whose logits go NaN/inf is a FAIL."
+    engine: str = typer.Option(
+        "", "--engine", show_default="every released engine", callback=_checked(parse_engines),
+        help="Engine models to run, comma-separated: vllm-cuda, vllm-tpu, vllm-triton, tpu-inference, "
+        "tpu-inference-v6e, sglang, tensorrt-llm; bugs: no-clamp, inverted-scale, scales-ignored, kv-swapped, "
+        "e5m2-read; 'all' is every one. A released engine whose logits go NaN/inf is a FAIL (docs/engines.md).",
     ),
     unit_kl_ratio: float | None = typer.Option(
         None, "--unit-kl-ratio", help="WARN when mean KL exceeds this x the unit-scale KL [file: 1.25]."
@@ -415,7 +421,6 @@ def verify_command(
 ) -> None:
     _leave_out_xla(device)
     from fp8kv.progress import StageProgress
-    from fp8kv.verify.engines import parse_engines
     from fp8kv.verify.report import show
     from fp8kv.verify.run import VerifyRequest, verify
     from fp8kv.verify.verdict import load_thresholds
@@ -445,7 +450,8 @@ def eval_command(
     ),
     limit: int | None = typer.Option(None, "--limit", min=1, help="At most N items per task."),
     engines: str = typer.Option(
-        ",".join(get_args(EngineName)), "--engines", callback=_checked(engine_names), help="Engine cast models to compare: clamp, raw, raw-bf16 (comma-separated)."
+        ",".join(EVAL_ENGINES), "--engines", callback=_checked(parse_engines),
+        help="Engine models to compare, comma-separated (fp8kv verify --help lists them).",
     ),
     device: RuntimeDeviceOpt = "auto",
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per runner step."),
@@ -467,13 +473,16 @@ def eval_command(
 
     request = EvalRequest(
         model_dir=model_dir, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit,
-        engines=engine_names(engines), device=device, batch_size=batch_size,
+        engines=parse_engines(engines), device=device, batch_size=batch_size,
         max_length=max_length, include_path=include_path, report_dir=report_dir,
     )
     with StageProgress() as progress:
         result, folder = evaluate(request, progress=progress)
     typer.echo(result.markdown())
     typer.echo(f"Wrote {folder}")
+
+
+app.add_typer(conformance_app, name="conformance")
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
-from fp8kv.checkpoint.engine_names import vllm_scale_module
+from fp8kv.checkpoint.engine_names import vllm_format_gap, vllm_scale_module
 from fp8kv.kvdtypes import TORCH_DTYPE_NAME
 from fp8kv.errors import Fp8kvError
 from fp8kv.options import Convention
@@ -101,6 +101,14 @@ def attention_modules(tensor_names: list[str], layers: tuple[int, ...]) -> dict[
             found.setdefault(int(match["layer"]), match["module"])
     prefix = layer_prefix(tensor_names)
     return {layer: found.get(layer, f"{prefix}layers.{layer}.self_attn") for layer in layers}
+
+
+def vllm_format_gaps(conventions: tuple[str, ...] | list[str], tensor_names: list[str], model_type: str,
+                     layer: int) -> str | None:
+    """The first of `conventions` whose scale names vLLM (0.32) refuses on this model (its attention module at
+    `layer`, read from `tensor_names`), as one line naming the format vLLM loads; None when there is none."""
+    module = attention_modules(tensor_names, (layer,))[layer]
+    return next((gap for c in conventions if (gap := vllm_format_gap(c, model_type, module))), None)
 
 
 def layer_prefix(tensor_names: list[str]) -> str:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.fp8 import check_engine, is_fp8, quantize
+from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
+from fp8kv.fp8 import is_fp8
 
 SCRATCH_PAGE = 0
 
@@ -135,7 +136,7 @@ class PagedKVCache(PagedLayers):
     `k_scales`/`v_scales` map each KV layer index to a float or a per-KV-head list of floats
     (dequantization multipliers); None means 1.0 everywhere. Scales only apply to fp8 caches. The cache
     holds them as one table, `scales` `[num_kv_layers, 2 (K, V), kv_heads]` float32 on its device.
-    `engine` is how writes cast to fp8 (`fp8kv.fp8.ENGINES`: "clamp", "raw", "raw-bf16").
+    `engine` names the engine model whose write (and loaded scales) the cache reproduces (`fp8kv.engine_models`).
     `num_kv_heads` and `head_dim` are one value for every layer or one per KV layer (in `kv_layers` order);
     the attributes of those names hold the largest, `layer_kv_heads(layer)` / `layer_head_dim(layer)` each layer's.
     `shared_layers` maps each layer that reads another's cache (KV sharing) to that layer (`owner`).
@@ -156,7 +157,7 @@ class PagedKVCache(PagedLayers):
         head_dim_multiple: int = 1,
         k_scales: Mapping[int, Scale] | None = None,
         v_scales: Mapping[int, Scale] | None = None,
-        engine: str = "clamp",
+        engine: str = DEFAULT_ENGINE,
         shared_layers: Mapping[int, int] | None = None,
     ) -> None:
         kv_layers = tuple(kv_layers)
@@ -168,7 +169,8 @@ class PagedKVCache(PagedLayers):
         self._padded = [math.ceil(d / head_dim_multiple) * head_dim_multiple for d in self._head_dims]
         self.head_dim_padded = max(self._padded)
         self.dtype = dtype
-        self.engine = check_engine(engine)
+        self.engine = engine_model(engine)
+        k_scales, v_scales = self.engine.loads(k_scales, v_scales)
         k_given = layer_scales(k_scales, kv_layers, self._kv_heads, "k_scale")
         v_given = layer_scales(v_scales, kv_layers, self._kv_heads, "v_scale")
         # a layer with fewer KV heads than the largest repeats its last value in the padding of its row
@@ -213,9 +215,11 @@ class PagedKVCache(PagedLayers):
         `valid` `[tokens]` (bool) marks real tokens; padding tokens go to the scratch page and are not counted.
         """
         row = self._row[layer]
+        heads = self._kv_heads[row]
         kv = torch.stack([k, v], dim=2).flatten(1, 2)  # [T, 2*kv_heads, head_dim]
         kv = torch.nn.functional.pad(kv, (0, self._padded[row] - self._head_dims[row]))
-        stored = quantize(kv, self._write_scales[row, : 2 * self._kv_heads[row]], self.dtype, self.engine)
+        stored = self.engine.write(kv, self._write_scales[row, : 2 * heads], self.dtype) if is_fp8(self.dtype) \
+            else kv.to(self.dtype)
         self._count(row, kv, stored, valid)
         self._store(row, slots, stored)
 

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.fp8 import check_engine, is_fp8, quantize
+from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
+from fp8kv.fp8 import is_fp8
 from fp8kv.geometry import LatentCache
 from fp8kv.runtime.cache import PagedLayers, Scale, layer_scales
 
@@ -48,14 +49,15 @@ class LatentPagedCache(PagedLayers):
         device: torch.device,
         k_scales: Mapping[int, Scale] | None = None,
         v_scales: Mapping[int, Scale] | None = None,
-        engine: str = "clamp",
+        engine: str = DEFAULT_ENGINE,
     ) -> None:
         kv_layers = tuple(kv_layers)
         super().__init__(kv_layers, [torch.zeros(num_pages, page_size, latent.width, dtype=dtype, device=device)
                                      for _ in kv_layers], device)
         self.latent = latent
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
-        self.engine = check_engine(engine)
+        self.engine = engine_model(engine)
+        k_scales, v_scales = self.engine.loads(k_scales, v_scales)
         k_given = layer_scales(k_scales, kv_layers, [1] * len(kv_layers), "k_scale")
         v_given = layer_scales(v_scales, kv_layers, [1] * len(kv_layers), "v_scale")
         self.scales = torch.tensor([[k, v] for k, v in zip(k_given, v_given)], dtype=torch.float32).to(device)
@@ -73,7 +75,7 @@ class LatentPagedCache(PagedLayers):
         """Quantize and store `vectors` `[T, width]` at flat `slots` `[T]`; `valid` `[T]` marks real tokens."""
         row = self._row[layer]
         scale = self.scales[row, 0]
-        stored = quantize(vectors, scale, self.dtype, self.engine)
+        stored = self.engine.write(vectors, scale, self.dtype) if is_fp8(self.dtype) else vectors.to(self.dtype)
         mask = valid[:, None]
         if is_fp8(self.dtype):
             self.clamped[row] += ((vectors.float().abs() / scale > torch.finfo(self.dtype).max) & mask).sum()

@@ -26,8 +26,9 @@ import torch
 
 from fp8kv.checkpoint.load import MODEL_DTYPES, load_language_model
 from fp8kv.errors import Fp8kvError
+from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
 from fp8kv.fp8 import cache_dtype as _cache_dtype
-from fp8kv.fp8 import FP8_DTYPES, quantize
+from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, quantize
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.attention import NUMERICS, AttentionNumerics, kernel_supported, ragged_paged_attention
@@ -156,8 +157,8 @@ class PagedModelRunner:
         device: "auto", "tpu", "xla-cpu", "cuda" or "cpu".
         cache_dtype: "fp8_e4m3" (or vLLM's "fp8"), "fp8_e5m2", "bf16" or "fp32".
         k_scales, v_scales: {kv layer index: float or per-KV-head list}; None = 1.0 (fp8 only).
-        engine: how writes cast to fp8, as an engine does (`fp8kv.fp8.ENGINES`): "clamp" saturates
-            at ±MAX; "raw" and "raw-bf16" reproduce a plain cast (NaN/inf past the limits).
+        engine: the engine model the cache reproduces (`fp8kv.engine_models`): its fp8 write, the scales it
+            runs with and the fp8 format it allocates; the default is vLLM TPU's (divide in float32, clamp).
         page_size, max_model_len, max_num_seqs: cache geometry; `num_pages` defaults to enough
             pages for `max_num_seqs` sequences of `max_model_len` tokens (plus the scratch page).
         dtype: model weights dtype (default: the checkpoint's).
@@ -184,7 +185,7 @@ class PagedModelRunner:
         cache_dtype: str = "bf16",
         k_scales: Mapping[int, Scale] | None = None,
         v_scales: Mapping[int, Scale] | None = None,
-        engine: str = "clamp",
+        engine: str = DEFAULT_ENGINE,
         page_size: int = 16,
         max_model_len: int = 512,
         max_num_seqs: int = 8,
@@ -213,12 +214,13 @@ class PagedModelRunner:
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.backend = _resolve_backend(attention_backend, self.runtime_device)
         g = self.geometry
+        dtype_of_cache = _cache_dtype(engine_model(engine).cache_dtype(canonical_cache_dtype(cache_dtype)))
         if g.latent is not None:
             if q_scales is not None:
                 raise Fp8kvError("q_scales: fp8 attention is not modelled for multi-head latent attention (MLA)")
             self.cache = LatentPagedCache(
                 g.kv_layers, latent=g.latent, num_pages=num_pages or max_num_seqs * self.pages_per_seq + 1,
-                page_size=page_size, dtype=_cache_dtype(cache_dtype), device=self.runtime_device.device,
+                page_size=page_size, dtype=dtype_of_cache, device=self.runtime_device.device,
                 k_scales=k_scales, v_scales=v_scales, engine=engine)
             capture_latents(self.model)
         else:
@@ -228,7 +230,7 @@ class PagedModelRunner:
                 page_size=page_size,
                 num_kv_heads=[g.layer_kv_heads(layer) for layer in g.kv_layers],
                 head_dim=[g.layer_head_dim(layer) for layer in g.kv_layers],
-                dtype=_cache_dtype(cache_dtype),
+                dtype=dtype_of_cache,
                 device=self.runtime_device.device,
                 head_dim_multiple=self.runtime_device.head_dim_multiple,
                 k_scales=k_scales,

@@ -21,14 +21,16 @@ LAYERS: list[set[str]] = [
     {"options", "configs"},
     {"kvdtypes"},
     {"fp8", "geometry", "console", "progress", "models", "transformers_cache"},
+    {"engine_models"},
     {"checkpoint"},
     {"data", "observe", "runtime"},
     {"checks"},
     {"inspection", "calibrate"},
     {"verify"},
+    {"conformance"},
     {"evaluation"},
     {"hub"},
-    {"cli", "__main__", "tools"},
+    {"cli", "cli_conformance", "__main__", "tools"},
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 PACKAGE = "fp8kv"

@@ -151,11 +151,11 @@ def render_markdown(report: VerifyReport) -> str:
                 for phase in ("prefill", "decode", "prefix")]
         parts.append("## Greedy tokens matching the bf16 cache\n\n" + markdown_table(["Phase", "Match"], rows))
     if held.engines:
-        parts.append("## Engine cast models, run on the held-out text\n\n" + _engine_table(held.engines)
-                     + "\n\nclamp: divide in float32, clamp to ±MAX, cast (vLLM CUDA and TPU). raw: divide in "
-                     f"float32, plain cast (NaN past {RAW_CAST_FINITE_LIMIT['fp8_e4m3']:g} for e4m3, inf from "
-                     f"{RAW_CAST_FINITE_LIMIT['fp8_e5m2']:.5g} for e5m2). raw-bf16: divide in "
-                     "bf16, plain cast (in-place division of the bf16 tensor). Any NaN/inf row fails that engine.")
+        parts.append("## Engine models, run on the held-out text\n\n" + _engine_table(held.engines)
+                     + "\n\nEach row writes the cache the way that engine's released code does (source below; "
+                     "docs/engines.md). A released engine with any NaN/inf logit row is a FAIL; a bug model's row "
+                     "shows what that bug would do to this checkpoint.\n\n"
+                     + "\n".join(f"- {e.engine}: {e.source}" for e in held.engines))
     if held.runtime:
         rows = [[key.replace("_", " "), fmt_number(value)] for key, value in held.runtime.items()]
         parts.append("## Runtime\n\n" + markdown_table(["Setting", "Value"], rows))
@@ -176,8 +176,8 @@ def _layer_table(report: VerifyReport) -> str:
 
 
 def _engine_table(engines: tuple[EngineResult, ...]) -> str:
-    head = ["engine", "perplexity", "NaN/inf logit rows", "sequences lost", "first non-finite layer"]
-    rows = [[e.engine, fmt_number(e.ppl), f"{e.nan_rows} of {e.rows}",
+    head = ["engine", "verdict", "perplexity", "NaN/inf logit rows", "sequences lost", "first non-finite layer"]
+    rows = [[e.engine, e.verdict, fmt_number(e.ppl), f"{e.nan_rows} of {e.rows}",
              f"{e.sequences_lost} of {e.sequences}", fmt_number(e.first_nonfinite_layer)] for e in engines]
     return markdown_table(head, rows)
 
@@ -249,7 +249,7 @@ def show(result: Any, json_output: bool = False) -> None:
     if note:
         print(f"  note: {note}")
     for e in held.engines:
-        print(f"  engine {e.engine}: ppl {fmt_number(e.ppl)}, NaN/inf rows {e.nan_rows} of {e.rows}, "
+        print(f"  engine {e.engine} ({e.verdict}): ppl {fmt_number(e.ppl)}, NaN/inf rows {e.nan_rows} of {e.rows}, "
               f"sequences lost {e.sequences_lost} of {e.sequences}")
     query = held.query
     if query:

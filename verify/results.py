@@ -116,6 +116,8 @@ class EngineResult:
     sequences_lost: int  # samples with any non-finite logit
     sequences: int
     first_nonfinite_layer: int | None  # first KV layer whose cache holds a NaN/inf value
+    source: str  # the engine, version and file the model reproduces
+    verdict: str  # PASS or FAIL for a released engine, "bug model" for a bug
 
 
 @dataclass(frozen=True)

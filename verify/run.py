@@ -22,7 +22,7 @@ from fp8kv.checkpoint.load import WeightsMismatch
 from fp8kv.checkpoint.writer import check_writable_location
 from fp8kv.errors import Fp8kvError
 from fp8kv.json_fields import to_json_value
-from fp8kv.fp8 import ENGINES
+from fp8kv.engine_models import RELEASED
 from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
 from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime import xla_cost
@@ -55,7 +55,7 @@ class VerifyRequest:
     page_size: int = 16
     report_dir: Path | None = None  # None: see `report_location`
     thresholds: Thresholds | None = None  # None: configs/verify.toml
-    engines: tuple[str, ...] = ENGINES  # engine cast models run through the runtime (verify.engines)
+    engines: tuple[str, ...] = RELEASED  # engine models run through the runtime (verify.engines)
     quantize_query: bool = False  # also run attention with Q quantized by the checkpoint's q_scale
 
 
