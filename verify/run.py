@@ -208,7 +208,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     worst_ratio = max((max(row.k_max_ratio, row.v_max_ratio) for row in layers), default=0.0)
     engine_failures = engines.engine_reasons(engine_results, worst_ratio, scales.fp8_max)  # each names the fix
     reasons += engine_failures + heldout_reasons(layers, thresholds, scales.fp8_max, with_fix=not engine_failures)
-    reasons += tpu_kernel_reasons(device, source.geometry, runners.fp8.calls)
+    reasons += tpu_kernel_reasons(device, source.geometry, runners.fp8.calls, request.engines)
     measured_all = replace(
         text, accuracy=measured, generation=matched, readback=readback, layers=layers,
         runtime=to_json_value(xla_cost.summarize(runners.fp8, prompts[0], compiles_before)),
