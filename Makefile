@@ -26,9 +26,10 @@ demo: $(STAMP)
 		--num-samples 64 --seq-len 512 --out out/demo --overwrite
 	$(BIN)/fp8kv verify out/demo
 
-# ruff first (seconds), then every test, the slow ones included (`pytest -m "not slow"` for a quick run).
+# ruff and mypy first (seconds), then every test, the slow ones included (`pytest -m "not slow"` for a quick run).
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)
