@@ -60,7 +60,7 @@ def test_fallback_is_announced_before_the_work(monkeypatch, tmp_path):
     text = stream.getvalue()
     note = text.index("fp8kv: HuggingFaceH4/ultrachat_200k cannot be loaded (offline and not cached)")
     assert note < text.index("OBSERVING")
-    assert "for a real model they would reflect the wrong text; pass --dataset" in text
+    assert "so the scales are calibrated on the bundled model's own corpus of Python documentation" in text
     assert f"using all {BUNDLED_RECORDS} (--num-samples 512)" in text
 
 

@@ -79,7 +79,7 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     static = static_checks(model_dir)
     reasons, held_out, timings = list(static.reasons), {}, {}
     if static.runnable:
-        tokenizer, data = _heldout_text(request, static, progress)
+        tokenizer, data = _heldout_text(request, static, runtime.kind, progress)
         held_out = {"text_source": heldout.text_source(data), "num_samples": len(data.samples),
                    "num_tokens": data.num_tokens}
         try:
@@ -138,12 +138,12 @@ def _static_fields(static: StaticResult, device: str, thresholds: Thresholds) ->
     }
 
 
-def _heldout_text(request: VerifyRequest, static: StaticResult,
+def _heldout_text(request: VerifyRequest, static: StaticResult, device: str,
                   progress: StageProgress | None) -> tuple[Any, CalibrationData]:
     """The checkpoint's tokenizer and the held-out samples it reads (the data note goes to `progress`)."""
     tokenizer = load_tokenizer(static.readout.source.path, False)
     _stage(progress, "loading held-out text")
-    data = heldout.load_heldout(request.data, tokenizer)
+    data = heldout.load_heldout(request.data, tokenizer, static.readout.source, "cuda" if device == "cuda" else "cpu")
     if data.note and progress is not None:
         progress.note(data.note)
     return tokenizer, data
