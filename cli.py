@@ -3,18 +3,24 @@
 import functools
 import inspect
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from fp8kv import __version__
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError, UsageError
+from fp8kv.evaluation.bundled_tasks import BUNDLED_TASKS
+from fp8kv.kvdtypes import FP8_MAX
 if TYPE_CHECKING:
     from fp8kv.data import DataRequest
-from fp8kv.options import DEFAULT_KV_DTYPE, AttentionChoice, TorchDeviceChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, WriteMode, kv_dtype_name
+from fp8kv.options import (
+    DEFAULT_HEADROOM, DEFAULT_KV_DTYPE, EVAL_EXTRA_HINT, AttentionChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
+    TorchDeviceChoice, WriteMode, check_headroom, engine_names, kv_dtype_name,
+)
 
 DEBUG_ENV = "FP8KV_DEBUG"
 
@@ -22,6 +28,7 @@ DEBUG_ENV = "FP8KV_DEBUG"
 BASE_MODEL_HELP = ("Hub id org/name of the model the scales are for (the card's base_model). Default: MODEL when it "
                    "is a Hub id or a Hub cache folder, else what the source's fp8kv.json or config.json records.")
 
+LICENSE_HELP = "Hub license id of the model (the card's license). Default: the source's README.md metadata."
 OVERWRITE_HELP = "Replace --out if it is empty or fp8kv wrote it (its fp8kv.json is there); never another folder."
 QUIET_HELP = ("No progress on stderr (notes and errors still print). Without a terminal, progress is plain "
               "timestamped lines.")
@@ -110,6 +117,27 @@ class _Group(TyperGroup):
             raise typer.Exit(ExitCode.CRASH) from None
 
 
+class _Command(TyperCommand):
+    """A command whose usage line names its arguments as their help does (MODEL, DIR), without typer's braces."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)]
+
+
+def _checked(parse: Callable[[str], object]) -> Callable[[str | None], str | None]:
+    """A typer callback running fp8kv's own parser on an option's text: a bad value is a usage error (exit 2)
+    before anything heavy is imported."""
+    def callback(value: str | None) -> str | None:
+        if value is not None:
+            try:
+                parse(value)
+            except Fp8kvError as exc:
+                raise typer.BadParameter(re.sub(r"^--[\w-]+ '[^']*': ", "", str(exc))) from None
+        return value
+
+    return callback
+
+
 def _is_usage_error(exc: Exception) -> bool:
     """typer's own exceptions (bad option, --help) carry their exit code; let typer handle them."""
     return type(exc).__module__.startswith(("click", "typer"))
@@ -144,11 +172,18 @@ def _root(
     version: bool = typer.Option(
         False, "--version", callback=_show_version, is_eager=True, help="Print the version and exit."
     ),
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v", help="Also show what transformers, datasets and lm_eval print (hidden otherwise)."
+    ),
 ) -> None:
     """Calibrate, verify and publish static FP8 KV-cache scales for Hugging Face checkpoints."""
+    if not verbose:
+        from fp8kv.progress import quiet_libraries
+
+        quiet_libraries()
 
 
-@app.command()
+@app.command(cls=_Command)
 def card(
     out_dir: Path = typer.Argument(..., metavar="DIR", help="Folder written by `fp8kv calibrate`."),
     repo_id: str | None = typer.Option(
@@ -156,14 +191,19 @@ def card(
         "rewrites a card that names another target)."
     ),
     base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
+    license: str | None = typer.Option(None, "--license", help=LICENSE_HELP),
+    force: bool = typer.Option(False, "--force", help="Replace a README.md that fp8kv did not write or that was edited."),
 ) -> None:
     """Write DIR/README.md: Hub metadata, provenance, per-layer scales, verify results, serve commands."""
-    from fp8kv.hub.card import write_card
+    from fp8kv.hub.card import card_warnings, write_card
 
-    typer.echo(f"Wrote {write_card(out_dir, repo_id=repo_id, base_model=base_model)}")
+    path = write_card(out_dir, repo_id=repo_id, base_model=base_model, license=license, force=force)
+    for line in card_warnings(out_dir, base_model=base_model, license=license):
+        typer.echo(f"fp8kv: warning: {line}", err=True)
+    typer.echo(f"Wrote {path}")
 
 
-@app.command()
+@app.command(cls=_Command)
 def push(
     out_dir: Path = typer.Argument(..., metavar="DIR", help="Folder written by `fp8kv calibrate`."),
     repo_id: str = typer.Option(..., "--repo-id", help="Hub model repository, e.g. org/name-fp8kv."),
@@ -171,13 +211,19 @@ def push(
     revision: str | None = typer.Option(None, "--revision", help="Branch to commit to (created if missing)."),
     commit_message: str | None = typer.Option(None, "--commit-message", help="Commit message."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the files and sizes; upload nothing."),
-    force: bool = typer.Option(False, "--force", help="Upload even when verify failed or never ran."),
+    force: bool = typer.Option(
+        False, "--force", help="Upload even when verify failed or never ran; replace a README.md fp8kv did not write."),
+    base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
+    license: str | None = typer.Option(None, "--license", help=LICENSE_HELP),
 ) -> None:
     """Upload DIR to the Hub in one commit (token from huggingface_hub: HF_TOKEN or `hf auth login`)."""
     from fp8kv.hub.push import PUSHABLE_VERDICTS, format_plan, human_size, plan_push
     from fp8kv.hub.push import push as push_plan
 
-    plan = plan_push(out_dir, repo_id, private=private, revision=revision, commit_message=commit_message, force=force)
+    plan = plan_push(out_dir, repo_id, private=private, revision=revision, commit_message=commit_message, force=force,
+                     base_model=base_model, license=license)
+    for line in plan.warnings:
+        typer.echo(f"fp8kv: warning: {line}", err=True)
     if dry_run:
         typer.echo(format_plan(plan))
         return
@@ -187,9 +233,9 @@ def push(
     typer.echo(f"Uploaded {len(plan.files)} files ({human_size(plan.total_bytes)}) in one commit: {url}")
 
 
-@app.command("inspect")
+@app.command("inspect", cls=_Command)
 def inspect_command(
-    model: Path = typer.Argument(..., help="Checkpoint folder to inspect."),
+    model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint to inspect: a folder, a Hub id org/name (from the local cache), or 'bundled'."),
     as_json: JsonOpt = False,
 ) -> None:
     """Show which KV-scale conventions a checkpoint uses, its per-layer K/V scales, and what looks wrong."""
@@ -205,7 +251,7 @@ def inspect_command(
         print_inspect_report(report)
 
 
-@app.command("convert")
+@app.command("convert", cls=_Command)
 def convert_command(
     model: Path = typer.Argument(..., help="Checkpoint folder holding KV scales in any convention."),
     convention: Convention = typer.Option(..., "--to", help="Target convention."),
@@ -215,7 +261,7 @@ def convert_command(
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
     from fp8kv.calibrate.report import command_line
-    from fp8kv.checkpoint.convert import convert_checkpoint, engine_flag
+    from fp8kv.checkpoint.convert import convert_checkpoint, serve_hint
     from fp8kv.checkpoint.reader import read_kv_scales
 
     written = convert_checkpoint(model, out, convention, overwrite=overwrite, mode=mode, command=command_line())
@@ -223,23 +269,20 @@ def convert_command(
     if convention != "compressed-tensors" and read_kv_scales(model).scales.q is not None:
         typer.echo(f"note: {convention} has no query-scale convention; q_scale was left out", err=True)
     if convention == "vllm-json":
-        typer.echo(f"load it with: vllm serve {written} {engine_flag(written)}")
+        typer.echo(serve_hint(written))
 
 
-def _headroom(value: str) -> str:
-    """`--headroom`: "auto" or a number >= 1, checked before anything loads (a usage error otherwise)."""
+def _headroom(value: str) -> float:
+    """`--headroom auto` is the library's measured default; anything else a number >= 1."""
     if value == "auto":
-        return value
+        return DEFAULT_HEADROOM
     try:
-        factor = float(value)
+        return check_headroom(float(value))
     except ValueError:
-        raise typer.BadParameter(f"{value!r} is neither auto nor a number") from None
-    if not factor >= 1.0:
-        raise typer.BadParameter(f"{value} is below 1.0: a scale under amax/MAX clips values it has seen")
-    return value
+        raise Fp8kvError(f"--headroom {value!r}: neither auto nor a number") from None
 
 
-@app.command()
+@app.command(cls=_Command)
 @reads_text(num_samples=512, seq_len=2048)
 def calibrate(
     model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint folder, a Hub id org/name[@revision] (from the local cache when offline), or 'bundled' / 'bundled-outliers' for a bundled model."),
@@ -247,17 +290,18 @@ def calibrate(
     data: "DataRequest" = None,  # the text options, made one by @reads_text
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Samples per forward pass (right-padded; padding is never observed)."),
     kv_dtype: KvDtypeSpelling = typer.Option(
-        DEFAULT_KV_DTYPE, "--kv-dtype", help="KV-cache dtype: fp8_e4m3 (MAX 448; vLLM's 'fp8') or fp8_e5m2 (MAX 57344)."
+        DEFAULT_KV_DTYPE, "--kv-dtype", help=f"KV-cache dtype: fp8_e4m3 (MAX {FP8_MAX['fp8_e4m3']:g}; vLLM's 'fp8') or fp8_e5m2 "
+        f"(MAX {FP8_MAX['fp8_e5m2']:g}).",
     ),
     strategy: str = typer.Option(
-        "amax", "--strategy",
+        "amax", "--strategy", callback=_checked(Strategy.parse),
         help="Clip value mapped to MAX: amax (nothing saturates; amax/scale <= MAX guaranteed), "
         "percentile:P (P-th percentile of |x|), mse (least squared fp8 error), or last-batch (the amax of the "
         "last batch alone: llm-compressor's default observer, for comparison; use --batch-size 1 --headroom 1.0). "
         "percentile, mse and last-batch give scales below amax/MAX, so some values saturate.",
     ),
     headroom: str = typer.Option(
-        "auto", "--headroom", callback=_headroom,
+        "auto", "--headroom", callback=_checked(_headroom),
         help="auto (the margin measured to keep unseen text inside fp8's range; docs/margin.md) or a factor "
         "F >= 1 multiplying every scale; 1.0 writes amax/MAX exactly.",
     ),
@@ -299,10 +343,9 @@ def calibrate(
     from fp8kv.calibrate.pipeline import calibrate as run_calibration
     from fp8kv.progress import StageProgress
 
-    margin = {} if headroom == "auto" else {"headroom": float(headroom)}  # auto: the library's default
     request = CalibrationRequest(
         model=model, out=out,
-        data=data, batch_size=batch_size, kv_dtype=kv_dtype_name(kv_dtype), strategy=strategy, **margin, per_head=per_head,
+        data=data, batch_size=batch_size, kv_dtype=kv_dtype_name(kv_dtype), strategy=strategy, headroom=_headroom(headroom), per_head=per_head,
         allow_unobserved=allow_unobserved, mode=mode, convention=convention, overwrite=overwrite,
         device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
         base_model=base_model, attention=attention, command=report.command_line(),
@@ -313,7 +356,7 @@ def calibrate(
         report.show(result, json_output=json_output)
 
 
-@app.command("verify", help="Check a checkpoint's KV scales: present, read back exactly, safe and cheap in "
+@app.command("verify", cls=_Command, help="Check a checkpoint's KV scales: present, read back exactly, safe and cheap in "
              "accuracy. The held-out text defaults to the bundled held-out split, never the calibration data."
              f"\n\n{EXIT_CODE_TABLE}")
 @reads_text(num_samples=16, seq_len=256)
@@ -380,34 +423,41 @@ def verify_command(
     raise typer.Exit(result.exit_code)
 
 
-@app.command("eval")
+@app.command("eval", cls=_Command)
 def eval_command(
     model_dir: Path = typer.Argument(..., metavar="DIR", help="Checkpoint folder (KV scales in any convention), or 'bundled'."),
     tasks: str = typer.Option(
-        "fp8kv_pydoc_mc,fp8kv_pydoc_gen,fp8kv_pydoc_ppl", "--tasks",
+        ",".join(BUNDLED_TASKS), "--tasks",
         help="Comma-separated lm_eval tasks (default: the bundled model's offline tasks).",
     ),
-    limit: int | None = typer.Option(None, "--limit", help="At most N items per task."),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="At most N items per task."),
     engines: str = typer.Option(
-        "clamp,raw,raw-bf16", "--engines", help="Engine cast models to compare: clamp, raw, raw-bf16 (comma-separated)."
+        "clamp,raw,raw-bf16", "--engines", callback=_checked(engine_names), help="Engine cast models to compare: clamp, raw, raw-bf16 (comma-separated)."
     ),
     device: RuntimeDeviceOpt = "auto",
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per runner step."),
-    max_length: int | None = typer.Option(None, "--max-length", help="Longest sequence (default: the model's, at most 2048)."),
+    max_length: int | None = typer.Option(None, "--max-length", min=1, help="Longest sequence (default: the model's, at most 2048)."),
     include_path: Path | None = typer.Option(None, "--include-path", help="Folder of extra lm_eval task YAMLs."),
     report_dir: Path | None = typer.Option(
         None, "--report", help="Results folder (default: DIR/eval, only when fp8kv wrote DIR)."
     ),
 ) -> None:
     """Task scores (lm-evaluation-harness) on bf16, fp8 unit-scale and fp8 checkpoint-scale caches, per engine."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:  # the `eval` extra: a usage error, before torch loads
+        typer.echo(f"fp8kv: error: fp8kv eval needs lm-evaluation-harness: {EVAL_EXTRA_HINT}", err=True)
+        raise typer.Exit(ExitCode.USAGE)
     from fp8kv.evaluation.compare import EvalRequest, evaluate
+    from fp8kv.progress import StageProgress
 
     request = EvalRequest(
         model_dir=model_dir, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit,
-        engines=tuple(e.strip() for e in engines.split(",") if e.strip()), device=device, batch_size=batch_size,
+        engines=engine_names(engines), device=device, batch_size=batch_size,
         max_length=max_length, include_path=include_path, report_dir=report_dir,
     )
-    result, folder = evaluate(request, progress=lambda label: typer.echo(f"evaluating {label} ...", err=True))
+    with StageProgress() as progress:
+        result, folder = evaluate(request, progress=progress)
     typer.echo(result.markdown())
     typer.echo(f"Wrote {folder}")
 

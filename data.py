@@ -115,14 +115,15 @@ def load_calibration_data(request: DataRequest, tokenizer: Any, *, fallback: boo
     column = _text_column(records, request.text_column, name)
     samples = _tokenize(records.shuffle(seed=request.seed), column, tokenizer, request.seq_len, request.num_samples)
     if len(samples) < request.num_samples and _is_bundled(name):
-        short = f"the bundled corpus has {len(samples)} records; using all {len(samples)} (--num-samples {request.num_samples})"
+        short = (f"the bundled corpus has {len(samples)} records, fewer than the {request.num_samples} samples asked "
+                 f"for; all {len(samples)} are used")
         note = f"{note}; {short}" if note else short
     elif len(samples) < request.num_samples:
         tokens = sum(len(s) for s in samples)
         raise Fp8kvError(
             f"{name} (split {split!r}, column {column!r}): found {len(samples)} non-empty records "
             f"({tokens} tokens) but --num-samples is {request.num_samples}; "
-            f"lower --num-samples to {len(samples)} or give more text"
+            + (f"lower --num-samples to {len(samples)} or give more text" if samples else "give it text")
         )
     return CalibrationData(samples, name, split, column, note)
 
@@ -308,7 +309,8 @@ def _text_column(records: Any, requested: str | None, name: str) -> str:
     for candidate in ("text", "messages"):
         if candidate in columns:
             return candidate
-    raise Fp8kvError(f"{name}: no 'text' or 'messages' column; pass --text-column (columns: {sorted(columns)})")
+    choice = f" {columns[0]}" if len(columns) == 1 else f" with one of {sorted(columns)}"
+    raise Fp8kvError(f"{name}: no 'text' or 'messages' column; pass --text-column{choice}")
 
 
 def _tokenize(records: Any, column: str, tokenizer: Any, seq_len: int, wanted: int) -> list[list[int]]:
@@ -332,7 +334,8 @@ def _encode(value: Any, tokenizer: Any) -> list[int]:
         if not getattr(tokenizer, "chat_template", None):  # joining turns would calibrate on unseen text
             raise Fp8kvError(
                 f"{getattr(tokenizer, 'name_or_path', 'the tokenizer')}: has no chat template, but the records are "
-                "chat messages; pass --text-column with plain text, or use a tokenizer with a chat template"
+                "chat messages; give plain text (a 'text' column, or --text-column naming one), or use a tokenizer "
+                "with a chat template"
             )
         return list(tokenizer.apply_chat_template(value, tokenize=True, return_dict=False))
     if value is None:

@@ -12,23 +12,14 @@ from typing import get_args
 import torch
 
 from fp8kv.errors import Fp8kvError
+from fp8kv.kvdtypes import FP8_MAX, TORCH_DTYPE_NAME
 from fp8kv.options import KV_DTYPE_SPELLINGS, EngineName
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 CACHE_DTYPES = {**FP8_DTYPES, "bf16": torch.bfloat16, "fp32": torch.float32}
 ALIASES = KV_DTYPE_SPELLINGS
-FP8_MAX = {name: float(torch.finfo(dtype).max) for name, dtype in FP8_DTYPES.items()}  # 448, 57344
-# The torch dtype name engines print for each kv dtype (the vLLM JSON file stores it).
-TORCH_DTYPE_NAME = {name: str(dtype).removeprefix("torch.") for name, dtype in FP8_DTYPES.items()}
-# A kv dtype as checkpoint files name it: the torch name ("float8_e4m3fn") or fp8kv's ("fp8_e4m3").
-_KV_DTYPE_BY_FILE_NAME = {torch_name: kv for kv, torch_name in TORCH_DTYPE_NAME.items()} | {kv: kv for kv in FP8_DTYPES}
-# What `--kv-cache-dtype` takes for each kv dtype: vLLM spells e4m3 "fp8", SGLang uses fp8kv's names.
-VLLM_KV_CACHE_DTYPE = {kv: next((s for s, name in ALIASES.items() if name == kv), kv) for kv in FP8_DTYPES}
-
-# The largest |x / scale| a plain (non-saturating) cast still turns into a finite value.
-# e4m3fn: 448 < y <= 464 rounds down to 448, anything above is NaN (e4m3fn has no inf).
-# e5m2: y rounds to 57344 below 61440 (halfway to 2**16) and to inf from 61440 on.
-RAW_CAST_FINITE_LIMIT = {"fp8_e4m3": 464.0, "fp8_e5m2": 61439.99609375}  # float32 just below 61440
+assert all(torch.finfo(dtype).max == FP8_MAX[name] and str(dtype) == f"torch.{TORCH_DTYPE_NAME[name]}"
+           for name, dtype in FP8_DTYPES.items()), "kvdtypes.py disagrees with torch"
 
 # How an engine turns `x / scale` into fp8 (chosen with `fp8kv verify --engine`):
 #   clamp     divide in float32, clamp to ±MAX, cast (vLLM CUDA's saturating conversion, vLLM's TPU
@@ -43,11 +34,6 @@ ENGINE_DESCRIPTIONS = {
     "raw": "divide in float32, plain cast",
     "raw-bf16": "divide in bf16, plain cast, as in-place division of the bf16 tensor does (SGLang)",
 }
-
-
-def kv_dtype_from_file(name: str) -> str | None:
-    """The fp8 kv dtype a checkpoint file names ("float8_e4m3fn" or "fp8_e4m3"); None when it is no fp8 dtype."""
-    return _KV_DTYPE_BY_FILE_NAME.get(name)
 
 
 def canonical_cache_dtype(name: str) -> str:

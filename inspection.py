@@ -6,6 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.checkpoint.provenance import LayerRecord, read_provenance
 from fp8kv.checkpoint.reader import ScaleReadout, read_kv_scales
 from fp8kv.checks import check_readout
@@ -14,7 +15,7 @@ from fp8kv.checks import check_readout
 
 def inspect_checkpoint(model_dir: str | Path) -> dict[str, Any]:
     """A JSON-ready report: conventions, kv dtype, per-layer scales (and amax/saturation), warnings."""
-    readout = read_kv_scales(model_dir)
+    readout = read_kv_scales(resolve_model(str(model_dir)))
     source = readout.source
     provenance = read_provenance(source.path)
     return {

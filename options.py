@@ -4,7 +4,12 @@ The CLI parses them (so a typo fails at once and `--help` lists them) and the li
 tuples from them with `typing.get_args`, so each list of names has this one home.
 """
 
-from typing import Literal
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from fp8kv.errors import Fp8kvError
 
 Convention = Literal["compressed-tensors", "modelopt", "quark", "vllm-json"]
 WriteMode = Literal["overlay", "copy"]
@@ -20,6 +25,18 @@ AttentionChoice = Literal["kv", "fp8"]
 # How an engine casts `x / scale` to fp8; fp8kv.fp8 says what each one does.
 EngineName = Literal["clamp", "raw", "raw-bf16"]
 EngineChoice = Literal["all", "clamp", "raw", "raw-bf16"]
+# What verify concludes; the exit code of each is in errors.ExitCode.
+Verdict = Literal["PASS", "WARN", "FAIL"]
+VERDICTS: tuple[str, ...] = get_args(Verdict)
+LAST_BATCH = "last-batch"
+# The default margin above amax / MAX, so unseen text of the calibration distribution stays inside
+# fp8's range (chosen from bench/bench_headroom.py). It costs no accuracy: e4m3 has the same
+# relative precision across its normal range.
+DEFAULT_HEADROOM = 1.25
+
+# How to install an extra, as every message says it (pip's name for the package; from a clone, the folder).
+EVAL_EXTRA_HINT = 'pip install "fp8kv[eval]" (from a clone: pip install ".[eval]")'
+TPU_EXTRA_HINT = 'pip install "fp8kv[tpu]" (from a clone: pip install ".[tpu]")'
 
 # vLLM's `--kv-cache-dtype fp8` means e4m3; accept its spelling.
 KV_DTYPE_SPELLINGS: dict[str, KvDtype] = {"fp8": "fp8_e4m3"}
@@ -28,3 +45,47 @@ KV_DTYPE_SPELLINGS: dict[str, KvDtype] = {"fp8": "fp8_e4m3"}
 def kv_dtype_name(spelling: str) -> str:
     """fp8kv's name for a kv dtype as typed (`fp8` -> `fp8_e4m3`)."""
     return KV_DTYPE_SPELLINGS.get(spelling, spelling)
+
+
+def engine_names(text: str) -> tuple[str, ...]:
+    """`--engines clamp,raw`: the engine names, each checked, in the order given."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in get_args(EngineName)]
+    if unknown or not names:
+        raise Fp8kvError(f"--engines {text!r}: use a comma-separated list of {', '.join(get_args(EngineName))}")
+    return names
+
+
+def check_headroom(headroom: float) -> float:
+    """A scale below amax/MAX clips values calibration saw: the headroom is at least 1."""
+    if not headroom >= 1.0:
+        raise Fp8kvError(f"--headroom {headroom:g} is below 1.0: a scale under amax/MAX clips values it has seen")
+    return headroom
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How the clip value (the |x| that maps to MAX) is chosen: amax, percentile:P, mse or last-batch."""
+
+    name: str
+    percentile: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Strategy:
+        """Parse `amax`, `mse`, `last-batch` or `percentile:P` with 0 < P <= 100."""
+        name, _, arg = text.strip().partition(":")
+        if name in ("amax", "mse", LAST_BATCH) and not arg:
+            return cls(name)
+        if name == "percentile":
+            try:
+                value = float(arg)
+            except ValueError:
+                value = float("nan")
+            if 0.0 < value <= 100.0:
+                return cls(name, value)
+        raise Fp8kvError(
+            f"--strategy {text!r}: use amax, mse, last-batch, or percentile:P with 0 < P <= 100 (e.g. percentile:99.99)"
+        )
+
+    def __str__(self) -> str:
+        return f"percentile:{self.percentile:g}" if self.name == "percentile" else self.name

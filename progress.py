@@ -8,12 +8,21 @@ the results mean (a fallback dataset, fewer samples than asked).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 from typing import Callable, TextIO
 
 PLAIN_INTERVAL_S = 10.0
+
+
+def quiet_libraries() -> None:
+    """Keep third-party notes off stderr (transformers' load report, datasets' and lm_eval's notices):
+    fp8kv says what matters itself; `fp8kv -v` leaves them on. Call before those libraries load."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DATASETS_VERBOSITY", "error")
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
 
 
 class StageProgress:
@@ -80,6 +89,12 @@ class StageProgress:
 
     def _line(self, text: str) -> None:
         print(f"{time.strftime('%H:%M:%S')} fp8kv: {text}", file=self.stream, flush=True)
+
+
+def announce(progress: StageProgress | None, stage: str) -> None:
+    """`progress(stage)`: a timestamped line naming the stage, or nothing without progress."""
+    if progress is not None:
+        progress(stage)
 
 
 def stage_callback(progress: StageProgress | None, stage: str) -> Callable[[int, int], None] | None:

@@ -18,7 +18,7 @@ import torch
 
 import common  # bench/common.py
 from fp8kv.models import BUNDLED_MODEL_DIR
-from fp8kv.models.factory import ARCHITECTURES, make_checkpoint, make_tokenizer
+from fp8kv.tools.factory import ARCHITECTURES, make_checkpoint, make_tokenizer
 from fp8kv.runtime.runner import PagedModelRunner
 from fp8kv.verify import fidelity
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT, BUNDLED_MODEL_DIR, BUNDLED_OUTLIERS_DIR
-from fp8kv.models.factory import ARCHITECTURES, make_checkpoint
+from fp8kv.tools.factory import ARCHITECTURES, make_checkpoint
 
 import common  # bench/common.py
 import kvcompare  # bench/kvcompare.py

@@ -93,7 +93,7 @@ def bench_depth(depths: list[int], hidden: int, samples: int, seq_len: int) -> d
     """Peak RSS of whole-model and layer-by-layer calibration of factory llamas of growing depth."""
     from fp8kv.checkpoint.source import SourceCheckpoint
     from fp8kv.calibrate.layerwise import weight_bytes
-    from fp8kv.models.factory import make_checkpoint
+    from fp8kv.tools.factory import make_checkpoint
 
     floor = baseline_rss_mb()
     rows = []
@@ -129,7 +129,7 @@ def bench_speed(layers: int, hidden: int, samples: int, seq_len: int, repeats: i
     processes each (alternating, so a load change on the machine hits both), and their ratio."""
     import statistics
 
-    from fp8kv.models.factory import make_checkpoint
+    from fp8kv.tools.factory import make_checkpoint
 
     seconds: dict[str, list[float]] = {"whole": [], "layerwise": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -158,7 +158,7 @@ def write_random_llama(out: Path, num_layers: int, hidden: int, heads: int, kv_h
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    from fp8kv.models.factory import make_tokenizer
+    from fp8kv.tools.factory import make_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer()

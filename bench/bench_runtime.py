@@ -22,7 +22,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 import torch  # noqa: E402
 
-from fp8kv.models.factory import make_checkpoint  # noqa: E402
+from fp8kv.tools.factory import make_checkpoint  # noqa: E402
 from fp8kv.runtime.runner import PagedModelRunner  # noqa: E402
 
 MODEL = dict(num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=32, sliding_window=None)

@@ -26,7 +26,7 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 def larger_llama(root: Path) -> Path:
     """The factory llama the benchmarks measure besides the bundled model: 8 layers, hidden 1024, vocab 32k."""
-    from fp8kv.models.factory import make_checkpoint
+    from fp8kv.tools.factory import make_checkpoint
 
     return make_checkpoint("llama", root / "llama", num_layers=8, hidden_size=1024, num_heads=16, num_kv_heads=8,
                            vocab_size=32000, intermediate_size=2816)

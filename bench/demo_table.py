@@ -26,7 +26,7 @@ import torch
 from fp8kv.data import DataRequest
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.checkpoint.locate import resolve_model
-from fp8kv.calibrate.scales import DEFAULT_HEADROOM
+from fp8kv.options import DEFAULT_HEADROOM
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT
 

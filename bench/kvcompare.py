@@ -19,12 +19,13 @@ from fp8kv.data import CalibrationData, DataRequest, load_calibration_data
 from fp8kv.observe import KVStatistics
 from fp8kv.calibrate.pipeline import CalibrationRequest, observe_whole_model
 from fp8kv.data import load_tokenizer
-from fp8kv.calibrate.scales import ScaleTable, Strategy, compute_scales
+from fp8kv.calibrate.scales import ScaleTable, compute_scales
+from fp8kv.options import Strategy
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.runtime.runner import PagedModelRunner, load_model
 from fp8kv.verify import heldout
-from fp8kv.verify.accuracy import runtime_scales
+from fp8kv.verify.accuracy import NextTokenLoss, runtime_scales, token_kl
 
 BATCH = 8  # sequences per prefill step
 
@@ -110,18 +111,17 @@ class Scores:
 
 def compare(samples: list[list[int]], run: Run, reference: Run) -> Scores:
     """Perplexity of `run`, and its KL / top-1 against `reference` over every token of every sample."""
-    nll, predicted, kl_sum, agree, tokens, lost, per_sample = 0.0, 0, 0.0, 0, 0, 0, []
+    loss, kl_sum, agree, tokens, lost, per_sample = NextTokenLoss(), 0.0, 0, 0, 0, []
     for ids, logits, ref_logits in zip(samples, run.logits, reference.logits):
         logp, ref = torch.log_softmax(logits, -1), torch.log_softmax(ref_logits, -1)
         lost += int(not bool(torch.isfinite(logits).all()))
-        nll -= float(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).double().sum())
-        kl = float((ref.exp() * (ref - logp)).sum(-1).double().sum())
+        loss.add(ids, logp)
+        kl = float(token_kl(ref, logp).sum())
         kl_sum += kl
         per_sample.append(kl / len(ids))
         agree += int((logp.argmax(-1) == ref.argmax(-1)).sum())
-        predicted, tokens = predicted + len(ids) - 1, tokens + len(ids)
-    ppl = math.exp(nll / predicted) if math.isfinite(nll) else math.nan
-    return Scores(ppl, kl_sum / tokens, agree / tokens, lost, tuple(per_sample))
+        tokens += len(ids)
+    return Scores(loss.perplexity(), kl_sum / tokens, agree / tokens, lost, tuple(per_sample))
 
 
 def paired_se(a: Scores, b: Scores) -> float:

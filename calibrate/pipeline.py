@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -20,9 +20,8 @@ from fp8kv.data import GENERATED_DATASET, CalibrationData, load_calibration_data
 from fp8kv.observe import KVStatistics, Progress, observe, query_observer_for
 from fp8kv.checkpoint.locate import infer_base_model, is_bundled_model, resolve_model
 from fp8kv.calibrate.scales import (
-    DEFAULT_HEADROOM, LAST_BATCH, ScaleTable, Strategy, compute_scales, fp8_max, scale_from_amax,
+    ScaleTable, compute_scales, fp8_max, scale_from_amax,
 )
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.provenance import (
     CacheRecord, DatasetRecord, Execution, LayerRecord, Provenance, QueryScaleRecord, SourceRecord,
 )
@@ -35,9 +34,10 @@ from fp8kv.checkpoint.writer import (
     MODES, check_output, check_weight_method, check_writable_location, write_checkpoint,
 )
 from fp8kv.errors import Fp8kvError
+from fp8kv.options import LAST_BATCH, Strategy, check_headroom
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.checkpoint.hub_cache import is_repo_id
-from fp8kv.progress import StageProgress, stage_callback
+from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime.device import resolve_device
 
 SCALE_FORMULA = (
@@ -67,7 +67,7 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
     corpus, fewer samples) goes to `progress.note` before the observation starts.
     """
     strategy = _validate(request)
-    _stage(progress, "opening the checkpoint")
+    announce(progress, "opening the checkpoint")
     source = SourceCheckpoint.open(resolve_model(request.model))
     if request.out is not None:
         check_output(source.path, request.out, request.overwrite)
@@ -77,7 +77,7 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
     check_architecture(source, request.trust_remote_code)
     check_latent_attention(source.geometry, request.attention, str(source.path / "config.json"))
     tokenizer = load_tokenizer(source.path, request.trust_remote_code)
-    _stage(progress, "loading calibration data")
+    announce(progress, "loading calibration data")
     data = _calibration_text(request, source, tokenizer)
     if data.note and progress is not None:
         progress.note(data.note)
@@ -86,7 +86,7 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
     with distributed.process_group(device):
         by_layer = layerwise.choose_layerwise(request.layerwise, source, request.dtype)
         execution = Execution(by_layer, distributed.world_size(), str(device))
-        _stage(progress, "loading the model" + (" (one layer at a time)" if by_layer else ""))
+        announce(progress, "loading the model" + (" (one layer at a time)" if by_layer else ""))
         query = torch.zeros(source.geometry.num_layers) if request.attention == "fp8" else None
         if query is not None and (by_layer or distributed.world_size() > 1):
             raise Fp8kvError("--attention fp8 runs in one process with the whole model (not --layerwise or torchrun)")
@@ -118,8 +118,7 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
         QueryScaleRecord(i, float(query[i]), float(scales.q[i])) for i in source.geometry.kv_layers)
     record = provenance(request, source, data, table, strategy, execution, query_rows)
     if request.out is not None and distributed.is_writer():
-        _stage(progress, f"writing {request.out}")
-        extra = {PROVENANCE_FILE: record.to_json().encode()}
+        announce(progress, f"writing {request.out}")
         write_checkpoint(
             source.path,
             request.out,
@@ -127,14 +126,9 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
             convention=request.convention,
             mode=request.mode,
             overwrite=request.overwrite,
-            extra_files=extra,
+            record=record,
         )
     return CalibrationResult(source.path, request.out, table, scales, record, warnings, data.note)
-
-
-def _stage(progress: StageProgress | None, stage: str) -> None:
-    if progress is not None:
-        progress(stage)
 
 
 def _calibration_text(request: CalibrationRequest, source: SourceCheckpoint, tokenizer: Any) -> CalibrationData:
@@ -264,8 +258,7 @@ def _validate(request: CalibrationRequest) -> Strategy:
     """Check every option before anything slow happens."""
     fp8_max(request.kv_dtype)
     strategy = Strategy.parse(request.strategy)
-    if not request.headroom >= 1.0:
-        raise Fp8kvError(f"--headroom must be at least 1.0, got {request.headroom}")
+    check_headroom(request.headroom)
     if request.convention not in CONVENTIONS:
         raise Fp8kvError(f"--format {request.convention!r}: choose one of {', '.join(CONVENTIONS)}")
     if request.mode not in MODES:

@@ -6,10 +6,8 @@ import json
 import shlex
 import sys
 
-from rich.table import Table
-
 from fp8kv.calibrate.pipeline import CalibrationResult
-from fp8kv.console import text_console
+from fp8kv.console import fmt_number, layer_table, rich_table, text_console
 
 
 def command_line() -> str:
@@ -30,16 +28,9 @@ def show(result: CalibrationResult, json_output: bool = False) -> None:
         print(json.dumps(summary, indent=2))
         return
     prov = result.provenance
-    table = Table(title=f"{prov.kv_dtype} K/V scales ({prov.strategy}, {prov.dataset.num_samples} samples, "
-                  f"{prov.dataset.num_tokens} tokens)")
-    for name in ("layer", "K amax", "k_scale", "K sat.", "V amax", "v_scale", "V sat."):
-        table.add_column(name, justify="right")
-    for row in prov.layers:
-        table.add_row(
-            str(row.layer),
-            f"{row.k.amax:.6g}", f"{row.k.scale:.6g}", f"{row.k.saturation:.3%}",
-            f"{row.v.amax:.6g}", f"{row.v.scale:.6g}", f"{row.v.saturation:.3%}",
-        )
+    title = (f"{prov.kv_dtype} K/V scales = amax x {fmt_number(prov.headroom)} / {fmt_number(prov.fp8_max)} "
+             f"({prov.strategy}, {prov.dataset.num_samples} samples, {prov.dataset.num_tokens} tokens)")
+    table = rich_table(*layer_table(prov.layer_rows()), title=title)
     console = text_console()
     console.print(table)
     if prov.skipped_layers:

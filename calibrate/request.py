@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fp8kv.calibrate.scales import DEFAULT_HEADROOM
+from fp8kv.options import DEFAULT_HEADROOM
 from fp8kv.data import DataRequest
 
 

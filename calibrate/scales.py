@@ -16,15 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from fp8kv.observe import BINS_PER_OCTAVE, KVStatistics, bin_edges
-from fp8kv.fp8 import FP8_DTYPES, FP8_MAX
+from fp8kv.fp8 import FP8_DTYPES
+from fp8kv.kvdtypes import FP8_MAX
 from fp8kv.errors import Fp8kvError
+from fp8kv.options import LAST_BATCH, Strategy, check_headroom
 
 MSE_CANDIDATES = 256  # clip candidates amax * 2**(-j/32), j < 256: down to amax / 256
-LAST_BATCH = "last-batch"
-# The default margin above amax / MAX, so unseen text of the calibration distribution stays inside
-# fp8's range (chosen from bench/bench_headroom.py). It costs no accuracy: e4m3 has the same
-# relative precision across its normal range.
-DEFAULT_HEADROOM = 1.25
 
 
 def fp8_max(kv_dtype: str) -> float:
@@ -41,8 +38,7 @@ def scale_from_amax(amax: torch.Tensor, kv_dtype: str = "fp8_e4m3", headroom: fl
     is then moved up with nextafter until the bound holds exactly (checked in float64) and as the
     float32 division a runtime performs.
     """
-    if not headroom >= 1.0:
-        raise Fp8kvError(f"--headroom must be at least 1.0, got {headroom}")
+    check_headroom(headroom)
     limit = fp8_max(kv_dtype)
     amax32 = amax.to(torch.float32)
     scale = amax32 / limit * headroom
@@ -52,34 +48,6 @@ def scale_from_amax(amax: torch.Tensor, kv_dtype: str = "fp8_e4m3", headroom: fl
             break
         scale = torch.where(low, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
     return scale
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """How the clip value (the |x| that maps to MAX) is chosen: amax, percentile:P, mse or last-batch."""
-
-    name: str
-    percentile: float | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> Strategy:
-        """Parse `amax`, `mse`, `last-batch` or `percentile:P` with 0 < P <= 100."""
-        name, _, arg = text.strip().partition(":")
-        if name in ("amax", "mse", LAST_BATCH) and not arg:
-            return cls(name)
-        if name == "percentile":
-            try:
-                value = float(arg)
-            except ValueError:
-                value = float("nan")
-            if 0.0 < value <= 100.0:
-                return cls(name, value)
-        raise Fp8kvError(
-            f"--strategy {text!r}: use amax, mse, last-batch, or percentile:P with 0 < P <= 100 (e.g. percentile:99.99)"
-        )
-
-    def __str__(self) -> str:
-        return f"percentile:{self.percentile:g}" if self.name == "percentile" else self.name
 
 
 def clip_values(amax: torch.Tensor, hist: torch.Tensor, strategy: Strategy, kv_dtype: str) -> torch.Tensor:

@@ -6,6 +6,8 @@ results; the source's copies judged other scales, so the writer never carries th
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 from fp8kv.errors import Fp8kvError
@@ -49,3 +51,22 @@ def read_artifact(path: Path, hint: str = "") -> str | None:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise Fp8kvError(f"{path}: cannot be read ({exc}){hint}") from None
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Replace one file next to a checkpoint (a report, a model card): temp file in the same folder, then rename.
+
+    Readers see the old file or the new one, never a part. The file is readable by everyone who
+    can read the folder (mkstemp alone would create it 0600).
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -12,13 +12,15 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from fp8kv.checkpoint.engine_names import vllm_scale_module
-from fp8kv.checkpoint.kvscales import KVScales
-from fp8kv.fp8 import TORCH_DTYPE_NAME
+from fp8kv.kvdtypes import TORCH_DTYPE_NAME
 from fp8kv.errors import Fp8kvError
 from fp8kv.options import Convention
+
+if TYPE_CHECKING:  # reading names and configs needs no torch
+    from fp8kv.checkpoint.kvscales import KVScales
 
 CONVENTIONS = get_args(Convention)
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -50,18 +52,34 @@ _K_PROJECTION = re.compile(
     r"^(?P<module>(?P<prefix>(?:[^.]+\.)*?)(?P<layer>\d+)\.(?:[A-Za-z_]\w*\.)*?[A-Za-z_]\w*)"
     r"\.(?:k_proj|key|c_attn|query_key_value|qkv_proj|Wqkv|qkv|attn\.k_proj)\.weight$"
 )
+# Towers of multimodal checkpoints and multi-token-prediction heads have their own attention, not the text
+# config's layers.
 _OTHER_TOWER = re.compile(r"vision|visual|audio|encoder\.|mtp")
 
 _CT_BASE = {"quant_method": "compressed-tensors", "format": "dense", "quantization_status": "frozen",
             "config_groups": {}, "ignore": []}
 _QUARK_GROUP = ["*k_proj", "*v_proj"]
+# A KV-only folder must still name a weight algorithm for vLLM (0.32) to read ModelOpt KV scales: its ModelOpt
+# config refuses a null quant_algo, and without one the k_proj.k_scale tensors reach the unquantized qkv loader
+# ("'QKVParallelLinear' object has no attribute 'data'"). FP8 with every module excluded loads the weights as
+# they are and still gives each attention layer its KV-cache method (vLLM asks for that before exclusions).
+MODELOPT_KV_ONLY = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["*"]}
+# vLLM's Quark loader builds a quantized scheme for every linear it does not exclude and has none for plain
+# weights ("No quark compatible scheme was found"): a KV-only folder excludes every module but vLLM's attention
+# layers (named `<attention module>.attn`), which keep their KV-cache method.
+QUARK_KV_ONLY_EXCLUDE = r"re:.*(?<!\.attn)$"
 ATTENTION_GROUP = "fp8kv_attention"
+
+
+def is_other_tower(name: str) -> bool:
+    """Whether tensor `name` belongs to a vision/audio tower or an MTP head rather than the text layers."""
+    return _OTHER_TOWER.search(name) is not None
 
 
 def parse_scale_name(name: str) -> tuple[int, str, str] | None:
     """(layer, "k"|"v"|"kv", convention) for a KV-scale tensor name, the way vLLM maps it; else None."""
     match = _NAME.match(name)
-    if match is None or _OTHER_TOWER.search(name):
+    if match is None or is_other_tower(name):
         return None
     convention, kind = _SUFFIXES[match["suffix"]]
     return int(match["layer"]), kind, convention
@@ -79,7 +97,7 @@ def attention_modules(tensor_names: list[str], layers: tuple[int, ...]) -> dict[
     found: dict[int, str] = {}
     for name in sorted(tensor_names):
         match = _K_PROJECTION.match(name)
-        if match and not _OTHER_TOWER.search(name):
+        if match and not is_other_tower(name):
             found.setdefault(int(match["layer"]), match["module"])
     prefix = layer_prefix(tensor_names)
     return {layer: found.get(layer, f"{prefix}layers.{layer}.self_attn") for layer in layers}
@@ -89,7 +107,7 @@ def layer_prefix(tensor_names: list[str]) -> str:
     """The prefix in front of `layers.N.` ("model.", "model.language_model.", ...)."""
     for name in sorted(tensor_names):
         match = re.match(r"^(?P<prefix>.*?)layers\.\d+\.", name)
-        if match and not _OTHER_TOWER.search(name):
+        if match and not is_other_tower(name):
             return match["prefix"]
     return "model."
 
@@ -191,7 +209,8 @@ def weight_method(config: dict[str, Any], hf_quant: dict[str, Any] | None) -> st
     qc = quantization_block(config)[1]
     if hf_quant is not None or (isinstance(qc, dict) and qc.get("quant_method") == "modelopt"):
         fields = (hf_quant or {}).get("quantization") or _modelopt_fields(qc or {})
-        return "modelopt" if fields.get("quant_algo") else None
+        excludes_all = fields.get("exclude_modules") == MODELOPT_KV_ONLY["exclude_modules"]
+        return "modelopt" if fields.get("quant_algo") and not excludes_all else None
     if not isinstance(qc, dict):
         return None
     method = str(qc.get("quant_method") or "")
@@ -278,8 +297,9 @@ def _modelopt_fields(qc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _modelopt_configs(qc: dict[str, Any] | None, hf_quant: dict[str, Any] | None, version: str):
+    # vLLM takes a folder for ModelOpt by its producer name or by quant_method; fp8kv is not ModelOpt
     hf_quant = copy.deepcopy(hf_quant) or {"producer": {"name": "fp8kv", "version": version},
-                                           "quantization": {"quant_algo": None}}
+                                           "quant_method": "modelopt", "quantization": dict(MODELOPT_KV_ONLY)}
     hf_quant.setdefault("quantization", {})["kv_cache_quant_algo"] = "FP8"
     if qc is not None:
         _modelopt_fields(qc)["kv_cache_quant_algo"] = "FP8"
@@ -296,7 +316,8 @@ def quark_tensor_spec(kv_dtype: str) -> dict[str, Any]:
 def _quark_config(qc: dict[str, Any] | None, scales: KVScales) -> dict[str, Any]:
     empty = {"weight": None, "input_tensors": None, "output_tensors": None, "bias": None, "target_device": None}
     qc = qc or {"quant_method": "quark", "quant_mode": "eager_mode", "global_quant_config": dict(empty),
-                "layer_quant_config": {}, "layer_type_quant_config": {}, "exclude": [], "algo_config": None,
+                "layer_quant_config": {}, "layer_type_quant_config": {}, "exclude": [QUARK_KV_ONLY_EXCLUDE],
+                "algo_config": None,
                 "export": {"weight_format": "real_quantized", "pack_method": "reorder", "min_kv_scale": 0.0}}
     base = qc.get("global_quant_config") or empty
     layers = qc.setdefault("layer_quant_config", {})
@@ -304,6 +325,15 @@ def _quark_config(qc: dict[str, Any] | None, scales: KVScales) -> dict[str, Any]
         layers[group] = {**base, **layers.get(group, {}), "output_tensors": quark_tensor_spec(scales.kv_dtype)}
     qc.setdefault("export", {})["kv_cache_group"] = list(_QUARK_GROUP)
     return qc
+
+
+def vllm_json_readers(path: str | Path) -> str:
+    """Which engines read the legacy vLLM JSON scale file at `path`, in one line.
+
+    vLLM dropped --quantization-param-path: 0.32 has no such option and runs such a folder at scale 1.0.
+    """
+    return (f"SGLang reads it (--kv-cache-dtype fp8_e4m3 --quantization-param-path {path}); vLLM no longer does "
+            "(0.32 runs the folder at scale 1.0): for vLLM, fp8kv convert --to compressed-tensors")
 
 
 def vllm_json(scales: KVScales, model_type: str) -> dict[str, Any]:

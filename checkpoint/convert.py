@@ -6,8 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fp8kv import __version__
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
-from fp8kv.checkpoint.conventions import VLLM_JSON_FILE
+from fp8kv.checkpoint.conventions import VLLM_JSON_FILE, vllm_json_readers
 from fp8kv.checkpoint.provenance import ConvertedFrom, Provenance, read_provenance
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
@@ -33,12 +32,11 @@ def convert_checkpoint(
         record = Provenance(version=__version__, command=command, format=convention, converted_from=origin)
     else:
         record = source_record.converted(__version__, command, convention, origin)
-    extra = {PROVENANCE_FILE: record.to_json().encode()}
     scales = readout.scales if convention == "compressed-tensors" else replace(readout.scales, q=None)
     return write_checkpoint(model_dir, out_dir, scales, convention=convention, mode=mode, overwrite=overwrite,
-                            extra_files=extra)
+                            record=record)
 
 
-def engine_flag(out_dir: Path) -> str:
-    """The vLLM flags that load a legacy JSON scale file written to `out_dir`."""
-    return f"--kv-cache-dtype fp8 --quantization-param-path {out_dir / VLLM_JSON_FILE}"
+def serve_hint(out_dir: Path) -> str:
+    """Which engine reads the legacy JSON scale file written to `out_dir`, and how."""
+    return f"{VLLM_JSON_FILE}: {vllm_json_readers(out_dir / VLLM_JSON_FILE)}"

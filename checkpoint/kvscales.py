@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.fp8 import FP8_MAX
+from fp8kv.kvdtypes import FP8_MAX
 from fp8kv.options import DEFAULT_KV_DTYPE
 
 

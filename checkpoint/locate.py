@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.checkpoint.gguf import gguf_checkpoint, is_gguf
 from fp8kv.checkpoint.hub_cache import is_repo_id, looks_like_hub_id, repo_id_from_cache_path, resolve_hub_model, split_hub_id
+from fp8kv.checkpoint.artifacts import is_fp8kv_card
 from fp8kv.checkpoint.provenance import read_provenance
 from fp8kv.models import BUNDLED_MODEL_ALIAS, BUNDLED_MODEL_DIR, BUNDLED_OUTLIERS_ALIAS, BUNDLED_OUTLIERS_DIR
 
@@ -37,24 +39,54 @@ def resolve_model(model: str) -> Path:
 
 
 def infer_base_model(model: str, source: Path) -> str | None:
-    """The Hub id the scales are for: MODEL as typed, the Hub cache folder's id, or what an fp8kv source recorded."""
+    """The Hub id the scales are for: MODEL as typed, the Hub cache folder's id, what an fp8kv source recorded,
+    or the source config's `_name_or_path`; None when none of them is a Hub id."""
     if looks_like_hub_id(model):
         return split_hub_id(model)[0]
-    cached = repo_id_from_cache_path(source)
-    if cached:
-        return cached
-    record = read_provenance(source)  # calibrating or converting an fp8kv output keeps its base model
-    recorded = record.source.base_model if record is not None and record.source is not None else None
-    return recorded if recorded is not None and is_repo_id(recorded) else None
+    record = read_provenance(source) if Path(source).is_dir() else None  # an fp8kv output keeps its base model
+    config = _json_object(Path(source) / "config.json")
+    candidates = [repo_id_from_cache_path(source), record.source.base_model if record and record.source else None,
+                  config.get("_name_or_path")]
+    return next((c for c in candidates if isinstance(c, str) and is_repo_id(c)), None)
+
+
+def infer_license(*readmes: Path) -> str | None:
+    """The `license` of the first of `readmes` (a source model's README.md) whose Hub metadata names one."""
+    from huggingface_hub import metadata_load
+
+    for readme in readmes:
+        if not readme.is_file() or is_fp8kv_card(readme):
+            continue
+        try:
+            value = (metadata_load(readme) or {}).get("license")
+        except Exception:  # noqa: BLE001 - a malformed source card only means "license unknown"
+            continue
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def bundled_name(path: str | Path) -> str | None:
+    """`bundled` / `bundled-outliers` when `path` is a bundled model's folder, else None."""
+    resolved = Path(path).resolve()
+    return next((alias for alias, folder in BUNDLED_MODELS.items() if folder.resolve() == resolved), None)
+
+
+def _json_object(path: Path) -> dict:
+    """The JSON object in `path`; empty when it is absent or unreadable (it only adds a hint)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def is_bundled_model(folder: Path) -> bool:
     """`folder` is a bundled model, or fp8kv's output from one (its fp8kv.json names one as source or converted folder)."""
-    bundled = {path.resolve() for path in BUNDLED_MODELS.values()}
     seen: set[Path] = set()
     current: Path | None = Path(folder).resolve()
     while current is not None and current not in seen:
-        if current in bundled:
+        if bundled_name(current) is not None:
             return True
         seen.add(current)
         current = _derived_from(current)

@@ -6,13 +6,16 @@ the card read it back through `read_provenance`; no other module parses the file
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, read_artifact
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, is_fp8kv_output, read_artifact, write_file_atomic
 from fp8kv.errors import Fp8kvError
+from fp8kv.json_fields import checked, json_object, typed
 
 
 @dataclass(frozen=True)
@@ -111,10 +114,23 @@ class Provenance:
     defaulted_layers: tuple[int, ...] | None = None
     query_scales: tuple[QueryScaleRecord, ...] | None = None
     converted_from: ConvertedFrom | None = None
+    # Every file fp8kv wrote in the folder, relative POSIX name -> "sha256:<hex>", sorted; this file excluded.
+    files: tuple[tuple[str, str], ...] | None = None
 
     def layer_map(self) -> dict[int, LayerRecord]:
         """layer index -> its record."""
         return {row.layer: row for row in self.layers}
+
+    def layer_rows(self) -> list[dict[str, Any]]:
+        """One row per layer for the per-layer table: amax, scale (per head with --per-head), saturation."""
+        rows = []
+        for row in self.layers:
+            cells: dict[str, Any] = {"layer": row.layer}
+            for name, cache in (("k", row.k), ("v", row.v)):
+                cells |= {f"{name}_amax": cache.amax, f"{name}_scale": list(cache.scale_per_head or ()) or cache.scale,
+                          f"{name}_saturation": cache.saturation}
+            rows.append(cells)
+        return rows
 
     def converted(self, version: str, command: str | None, convention: str, converted_from: ConvertedFrom) -> Provenance:
         """This record for the same scales rewritten in `convention` by `fp8kv convert`."""
@@ -132,6 +148,8 @@ class Provenance:
                 out[name] = [_layer_to_dict(row) for row in value]
             elif name == "query_scales":
                 out[name] = [_plain(row) for row in value]
+            elif name == "files":
+                out[name] = dict(value)
             else:
                 out[name] = _plain(value)
         return out
@@ -157,10 +175,60 @@ def read_provenance(folder: str | Path) -> Provenance | None:
     return None if text is None else Provenance.from_json(text, path)
 
 
+def file_digest(path: Path) -> str:
+    """"sha256:<hex>" of the bytes of `path`."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return "sha256:" + digest.hexdigest()
+
+
+def folder_files(folder: Path) -> list[str]:
+    """Every file under `folder` (relative POSIX names, links not followed, sorted), the provenance file excepted."""
+    found = []
+    for root, dirs, names in os.walk(folder):
+        dirs.sort()
+        found += [(Path(root) / name).relative_to(folder).as_posix() for name in names]
+    return sorted(name for name in found if name != PROVENANCE_FILE)
+
+
+def record_written(*paths: Path) -> None:
+    """Add files fp8kv just wrote (a report, a card) to the `files` of the fp8kv.json of the folder they
+    belong to (theirs or its parent), so `--overwrite` knows them as fp8kv's; no record, no change."""
+    for path in paths:
+        path = Path(path).absolute()
+        root = next((p for p in (path.parent, path.parent.parent) if is_fp8kv_output(p)), None)
+        record = read_provenance(root) if root is not None else None
+        if record is None:
+            continue
+        files = dict(record.files or ())
+        files[path.relative_to(root).as_posix()] = file_digest(path)
+        updated = replace(record, files=tuple(sorted(files.items())))
+        write_file_atomic(root / PROVENANCE_FILE, updated.to_json().encode())
+
+
+def unrecorded_files(folder: Path, compare_bytes: bool = True) -> tuple[list[str], list[str]]:
+    """(files fp8kv did not write, files it wrote that changed since) in `folder`, each sorted.
+
+    Names are compared first, so a folder of foreign files is refused without reading any bytes;
+    without `compare_bytes` the second list stays empty.
+    """
+    record = read_provenance(folder)
+    recorded = dict(record.files or ()) if record is not None else {}
+    present = folder_files(folder)
+    foreign = [name for name in present if name not in recorded]
+    if foreign or not compare_bytes:
+        return foreign, []
+    return [], [name for name in present if file_digest(folder / name) != recorded[name]]
+
+
+_HASH_CHUNK = 2**24
+
 # The file's key order: calibration settings first, per-layer results, then what convert adds.
 _KEY_ORDER = ("tool", "version", "command", "source", "dataset", "strategy", "headroom", "scale_formula", "kv_dtype",
               "fp8_max", "per_head", "format", "execution", "skipped_layers", "defaulted_layers", "layers",
-              "query_scales", "converted_from")
+              "query_scales", "converted_from", "files")
 
 
 def _plain(value: Any) -> Any:
@@ -183,7 +251,7 @@ def _layer_to_dict(row: LayerRecord) -> dict[str, Any]:
 
 
 def _provenance_from_dict(data: Any) -> Provenance:
-    data = _object(data, "the record")
+    data = json_object(data, "the record")
     required = {"version": _text(data, "version"), "command": _text(data, "command", True),
                 "format": _text(data, "format"), "tool": _text(data, "tool")}
     optional = {
@@ -192,24 +260,27 @@ def _provenance_from_dict(data: Any) -> Provenance:
         "dataset": lambda d: DatasetRecord(_text(d, "name"), _text(d, "split"), _text(d, "text_column"),
                                            _integer(d, "num_samples"), _integer(d, "num_tokens"),
                                            _integer(d, "seq_len"), _integer(d, "seed"), _text(d, "note", True)),
-        "execution": lambda d: Execution(_typed(d, "layerwise", bool), _integer(d, "processes"), _text(d, "device")),
+        "execution": lambda d: Execution(typed(d, "layerwise", bool), _integer(d, "processes"), _text(d, "device")),
         "converted_from": lambda d: ConvertedFrom(_text(d, "path"), _each(d, "conventions", str)),
     }
-    values: dict[str, Any] = {name: parse(_object(data[name], name)) for name, parse in optional.items()
+    values: dict[str, Any] = {name: parse(json_object(data[name], name)) for name, parse in optional.items()
                               if data.get(name) is not None}
     for name in ("strategy", "scale_formula", "kv_dtype"):
         values[name] = _text(data, name, True)
     for name in ("headroom", "fp8_max"):
         values[name] = _number(data, name, True)
-    values["per_head"] = _typed(data, "per_head", bool, True)
+    values["per_head"] = typed(data, "per_head", bool, True)
     for name in ("skipped_layers", "defaulted_layers"):
         if data.get(name) is not None:
             values[name] = _each(data, name, int)
     if data.get("query_scales") is not None:
         values["query_scales"] = tuple(QueryScaleRecord(_integer(q, "layer"), _number(q, "q_amax"),
                                                         _number(q, "q_scale"))
-                                       for q in map(_object, _typed(data, "query_scales", list)))
-    layers = tuple(_layer_from_dict(_object(row, "a layer row")) for row in _typed(data, "layers", list))
+                                       for q in map(json_object, typed(data, "query_scales", list)))
+    if data.get("files") is not None:
+        values["files"] = tuple(sorted((name, checked(digest, str, f"the digest of {name!r}"))
+                                       for name, digest in json_object(data["files"], "files").items()))
+    layers = tuple(_layer_from_dict(json_object(row, "a layer row")) for row in typed(data, "layers", list))
     return Provenance(**required, layers=layers, **values)
 
 
@@ -228,39 +299,20 @@ def _layer_from_dict(row: dict[str, Any]) -> LayerRecord:
         raise ValueError(f"missing {exc.args[0]!r} in layer {layer}") from None
 
 
-def _object(value: Any, what: str = "an entry") -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise TypeError(f"{what} is not an object")
-    return value
-
-
-def _typed(data: dict[str, Any], key: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
-    value = data.get(key) if optional else data[key]
-    if value is None and optional:
-        return None
-    return _checked(value, kind, repr(key))
-
-
-def _checked(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise TypeError(f"{what} is {value!r}, not {getattr(kind, '__name__', 'a number')}")
-    return value
-
-
 def _each(data: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> tuple[Any, ...]:
-    return tuple(_checked(value, kind, f"an item of {key!r}") for value in _typed(data, key, list))
+    return tuple(checked(value, kind, f"an item of {key!r}") for value in typed(data, key, list))
 
 
 def _text(data: dict[str, Any], key: str, optional: bool = False) -> str | None:
-    return _typed(data, key, str, optional)
+    return typed(data, key, str, optional)
 
 
 def _integer(data: dict[str, Any], key: str) -> int:
-    return _typed(data, key, int)
+    return typed(data, key, int)
 
 
 def _number(data: dict[str, Any], key: str, optional: bool = False) -> float | None:
-    value = _typed(data, key, (int, float), optional)
+    value = typed(data, key, (int, float), optional)
     return None if value is None else float(value)
 
 

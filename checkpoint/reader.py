@@ -14,7 +14,7 @@ from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.geometry import read_json
 from fp8kv.errors import Fp8kvError
-from fp8kv.fp8 import TORCH_DTYPE_NAME, kv_dtype_from_file
+from fp8kv.kvdtypes import TORCH_DTYPE_NAME, kv_dtype_from_file
 from fp8kv.options import DEFAULT_KV_DTYPE
 
 # Reading order: exact per-K/V conventions first, the one-value-per-layer ones last.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fp8kv.checkpoint.conventions import is_other_tower
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry, read_config, read_json
 
@@ -203,8 +204,6 @@ def _check_index_tensors(root: Path, headers: dict[str, dict[str, Any]]) -> None
 
 
 _PROJECTION = re.compile(r"layers\.(\d+)\.self_attn\.([kv])_proj\.weight$")
-# Towers of multimodal checkpoints have their own attention geometry, not the text config's.
-_OTHER_TOWER = re.compile(r"vision|visual|audio|encoder\.")
 
 
 def _check_projections(root: Path, geometry: AttentionGeometry, headers: dict[str, dict[str, Any]]) -> None:
@@ -215,7 +214,7 @@ def _check_projections(root: Path, geometry: AttentionGeometry, headers: dict[st
     for file, header in headers.items():
         for tensor, entry in header.items():
             match = _PROJECTION.search(tensor)
-            if match is None or not entry["shape"] or _OTHER_TOWER.search(tensor):
+            if match is None or not entry["shape"] or is_other_tower(tensor):
                 continue
             layer = int(match[1])
             if layer not in geometry.kv_layers:

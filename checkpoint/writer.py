@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, get_args
 
@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import save
 
 from fp8kv import __version__
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, describes_source_only, is_fp8kv_output
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, describes_source_only
+from fp8kv.checkpoint.provenance import Provenance, file_digest, folder_files, unrecorded_files
 from fp8kv.checkpoint.conventions import (
     COMPRESSION_CONFIG, CONVENTIONS, HF_QUANT_CONFIG, QUANTIZATION_CONFIG, SCALES_FILE, VLLM_JSON_FILE, QuantConfigs,
     attention_modules, check_method, is_vllm_json, parse_scale_name, quant_configs, query_scale_name, scale_names,
@@ -46,13 +47,14 @@ def write_checkpoint(
     convention: str = "compressed-tensors",
     mode: str = "overlay",
     overwrite: bool = False,
-    extra_files: dict[str, bytes] | None = None,
+    record: Provenance | None = None,
 ) -> Path:
     """Write `source_dir` plus `scales` in `convention` to `out_dir`, atomically; return `out_dir`.
 
     The source is never modified. Scale values are written exactly as given (float32). The source's
     provenance, verify report, fp8kv card and evaluation results are left behind: they describe it.
-    `extra_files` (name -> bytes, e.g. "fp8kv.json") are added at the top of the output.
+    `record` becomes the output's fp8kv.json, listing every file written with its digest: `overwrite`
+    replaces a folder only when it holds those files alone, unchanged.
     """
     if convention not in CONVENTIONS:
         raise Fp8kvError(f"unknown format {convention!r}; choose one of {', '.join(CONVENTIONS)}")
@@ -63,15 +65,16 @@ def write_checkpoint(
     check_scales_fit(source, scales)
     out = check_output(source.path, Path(out_dir), overwrite)
     _make_parent(out)
-    for name in extra_files or {}:
-        if "/" in name or "\\" in name or name.startswith(".") or name in ("config.json", INDEX_NAME):
-            raise Fp8kvError(f"extra file name {name!r} must be a plain new file name")
     blocks = quant_configs(convention, source.config, _hf_quant(source), scales, __version__)
     _clean_stale(out)
     tmp = out.parent / f".{out.name}.fp8kv-tmp-{os.getpid()}"
     try:
         tmp.mkdir()
-        _fill(tmp, source, scales, convention, mode, blocks, extra_files or {})
+        _fill(tmp, source, scales, convention, mode, blocks)
+        if record is not None:
+            files = tuple((name, file_digest(tmp / name)) for name in folder_files(tmp))
+            (tmp / PROVENANCE_FILE).unlink(missing_ok=True)  # never write through a hard link into the source
+            _write_bytes(tmp / PROVENANCE_FILE, replace(record, files=files).to_json().encode())
         _fsync_dir(tmp)
         _swap_in(tmp, out)
     except BaseException:
@@ -120,15 +123,24 @@ def check_output(source: Path, out: Path, overwrite: bool) -> Path:
     if out.exists() or out.is_symlink():
         if not out.is_dir() or out.is_symlink():
             raise Fp8kvError(f"{out}: exists and is not a folder; choose another output path")
+        foreign, modified = unrecorded_files(out, compare_bytes=overwrite)
+        if foreign or modified:
+            raise Fp8kvError(f"{out}: {_not_fp8kvs(foreign, modified)}; --overwrite replaces only what fp8kv "
+                             "wrote there, unchanged: choose another --out, or move those files out first")
         if not overwrite:
             raise Fp8kvError(f"{out}: already exists; pass --overwrite to replace it")
-        if any(out.iterdir()) and not is_fp8kv_output(out):
-            raise Fp8kvError(
-                f"{out}: --overwrite replaces only an empty folder or one fp8kv wrote (with its {PROVENANCE_FILE}), "
-                "and this one holds other files; choose another --out or remove the folder yourself"
-            )
     check_writable_location(out)
     return out
+
+
+def _not_fp8kvs(foreign: list[str], modified: list[str]) -> str:
+    """`foreign` and `modified` file names as one phrase, at most five of each named."""
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+    parts = ([f"holds files fp8kv did not write ({some(foreign)})"] if foreign else []) + \
+        ([f"holds files fp8kv wrote that were changed since ({some(modified)})"] if modified else [])
+    return " and ".join(parts)
 
 
 def check_writable_location(path: Path) -> None:
@@ -147,8 +159,8 @@ def _make_parent(out: Path) -> None:
         raise Fp8kvError(f"{out}: cannot create the output folder ({exc.strerror}: {exc.filename})") from None
 
 
-def _fill(tmp: Path, source: SourceCheckpoint, scales: KVScales, convention: str, mode: str, blocks: QuantConfigs,
-          extra_files: dict[str, bytes]) -> None:
+def _fill(tmp: Path, source: SourceCheckpoint, scales: KVScales, convention: str, mode: str,
+          blocks: QuantConfigs) -> None:
     adds_file = convention != "vllm-json"
     weight_map: dict[str, str] = {}
     for name in source.files:
@@ -180,9 +192,6 @@ def _fill(tmp: Path, source: SourceCheckpoint, scales: KVScales, convention: str
     _write_json(tmp / "config.json", config)
     if blocks.hf_quant is not None:
         _write_json(tmp / HF_QUANT_CONFIG, blocks.hf_quant)
-    for name, data in extra_files.items():
-        (tmp / name).unlink(missing_ok=True)  # never write through a hard link into the source
-        _write_bytes(tmp / name, data)
 
 
 def _regenerated(source: SourceCheckpoint, name: str) -> bool:
@@ -264,25 +273,6 @@ def _carry(src: Path, dst: Path, mode: str, link_any_size: bool = False) -> None
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     _write_bytes(path, (json.dumps(data, indent=2) + "\n").encode())
-
-
-def write_file_atomic(path: Path, data: bytes) -> None:
-    """Replace one file next to a checkpoint (a report, a model card): temp file in the same folder, then rename.
-
-    Readers see the old file or the new one, never a part. The file is readable by everyone who
-    can read the folder (mkstemp alone would create it 0600).
-    """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _write_bytes(path: Path, data: bytes) -> None:

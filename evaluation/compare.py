@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, is_fp8kv_output
+from fp8kv.checkpoint.artifacts import EVAL_DIR, PROVENANCE_FILE, is_fp8kv_output
 from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.checkpoint.reader import read_kv_scales
-from fp8kv.checkpoint.writer import write_file_atomic
+from fp8kv.checkpoint.artifacts import write_file_atomic
+from fp8kv.checkpoint.provenance import record_written
 from fp8kv.errors import Fp8kvError
-from fp8kv.evaluation.results import RESULTS_JSON, RESULTS_MD, RESULTS_SUBDIR, ConfigScores, EvalResults, metric_values
+from fp8kv.evaluation.results import RESULTS_JSON, RESULTS_MD, ConfigScores, EvalResults, metric_values
 from fp8kv.evaluation.spec import CacheSpec
 from fp8kv.fp8 import ENGINES
 
@@ -57,12 +58,18 @@ def report_folder(model_dir: Path, report_dir: Path | None) -> Path:
     if not is_fp8kv_output(model_dir):
         raise Fp8kvError(f"{model_dir}: not written by fp8kv (no {PROVENANCE_FILE}); pass --report FOLDER "
                          "so nothing is added to a checkpoint fp8kv does not own")
-    return Path(model_dir) / RESULTS_SUBDIR
+    return Path(model_dir) / EVAL_DIR
 
 
-def evaluate(request: EvalRequest, progress: Callable[[str], None] | None = None) -> tuple[EvalResults, Path]:
-    """Run the tasks on every cache configuration; write results.json and results.md; return them and the folder."""
+def evaluate(request: EvalRequest, progress: Callable[[str, int, int], None] | None = None) -> tuple[EvalResults, Path]:
+    """Run the tasks on every cache configuration; write results.json and results.md; return them and the folder.
+
+    `progress(stage, done, total)` hears of each configuration, under one stage name for the whole run.
+    """
+    import logging
+
     import lm_eval
+    import lm_eval.evaluator
     from lm_eval.tasks import TaskManager
 
     from fp8kv.evaluation.bundled_tasks import TASKS_DIR
@@ -82,10 +89,15 @@ def evaluate(request: EvalRequest, progress: Callable[[str], None] | None = None
         raise Fp8kvError(f"unknown lm_eval task(s) {', '.join(unknown)}; see `lm_eval ls tasks` or pass --include-path")
     runtime = resolve_device(request.device)
     model = load_model(model_dir, runtime.device)
+    if not logging.getLogger("lm_eval").isEnabledFor(logging.WARNING):
+        # lm_eval asks git for the commit of the folder it runs in, for a results field fp8kv does not keep;
+        # outside a repository git prints "fatal: not a git repository" once per configuration.
+        lm_eval.evaluator.get_git_commit_hash = lambda: None
     rows = []
-    for spec in specs:
+    stage = f"lm_eval on {len(specs)} cache configurations"
+    for done, spec in enumerate(specs):
         if progress is not None:
-            progress(spec.label)
+            progress(stage, done, len(specs))
         lm = Fp8kvLM(str(model_dir), spec.kv_cache, spec.scales, spec.engine, spec.query, device=runtime.kind,
                      batch_size=request.batch_size, max_length=request.max_length, model=model)
         out = lm_eval.simple_evaluate(model=lm, tasks=list(request.tasks), limit=request.limit, task_manager=manager,
@@ -94,8 +106,11 @@ def evaluate(request: EvalRequest, progress: Callable[[str], None] | None = None
         rows.append(ConfigScores(spec.label, spec.kv_cache, spec.scales, spec.engine,
                                  metric_values(out["results"]), nonfinite, spec.query))
         del lm  # free this configuration's cache before the next one is allocated
+    if progress is not None:
+        progress(stage, len(specs), len(specs))
     result = EvalResults(str(model_dir), tuple(request.tasks), request.limit, runtime.kind, tuple(rows))
     folder.mkdir(parents=True, exist_ok=True)
     write_file_atomic(folder / RESULTS_JSON, result.to_json().encode())
     write_file_atomic(folder / RESULTS_MD, result.markdown().encode())
+    record_written(folder / RESULTS_JSON, folder / RESULTS_MD)
     return result, folder

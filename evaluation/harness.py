@@ -23,6 +23,7 @@ from fp8kv.data import load_tokenizer
 from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.errors import Fp8kvError
 from fp8kv.evaluation.spec import CacheSpec, open_runner
+from fp8kv.options import EVAL_EXTRA_HINT
 from fp8kv.geometry import read_config
 from fp8kv.runtime.runner import PagedModelRunner
 
@@ -33,7 +34,7 @@ try:
     from lm_eval.api.registry import register_model
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 except ImportError:
-    raise Fp8kvError("lm-evaluation-harness is not installed: pip install 'fp8kv[eval]'") from None
+    raise Fp8kvError(f"lm-evaluation-harness is not installed: {EVAL_EXTRA_HINT}") from None
 
 MODEL_NAME = "fp8kv"
 DEFAULT_BATCH_SIZE = 8

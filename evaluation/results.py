@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from fp8kv.checkpoint.artifacts import EVAL_DIR
 from fp8kv.errors import Fp8kvError
 
-RESULTS_SUBDIR = "eval"
 RESULTS_JSON = "results.json"
 RESULTS_MD = "results.md"
 
@@ -73,7 +73,7 @@ class EvalResults:
 
 def read_results(folder: str | Path) -> EvalResults | None:
     """`folder/eval/results.json`, or None when `fp8kv eval` never wrote one."""
-    path = Path(folder) / RESULTS_SUBDIR / RESULTS_JSON
+    path = Path(folder) / EVAL_DIR / RESULTS_JSON
     if not path.is_file():
         return None
     return EvalResults.from_json(path.read_text(encoding="utf-8"), str(path))

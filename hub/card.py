@@ -11,17 +11,20 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fp8kv.checkpoint.artifacts import CARD_FILE, CARD_MARKER, PROVENANCE_FILE, VERIFY_DIR, is_fp8kv_card, read_artifact
+from fp8kv.checkpoint.artifacts import (
+    CARD_FILE, CARD_MARKER, PROVENANCE_FILE, VERIFY_DIR, is_fp8kv_card, read_artifact, write_file_atomic,
+)
 from fp8kv.checkpoint.conventions import COMPRESSION_CONFIG
 from fp8kv.checkpoint.digest import check_unchanged
-from fp8kv.checkpoint.provenance import Provenance, read_provenance as read_record
-from fp8kv.console import markdown_table
-from fp8kv.fp8 import FP8_MAX, VLLM_KV_CACHE_DTYPE
-from fp8kv.options import DEFAULT_KV_DTYPE
-from fp8kv.checkpoint.writer import write_file_atomic
+from fp8kv.checkpoint.hub_cache import is_repo_id
+from fp8kv.checkpoint.locate import bundled_name, infer_base_model, infer_license
+from fp8kv.checkpoint.provenance import Provenance, read_provenance as read_record, record_written, unrecorded_files
+from fp8kv.console import fmt_number, layer_table, markdown_table
 from fp8kv.errors import Fp8kvError
+from fp8kv.kvdtypes import FP8_MAX, VLLM_KV_CACHE_DTYPE
 from fp8kv.geometry import read_json
-from fp8kv.checkpoint.hub_cache import is_repo_id, repo_id_from_cache_path
+from fp8kv.options import DEFAULT_KV_DTYPE
+from fp8kv.runtime.kernel_rule import FP8_HEAD_RULE
 from fp8kv.verify.report import PLOT, REPORT_JSON, VerifyReport
 
 REPORT_FILE = Path(VERIFY_DIR) / REPORT_JSON
@@ -30,14 +33,16 @@ TAGS = ["fp8", "kv-cache", "fp8kv", "vllm", "compressed-tensors"]
 # Hub license ids are lowercase tokens ("apache-2.0", "llama3.1"); anything else goes in license_name.
 _LICENSE_ID = re.compile(r"^[a-z0-9][a-z0-9.\-]*$")
 _DATA_FILE = re.compile(r"\.(jsonl|json|txt|csv|parquet|arrow)$")
-# (label, key, format) rows of the verify accuracy table.
+# An absolute POSIX path of two or more parts (not a URL, not a/b inside a word or after `|x|`).
+_LOCAL_PATH = re.compile(r"(?<![\w:/.|)\]`~-])/[^\s\"'`|<>()\[\],;:/]+(?:/[^\s\"'`|<>()\[\],;:/]+)+")
+# (label, key, is a share) rows of the verify accuracy table.
 _ACCURACY_ROWS = [
-    ("Perplexity, bf16 KV cache", "ppl_bf16", "{:.4f}"),
-    ("Perplexity, fp8 KV cache with these scales", "ppl_fp8", "{:.4f}"),
-    ("Perplexity, fp8 KV cache with unit scales", "ppl_fp8_unit", "{:.4f}"),
-    ("KL divergence to bf16, mean", "kl_mean", "{:.6g}"),
-    ("KL divergence to bf16, max", "kl_max", "{:.6g}"),
-    ("Top-1 agreement with bf16", "top1_agreement", "{:.4%}"),
+    ("Perplexity, bf16 KV cache", "ppl_bf16", False),
+    ("Perplexity, fp8 KV cache with these scales", "ppl_fp8", False),
+    ("Perplexity, fp8 KV cache with unit scales", "ppl_fp8_unit", False),
+    ("KL divergence to bf16, mean", "kl_mean", False),
+    ("KL divergence to bf16, max", "kl_max", False),
+    ("Top-1 agreement with bf16", "top1_agreement", True),
 ]
 
 
@@ -65,40 +70,65 @@ def read_report(out_dir: Path) -> VerifyReport | None:
     return report
 
 
-def write_card(out_dir: str | Path, *, repo_id: str | None = None, base_model: str | None = None) -> Path:
+def write_card(out_dir: str | Path, *, repo_id: str | None = None, base_model: str | None = None,
+               license: str | None = None, force: bool = False) -> Path:
     """Write `DIR/README.md` atomically and return its path.
 
-    A README copied from the source model (possibly a hard link to the source's file) is replaced
-    by a new file; the source's copy is never written to. `repo_id` names the model in the serve
-    commands (default: the folder path); `base_model` overrides the Hub id of the source model.
+    A README.md fp8kv wrote or carried from the source, unchanged since, is replaced by a new file (the
+    source's copy, possibly hard-linked, is never written to); any other README.md only with `force`.
+    `repo_id` names the model in the serve commands (default: the folder's name); `base_model` and
+    `license` override what is inferred from the source.
     """
     out = Path(out_dir)
-    content = render_card(out, repo_id=repo_id, base_model=base_model)
+    content = render_card(out, repo_id=repo_id, base_model=base_model, license=license)
     path = out / CARD_FILE
+    check_replaceable(out, force)
     write_file_atomic(path, content.encode("utf-8"))
+    record_written(path)
     return path
 
 
-def render_card(out_dir: str | Path, *, repo_id: str | None = None, base_model: str | None = None) -> str:
+def check_replaceable(out: Path, force: bool) -> None:
+    """Refuse to replace a README.md that is not the one fp8kv wrote (edited, or never fp8kv's) unless `force`."""
+    path = out / CARD_FILE
+    if force or not path.exists():
+        return
+    foreign, modified = unrecorded_files(out)
+    if CARD_FILE in foreign or CARD_FILE in modified:
+        raise Fp8kvError(f"{path}: differs from the README.md fp8kv wrote (edited since?); keep your text by "
+                         "moving it elsewhere first, or pass --force to replace it")
+
+
+def card_warnings(out_dir: str | Path, *, base_model: str | None = None, license: str | None = None) -> list[str]:
+    """What the card cannot name (base model, license), each with the option that supplies it."""
+    base, license_ = _identity(Path(out_dir), read_provenance(out_dir), base_model, license)
+    found = []
+    if base is None:
+        found.append("the card names no base_model (the source is not a Hub id); pass --base-model org/name")
+    if license_ is None:
+        found.append("the card names no license (the source's README.md has none); pass --license ID")
+    return found
+
+
+def render_card(out_dir: str | Path, *, repo_id: str | None = None, base_model: str | None = None,
+                license: str | None = None) -> str:
     """The card's full text (YAML metadata + markdown), checked by parsing it with huggingface_hub."""
     from huggingface_hub import ModelCard
 
     out = Path(out_dir)
-    if base_model is not None and not is_repo_id(base_model):
-        raise Fp8kvError(f"--base-model {base_model!r}: not a Hub model id org/name")
     prov = read_provenance(out)
     report = read_report(out)
-    base_model, license_ = base_model or _base_model(out, prov), _license(out, prov)
+    base_model, license_ = _identity(out, prov, base_model, license)
     sections = [
         _intro(out, prov, base_model, repo_id),
         _what_was_done(prov, base_model),
         _scales(out, prov),
         _verify(out, report),
         _task_scores(out),
-        _serve(str(repo_id or out), prov, COMPRESSION_CONFIG in (_quiet_json(out / "config.json") or {})),
+        _serve(str(repo_id or out.name), prov, COMPRESSION_CONFIG in (_quiet_json(out / "config.json") or {})),
         _limitations(prov),
     ]
-    body = "\n\n".join(s for s in sections if s) + "\n"
+    body = public_text("\n\n".join(s for s in sections if s) + "\n")
     target = f"<!-- fp8kv card for: {repo_id or 'a local folder'} -->"
     text = f"---\n{_metadata(prov, base_model, license_).to_yaml()}\n---\n\n{CARD_MARKER}\n{target}\n\n{body}"
     ModelCard(text)  # raises if the metadata block does not parse
@@ -136,35 +166,21 @@ def card_repo_id(path: Path) -> str | None:
     return match[1] if match and is_repo_id(match[1]) else None
 
 
-def _base_model(out: Path, prov: Provenance) -> str | None:
-    """The source's Hub id: fp8kv.json, else the source config's `_name_or_path`, else its cache path."""
-    if prov.source is None:
-        return None
-    config = _quiet_json(Path(prov.source.path) / "config.json") or {}
-    candidates = [prov.source.base_model, config.get("_name_or_path"), repo_id_from_cache_path(prov.source.path)]
-    return next((c for c in candidates if isinstance(c, str) and is_repo_id(c)), None)
+def public_text(text: str) -> str:
+    """`text` with every absolute local path shortened to its last part: what is published never shows the
+    author's file system."""
+    return _LOCAL_PATH.sub(lambda match: match[0].rsplit("/", 1)[-1], text)
 
 
-def _license(out: Path, prov: Provenance) -> str | None:
-    """The source's license, from its README metadata (or the copy of that README in DIR)."""
-    readmes = [out / CARD_FILE]
-    if prov.source is not None:
-        readmes.insert(0, Path(prov.source.path) / CARD_FILE)
-    for readme in readmes:
-        if readme.is_file() and not is_fp8kv_card(readme):
-            value = (_readme_metadata(readme) or {}).get("license")
-            if isinstance(value, str) and value:
-                return value
-    return None
-
-
-def _readme_metadata(readme: Path) -> dict[str, Any] | None:
-    from huggingface_hub import metadata_load
-
-    try:
-        return metadata_load(readme)
-    except Exception:  # noqa: BLE001 - a malformed source card only means "license unknown"
-        return None
+def _identity(out: Path, prov: Provenance, base_model: str | None, license: str | None) -> tuple[str | None, str | None]:
+    """(base model, license): the options when given, else what the source tells (its Hub id, its README)."""
+    if base_model is not None and not is_repo_id(base_model):
+        raise Fp8kvError(f"--base-model {base_model!r}: not a Hub model id org/name")
+    source = Path(prov.source.path) if prov.source is not None else None
+    if base_model is None and prov.source is not None:
+        base_model = prov.source.base_model or infer_base_model(prov.source.path, source)
+    readmes = ([source / CARD_FILE] if source is not None else []) + [out / CARD_FILE]
+    return base_model, license or infer_license(*readmes)
 
 
 def _quiet_json(path: Path) -> dict[str, Any] | None:
@@ -175,25 +191,18 @@ def _quiet_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _local_name(path: str | None) -> str | None:
-    """A local source folder by its name only: a published card does not show the author's file system."""
-    return Path(path).name if path is not None else None
-
-
-def _fmt(value: Any, spec: str = "{:.6g}") -> str:
-    """A number formatted for a table; lists (per-head scales) as their range; other values as text."""
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, (int, float)):
-        return spec.format(value)
-    if isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
-        return f"{spec.format(min(value))} – {spec.format(max(value))} ({len(value)} heads)"
-    return "" if value is None else str(value)
+def _source_name(prov: Provenance, base_model: str | None) -> str | None:
+    """How the card names the source: its Hub id, `bundled` for a bundled model, else its folder's name."""
+    if base_model is not None or prov.source is None:
+        return base_model
+    return bundled_name(prov.source.path) or Path(prov.source.path).name
 
 
 def _intro(out: Path, prov: Provenance, base_model: str | None, repo_id: str | None) -> str:
     title = repo_id or (f"{base_model} with FP8 KV-cache scales" if base_model else out.name)
-    source = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "the source model"
+    named = _source_name(prov, base_model)
+    source = (f"[{base_model}](https://huggingface.co/{base_model})" if base_model
+              else f"The model `{named}`" if named else "The source model")
     dtype = prov.kv_dtype or "fp8"
     return (
         f"# {title}\n\n"
@@ -211,7 +220,7 @@ def _what_was_done(prov: Provenance, base_model: str | None) -> str:
     source, data = prov.source, prov.dataset
     rows = [
         ("Tool", f"fp8kv {prov.version}"),
-        ("Source", base_model or _local_name(source.path if source else None)),
+        ("Source", _source_name(prov, base_model)),
         ("Source hash", source.content_hash if source else None),
         ("Strategy", prov.strategy),
         ("Headroom", prov.headroom),
@@ -223,7 +232,7 @@ def _what_was_done(prov: Provenance, base_model: str | None) -> str:
         rows += [("Calibration data", data.name), ("Split", data.split), ("Text column", data.text_column),
                  ("Samples", data.num_samples), ("Sequence length", data.seq_len),
                  ("Calibration tokens", data.num_tokens), ("Shuffle seed", data.seed)]
-    shown = [[name, f"`{value}`" if isinstance(value, str) else _fmt(value)]
+    shown = [[name, f"`{value}`" if isinstance(value, str) else fmt_number(value)]
              for name, value in rows if value is not None]
     parts.append(markdown_table(["Setting", "Value"], shown))
     if data is not None and data.note:
@@ -233,17 +242,19 @@ def _what_was_done(prov: Provenance, base_model: str | None) -> str:
 
 def _scales(out: Path, prov: Provenance) -> str:
     dtype_max = f"{FP8_MAX[_kv_dtype(prov)]:g}"
+    clip = "amax" if (prov.strategy or "amax") == "amax" else f"clip (the `{prov.strategy}` clip value)"
+    headroom = f" × {fmt_number(prov.headroom)}" if prov.headroom is not None else ""
     parts = ["## KV-cache scales", (
         "Each scale is a dequantization multiplier: the engine stores "
         f"`fp8(clamp(x / scale, -{dtype_max}, {dtype_max}))` and reads back `fp8 × scale`. "
-        f"With the `amax` strategy, `scale = amax / {dtype_max}`, amax being the largest "
-        "|value| of that layer's cached K (or V, after RoPE and any k_norm) over all calibration tokens."
+        f"Here `scale = {clip}{headroom} / {dtype_max}`"
+        + (f" (headroom {fmt_number(prov.headroom)}: a margin for values above the calibration maximum)"
+           if prov.headroom is not None else "")
+        + ", amax being the largest |value| of that layer's cached K (or V, after RoPE and any k_norm) over all "
+        "calibration tokens."
     )]
     if prov.layers:
-        head = ["Layer", "K amax", "k_scale", "K saturation", "V amax", "v_scale", "V saturation"]
-        rows = [[str(row.layer), *(_fmt(value) for cache in (row.k, row.v)
-                                   for value in (cache.amax, cache.scale, cache.saturation))] for row in prov.layers]
-        parts.append(markdown_table(head, rows))
+        parts.append(markdown_table(*layer_table(prov.layer_rows())))
     if prov.skipped_layers:
         skipped = ", ".join(str(i) for i in prov.skipped_layers)
         parts.append(f"Layers without their own KV cache (no scale): {skipped}.")
@@ -260,20 +271,19 @@ def _verify(out: Path, report: VerifyReport | None) -> str:
         parts.append("\n".join(f"- {r.level}: {r.message}" for r in report.reasons))
     setup = [("Device", report.device), ("Text", report.text_source), ("Samples", report.num_samples),
              ("Tokens", report.num_tokens), ("Convention", report.convention), ("KV-cache dtype", report.kv_dtype)]
-    rows = [[name, _fmt(value)] for name, value in setup if value is not None]
+    rows = [[name, fmt_number(value)] for name, value in setup if value is not None]
     accuracy = report.accuracy or {}
-    rows += [[name, _fmt(accuracy[key], spec)] for name, key, spec in _ACCURACY_ROWS if accuracy.get(key) is not None]
+    rows += [[name, fmt_number(accuracy[key], share)] for name, key, share in _ACCURACY_ROWS
+             if accuracy.get(key) is not None]
     # Shares of greedy tokens that match the bf16 cache.
-    rows += [[f"Generation: {key.replace('_', ' ')}", _fmt(value, "{:.2%}")]
+    rows += [[f"Generation: {key.replace('_', ' ')}", fmt_number(value, percent=True)]
              for key, value in (report.generation or {}).items()]
     if rows:
         parts.append(markdown_table(["Check", "Result"], rows))
-    layers = report.layers
-    columns = [c for c in ("layer", "k_saturation", "v_saturation", "k_max_ratio", "v_max_ratio")
-               if any(c in layer for layer in layers)]
-    if columns:
-        rows = [[_fmt(layer.get(c)) for c in columns] for layer in layers]
-        parts.append(markdown_table([c.replace("_", " ") for c in columns], rows))
+    columns = ("layer", "k_saturation", "v_saturation", "k_max_ratio", "v_max_ratio")
+    layers = [{c: layer.get(c) for c in columns} for layer in report.layers]
+    if layers:
+        parts.append(markdown_table(*layer_table(layers)))
     return "\n\n".join(parts)
 
 
@@ -307,7 +317,7 @@ def _serve(model: str, prov: Provenance, kv_only_block: bool) -> str:
 
 
 def _limitations(prov: Provenance) -> str:
-    dataset = prov.dataset.name if prov.dataset else "the calibration data"
+    dataset = f"`{prov.dataset.name}`" if prov.dataset else "the calibration data"
     items = [
         f"Scales are static and per tensor, measured on {dataset}. Values above the calibration amax are "
         "clamped to the fp8 range, so text far from that data can lose accuracy.",
@@ -315,7 +325,7 @@ def _limitations(prov: Provenance) -> str:
         "saturate); check the verify results above and your engine's version.",
         "Engines that find no scale use 1.0 silently: confirm in the engine's log that it loaded "
         "`k_scale`/`v_scale` for every attention layer.",
-        "vLLM's TPU (Pallas) kernel needs an even number of KV heads for an fp8 cache.",
+        f"On TPU: {FP8_HEAD_RULE}.",
         "AMD GPUs (`e4m3fnuz`) double the scales at load time; the checkpoint stores the e4m3 scales.",
     ]
     strategy = prov.strategy or "amax"

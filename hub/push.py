@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from fp8kv import __version__
-from fp8kv.checkpoint.writer import write_file_atomic
+from fp8kv.checkpoint.artifacts import EVAL_DIR, PROVENANCE_FILE, VERIFY_DIR, write_file_atomic
+from fp8kv.checkpoint.provenance import record_written
 from fp8kv.errors import Fp8kvError
 from fp8kv.hub.card import (
-    CARD_FILE, REPORT_FILE, card_repo_id, read_provenance, read_report, render_card,
+    CARD_FILE, REPORT_FILE, card_repo_id, check_replaceable, public_text, read_provenance, read_report, render_card,
 )
 
 PUSHABLE_VERDICTS = ("PASS", "WARN")
@@ -33,6 +34,7 @@ class PushPlan:
     files: list[UploadFile]
     verdict: str | None
     card_text: str | None  # a new card to write first; None when DIR already has an fp8kv card
+    warnings: tuple[str, ...] = ()  # what the new card cannot name (base model, license)
 
     @property
     def total_bytes(self) -> int:
@@ -41,11 +43,13 @@ class PushPlan:
 
 @dataclass(frozen=True)
 class UploadFile:
-    """One file of the commit: where it goes in the repo, the file it is read from, its size in bytes."""
+    """One file of the commit: where it goes in the repo, the file it is read from, its size in bytes, and the
+    bytes sent instead of the file's when they differ (fp8kv's records with local paths shortened)."""
 
     path_in_repo: str
     local_path: Path
     size: int
+    content: bytes | None = None
 
 
 def plan_push(
@@ -56,13 +60,19 @@ def plan_push(
     revision: str | None = None,
     commit_message: str | None = None,
     force: bool = False,
+    base_model: str | None = None,
+    license: str | None = None,
 ) -> PushPlan:
     """Check the folder and the last verify, and list the files of the commit. Writes nothing.
 
     Refuses (`Fp8kvError`) when there is no `verify/report.json` or its verdict is not PASS/WARN,
     unless `force`. When DIR has no fp8kv card written for `repo_id` (none, a README copied from the
-    source, or a card for the local folder), the plan carries a new one, listed as README.md.
+    source, or a card for the local folder), the plan carries a new one, listed as README.md; a README.md
+    fp8kv did not write, or one edited since, is replaced only with `force`. fp8kv's own records
+    (fp8kv.json, verify/, eval/) are sent with local paths shortened to their last part.
     """
+    from fp8kv.hub.card import card_warnings
+
     from huggingface_hub.utils import validate_repo_id
 
     out = Path(out_dir)
@@ -75,13 +85,17 @@ def plan_push(
     verdict = _check_verify(out, force)
     card_path = out / CARD_FILE
     # A card written for another target (`fp8kv card DIR` names the local folder) is rewritten for this repo.
-    card_text = None if card_repo_id(card_path) == repo_id else render_card(out, repo_id=repo_id)
+    card_text = None
+    if card_repo_id(card_path) != repo_id:
+        card_text = render_card(out, repo_id=repo_id, base_model=base_model, license=license)
+        check_replaceable(out, force)
     if card_text is not None:
         files = [f for f in files if f.path_in_repo != CARD_FILE]
         files.append(UploadFile(CARD_FILE, card_path, len(card_text.encode("utf-8"))))
         files.sort(key=lambda f: f.path_in_repo)
     message = commit_message or f"Add static FP8 KV-cache scales (fp8kv {__version__})"
-    return PushPlan(out, repo_id, revision, private, message, files, verdict, card_text)
+    warnings = tuple(card_warnings(out, base_model=base_model, license=license)) if card_text is not None else ()
+    return PushPlan(out, repo_id, revision, private, message, files, verdict, card_text, warnings)
 
 
 def push(plan: PushPlan, api: Any = None) -> str:
@@ -94,6 +108,7 @@ def push(plan: PushPlan, api: Any = None) -> str:
     """
     if plan.card_text is not None:
         write_file_atomic(plan.out_dir / CARD_FILE, plan.card_text.encode("utf-8"))
+        record_written(plan.out_dir / CARD_FILE)
     return _upload(plan, api)
 
 
@@ -112,8 +127,24 @@ def collect_files(out_dir: Path) -> list[UploadFile]:
                 raise Fp8kvError(
                     f"{path}: a link to {target}, which is not a file; restore it or rerun `fp8kv calibrate`"
                 )
-            files.append(UploadFile(path.relative_to(out).as_posix(), target, target.stat().st_size))
+            name = path.relative_to(out).as_posix()
+            files.append(_public(name, target) if _is_record(name) else UploadFile(name, target, target.stat().st_size))
     return sorted(files, key=lambda f: f.path_in_repo)
+
+
+def _is_record(name: str) -> bool:
+    """fp8kv's own records, which hold local paths (the source folder, the data file) for local use."""
+    return name == PROVENANCE_FILE or (name.split("/", 1)[0] in (VERIFY_DIR, EVAL_DIR) and
+                                       name.endswith((".json", ".md")))
+
+
+def _public(name: str, path: Path) -> UploadFile:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Fp8kvError(f"{path}: cannot be read ({exc}); rerun the fp8kv command that wrote it") from None
+    content = public_text(text).encode("utf-8")
+    return UploadFile(name, path, len(content), content)
 
 
 def format_plan(plan: PushPlan) -> str:
@@ -159,8 +190,10 @@ def _check_verify(out: Path, force: bool) -> str | None:
 
 
 def _upload(plan: PushPlan, api: Any) -> str:
-    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi, get_token
 
+    if api is None and get_token() is None:
+        raise Fp8kvError(f"{plan.repo_id}: no Hub token; log in with `hf auth login` or set HF_TOKEN, then push again")
     api = api if api is not None else HfApi()
     try:
         # private=None lets the Hub's default (or the organisation's setting) apply.
@@ -168,7 +201,8 @@ def _upload(plan: PushPlan, api: Any) -> str:
         if plan.revision and plan.revision != "main":
             api.create_branch(plan.repo_id, repo_type="model", branch=plan.revision, exist_ok=True)
         # Links are read through: the Hub gets the bytes of the file each one points to.
-        operations = [CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=str(f.local_path))
+        operations = [CommitOperationAdd(path_in_repo=f.path_in_repo,
+                                         path_or_fileobj=f.content if f.content is not None else str(f.local_path))
                       for f in plan.files]
         info = api.create_commit(
             plan.repo_id, operations, commit_message=plan.commit_message, repo_type="model", revision=plan.revision

@@ -14,6 +14,7 @@ import torch
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import is_fp8
+from fp8kv.runtime.kernel_rule import heads_tile
 
 BACKENDS = ("auto", "torch", "xla")
 Scale = float | torch.Tensor | None
@@ -88,26 +89,9 @@ def ragged_paged_attention(
 
 
 def kernel_supported(tpu_generation: int, num_kv_heads: int, kv_dtype: torch.dtype) -> bool:
-    """Whether torch_xla 2.9's Pallas kernel (ragged_paged_attention_v2) can run this cache.
-
-    It needs a TPU v4 or newer, and the combined K/V heads (2 * kv_heads) must tile: divisible by
-    the dtype's packing (4 for fp8, 2 for bf16, 1 for fp32 in 32-bit words), the quotient in
-    {1, 2, 4, 8} or a multiple of 8. So fp8 fails for kv_heads 1, 3, 5, 6, 10, 12, 24 (per chip).
-    """
-    if tpu_generation < 4:
-        return False
-    packing = 32 // torch.finfo(kv_dtype).bits
-    combined = 2 * num_kv_heads
-    return combined % packing == 0 and (combined // packing in (1, 2, 4, 8) or combined // packing % 8 == 0)
-
-
-def fp8_kernel_note(num_kv_heads: int, kv_dtype: torch.dtype) -> str | None:
-    """One line when torch_xla 2.9's Pallas kernel cannot run an fp8 cache with this many KV heads, else None."""
-    if kernel_supported(4, num_kv_heads, kv_dtype):
-        return None
-    return (f"num_key_value_heads={num_kv_heads}: torch_xla 2.9's Pallas kernel cannot tile {2 * num_kv_heads} "
-            "combined fp8 K/V heads (2*kv/4 must be 1, 2, 4, 8 or a multiple of 8), so vLLM's torch_xla TPU backend "
-            "will not run this checkpoint with an fp8 cache; under tensor parallelism the per-chip count is what counts")
+    """Whether torch_xla 2.9's Pallas kernel (ragged_paged_attention_v2) can run this cache: a TPU v4 or
+    newer, and KV heads that tile (`heads_tile`)."""
+    return tpu_generation >= 4 and heads_tile(num_kv_heads, torch.finfo(kv_dtype).bits)
 
 
 def _xla_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, window, cap,

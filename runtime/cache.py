@@ -231,9 +231,9 @@ def layer_counts(kv_layers: tuple[int, ...], clamped: torch.Tensor, nonfinite: t
     """A cache's device counters (`[layers, 2]`, `[layers, 2]`, `[layers]`) as per-layer `(k, v)` tuples."""
     clamped_rows, nonfinite_rows, written_rows = clamped.cpu().tolist(), nonfinite.cpu().tolist(), written.cpu()
     return {
-        "clamped": {l: tuple(clamped_rows[i]) for i, l in enumerate(kv_layers)},
-        "nonfinite": {l: tuple(nonfinite_rows[i]) for i, l in enumerate(kv_layers)},
-        "written": {l: (int(written_rows[i]), int(written_rows[i])) for i, l in enumerate(kv_layers)},
+        "clamped": {layer: tuple(clamped_rows[i]) for i, layer in enumerate(kv_layers)},
+        "nonfinite": {layer: tuple(nonfinite_rows[i]) for i, layer in enumerate(kv_layers)},
+        "written": {layer: (int(written_rows[i]), int(written_rows[i])) for i, layer in enumerate(kv_layers)},
     }
 
 

@@ -10,11 +10,11 @@ from typing import get_args
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.options import RuntimeChoice, TorchDeviceChoice
+from fp8kv.options import TPU_EXTRA_HINT, RuntimeChoice, TorchDeviceChoice
+from fp8kv.runtime.kernel_rule import TPU_HEAD_DIM_MULTIPLE
 
 DEVICE_CHOICES = get_args(RuntimeChoice)
 TORCH_DEVICE_CHOICES = get_args(TorchDeviceChoice)
-TPU_HEAD_DIM_MULTIPLE = 128  # vLLM's TPU backend pads head_dim to a multiple of 128
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,9 @@ def tpu_chips() -> int:
 def missing_for_tpu() -> str | None:
     """What keeps torch_xla from running on a TPU here, in one phrase, or None when nothing does."""
     if importlib.util.find_spec("torch_xla") is None:
-        return "torch_xla is not installed (pip install 'fp8kv[tpu]')"
+        return f"torch_xla is not installed ({TPU_EXTRA_HINT})"
     if importlib.util.find_spec("libtpu") is None:
-        return "libtpu is not installed (pip install 'fp8kv[tpu]')"
+        return f"libtpu is not installed ({TPU_EXTRA_HINT})"
     pjrt = os.environ.get("PJRT_DEVICE", "TPU")  # read first: importing torch_xla sets it when unset
     if tpu_chips() == 0:
         return "no TPU chips are attached to this host (use --device xla-cpu for the same code path on the CPU)"
@@ -107,5 +107,5 @@ def _xla_device(pjrt: str) -> torch.device:
     try:
         import torch_xla
     except ImportError:
-        raise Fp8kvError("torch_xla is not installed; install fp8kv[tpu] or use --device cpu") from None
+        raise Fp8kvError(f"torch_xla is not installed: {TPU_EXTRA_HINT}, or use --device cpu") from None
     return torch_xla.device()

@@ -33,7 +33,7 @@ from fp8kv.checkpoint.source import MAX_HEADER_BYTES
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode
 from fp8kv.checks import FAIL, Finding
-from fp8kv.models.factory import make_checkpoint
+from fp8kv.tools.factory import make_checkpoint
 from tests.reports import report_for, write_report
 
 DATA_ARGS = ["--num-samples", "2", "--seq-len", "16", "--batch-size", "2"]
@@ -423,16 +423,23 @@ def tokenizer_missing(env):
 # ---- output folder ----------------------------------------------------------------------------
 
 def out_exists(env):
-    env.out.mkdir()
-    (env.out / "keep.txt").write_text("mine")
-    return calibrate_args(env.shared["src"], env), str(env.out), "already exists; pass --overwrite"
+    out = shutil.copytree(env.shared["calibrated"], env.out)
+    return calibrate_args(env.shared["src"], env), str(out), "already exists; pass --overwrite to replace it$"
 
 
 def overwrite_user_folder(env):
     env.out.mkdir()
     (env.out / "notes.txt").write_text("the user's own file")
     return [*calibrate_args(env.shared["src"], env), "--overwrite"], str(env.out), \
-        "--overwrite replaces only an empty folder or one fp8kv wrote"
+        r"holds files fp8kv did not write \(notes.txt\); --overwrite replaces only what fp8kv wrote there"
+
+
+def overwrite_user_notes_in_output(env):
+    out = shutil.copytree(env.shared["calibrated"], env.out)
+    (out / "MY_NOTES.txt").write_text("the user's notes")
+    (out / "generation_config.json").write_text("{}")
+    return [*calibrate_args(env.shared["src"], env), "--overwrite"], str(out), \
+        r"holds files fp8kv did not write \(MY_NOTES.txt\)"
 
 
 def out_inside_source(env):
@@ -609,7 +616,7 @@ def push_corrupt_report(env):
 
 def push_failed_verdict(env):
     ckpt = env.copy("calibrated")
-    write_report(ckpt, report_for(ckpt, "FAIL", (Finding(FAIL, "mean KL too high"),)))
+    write_report(ckpt, report_for(ckpt, (Finding(FAIL, "mean KL too high"),)))
     return ["push", str(ckpt), "--repo-id", "org/name", "--dry-run"], "report.json", "says FAIL \\(mean KL too high\\)"
 
 
@@ -657,7 +664,7 @@ CASES = [Case(f.__name__, f) for f in (
     pickle_bin, pickle_pt,
     data_empty, data_missing_path, data_too_short, data_binary, data_wrong_column, data_no_text_column, data_unsupported_type,
     data_chat_without_template, tokenizer_missing,
-    out_exists, overwrite_user_folder, out_inside_source, out_is_a_file, out_unwritable, calibrate_out_unwritable,
+    out_exists, overwrite_user_folder, overwrite_user_notes_in_output, out_inside_source, out_is_a_file, out_unwritable, calibrate_out_unwritable,
     e5m2_in_compressed_tensors, per_head_in_modelopt, disk_full, disk_full_on_copy,
     unsupported_architecture, mla_model,
     scales_conflicting, scales_wrong_shape, scales_wrong_dtype, scales_vllm_json_not_a_number,
@@ -704,8 +711,18 @@ def test_bad_input_is_one_clear_error_and_damages_nothing(case, shared, tmp_path
     assert {key: tree_hash(path) for key, path in shared.items() if path.is_dir()} == shared_before
 
 
-def test_catalogue_is_large_enough():
-    assert len(CASES) >= 30
+def test_catalogue_covers_every_command_that_reads_a_folder_once_per_problem(shared, tmp_path, monkeypatch):
+    """No two cases test the same problem of the same command, and each command that reads a user's folder
+    or file has cases."""
+    problems = []
+    for case in CASES:
+        (tmp_path / case.id).mkdir()
+        args, _, problem = _build(case, Env(tmp_path / case.id, shared), monkeypatch)
+        monkeypatch.undo()
+        problems.append((args[0], problem))
+    duplicates = sorted({p for p in problems if problems.count(p) > 1})
+    assert not duplicates, duplicates
+    assert {command for command, _ in problems} == {"calibrate", "verify", "inspect", "convert", "card", "push"}
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in ("config_broken_json", "pickle_bin", "out_exists")],
@@ -720,3 +737,47 @@ def test_real_console_script_gives_the_same_one_line(case, shared, tmp_path):
     assert proc.returncode == ExitCode.ERROR, proc.stderr
     assert_one_error_line(proc.stderr, named, problem)
     assert tree_hash(tmp_path) == before
+
+
+# The fixes error lines suggest, in the forms the catalogue's messages use.
+_PASS = re.compile(r"pass (--[\w-]+)(?: (?!to\b|or\b|it\b|with\b)([^\s;,)]+))?")
+_LOWER = re.compile(r"lower (--[\w-]+) to (\d+)")
+_RUN = re.compile(r"run `(fp8kv [^`]+)`")
+
+
+def _follow(args: list[str], line: str) -> list[list[str]] | None:
+    """The commands that carry out what `line` suggests for `args`: options to pass or lower, or an fp8kv
+    command to run first (a bare `fp8kv verify` means this folder); None when it suggests none of these."""
+    if (match := _LOWER.search(line)) is not None:
+        at = args.index(match[1])
+        return [[*args[:at + 1], match[2], *args[at + 2:]]]
+    if (match := _RUN.search(line)) is not None:
+        first = match[1].split()[1:]
+        if len(first) == 1:
+            first.append(args[1])
+        return [first, args]
+    if (match := _PASS.search(line)) is not None and match[1] != "--dataset":
+        return [[*args, match[1], *([match[2]] if match[2] and not match[2].startswith("--") else [])]]
+    return None
+
+
+def test_every_suggested_fix_works(shared, tmp_path, monkeypatch):
+    """Each catalogue error that suggests an option or a command is followed to the letter: the same
+    error line must not come back (the suggestion is one the CLI accepts and that helps)."""
+    followed = []
+    for case in CASES:
+        env = Env(tmp_path / case.id, shared)
+        env.root.mkdir()
+        with monkeypatch.context() as patch:
+            args, _, _ = _build(case, env, patch)
+            stderr = CliRunner().invoke(app, args).stderr
+            line = next(line for line in stderr.splitlines() if line.startswith("fp8kv: error:"))
+        steps = _follow(args, line)
+        if steps is None:
+            continue
+        for step in steps:
+            result = CliRunner().invoke(app, step)
+        assert result.exit_code != ExitCode.USAGE, (case.id, line, steps, result.output)
+        assert line not in result.stderr, (case.id, line, steps, result.stderr)
+        followed.append(case.id)
+    assert {"out_exists", "data_too_short", "push_not_verified", "push_failed_verdict"} <= set(followed), followed

@@ -13,10 +13,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from fp8kv.data import DataRequest, load_calibration_data
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
+from fp8kv.calibrate.scales import scale_from_amax
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.provenance import Provenance
 from fp8kv.errors import Fp8kvError
-from fp8kv.models.factory import ARCHITECTURES, make_checkpoint
+from fp8kv.tools.factory import ARCHITECTURES, make_checkpoint
 
 E4M3_MAX = 448.0
 
@@ -56,7 +57,8 @@ def test_scales_match_transformers_cache(arch, tmp_path, corpus):
     got = torch.stack([torch.cat([result.scales.k[i], result.scales.v[i]]) for i in range(2)])
     torch.testing.assert_close(got, expected, rtol=3e-7, atol=0)
     assert (expected * E4M3_MAX).double().le(got.double() * E4M3_MAX + 0).all()
-    assert result.table.amax.equal(reference) or torch.allclose(result.table.amax, reference, rtol=1e-6, atol=0)
+    # batches of 4 right-padded samples against one sample at a time: float32 matmuls may round differently
+    torch.testing.assert_close(result.table.amax, reference, rtol=1e-6, atol=0)
 
 
 def test_padding_never_enters_statistics(tmp_path, corpus):
@@ -99,7 +101,8 @@ def test_sharded_overlay_links_weights_and_per_head_shapes(tmp_path, corpus):
     assert k1.shape == (2, 1, 1) and k1.dtype == torch.float32
     assert torch.equal(k1, result.scales.k[1])
     amax_heads = result.table.amax[1, 0]  # [kv_heads]
-    assert torch.equal(k1.flatten(), amax_heads / E4M3_MAX) or torch.allclose(k1.flatten(), amax_heads / E4M3_MAX, rtol=3e-7, atol=0)
+    assert torch.equal(k1, scale_from_amax(amax_heads).reshape(2, 1, 1))  # the one formula, bit for bit
+    torch.testing.assert_close(k1.flatten(), amax_heads / E4M3_MAX, rtol=3e-7, atol=0)  # nextafter: a step at most
     text = (out / PROVENANCE_FILE).read_text()
     provenance = Provenance.from_json(text)
     assert provenance.to_json() == text  # the round trip keeps every key, value and their order

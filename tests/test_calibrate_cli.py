@@ -6,9 +6,9 @@ import json
 
 from typer.testing import CliRunner
 
-from fp8kv.calibrate.scales import DEFAULT_HEADROOM
+from fp8kv.options import DEFAULT_HEADROOM
 from fp8kv.cli import app
-from fp8kv.models.factory import make_checkpoint
+from fp8kv.tools.factory import make_checkpoint
 
 
 def test_calibrate_json_summary_and_provenance(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,14 +14,14 @@ from safetensors.torch import save_file
 
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.kvscales import KVScales
-from fp8kv.checkpoint.provenance import Provenance
+from fp8kv.checkpoint.provenance import Provenance, file_digest, folder_files, read_provenance
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.errors import Fp8kvError
-from fp8kv.models.factory import make_checkpoint
+from fp8kv.tools.factory import make_checkpoint
 
 SCALES = KVScales.from_floats({0: 0.01, 1: 0.02}, {0: 0.03, 1: 0.04})
-RECORD = Provenance(version="0.1.0", command=None, format="compressed-tensors").to_json().encode()
+RECORD = Provenance(version="0.1.0", command=None, format="compressed-tensors")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def test_overlay_links_weights_and_leaves_source_untouched(sharded, tmp_path):
     before = SourceCheckpoint.open(sharded).content_hash()
     source = SourceCheckpoint.open(sharded)
     assert len(source.weight_files) > 1
-    out = write_checkpoint(sharded, tmp_path / "out", SCALES, extra_files={PROVENANCE_FILE: RECORD})
+    out = write_checkpoint(sharded, tmp_path / "out", SCALES, record=RECORD)
     for name in source.weight_files:
         assert os.stat(out / name).st_ino == os.stat(sharded / name).st_ino
     assert SourceCheckpoint.open(sharded).content_hash() == before
@@ -46,7 +47,10 @@ def test_overlay_links_weights_and_leaves_source_untouched(sharded, tmp_path):
     assert {k: v for k, v in index.items() if "_scale" not in k} == source.weight_map
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         assert (out / name).read_bytes() == (sharded / name).read_bytes()
-    assert (out / PROVENANCE_FILE).read_bytes() == RECORD
+    written = read_provenance(out)
+    assert replace(written, files=None) == RECORD
+    assert dict(written.files) == {name: file_digest(out / name) for name in folder_files(out)}
+    assert PROVENANCE_FILE not in dict(written.files) and "kv_scales.safetensors" in dict(written.files)
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
 
 
@@ -75,18 +79,32 @@ def test_existing_output_refused_then_replaced_with_overwrite(single, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(Fp8kvError, match=r"out: already exists; pass --overwrite to replace it$"):
+    foreign = r"out: holds files fp8kv did not write \(keep.txt\); --overwrite replaces only what fp8kv wrote there"
+    with pytest.raises(Fp8kvError, match=foreign):  # no advice to pass --overwrite, which would refuse too
         write_checkpoint(single, out, SCALES)
-    assert (out / "keep.txt").read_text() == "mine"
-    with pytest.raises(Fp8kvError, match=r"out: --overwrite replaces only an empty folder or one fp8kv wrote"):
+    with pytest.raises(Fp8kvError, match=foreign):
         write_checkpoint(single, out, SCALES, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]  # a folder fp8kv never wrote is never deleted
     (out / "keep.txt").unlink()
-    write_checkpoint(single, out, SCALES, overwrite=True, extra_files={PROVENANCE_FILE: RECORD})  # empty: allowed
-    (out / "stale.txt").write_text("left by an older fp8kv run")
-    write_checkpoint(single, out, SCALES, overwrite=True)  # fp8kv wrote it (fp8kv.json): replaced
-    assert not (out / "stale.txt").exists() and (out / "kv_scales.safetensors").is_file()
+    with pytest.raises(Fp8kvError, match=r"out: already exists; pass --overwrite to replace it$"):
+        write_checkpoint(single, out, SCALES)
+    write_checkpoint(single, out, SCALES, overwrite=True, record=RECORD)  # empty: allowed
+    write_checkpoint(single, out, SCALES, overwrite=True, record=RECORD)  # only fp8kv's files, unchanged: replaced
+    assert (out / "kv_scales.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_overwrite_keeps_a_users_notes_and_edits(single, tmp_path):
+    out = write_checkpoint(single, tmp_path / "out", SCALES, record=RECORD)
+    (out / "MY_NOTES.txt").write_text("the user's notes")
+    with pytest.raises(Fp8kvError, match=r"holds files fp8kv did not write \(MY_NOTES.txt\)"):
+        write_checkpoint(single, out, SCALES, overwrite=True, record=RECORD)
+    assert (out / "MY_NOTES.txt").read_text() == "the user's notes"
+    (out / "MY_NOTES.txt").unlink()
+    (out / "tokenizer_config.json").write_text("{}")  # a file fp8kv wrote, edited by the user
+    with pytest.raises(Fp8kvError, match=r"holds files fp8kv wrote that were changed since \(tokenizer_config.json\)"):
+        write_checkpoint(single, out, SCALES, overwrite=True, record=RECORD)
+    assert (out / "tokenizer_config.json").read_text() == "{}"
 
 
 def test_failed_write_leaves_nothing_and_stale_temp_folders_are_cleaned(single, tmp_path):

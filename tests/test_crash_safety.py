@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from fp8kv.checkpoint.source import SourceCheckpoint
-from fp8kv.models.factory import make_checkpoint
+from fp8kv.tools.factory import make_checkpoint
 from fp8kv.verify.static import static_checks
 from fp8kv.checks import FAIL
 

@@ -10,7 +10,7 @@ import pytest
 from fp8kv import data as data_module
 from fp8kv.data import DataRequest, load_calibration_data, make_batches
 from fp8kv.errors import Fp8kvError, UsageError
-from fp8kv.models.factory import make_tokenizer
+from fp8kv.tools.factory import make_tokenizer
 
 TEXTS = [f"Record {i}: the quick brown fox jumps over {i} lazy dogs." for i in range(12)]
 
@@ -44,7 +44,10 @@ def test_every_local_format_gives_one_sample_per_record(tmp_path, tokenizer, suf
 
 def test_same_seed_same_samples_other_seed_other_order(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in TEXTS])
-    ask = lambda seed: load_calibration_data(DataRequest(dataset=str(path), num_samples=5, seed=seed), tokenizer).samples
+
+    def ask(seed: int) -> list[list[int]]:
+        return load_calibration_data(DataRequest(dataset=str(path), num_samples=5, seed=seed), tokenizer).samples
+
     assert ask(42) == ask(42)
     assert ask(42) != ask(7)
 
@@ -63,7 +66,7 @@ def test_folder_of_files_and_explicit_column(tmp_path, tokenizer):
     folder.mkdir()
     write_jsonl(folder / "a.jsonl", [{"body": t} for t in TEXTS[:6]])
     write_jsonl(folder / "b.jsonl", [{"body": t} for t in TEXTS[6:]])
-    with pytest.raises(Fp8kvError, match=r"no 'text' or 'messages' column; pass --text-column \(columns: \['body'\]\)"):
+    with pytest.raises(Fp8kvError, match=r"no 'text' or 'messages' column; pass --text-column body$"):
         load_calibration_data(DataRequest(dataset=str(folder), num_samples=2), tokenizer)
     result = load_calibration_data(DataRequest(dataset=str(folder), text_column="body", num_samples=12), tokenizer)
     assert len(result.samples) == 12

@@ -15,12 +15,14 @@ from fp8kv.data import DataRequest
 from fp8kv.observe import KVStatistics
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate, observe_whole_model
 from fp8kv.data import load_tokenizer
-from fp8kv.calibrate.scales import DEFAULT_HEADROOM, Strategy, compute_scales
+from fp8kv.calibrate.scales import compute_scales
+from fp8kv.options import DEFAULT_HEADROOM
+from fp8kv.options import Strategy
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.cli import app
 from fp8kv.errors import Fp8kvError
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT
-from fp8kv.models.factory import ARCHITECTURES
+from fp8kv.tools.factory import ARCHITECTURES
 from fp8kv.verify.run import VerifyRequest, verify
 
 SCALES_FILE = "kv_scales.safetensors"

@@ -27,7 +27,7 @@ def test_two_ranks_give_the_scales_of_one_process(corpus, tmp_path):
     """torchrun, 2 CPU ranks, layer by layer on gemma2 (sliding + full layers) against one whole-model process."""
     from fp8kv.data import DataRequest
     from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
-    from fp8kv.models.factory import make_checkpoint
+    from fp8kv.tools.factory import make_checkpoint
 
     model = make_checkpoint("gemma2", tmp_path / "gemma2", num_layers=3)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}

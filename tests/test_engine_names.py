@@ -23,7 +23,7 @@ from fp8kv.checkpoint.reader import read_kv_scales  # noqa: E402
 from fp8kv.checkpoint.writer import write_checkpoint  # noqa: E402
 from fp8kv.cli import app  # noqa: E402
 from fp8kv.data import DataRequest  # noqa: E402
-from fp8kv.models.zoo import make_zoo_checkpoint  # noqa: E402
+from fp8kv.tools.zoo import make_zoo_checkpoint  # noqa: E402
 from fp8kv.verify.run import VerifyRequest, verify  # noqa: E402
 
 # Powers of two: exact in every dtype a scale passes through.

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT, BUNDLED_MODEL_DIR
-from fp8kv.models.factory import ARCHITECTURES, make_checkpoint
-from fp8kv.models.train import perplexity
+from fp8kv.tools.factory import ARCHITECTURES, make_checkpoint
+from fp8kv.tools.train import perplexity
 
 PROMPT = "The for statement is used to iterate over the elements of a sequence."
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fp8kv.checks import FAIL, WARN
-from fp8kv.models.factory import make_checkpoint
+from fp8kv.tools.factory import make_checkpoint
 from fp8kv.runtime import runner as runner_module
 from fp8kv.runtime.runner import PagedModelRunner
 from fp8kv.verify.fidelity import MIN_BOUND, Fidelity, measure_fidelity

@@ -34,7 +34,8 @@ def tokenizer():
 def test_dataset_bundled_names_the_bundled_split_and_uses_all_of_it(tokenizer):
     data = load_calibration_data(DataRequest(dataset="bundled", num_samples=512, seq_len=8), tokenizer)
     assert len(data.samples) == BUNDLED_RECORDS
-    assert data.note == f"the bundled corpus has {BUNDLED_RECORDS} records; using all {BUNDLED_RECORDS} (--num-samples 512)"
+    assert data.note == (f"the bundled corpus has {BUNDLED_RECORDS} records, fewer than the 512 samples asked for; "
+                         f"all {BUNDLED_RECORDS} are used")
 
 
 @pytest.mark.parametrize("name", ["data/calib.jsonl", "./corpus", "~/texts/a.txt", "a/b/c"])
@@ -61,7 +62,7 @@ def test_fallback_is_announced_before_the_work(monkeypatch, tmp_path):
     note = text.index("fp8kv: HuggingFaceH4/ultrachat_200k cannot be loaded (offline and not cached)")
     assert note < text.index("OBSERVING")
     assert "so the scales are calibrated on the bundled model's own corpus of Python documentation" in text
-    assert f"using all {BUNDLED_RECORDS} (--num-samples 512)" in text
+    assert f"fewer than the 512 samples asked for; all {BUNDLED_RECORDS} are used" in text
 
 
 def test_plain_progress_is_timestamped_per_stage_and_quiet_keeps_notes():

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.fp8 import ENGINES, FP8_DTYPES, FP8_MAX, RAW_CAST_FINITE_LIMIT, canonical_cache_dtype, quantize
+from fp8kv.fp8 import ENGINES, FP8_DTYPES, canonical_cache_dtype, quantize
+from fp8kv.kvdtypes import FP8_MAX, RAW_CAST_FINITE_LIMIT
 
 
 @pytest.mark.parametrize("name", sorted(FP8_DTYPES))

@@ -24,7 +24,7 @@ from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.source import SourceCheckpoint, read_safetensors_header
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry
-from fp8kv.models.factory import make_checkpoint
+from fp8kv.tools.factory import make_checkpoint
 
 EXAMPLES = int(os.environ.get("FP8KV_FUZZ_EXAMPLES", "50"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize="FP8KV_FUZZ_EXAMPLES" not in os.environ,

@@ -18,7 +18,7 @@ from fp8kv.checkpoint.gguf import GgufOrigin, gguf_checkpoint, read_origin
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.cli import app
 from fp8kv.errors import Fp8kvError
-from fp8kv.models.factory import make_checkpoint
+from fp8kv.tools.factory import make_checkpoint
 
 
 _LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",

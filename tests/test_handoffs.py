@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 
 import pytest
 
@@ -12,7 +13,7 @@ from fp8kv.checkpoint.digest import CheckpointDigest
 from fp8kv.checkpoint.provenance import ConvertedFrom, Provenance
 from fp8kv.checks import FAIL, Finding
 from fp8kv.errors import Fp8kvError
-from fp8kv.verify.report import VerifyReport
+from fp8kv.verify.report import PLOT, REPORT_JSON, REPORT_MD, VerifyReport, write_report
 
 DIGEST = CheckpointDigest({"model.layers.0.self_attn.k_scale": "sha256:" + "0" * 64}, "sha256:" + "1" * 64,
                           {"model.safetensors": 1234})
@@ -23,6 +24,14 @@ def _report(**changes) -> VerifyReport:
                   kv_dtype="fp8_e4m3", thresholds={"kl_mean": 0.01}, static={}, scales=[], verdict="FAIL",
                   exit_code=3, timings_s={"total": 0.5}, reasons=(Finding(FAIL, "held-out checks skipped"),))
     return VerifyReport(**{**fields, **changes})
+
+
+def test_without_matplotlib_the_report_is_written_without_its_plot(tmp_path, monkeypatch) -> None:
+    (tmp_path / PLOT).write_bytes(b"a plot of an earlier run")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    write_report(_report(), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([REPORT_JSON, REPORT_MD])
+    assert VerifyReport.from_json((tmp_path / REPORT_JSON).read_text()) == _report()
 
 
 def test_a_converted_record_without_calibration_keeps_only_its_keys() -> None:

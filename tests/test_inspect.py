@@ -11,28 +11,27 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checks import FAIL, check_readout
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.provenance import CacheRecord, LayerRecord, Provenance
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.cli import app
-from fp8kv.models.factory import make_checkpoint
+from fp8kv.tools.factory import make_checkpoint
 from fp8kv.verify.static import static_checks
 from tests.test_interop_conventions import golden
 
 runner = CliRunner()
 
 
-def _provenance(rows: dict[int, tuple[tuple[float, float, float], tuple[float, float, float]]]) -> dict[str, bytes]:
+def _provenance(rows: dict[int, tuple[tuple[float, float, float], tuple[float, float, float]]]) -> Provenance:
     """fp8kv.json with layer -> ((k amax, k scale, k saturation), (v amax, v scale, v saturation))."""
     def cache(amax: float, scale: float, saturation: float) -> CacheRecord:
         return CacheRecord(amax=amax, clip=amax, scale=scale, saturation=saturation, amax_per_head=(amax,))
 
     layers = tuple(LayerRecord(layer, 1.0, cache(*k), cache(*v)) for layer, (k, v) in rows.items())
     record = Provenance(version="0.1.0", command=None, format="compressed-tensors", layers=layers)
-    return {PROVENANCE_FILE: record.to_json().encode()}
+    return record
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +65,13 @@ def test_inspect_names_the_convention_and_layer_scales(llama, tmp_path, conventi
 def test_inspect_table_shows_amax_and_saturation_from_provenance(llama, tmp_path):
     provenance = _provenance({i: ((4.48 * (i + 1), 0.01 * (i + 1), 0.0), (8.96, 0.02, 0.001)) for i in (0, 1)})
     out = write_checkpoint(llama, tmp_path / "out", KVScales.from_floats({0: 0.01, 1: 0.02}, {0: 0.02, 1: 0.02}),
-                           extra_files=provenance)
+                           record=provenance)
     report = _inspect(out)
     assert report["layers"][1] == {"layer": 1, "k_scale": pytest.approx(0.02), "v_scale": pytest.approx(0.02),
                                    "k_amax": 8.96, "v_amax": 8.96, "k_saturation": 0.0, "v_saturation": 0.001}
     assert report["warnings"] == []
     text = runner.invoke(app, ["inspect", str(out)]).stdout
-    assert "k_amax" in text and "v_saturation" in text and "8.96" in text
+    assert "K amax" in text and "V saturation" in text and "8.96" in text and "0.1 %" in text
 
 
 def test_inspect_warns_on_each_suspicious_pattern(llama, qwen3, tmp_path):
@@ -94,11 +93,11 @@ def test_inspect_warns_on_each_suspicious_pattern(llama, qwen3, tmp_path):
     pre_rope = golden(qwen3, tmp_path / "quark", "quark")
     warnings = _inspect(pre_rope)["warnings"]
     assert any(w.startswith("quark scales observe k_proj's output, but this model has a k norm") for w in warnings)
-    assert any(w.startswith("num_key_value_heads=1: torch_xla 2.9's Pallas kernel cannot tile 2 ") for w in warnings)
+    assert any(w.startswith("num_key_value_heads=1: torch_xla 2.9's Pallas kernel (vLLM's torch_xla TPU backend) needs") for w in warnings)
 
     doubled = _provenance({i: ((2.24, 0.01, 0.0), (2.24, 0.01, 0.0)) for i in (0, 1)})
     fnuz = write_checkpoint(llama, tmp_path / "fnuz", KVScales.from_floats({0: 0.01, 1: 0.01}, {0: 0.01, 1: 0.01}),
-                            extra_files=doubled)
+                            record=doubled)
     assert any("doubled for e4m3fnuz" in w for w in _inspect(fnuz)["warnings"])
 
     undeclared = shutil.copytree(ones, tmp_path / "undeclared")
@@ -114,12 +113,17 @@ def test_inspect_without_scales_says_so(llama):
     assert report["warnings"] == ["no KV scales found: engines use 1.0 for every layer (uncalibrated; run fp8kv calibrate)"]
 
 
-def test_convert_to_vllm_json_prints_the_engine_flag(llama, tmp_path):
+def test_convert_to_vllm_json_says_which_engine_reads_it(llama, tmp_path):
     src = golden(llama, tmp_path / "ct", "compressed-tensors")
     out = tmp_path / "json"
     result = runner.invoke(app, ["convert", str(src), "--to", "vllm-json", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert f"--quantization-param-path {out / 'kv_cache_scales.json'}" in result.stdout
+    file = out / "kv_cache_scales.json"
+    assert result.stdout.splitlines()[1] == (
+        f"kv_cache_scales.json: SGLang reads it (--kv-cache-dtype fp8_e4m3 --quantization-param-path {file}); "
+        "vLLM no longer does (0.32 runs the folder at scale 1.0): for vLLM, fp8kv convert --to compressed-tensors")
+    assert "scales in the legacy vLLM JSON file: SGLang reads it (--kv-cache-dtype fp8_e4m3 --quantization-param-path " \
+        "kv_cache_scales.json); vLLM no longer does" in " ".join(_inspect(out)["warnings"])
     data = json.loads((out / "kv_cache_scales.json").read_text())
     assert data["kv_cache"] == {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 0.0625, "1": 0.125}}}
     assert "quantization_config" not in json.loads((out / "config.json").read_text())

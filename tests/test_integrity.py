@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from fp8kv.checkpoint.artifacts import CARD_FILE, PROVENANCE_FILE, is_fp8kv_card
 from fp8kv.checkpoint.provenance import ConvertedFrom, read_provenance
+from fp8kv.checks import WARN, Finding
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode
 from fp8kv.evaluation.results import ConfigScores, EvalResults
@@ -31,7 +32,7 @@ def judged(tmp_path_factory, factory_checkpoint, corpus) -> Path:
     out = tmp_path_factory.mktemp("judged") / "out1"
     result = run("calibrate", factory_checkpoint("llama"), "--out", out, "--dataset", corpus, *DATA_ARGS)
     assert result.exit_code == 0, result.output
-    write_report(out, report_for(out, "WARN"))
+    write_report(out, report_for(out, (Finding(WARN, "layer 1: 0.042% of K values saturate"),)))
     (out / "eval").mkdir()
     scores = ConfigScores("bf16", "bf16", "-", "-", {"task acc": 0.5}, nonfinite_stored=0)
     (out / "eval" / "results.json").write_text(EvalResults(str(out), ("task",), None, "cpu", (scores,)).to_json())

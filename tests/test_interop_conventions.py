@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -10,13 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp8kv.checkpoint.conventions import CONVENTIONS
+from fp8kv import __version__
+from fp8kv.checkpoint.conventions import CONVENTIONS, QUARK_KV_ONLY_EXCLUDE, weight_method
 from fp8kv.checkpoint.convert import convert_checkpoint
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.errors import Fp8kvError
-from fp8kv.models.factory import make_checkpoint
+from fp8kv.tools.factory import make_checkpoint
 
 # Powers of two: exact in bfloat16, so a bf16 golden reads back bit-exactly.
 K = {0: 0.015625, 1: 0.03125}
@@ -310,3 +312,31 @@ def test_a_stale_kv_only_block_never_survives_a_rewrite(base, tmp_path):
     assert _blocks(write_checkpoint(first, tmp_path / "again", KVScales.from_floats(V, K))) == expected
     assert _blocks(convert_checkpoint(first, tmp_path / "ct", "compressed-tensors")) == expected
     assert _blocks(convert_checkpoint(first, tmp_path / "json", "vllm-json")) == {}
+
+
+def test_kv_only_modelopt_names_a_weight_algo_that_excludes_every_module(base, tmp_path):
+    # vLLM 0.32 refuses a null quant_algo; FP8 with every module excluded is the form it loads
+    out = write_checkpoint(base, tmp_path / "mo", KVScales.from_floats(K, V), convention="modelopt")
+    assert json.loads((out / "hf_quant_config.json").read_text()) == {
+        "producer": {"name": "fp8kv", "version": __version__}, "quant_method": "modelopt",
+        "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["*"]}}
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and "compression_config" not in config
+    # read back as unquantized weights: every format can be written from it again
+    assert weight_method(config, json.loads((out / "hf_quant_config.json").read_text())) is None
+    again = convert_checkpoint(out, tmp_path / "ct", "compressed-tensors")
+    assert read_kv_scales(again).scales.rows() == read_kv_scales(out).scales.rows()
+
+
+def test_kv_only_quark_excludes_every_module_but_vllms_attention_layers(base, tmp_path):
+    out = write_checkpoint(base, tmp_path / "quark", KVScales.from_floats(K, V), convention="quark")
+    block = json.loads((out / "config.json").read_text())["compression_config"]
+    assert block["exclude"] == [QUARK_KV_ONLY_EXCLUDE] == ["re:.*(?<!\\.attn)$"]
+    assert block["export"]["kv_cache_group"] == ["*k_proj", "*v_proj"]
+    pattern = QUARK_KV_ONLY_EXCLUDE.removeprefix("re:")  # vLLM applies re.match to its module names
+    for linear in ("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.experts",
+                   "lm_head", "transformer.h.0.attn.c_attn", "gpt_neox.layers.0.attention.query_key_value"):
+        assert re.match(pattern, linear), linear
+    for attention in ("model.layers.0.self_attn.attn", "transformer.h.0.attn.attn", "gpt_neox.layers.1.attention.attn"):
+        assert not re.match(pattern, attention), attention
+    assert weight_method(json.loads((out / "config.json").read_text()), None) is None

@@ -17,7 +17,7 @@ from fp8kv.data import load_tokenizer
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.cli import app
 from fp8kv.errors import Fp8kvError
-from fp8kv.models.factory import ARCHITECTURES, make_checkpoint
+from fp8kv.tools.factory import ARCHITECTURES, make_checkpoint
 
 WINDOW = 16  # the factory's sliding window; the corpus's records are longer, so windows matter
 

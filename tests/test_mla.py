@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fp8kv.geometry import AttentionGeometry, LatentCache
-from fp8kv.models.zoo import make_zoo_checkpoint
-from fp8kv.models.zoo_matrix import latent_cache_amax
+from fp8kv.tools.zoo import make_zoo_checkpoint
+from fp8kv.tools.zoo_matrix import latent_cache_amax
 
 SAMPLES = [list(range(5, 45)), list(range(60, 85)), list(range(100, 131))]
 
@@ -91,7 +91,7 @@ def calibrated(deepseek, tmp_path_factory):
     from typer.testing import CliRunner
 
     from fp8kv.cli import app
-    from fp8kv.models.zoo_matrix import corpus
+    from fp8kv.tools.zoo_matrix import corpus
 
     root = tmp_path_factory.mktemp("mla-out")
     out = root / "out"
@@ -109,11 +109,12 @@ def test_checkpoint_holds_one_latent_scale_per_layer_as_k_scale(calibrated, deep
     from transformers import AutoTokenizer
     from typer.testing import CliRunner
 
-    from fp8kv.calibrate.scales import DEFAULT_HEADROOM, scale_from_amax
+    from fp8kv.calibrate.scales import scale_from_amax
+    from fp8kv.options import DEFAULT_HEADROOM
     from fp8kv.checkpoint.conventions import SCALES_FILE
     from fp8kv.cli import app
     from fp8kv.data import DataRequest, load_calibration_data
-    from fp8kv.models.zoo_matrix import NUM_SAMPLES, SEQ_LEN, corpus
+    from fp8kv.tools.zoo_matrix import NUM_SAMPLES, SEQ_LEN, corpus
 
     tensors = load_file(calibrated / SCALES_FILE)
     assert sorted(tensors) == [f"model.layers.{i}.self_attn.{k}_scale" for i in (0, 1) for k in "kv"]
@@ -166,7 +167,7 @@ def test_layer_by_layer_observes_the_same_latent_as_the_whole_model(tmp_path) ->
     """MiniCPM3 (dense MLA): --layerwise scales are bit-identical to the whole-model path."""
     from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
     from fp8kv.data import DataRequest
-    from fp8kv.models.zoo_matrix import corpus
+    from fp8kv.tools.zoo_matrix import corpus
 
     src = make_zoo_checkpoint("minicpm3", tmp_path / "minicpm3")
     data = DataRequest(dataset=corpus(tmp_path), num_samples=3, seq_len=48)
@@ -185,7 +186,7 @@ def test_verify_runs_the_latent_cache_and_passes(calibrated, tmp_path) -> None:
 
     from fp8kv.cli import app
 
-    result = CliRunner().invoke(app, ["verify", str(calibrated), "--num-samples", "3", "--seq-len", "64",
+    result = CliRunner().invoke(app, ["verify", str(calibrated), "--dataset", "bundled", "--num-samples", "3", "--seq-len", "64",
                                       "--num-prompts", "2", "--new-tokens", "4", "--device", "cpu",
                                       "--report", str(tmp_path / "report")])
     report = json.loads((tmp_path / "report" / "report.json").read_text())

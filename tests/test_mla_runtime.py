@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8kv.calibrate.scales import DEFAULT_HEADROOM, scale_from_amax
+from fp8kv.calibrate.scales import scale_from_amax
+from fp8kv.options import DEFAULT_HEADROOM
 from fp8kv.checkpoint.load import load_language_model
 from fp8kv.errors import Fp8kvError
-from fp8kv.models.zoo import make_zoo_checkpoint
-from fp8kv.models.zoo_matrix import latent_cache_amax
+from fp8kv.tools.zoo import make_zoo_checkpoint
+from fp8kv.tools.zoo_matrix import latent_cache_amax
 from fp8kv.runtime.latent import LatentPagedCache
 from fp8kv.runtime.runner import PagedModelRunner
 from fp8kv.verify.accuracy import prefill, token_kl

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 import fp8kv.calibrate.pipeline as pipeline
 from fp8kv.checkpoint.conventions import CONVENTIONS
 from fp8kv.checkpoint.load import MODEL_DTYPES
-from fp8kv.fp8 import ENGINE_DESCRIPTIONS, ENGINES, FP8_MAX, VLLM_KV_CACHE_DTYPE
+from fp8kv.fp8 import ENGINE_DESCRIPTIONS, ENGINES
+from fp8kv.kvdtypes import FP8_MAX, VLLM_KV_CACHE_DTYPE
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode
 from fp8kv.options import KvDtype, ModelDtype
@@ -29,6 +30,12 @@ TYPOS = [
     ["verify", "bundled", "--device", "tpuu"],
     ["verify", "bundled", "--num-samples", "0"],
     ["convert", "bundled", "--to", "awq", "--out", "x"],
+    ["calibrate", "bundled", "--strategy", "minmax"],
+    ["calibrate", "bundled", "--strategy", "percentile:0"],
+    ["calibrate", "bundled", "--headroom", "lots"],
+    ["eval", "bundled", "--engines", "fast"],
+    ["eval", "bundled", "--limit", "-3"],
+    ["eval", "bundled", "--max-length", "0"],
 ]
 
 
@@ -111,3 +118,61 @@ def test_an_unexpected_exception_is_a_crash_never_warn(monkeypatch):
     result = CliRunner().invoke(app, ["verify", "bundled"])
     assert result.exit_code == ExitCode.CRASH
     assert "fp8kv: internal error: KeyError: 'bug' (a bug in fp8kv; rerun with FP8KV_DEBUG=1" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def quickstart_output(tmp_path_factory):
+    """A calibrated bundled model, as the quickstart's first command leaves it."""
+    out = tmp_path_factory.mktemp("fast") / "bundled-fp8kv"
+    result = CliRunner().invoke(app, ["calibrate", "bundled", "--dataset", "bundled", "--num-samples", "4",
+                                      "--seq-len", "32", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.mark.parametrize("command", [["--help"], ["verify", "--help"], ["eval", "--help"], ["card", "{out}"],
+                                     ["push", "{out}", "--repo-id", "me/x", "--dry-run", "--force"]],
+                         ids=lambda c: " ".join(c[:1] + c[2:]))
+def test_reading_commands_import_no_torch(command, quickstart_output):
+    """--help, card and push --dry-run read a few JSON files: they answer without importing torch."""
+    probe = ("import sys\nfrom fp8kv.cli import main\nsys.argv = ['fp8kv', *sys.argv[1:]]\n"
+             "try:\n    main()\nexcept SystemExit as exc:\n    print('exit', exc.code or 0)\n"
+             "print('torch' in sys.modules, 'transformers' in sys.modules)\n")
+    args = [part.format(out=quickstart_output) for part in command]
+    proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.splitlines()[-2:] == ["exit 0", "False False"], (proc.stdout, proc.stderr)
+
+
+def test_help_shows_the_arguments_by_name():
+    for command, argument in (("calibrate", "MODEL"), ("verify", "MODEL"), ("inspect", "MODEL"), ("eval", "DIR"),
+                              ("card", "DIR"), ("push", "DIR")):
+        usage = CliRunner().invoke(app, [command, "--help"], prog_name="fp8kv").stdout.splitlines()[0]
+        assert usage == f"Usage: fp8kv {command} [OPTIONS] {argument}", usage
+
+
+def test_inspect_takes_bundled_like_verify_and_eval():
+    result = CliRunner().invoke(app, ["inspect", "bundled", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["path"].endswith("models/bundled/model")
+
+
+def _probe(args: list[str], before: str = "") -> list[str]:
+    """Run the console entry point in a fresh interpreter; return its last lines after the command."""
+    probe = (f"import logging, os, sys\n{before}\nfrom fp8kv.cli import main\nsys.argv = ['fp8kv', *sys.argv[1:]]\n"
+             "try:\n    main()\nexcept SystemExit as exc:\n    print('exit', exc.code or 0)\n"
+             "print(os.environ.get('TRANSFORMERS_VERBOSITY'), logging.getLogger('lm_eval').level, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in __import__("os").environ.items() if k != "TRANSFORMERS_VERBOSITY"})
+    return [*proc.stdout.splitlines()[-2:], proc.stderr]
+
+
+def test_eval_without_its_extra_names_the_install_command():
+    exit_line, state, stderr = _probe(["eval", "bundled"], before="sys.modules['lm_eval'] = None  # not installed")
+    assert exit_line == f"exit {int(ExitCode.USAGE)}" and state.endswith("False")
+    assert stderr == ('fp8kv: error: fp8kv eval needs lm-evaluation-harness: pip install "fp8kv[eval]" '
+                      '(from a clone: pip install ".[eval]")\n')
+
+
+def test_third_party_notes_are_quiet_unless_verbose(tmp_path):
+    assert _probe(["card", str(tmp_path)])[1] == "error 40 False"  # TRANSFORMERS_VERBOSITY, logging.ERROR
+    assert _probe(["-v", "card", str(tmp_path)])[1] == "None 0 False"

@@ -10,7 +10,7 @@ from fp8kv.data import DataRequest
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT, BUNDLED_MODEL_DIR, BUNDLED_OUTLIERS_DIR
-from fp8kv.models.outliers import OUTLIERS, build
+from fp8kv.tools.outliers import OUTLIERS, build
 
 
 def test_the_committed_files_are_what_the_script_builds(tmp_path):

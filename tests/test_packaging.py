@@ -17,7 +17,7 @@ from fp8kv.cli import app
 
 REPO = Path(fp8kv.__file__).parent
 # Repository folders that are not part of the package.
-NOT_PACKAGED = {".venv", ".git", ".ci", "tests", "bench", "build", "dist", "out", "__pycache__"}
+NOT_PACKAGED = {".venv", ".git", ".ci", "tests", "bench", "tools", "build", "dist", "out", "__pycache__"}
 
 
 def _commands() -> list[str]:
@@ -45,7 +45,8 @@ def test_every_command_has_help() -> None:
 
 def _source_copy(destination: Path) -> Path:
     """The repository without venv, VCS and build outputs, so building touches nothing shared."""
-    ignored = shutil.ignore_patterns(*NOT_PACKAGED - {"tests", "bench"}, "*.egg-info", ".*cache")
+    # bench/.vllm-venv: vLLM's own venv (bench/vllm_venv.sh), gigabytes that are never packaged
+    ignored = shutil.ignore_patterns(*NOT_PACKAGED - {"tests", "bench", "tools"}, ".vllm-venv", "*.egg-info", ".*cache")
     return Path(shutil.copytree(REPO, destination, ignore=ignored))
 
 
@@ -71,6 +72,7 @@ def test_install_has_only_the_fp8kv_package_at_top_level(installed: Path) -> Non
     assert not generic, f"generic top-level names installed: {sorted(generic)}"
     assert not (installed / "fp8kv" / "tests").exists()
     assert not (installed / "fp8kv" / "bench").exists()
+    assert not (installed / "fp8kv" / "tools").exists()  # the model builders are development tools
 
 
 def _package_files() -> list[Path]:
@@ -89,7 +91,7 @@ def _package_files() -> list[Path]:
 
 def test_install_has_every_module_and_data_file(installed: Path) -> None:
     package = installed / "fp8kv"
-    for name in ("cli.py", "calibrate", "runtime", "configs", "models/train.py"):
+    for name in ("cli.py", "calibrate", "runtime", "configs", "models/__init__.py"):
         assert (package / name).exists(), name
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (package / "models" / "bundled" / "model" / name).is_file(), name

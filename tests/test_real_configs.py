@@ -14,8 +14,8 @@ from fp8kv.checkpoint.load import cache_kwargs, fold_repeated_heads
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode, Fp8kvError
 from fp8kv.geometry import AttentionGeometry
-from fp8kv.models.zoo import make_zoo_checkpoint, make_zoo_config
-from fp8kv.models.zoo_matrix import corpus
+from fp8kv.tools.zoo import make_zoo_checkpoint, make_zoo_config
+from fp8kv.tools.zoo_matrix import corpus
 
 NEW_FALCON = {"new_decoder_architecture": True, "num_kv_heads": 2}  # Falcon-40B's layout: 4 heads, 2 KV heads
 

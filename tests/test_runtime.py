@@ -10,7 +10,7 @@ import torch
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 from fp8kv.errors import Fp8kvError  # noqa: E402
-from fp8kv.models.factory import ARCHITECTURES, make_checkpoint  # noqa: E402
+from fp8kv.tools.factory import ARCHITECTURES, make_checkpoint  # noqa: E402
 from fp8kv.runtime.device import resolve_device  # noqa: E402
 from fp8kv.runtime.runner import PagedModelRunner, load_model  # noqa: E402
 
@@ -219,7 +219,7 @@ def test_runner_through_torch_xla_reference_attention(checkpoints):
 def test_models_with_their_own_attention_code_attend_over_the_pages(model_type, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from fp8kv.models.zoo import make_zoo_checkpoint
+    from fp8kv.tools.zoo import make_zoo_checkpoint
 
     path = make_zoo_checkpoint(model_type, tmp_path / model_type)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -247,7 +247,7 @@ def test_models_with_their_own_attention_code_attend_over_the_pages(model_type, 
 def test_hybrids_keep_each_sequences_recurrent_state_apart(model_type, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from fp8kv.models.zoo import make_zoo_checkpoint
+    from fp8kv.tools.zoo import make_zoo_checkpoint
 
     path = make_zoo_checkpoint(model_type, tmp_path / model_type)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -277,7 +277,7 @@ def test_hybrids_keep_each_sequences_recurrent_state_apart(model_type, tmp_path)
 def test_models_the_runtime_adapts_to_reproduce_transformers(model_type, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from fp8kv.models.zoo import make_zoo_checkpoint
+    from fp8kv.tools.zoo import make_zoo_checkpoint
 
     path = make_zoo_checkpoint(model_type, tmp_path / model_type)
     decoder = {"is_decoder": True} if model_type == "roberta" else {}  # the paged attention is causal
@@ -293,7 +293,7 @@ def test_models_the_runtime_adapts_to_reproduce_transformers(model_type, tmp_pat
 
 @pytest.mark.parametrize("model_type", ["cpmant", "xlm"])  # prepends its prompt tokens; re-reads the whole sequence
 def test_models_caching_other_tokens_than_the_new_ones_are_refused_in_one_line(model_type, tmp_path):
-    from fp8kv.models.zoo import make_zoo_checkpoint
+    from fp8kv.tools.zoo import make_zoo_checkpoint
 
     runner = _runner(make_zoo_checkpoint(model_type, tmp_path / model_type), dtype=torch.float32)
     seq, _ = runner.start()
@@ -303,7 +303,7 @@ def test_models_caching_other_tokens_than_the_new_ones_are_refused_in_one_line(m
 
 
 def test_a_model_keeping_its_recurrent_state_in_its_modules_is_refused_in_one_line(tmp_path):
-    from fp8kv.models.zoo import make_zoo_checkpoint
+    from fp8kv.tools.zoo import make_zoo_checkpoint
 
     path = make_zoo_checkpoint("recurrent_gemma", tmp_path / "recurrent_gemma")
     with pytest.raises(Fp8kvError, match=r"^recurrent_gemma keeps its recurrent state inside its modules"):

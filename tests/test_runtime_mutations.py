@@ -3,11 +3,10 @@ rounds like e4m3, K and V scales swapped."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp8kv.models.factory import make_checkpoint
+from fp8kv.tools.factory import make_checkpoint
 from fp8kv.runtime.attention import ragged_paged_attention
 from fp8kv.runtime.cache import PagedKVCache
 from fp8kv.runtime.runner import PagedModelRunner

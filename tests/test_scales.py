@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp8kv.observe import NUM_BINS, KVStatistics
-from fp8kv.calibrate.scales import Strategy, compute_scales, saturation_share, scale_from_amax
+from fp8kv.calibrate.scales import compute_scales, saturation_share, scale_from_amax
+from fp8kv.options import Strategy
 from fp8kv.errors import Fp8kvError
 
 
@@ -35,7 +36,7 @@ def test_round_up_happens_where_division_rounds_down():
 
 def test_headroom_multiplies_and_must_be_at_least_one():
     assert scale_from_amax(torch.tensor([448.0]), headroom=1.5).item() == 1.5
-    with pytest.raises(Fp8kvError, match="--headroom must be at least 1.0"):
+    with pytest.raises(Fp8kvError, match="--headroom 0.5 is below 1.0: a scale under amax/MAX clips values it has seen"):
         scale_from_amax(torch.tensor([1.0]), headroom=0.5)
 
 
@@ -56,8 +57,7 @@ def statistics_from(values: dict[tuple[int, int], torch.Tensor], layers: int = 2
     for layer in range(layers):
         k = values.get((layer, 0), torch.ones(4, heads, 2))
         v = values.get((layer, 1), torch.ones(4, heads, 2))
-        as_cache = lambda x: x.permute(1, 0, 2).unsqueeze(0)  # [1, heads, tokens, dim]
-        stats.fold(layer, as_cache(k), as_cache(v), None)
+        stats.fold(layer, _as_cache(k), _as_cache(v), None)
     return stats
 
 
@@ -128,3 +128,8 @@ def test_histogram_counts_every_real_value_once():
     stats = statistics_from({(0, 0): torch.randn(10, 2, 4)})
     assert stats.hist[0, 0].sum().item() == 10 * 2 * 4
     assert stats.tokens.tolist() == [10, 4]
+
+
+def _as_cache(x: torch.Tensor) -> torch.Tensor:
+    """[tokens, heads, dim] as a cache holds it: [1, heads, tokens, dim]."""
+    return x.permute(1, 0, 2).unsqueeze(0)

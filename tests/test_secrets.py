@@ -19,7 +19,7 @@ import fp8kv.calibrate.pipeline as pipeline_module
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.cli import app
 from fp8kv.errors import Fp8kvError
-from fp8kv.models.factory import make_checkpoint
+from fp8kv.tools.factory import make_checkpoint
 
 TOKEN = "hf_fakeTOKEN1234567890abcdefSECRETxyz"
 

@@ -10,7 +10,7 @@ import torch
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 from fp8kv.errors import Fp8kvError  # noqa: E402
-from fp8kv.models.factory import make_checkpoint  # noqa: E402
+from fp8kv.tools.factory import make_checkpoint  # noqa: E402
 from fp8kv.runtime.runner import PagedModelRunner  # noqa: E402
 
 PROMPT = [(7 * i + 11) % 500 + 4 for i in range(23)]

@@ -14,7 +14,7 @@ import torch_xla  # noqa: E402
 import torch_xla.experimental.custom_kernel as custom_kernel  # noqa: E402
 
 from fp8kv.errors import Fp8kvError  # noqa: E402
-from fp8kv.models.factory import make_checkpoint  # noqa: E402
+from fp8kv.tools.factory import make_checkpoint  # noqa: E402
 from fp8kv.runtime import device as runtime_device  # noqa: E402
 from fp8kv.runtime import runner as runtime_runner  # noqa: E402
 from fp8kv.runtime.attention import kernel_supported  # noqa: E402
@@ -37,7 +37,8 @@ def test_device_tpu_says_what_is_missing(monkeypatch):
         resolve_device("tpu")
     real_find_spec = importlib.util.find_spec
     for package in ("libtpu", "torch_xla"):
-        monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == package else real_find_spec(name))
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, missing=package: None if name == missing else real_find_spec(name))
         with pytest.raises(Fp8kvError, match=rf"^device 'tpu' requested but {package} is not installed"):
             resolve_device("tpu")
     monkeypatch.setattr(importlib.util, "find_spec", real_find_spec)

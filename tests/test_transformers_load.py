@@ -17,9 +17,9 @@ from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.checkpoint.load import model_class
 from fp8kv.data import DataRequest
 from fp8kv.geometry import read_config
-from fp8kv.models.factory import make_checkpoint
-from fp8kv.models.zoo import make_zoo_checkpoint
-from fp8kv.models.zoo_matrix import NUM_SAMPLES, SEQ_LEN, corpus
+from fp8kv.tools.factory import make_checkpoint
+from fp8kv.tools.zoo import make_zoo_checkpoint
+from fp8kv.tools.zoo_matrix import NUM_SAMPLES, SEQ_LEN, corpus
 
 # A dense model, a per-expert MoE, one without num_key_value_heads (opt), a vision-language wrapper
 # (head counts in text_config) and per-layer head dims (gemma4): each once failed to load.

@@ -18,7 +18,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 from fp8kv.data import DataRequest  # noqa: E402
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
 from fp8kv.cli import app  # noqa: E402
-from fp8kv.models.factory import MOE_ARCHITECTURES, make_checkpoint  # noqa: E402
+from fp8kv.tools.factory import MOE_ARCHITECTURES, make_checkpoint  # noqa: E402
 from fp8kv.verify.fidelity import MIN_BOUND  # noqa: E402
 from fp8kv.verify.report import VerifyReport  # noqa: E402
 from fp8kv.verify.run import VerifyRequest, verify  # noqa: E402

@@ -62,12 +62,24 @@ def test_report_json_has_no_nan():
 def test_warnings_explain_their_numbers_and_the_fix():
     thresholds = load_thresholds()
     row = {"layer": 3, "k_saturation": 0.0, "v_saturation": 0.0002, "k_max_ratio": 400.0, "v_max_ratio": 483.84}
-    (saturation,) = heldout_reasons([row], thresholds, 448.0)
+    (saturation, fix) = heldout_reasons([row], thresholds, 448.0)
     assert saturation.message == (
         "layer 3: 0.020% of V values saturate at ±448 (WARN above 0.010%); the largest |x|/scale is 483.8, 8.0% past "
-        "the calibrated range. Engines that clamp store them as ±448. Fix: recalibrate with --headroom 1.08 (every "
+        "the calibrated range")
+    assert fix.message == (
+        "engines that clamp store those values as ±448. Fix: recalibrate with --headroom 1.08 (every "
         "scale x1.08; e4m3's relative precision is the same across its range, so this costs almost nothing) or on "
         "text like this.")
+
+
+def test_several_saturating_layers_get_one_fix_that_covers_them_all():
+    rows = [{"layer": i, "k_saturation": 0.0002, "v_saturation": 0.0003, "k_max_ratio": 450.0 + i, "v_max_ratio": 460.0 + 7 * i}
+            for i in range(3)]
+    reasons = heldout_reasons(rows, load_thresholds(), 448.0)
+    assert len(reasons) == 7 and sum("--headroom" in r.message for r in reasons) == 1
+    assert reasons[-1].message.startswith("engines that clamp store those values as ±448. Fix for every layer: "
+                                          "recalibrate with --headroom 1.06 ")  # 474 / 448, the worst layer
+    assert not any("--headroom" in r.message for r in heldout_reasons(rows, load_thresholds(), 448.0, with_fix=False))
 
 
 def test_an_engine_that_writes_nan_fails_by_name_with_the_fix():
@@ -80,3 +92,13 @@ def test_an_engine_that_writes_nan_fails_by_name_with_the_fix():
     assert reason.message.startswith("engine raw (divide in float32, plain cast): 512 of 3234 logit rows NaN/inf, "
                                      "2 of 16 sequences lost; first NaN/inf in the cache of layer 3. Fix: recalibrate "
                                      "with --headroom 1.08")
+
+
+def test_a_pass_says_when_calibrated_and_unit_perplexity_differ_by_noise():
+    from fp8kv.verify.verdict import unit_scale_note
+
+    note = unit_scale_note({"ppl_fp8": 37.8146, "ppl_fp8_unit": 37.7955}, 1.01)
+    assert note.startswith("perplexity with these scales and with unit scales differ by 0.05%, inside the 1% the "
+                           "verdict treats as noise (--unit-ppl-ratio 1.01)")
+    assert unit_scale_note({"ppl_fp8": 38.5, "ppl_fp8_unit": 37.7955}, 1.01) is None  # that one WARNs instead
+    assert unit_scale_note({"ppl_fp8": math.nan, "ppl_fp8_unit": 37.7955}, 1.01) is None

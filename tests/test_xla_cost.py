@@ -8,7 +8,7 @@ import pytest
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-from fp8kv.models.factory import make_checkpoint  # noqa: E402
+from fp8kv.tools.factory import make_checkpoint  # noqa: E402
 from fp8kv.runtime.runner import PagedModelRunner, load_model  # noqa: E402
 from fp8kv.runtime.xla_cost import warm_decode_step  # noqa: E402
 

@@ -3,7 +3,7 @@
 Each architecture is built tiny from transformers' own config class and calibrated; its amax must
 equal what transformers' DynamicCache stores (exact, or within one bf16 step), and fp8kv's output
 must load in transformers. A representative subset runs by default; FP8KV_ZOO=all runs them all
-(`python -m fp8kv.models.zoo_matrix` prints the docs/architectures.md table from the same code).
+(`python -m fp8kv.tools.zoo_matrix` prints the docs/architectures.md table from the same code).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from fp8kv.models.zoo import causal_lm_types
-from fp8kv.models.zoo_matrix import (
+from fp8kv.tools.zoo import causal_lm_types
+from fp8kv.tools.zoo_matrix import (
     EXACT, FAILING, LAYERWISE, REFUSED, REPRESENTATIVE, TOLERANCE, judge, judge_layerwise,
 )
 
@@ -76,7 +76,7 @@ def test_layerwise_scales_are_the_whole_models(model_type: str, tmp_path) -> Non
 
 def test_mimo_sliding_layers_cache_twice_the_kv_heads_and_narrower_v(tmp_path) -> None:
     from fp8kv.geometry import AttentionGeometry
-    from fp8kv.models.zoo import make_zoo_config
+    from fp8kv.tools.zoo import make_zoo_config
 
     geometry = AttentionGeometry.from_dir(make_zoo_config("mimo_v2_flash", tmp_path))
     assert geometry.layer_types == ("full_attention", "sliding_attention")
@@ -146,7 +146,7 @@ def test_kv_sharing_layers_read_their_source_layers_cache(tmp_path) -> None:
     import torch
 
     from fp8kv.geometry import AttentionGeometry
-    from fp8kv.models.zoo import make_zoo_checkpoint
+    from fp8kv.tools.zoo import make_zoo_checkpoint
     from fp8kv.runtime.runner import PagedModelRunner
     from fp8kv.verify.fidelity import measure_fidelity
 
@@ -182,7 +182,7 @@ def test_gemma4_layers_of_other_geometry_and_shared_caches_run_on_their_own_page
     import torch
 
     from fp8kv.geometry import AttentionGeometry
-    from fp8kv.models.zoo import make_zoo_checkpoint
+    from fp8kv.tools.zoo import make_zoo_checkpoint
     from fp8kv.runtime.runner import PagedModelRunner
     from fp8kv.verify.fidelity import measure_fidelity
 
@@ -202,7 +202,7 @@ def test_gemma4_layers_of_other_geometry_and_shared_caches_run_on_their_own_page
 
 @pytest.mark.parametrize("model_type", REPRESENTATIVE)
 def test_verify_runs_on_every_architecture_that_calibrates(model_type: str, tmp_path) -> None:
-    from fp8kv.models.zoo_matrix import PASS, WARN, judge_and_verify
+    from fp8kv.tools.zoo_matrix import PASS, WARN, judge_and_verify
 
     result = judge_and_verify(model_type, tmp_path)
     if result.status not in (EXACT, TOLERANCE):
@@ -229,7 +229,7 @@ def test_an_encoder_config_without_is_decoder_is_refused_in_one_line(tmp_path) -
 
     from fp8kv.errors import Fp8kvError
     from fp8kv.geometry import AttentionGeometry
-    from fp8kv.models.zoo import make_zoo_config
+    from fp8kv.tools.zoo import make_zoo_config
 
     folder = make_zoo_config("roberta", tmp_path / "roberta")
     config = json.loads((folder / "config.json").read_text())

@@ -21,7 +21,7 @@ from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.runtime.cache import Scale
 from fp8kv.runtime.device import resolve_device
 from fp8kv.runtime.runner import PagedModelRunner, load_model
-from fp8kv.verify.engines import EngineResult, EngineTotals
+from fp8kv.verify.engines import EngineResult, first_nonfinite_layer
 
 
 @dataclass
@@ -112,14 +112,29 @@ def _same_bits(value: float | tuple[float, ...] | torch.Tensor, stored: torch.Te
 
 
 @dataclass
+class NextTokenLoss:
+    """Running negative log-likelihood of each token given the ones before it; its perplexity."""
+
+    nll: float = 0.0
+    predicted: int = 0  # tokens scored (every token after a sample's first)
+
+    def add(self, ids: list[int], logp: torch.Tensor) -> None:
+        """Fold one sample: `ids` [L] and its log-probabilities [L, vocab]."""
+        self.nll -= float(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).double().sum())
+        self.predicted += len(ids) - 1
+
+    def perplexity(self) -> float:
+        return math.exp(self.nll / max(self.predicted, 1)) if math.isfinite(self.nll) else math.nan
+
+
+@dataclass
 class _Totals:
     """Running sums over held-out tokens; `kl_*`/`top1` compare with the bf16 reference."""
 
-    nll: dict[str, float] = field(default_factory=lambda: {"bf16": 0.0, "fp8": 0.0, "unit": 0.0})
+    loss: dict[str, NextTokenLoss] = field(default_factory=lambda: {n: NextTokenLoss() for n in ("bf16", "fp8", "unit")})
     kl: dict[str, float] = field(default_factory=lambda: {"fp8": 0.0, "unit": 0.0})
     kl_max: dict[str, float] = field(default_factory=lambda: {"fp8": 0.0, "unit": 0.0})
     top1: dict[str, int] = field(default_factory=lambda: {"fp8": 0, "unit": 0})
-    predicted: int = 0  # next-token predictions scored for perplexity (tokens after the first)
     compared: int = 0  # distributions compared (every token)
 
     def add(self, ids: list[int], logits: dict[str, torch.Tensor]) -> None:
@@ -128,9 +143,8 @@ class _Totals:
         float32 log-softmax: KL agrees with float64 to ~3e-5 relative on 32k vocabularies at a third of the time.
         """
         logp = {name: torch.log_softmax(x.float(), dim=-1) for name, x in logits.items()}
-        target = torch.tensor(ids[1:])
         for name, lp in logp.items():
-            self.nll[name] -= float(lp[:-1].gather(1, target[:, None]).double().sum())
+            self.loss[name].add(ids, lp)
         ref = logp["bf16"]
         top_ref = ref.argmax(-1)
         for name in ("fp8", "unit"):
@@ -138,12 +152,10 @@ class _Totals:
             self.kl[name] += float(kl.sum())
             self.kl_max[name] = max(self.kl_max[name], float(kl.max())) if not kl.isnan().any() else math.nan
             self.top1[name] += int((logp[name].argmax(-1) == top_ref).sum())
-        self.predicted += len(ids) - 1
         self.compared += len(ids)
 
     def summary(self) -> dict[str, float]:
-        ppl = {name: math.exp(nll / max(self.predicted, 1)) if math.isfinite(nll) else math.nan
-               for name, nll in self.nll.items()}
+        ppl = {name: loss.perplexity() for name, loss in self.loss.items()}
         n = max(self.compared, 1)
         return {
             "ppl_bf16": ppl["bf16"], "ppl_fp8": ppl["fp8"], "ppl_fp8_unit": ppl["unit"],
@@ -151,6 +163,30 @@ class _Totals:
             "kl_mean_unit": self.kl["unit"] / n, "kl_max_unit": self.kl_max["unit"],
             "top1_agreement_unit": self.top1["unit"] / n,
         }
+
+
+@dataclass
+class EngineTotals:
+    """Running sums of one engine model over samples."""
+
+    loss: NextTokenLoss = field(default_factory=NextTokenLoss)
+    nan_rows: int = 0
+    rows: int = 0
+    lost: int = 0
+    sequences: int = 0
+
+    def add(self, ids: list[int], logits: torch.Tensor) -> None:
+        """Fold one sample: `ids` [L] and float32 logits [L, vocab]."""
+        bad_rows = int((~torch.isfinite(logits)).any(-1).sum())
+        self.loss.add(ids, torch.log_softmax(logits.float(), dim=-1))
+        self.nan_rows += bad_rows
+        self.rows += len(ids)
+        self.lost += bad_rows > 0
+        self.sequences += 1
+
+    def result(self, engine: str, runner: PagedModelRunner) -> EngineResult:
+        return EngineResult(engine, self.loss.perplexity(), self.nan_rows, self.rows, self.lost, self.sequences,
+                            first_nonfinite_layer(runner))
 
 
 def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:

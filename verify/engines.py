@@ -8,11 +8,8 @@ NaN/inf value (later layers inherit it).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
-
-import torch
 
 from fp8kv.fp8 import ENGINE_DESCRIPTIONS, ENGINES, check_engine
 from fp8kv.runtime.runner import PagedModelRunner
@@ -41,34 +38,6 @@ class EngineResult:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass
-class EngineTotals:
-    """Running sums of one engine over samples."""
-
-    nll: float = 0.0
-    predicted: int = 0
-    nan_rows: int = 0
-    rows: int = 0
-    lost: int = 0
-    sequences: int = 0
-
-    def add(self, ids: list[int], logits: torch.Tensor) -> None:
-        """Fold one sample: `ids` [L] and float32 logits [L, vocab]."""
-        bad_rows = int((~torch.isfinite(logits)).any(-1).sum())
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        self.nll -= float(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).double().sum())
-        self.predicted += len(ids) - 1
-        self.nan_rows += bad_rows
-        self.rows += len(ids)
-        self.lost += bad_rows > 0
-        self.sequences += 1
-
-    def result(self, engine: str, runner: PagedModelRunner) -> EngineResult:
-        ppl = math.exp(self.nll / max(self.predicted, 1)) if math.isfinite(self.nll) else math.nan
-        return EngineResult(engine, ppl, self.nan_rows, self.rows, self.lost, self.sequences,
-                            first_nonfinite_layer(runner))
 
 
 def first_nonfinite_layer(runner: PagedModelRunner) -> int | None:

@@ -16,12 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from fp8kv.checkpoint.digest import CheckpointDigest
-from fp8kv.checkpoint.writer import write_file_atomic
+from fp8kv.checkpoint.artifacts import write_file_atomic
+from fp8kv.checkpoint.provenance import record_written
 from fp8kv.checks import Finding
 from fp8kv.errors import Fp8kvError
 from fp8kv.console import markdown_table
-from fp8kv.fp8 import FP8_MAX, RAW_CAST_FINITE_LIMIT
+from fp8kv.kvdtypes import FP8_MAX, RAW_CAST_FINITE_LIMIT
+from fp8kv.json_fields import typed
 from fp8kv.options import DEFAULT_KV_DTYPE
+from fp8kv.verify.verdict import unit_scale_note
 
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "scales.png"
 _ACCURACY = [("Perplexity, bf16 cache", "ppl_bf16", "{:.4f}"), ("Perplexity, fp8 + these scales", "ppl_fp8", "{:.4f}"),
@@ -85,9 +88,9 @@ class VerifyReport:
             raise Fp8kvError(f"{where}: cannot be read as JSON ({exc})") from None
         digest = CheckpointDigest.from_json(data.get("digest") if isinstance(data, dict) else None, str(where))
         try:
-            values = {name: _checked(data, name, kind) for name, kind in _JSON_KINDS.items()
+            values = {name: typed(data, name, kind) for name, kind in _JSON_KINDS.items()
                       if name not in _OPTIONAL_SECTIONS or data.get(name) is not None}
-            reasons = tuple(Finding(_checked(r, "level", str), _checked(r, "message", str)) for r in values.pop("reasons"))
+            reasons = tuple(Finding(typed(r, "level", str), typed(r, "message", str)) for r in values.pop("reasons"))
         except (KeyError, TypeError) as exc:
             detail = f"missing {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
             raise Fp8kvError(f"{where}: not an fp8kv verify report ({detail}); run `fp8kv verify` again") from None
@@ -106,24 +109,20 @@ _JSON_KINDS: dict[str, type | tuple[type, ...]] = {
 }
 
 
-def _checked(data: Any, key: str, kind: type | tuple[type, ...]) -> Any:
-    if not isinstance(data, dict):
-        raise TypeError(f"{data!r} is not an object")
-    value = data[key]
-    if not isinstance(value, kind):
-        expected = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise TypeError(f"{key!r} is {type(value).__name__}, not {expected}")
-    return value
-
-
 def write_report(report: VerifyReport, out_dir: Path) -> None:
-    """Write report.json, report.md and scales.png into `out_dir` (created if missing)."""
+    """Write report.json, report.md and, with the `plot` extra, scales.png into `out_dir` (created if missing)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     text = report.to_json()
     clean = VerifyReport.from_json(text, out_dir / REPORT_JSON)  # what a reader of report.json sees: NaN as None
     write_file_atomic(out_dir / REPORT_JSON, text.encode())
     write_file_atomic(out_dir / REPORT_MD, render_markdown(clean).encode())
-    write_file_atomic(out_dir / PLOT, plot_png(clean))
+    png = plot_png(clean)
+    if png is None:  # a plot of an earlier run would show other numbers than this report
+        (out_dir / PLOT).unlink(missing_ok=True)
+        record_written(out_dir / REPORT_JSON, out_dir / REPORT_MD)
+        return
+    write_file_atomic(out_dir / PLOT, png)
+    record_written(out_dir / REPORT_JSON, out_dir / REPORT_MD, out_dir / PLOT)
 
 
 def finite_json(value: Any) -> Any:
@@ -208,8 +207,8 @@ def _fmt(value: Any, spec: str = "{}") -> str:
     return spec.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
-def plot_png(report: VerifyReport) -> bytes:
-    """PNG bytes: the reason for the verdict at a glance.
+def plot_png(report: VerifyReport) -> bytes | None:
+    """PNG bytes: the reason for the verdict at a glance; None without matplotlib (`pip install "fp8kv[plot]"`).
 
     Top: per layer, the largest |x|/scale of K and V on the held-out text against the fp8 maximum
     (clamped above it) and the raw-cast limit (NaN/inf above it without a clamp). Bottom: the share
@@ -219,7 +218,10 @@ def plot_png(report: VerifyReport) -> bytes:
 
     # matplotlib caches its font list in ~/.cache; keep it in the temp dir (fp8kv writes nowhere else).
     os.environ.setdefault("MPLCONFIGDIR", os.path.join(tempfile.gettempdir(), "fp8kv-matplotlib"))
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
@@ -267,6 +269,9 @@ def show(result: Any, json_output: bool = False) -> None:
     accuracy = report.accuracy or {}
     if accuracy:
         print("  " + ", ".join(f"{key} {_fmt(accuracy.get(key), spec)}" for _, key, spec in _ACCURACY[:6]))
+    note = unit_scale_note(accuracy, report.thresholds["unit_ppl_ratio"]) if accuracy else None
+    if note:
+        print(f"  note: {note}")
     for e in report.engines:
         print(f"  engine {e['engine']}: ppl {_fmt(e['ppl'], '{:.4f}')}, NaN/inf rows {e['nan_rows']} of {e['rows']}, "
               f"sequences lost {e['sequences_lost']} of {e['sequences']}")

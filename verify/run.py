@@ -23,7 +23,7 @@ from fp8kv.checkpoint.writer import check_writable_location
 from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import ENGINES
 from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
-from fp8kv.progress import StageProgress, stage_callback
+from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime import xla_cost
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, engines, fidelity, generation, heldout
@@ -75,7 +75,7 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     report_dir = report_location(str(request.model_dir), model_dir, request.report_dir)
     check_writable_location(report_dir / REPORT_JSON)  # before the work, so its results are never lost
     clock = time.perf_counter()
-    _stage(progress, "static checks")
+    announce(progress, "static checks")
     static = static_checks(model_dir)
     reasons, held_out, timings = list(static.reasons), {}, {}
     if static.runnable:
@@ -91,12 +91,19 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     else:
         reasons.append(Finding(FAIL, "held-out checks skipped: the scales cannot drive an fp8 cache"))
     timings = {**timings, "total": time.perf_counter() - clock}
-    outcome = verdict(reasons)
-    report = VerifyReport(**_static_fields(static, runtime.kind, thresholds), **held_out, verdict=outcome,
-                          exit_code=EXIT_CODES[outcome], timings_s=timings, reasons=tuple(reasons))
-    _stage(progress, f"writing the report to {report_dir}")
+    report = build_report(static, runtime.kind, thresholds, reasons, held_out, timings)
+    announce(progress, f"writing the report to {report_dir}")
     write_report(report, report_dir)
-    return VerifyResult(outcome, EXIT_CODES[outcome], report, report_dir)
+    return VerifyResult(report.verdict, report.exit_code, report, report_dir)
+
+
+def build_report(static: StaticResult, device: str, thresholds: Thresholds, reasons: list[Finding],
+                 held_out: dict[str, Any], timings: dict[str, float]) -> VerifyReport:
+    """The report of one run: the static part, the held-out sections measured (none when skipped), and the
+    verdict `reasons` give."""
+    outcome = verdict(reasons)
+    return VerifyReport(**_static_fields(static, device, thresholds), **held_out, verdict=outcome,
+                        exit_code=EXIT_CODES[outcome], timings_s=timings, reasons=tuple(reasons))
 
 
 def report_location(model: str, model_dir: Path, requested: Path | None) -> Path:
@@ -142,7 +149,7 @@ def _heldout_text(request: VerifyRequest, static: StaticResult, device: str,
                   progress: StageProgress | None) -> tuple[Any, CalibrationData]:
     """The checkpoint's tokenizer and the held-out samples it reads (the data note goes to `progress`)."""
     tokenizer = load_tokenizer(static.readout.source.path, False)
-    _stage(progress, "loading held-out text")
+    announce(progress, "loading held-out text")
     data = heldout.load_heldout(request.data, tokenizer, static.readout.source, "cuda" if device == "cuda" else "cpu")
     if data.note and progress is not None:
         progress.note(data.note)
@@ -164,7 +171,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
 
     clock = time.perf_counter()
     stats_device = "cuda" if device == "cuda" else "cpu"  # the observer runs on torch devices
-    _stage(progress, "loading the model")
+    announce(progress, "loading the model")
     statistics = heldout.observe_heldout(source, data, tokenizer, stats_device, request.batch_size,
                                                stage_callback(progress, "observing K/V (samples)"))
     rows = heldout.max_ratio_rows(statistics, scales, kv_layers)
@@ -174,7 +181,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     prompts = _prompts(request, data, tokenizer)
     longest = max(max(len(s) for s in data.samples), max(len(p) for p in prompts) + request.new_tokens)
     compiles_before = xla_cost.compiles() if resolve_device(request.device).is_xla else None
-    _stage(progress, f"loading the fp8 runtime ({request.device})")
+    announce(progress, f"loading the fp8 runtime ({request.device})")
     runners = accuracy.Runners.open(
         source.path, scales, kv_layers, device=request.device, page_size=request.page_size,
         max_model_len=longest, max_num_seqs=max(request.batch_size, 2 * len(prompts)), engines=request.engines,
@@ -202,14 +209,14 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     layers = [{**row, **counts[row["layer"]]} for row in rows]
 
     clock = time.perf_counter()
-    _stage(progress, f"greedy generation ({len(prompts)} prompts x {request.new_tokens} tokens)")
+    announce(progress, f"greedy generation ({len(prompts)} prompts x {request.new_tokens} tokens)")
     gen = generation.compare_generation(runners.bf16, runners.fp8, prompts, request.new_tokens)
     timings["generation"] = time.perf_counter() - clock
     nan_with_clamp = {row["layer"]: row["nan_with_clamp"] for row in layers if row["nan_with_clamp"]}
     reasons += accuracy_reasons(measured, nan_with_clamp, thresholds)
     worst_ratio = max((max(row["k_max_ratio"], row["v_max_ratio"]) for row in layers), default=0.0)
-    reasons += engines.engine_reasons(engine_results, worst_ratio, scales.fp8_max)
-    reasons += heldout_reasons(layers, thresholds, scales.fp8_max)
+    engine_failures = engines.engine_reasons(engine_results, worst_ratio, scales.fp8_max)  # each names the fix
+    reasons += engine_failures + heldout_reasons(layers, thresholds, scales.fp8_max, with_fix=not engine_failures)
     fields = {
         "accuracy": measured,
         "generation": {key: gen[key] for key in ("prefill_match", "decode_match", "prefix_match")},
@@ -241,8 +248,3 @@ def _prompts(request: VerifyRequest, data: CalibrationData, tokenizer: Any) -> l
     if request.prompts is not None:
         return generation.read_prompts(Path(request.prompts), tokenizer)
     return [sample[: request.prompt_len] for sample in data.samples[: request.num_prompts]]
-
-
-def _stage(progress: StageProgress | None, stage: str) -> None:
-    if progress is not None:
-        progress(stage)

@@ -76,25 +76,31 @@ def verdict(reasons: list[Finding]) -> str:
     return "FAIL" if FAIL in levels else "WARN" if WARN in levels else "PASS"
 
 
-def heldout_reasons(layers: list[dict[str, Any]], thresholds: Thresholds, fp8_max: float) -> list[Finding]:
-    """Saturation above its bound, named per layer with the fix; `fp8_max` is the dtype's largest value."""
-    reasons = []
+def heldout_reasons(layers: list[dict[str, Any]], thresholds: Thresholds, fp8_max: float,
+                    with_fix: bool = True) -> list[Finding]:
+    """Saturation above its bound, one short line per layer, then (`with_fix`) the one --headroom that fixes
+    every layer at once; `fp8_max` is the dtype's largest value."""
+    reasons, worst = [], 0.0
     for row in layers:
         for kind in ("k", "v"):
             share, ratio = row.get(f"{kind}_saturation"), row[f"{kind}_max_ratio"]
             if share is not None and share > thresholds.saturation:
+                worst = max(worst, ratio)
                 reasons.append(Finding(WARN, f"layer {row['layer']}: {share:.3%} of {kind.upper()} values saturate at "
                                             f"±{fp8_max:g} (WARN above {thresholds.saturation:.3%}); the largest "
                                             f"|x|/scale is {ratio:.4g}, {ratio / fp8_max - 1:.1%} past the calibrated "
-                                            f"range. Engines that clamp store them as ±{fp8_max:g}. "
-                                            + headroom_fix(ratio, fp8_max)))
+                                            "range"))
+    if reasons and with_fix:
+        reasons.append(Finding(WARN, f"engines that clamp store those values as ±{fp8_max:g}. "
+                                     + headroom_fix(worst, fp8_max, every_layer=len(reasons) > 1)))
     return reasons
 
 
-def headroom_fix(ratio: float, fp8_max: float) -> str:
-    """The smallest --headroom (2 decimals) under which `ratio` fits the fp8 range, as advice."""
+def headroom_fix(ratio: float, fp8_max: float, every_layer: bool = False) -> str:
+    """The smallest --headroom (2 decimals) under which `ratio` (the worst layer's) fits the fp8 range, as advice."""
     headroom = max(1.01, math.ceil(ratio / fp8_max * 100) / 100)
-    return (f"Fix: recalibrate with --headroom {headroom:.2f} (every scale x{headroom:.2f}; e4m3's relative "
+    return (f"Fix{' for every layer' if every_layer else ''}: recalibrate with --headroom {headroom:.2f} "
+            f"(every scale x{headroom:.2f}; e4m3's relative "
             "precision is the same across its range, so this costs almost nothing) or on text like this.")
 
 
@@ -119,6 +125,17 @@ def accuracy_reasons(accuracy: dict[str, Any], nan_with_clamp: dict[int, int], t
                                     f"{accuracy['ppl_fp8']:.4f} vs {unit_ppl:.4f} "
                                     f"(ratio bound {thresholds.unit_ppl_ratio:g})"))
     return reasons
+
+
+def unit_scale_note(accuracy: dict[str, Any], unit_ppl_ratio: float) -> str | None:
+    """When calibrated and unit-scale perplexities differ by less than the band the verdict treats as equal,
+    one line saying so (a reader otherwise takes 37.81 against 37.80 for a finding); else None."""
+    ppl, unit = accuracy.get("ppl_fp8"), accuracy.get("ppl_fp8_unit")
+    if not (_finite(ppl) and _finite(unit)) or not unit > 0 or ppl > unit * unit_ppl_ratio:
+        return None
+    return (f"perplexity with these scales and with unit scales differ by {abs(ppl / unit - 1):.2%}, inside the "
+            f"{unit_ppl_ratio - 1:.0%} the verdict treats as noise (--unit-ppl-ratio {unit_ppl_ratio:g}): on this "
+            "text the two are equally good, and the calibrated ones keep values inside the fp8 range")
 
 
 def _finite(x: float | None) -> bool:

@@ -13,7 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
-from fp8kv.checkpoint.provenance import CacheRecord, DatasetRecord, LayerRecord, Provenance, SourceRecord
+from fp8kv.checkpoint.provenance import (
+    CacheRecord, DatasetRecord, LayerRecord, Provenance, SourceRecord, file_digest, folder_files, record_written,
+)
 from fp8kv.checks import WARN, Finding
 from fp8kv.verify.report import VerifyReport
 from tests.reports import report_for, write_report as write_report_file
@@ -75,7 +77,8 @@ def calibrated_dir(tmp_path: Path, source_model: Path) -> Path:
     config["compression_config"] = {"quant_method": "compressed-tensors", "kv_cache_scheme": {
         "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}}
     (out / "config.json").write_text(json.dumps(config))
-    (out / PROVENANCE_FILE).write_text(provenance(source_model).to_json())
+    files = tuple((name, file_digest(out / name)) for name in folder_files(out))  # what calibrate records
+    (out / PROVENANCE_FILE).write_text(replace(provenance(source_model), files=files).to_json())
     return out
 
 
@@ -102,7 +105,7 @@ def fake_token(monkeypatch: pytest.MonkeyPatch) -> str:
 def report(out: Path) -> VerifyReport:
     """A WARN verify of `out` over 16 held-out samples, with its digest as it is now."""
     return report_for(
-        out, "WARN", (Finding(WARN, "layer 1 K saturation 0.042%"),), text_source="bundled heldout",
+        out, (Finding(WARN, "layer 1 K saturation 0.042%"),), text_source="bundled heldout",
         num_samples=16, num_tokens=4096,
         accuracy={"ppl_bf16": 10.137, "ppl_fp8": 10.2461, "ppl_fp8_unit": 10.9133, "kl_mean": 0.00123,
                   "kl_max": 0.0345, "top1_agreement": 0.9876},
@@ -117,4 +120,5 @@ def _write_report(out: Path, **changes) -> Path:
     path = write_report_file(out, replace(report(out), **changes))
     (path.parent / "scales.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
     (path.parent / "report.md").write_text("# verify\n")
+    record_written(path.parent / "scales.png", path.parent / "report.md")
     return path

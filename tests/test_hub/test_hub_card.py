@@ -59,23 +59,26 @@ def test_card_shows_provenance_scales_and_report_numbers(verified_dir: Path) -> 
     text = write_card(verified_dir).read_text()
     prov = read_provenance(verified_dir)
     report = json.loads((verified_dir / "verify" / "report.json").read_text())
-    assert f"```bash\n{prov.command}\n```" in text
+    assert "```bash\nfp8kv calibrate llama --out DIR --num-samples 512\n```" in text  # no local path
+    assert str(prov.source.path) not in text
     assert f"| Source hash | `{prov.source.content_hash}` |" in text
-    for row in prov.layers:
-        expected = [row.layer, row.k.amax, row.k.scale, row.k.saturation, row.v.amax, row.v.scale, row.v.saturation]
-        assert "| " + " | ".join(f"{v:.6g}" for v in expected) + " |" in text
+    assert "| layer | K amax | k_scale | K saturation | V amax | v_scale | V saturation |" in text
+    assert "| 0 | 1.25 | 0.00279 | 0.00 % | 0.75 | 0.001674 | 0.00 % |" in text  # 4 significant digits
+    assert "| 1 | 3.5 | 0.007812 | 0.042 % | 0.5 | 0.001116 | 0.00 % |" in text
+    assert "`scale = amax × 1 / 448` (headroom 1:" in text
     for setting in ("| Samples | 512 |", "| Sequence length | 2048 |", "| Shuffle seed | 42 |", "| Split | `train_sft` |",
                     "| Strategy | `amax` |", "| Tool | `fp8kv 0.1.0` |"):
         assert setting in text
     assert "**Verdict: WARN**" in text
     assert "- WARN: layer 1 K saturation 0.042%" in text
     accuracy = report["accuracy"]
-    assert f"| Perplexity, fp8 KV cache with these scales | {accuracy['ppl_fp8']:.4f} |" in text
-    assert f"| Perplexity, bf16 KV cache | {accuracy['ppl_bf16']:.4f} |" in text
-    assert f"| KL divergence to bf16, max | {accuracy['kl_max']:.6g} |" in text
-    assert "| Top-1 agreement with bf16 | 98.7600% |" in text
-    assert "| Generation: prefix match | 75.00% |" in text and "| Generation: decode match | 100.00% |" in text
-    assert "| 1 | 0.00042 | 0 | 417.5 | 212.25 |" in text
+    assert (accuracy["ppl_fp8"], accuracy["ppl_bf16"], accuracy["kl_max"]) == (10.2461, 10.137, 0.0345)
+    assert "| Perplexity, fp8 KV cache with these scales | 10.25 |" in text
+    assert "| Perplexity, bf16 KV cache | 10.14 |" in text
+    assert "| KL divergence to bf16, max | 0.0345 |" in text
+    assert "| Top-1 agreement with bf16 | 98.76 % |" in text
+    assert "| Generation: prefix match | 75.00 % |" in text and "| Generation: decode match | 100.00 % |" in text
+    assert "| 1 | 0.042 % | 417.5 | 0.00 % | 212.2 |" in text
     assert "![Per-layer KV-cache scales and verify results](verify/scales.png)" in text
 
 
@@ -92,7 +95,7 @@ def test_card_serve_commands(verified_dir: Path) -> None:
 
 def test_card_without_report_says_not_verified_and_has_no_plot(calibrated_dir: Path) -> None:
     text = render_card(calibrated_dir)
-    assert f"Not verified. Run `fp8kv verify {calibrated_dir}`" in text
+    assert "Not verified. Run `fp8kv verify out`" in text and str(calibrated_dir) not in text
     assert "Verdict" not in text and "scales.png" not in text
 
 
@@ -141,7 +144,9 @@ def test_card_refuses_a_folder_without_provenance(source_model: Path) -> None:
 def test_card_cli_writes_readme_without_printing_the_token(verified_dir: Path, fake_token: str) -> None:
     result = runner.invoke(app, ["card", str(verified_dir), "--repo-id", "me/llama-fp8kv"])
     assert result.exit_code == 0, _output(result)
-    assert result.output == f"Wrote {verified_dir / 'README.md'}\n"
+    assert result.stdout == f"Wrote {verified_dir / 'README.md'}\n"
+    assert result.stderr == ("fp8kv: warning: the card names no base_model (the source is not a Hub id); "
+                             "pass --base-model org/name\n")
     text = (verified_dir / "README.md").read_text()
     assert CARD_MARKER in text and "vllm serve me/llama-fp8kv" in text
     assert fake_token not in text and fake_token not in result.output
@@ -166,12 +171,13 @@ def test_card_limitations_follow_the_settings(calibrated_dir: Path) -> None:
 
 
 def test_card_includes_the_eval_table_when_present(calibrated_dir: Path) -> None:
-    from fp8kv.evaluation.results import RESULTS_JSON, RESULTS_SUBDIR, ConfigScores, EvalResults
+    from fp8kv.checkpoint.artifacts import EVAL_DIR
+    from fp8kv.evaluation.results import RESULTS_JSON, ConfigScores, EvalResults
 
     assert "## Task scores" not in render_card(calibrated_dir)
     rows = (ConfigScores("bf16", "bf16", "checkpoint", "clamp", {"gsm8k exact_match": 0.78}, 0),
             ConfigScores("fp8 checkpoint raw", "fp8", "checkpoint", "raw", {"gsm8k exact_match": 0.025}, 12))
-    (calibrated_dir / RESULTS_SUBDIR).mkdir()
-    (calibrated_dir / RESULTS_SUBDIR / RESULTS_JSON).write_text(EvalResults("x", ("gsm8k",), None, "tpu", rows).to_json())
+    (calibrated_dir / EVAL_DIR).mkdir()
+    (calibrated_dir / EVAL_DIR / RESULTS_JSON).write_text(EvalResults("x", ("gsm8k",), None, "tpu", rows).to_json())
     card = render_card(calibrated_dir)
     assert "## Task scores" in card and "| fp8 checkpoint raw | 0.025 | 12 |" in card

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard
 
+from fp8kv.console import fmt_number
 from fp8kv.data import DataRequest
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.hub.card import write_card
@@ -36,7 +37,7 @@ def test_calibrate_a_cached_hub_id_then_card_and_push(tmp_path: Path, source_mod
     assert card.data.base_model == "org/tiny"
     assert card.data.license == "llama3.1"
     for row in json.loads((out / "fp8kv.json").read_text())["layers"]:
-        assert f"| {row['layer']} | {row['k_amax']:.6g} | {row['k_scale']:.6g} |" in card_text
+        assert f"| {row['layer']} | {fmt_number(row['k_amax'])} | {fmt_number(row['k_scale'])} |" in card_text
     assert "Not verified." in card_text
 
     class Api:

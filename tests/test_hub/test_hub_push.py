@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ from typer.testing import CliRunner
 from fp8kv.checks import FAIL, Finding
 from fp8kv.cli import app
 from fp8kv.errors import Fp8kvError
-from fp8kv.hub.card import is_fp8kv_card, write_card
+from fp8kv.hub.card import is_fp8kv_card, public_text, write_card
 from fp8kv.hub.push import collect_files, format_plan, plan_push, push
 from fp8kv.verify.verdict import EXIT_CODES
 
@@ -44,12 +45,15 @@ class FakeHfApi:
 
 
 def _expected_files(out: Path) -> dict[str, int]:
-    """Every file under DIR with its size, read through links, independently of push's walk."""
+    """Every file under DIR with its size, read through links, independently of push's walk; fp8kv's records
+    (fp8kv.json, verify/*.json|md) as sent, with local paths shortened."""
     files = {}
     for root, _, names in os.walk(out):
         for name in names:
             path = Path(root) / name
-            files[path.relative_to(out).as_posix()] = path.stat().st_size
+            relative = path.relative_to(out).as_posix()
+            record = relative == "fp8kv.json" or (relative.startswith("verify/") and name.endswith((".json", ".md")))
+            files[relative] = len(public_text(path.read_text()).encode()) if record else path.stat().st_size
     return files
 
 
@@ -167,7 +171,9 @@ def test_dry_run_lists_every_file_and_uploads_nothing(verified_dir: Path, monkey
     assert result.exit_code == 0, _output(result)
     assert (verified_dir / "README.md").read_text() == readme_before  # the card is only planned
     plan = plan_push(verified_dir, "me/x")
-    listing = result.output.splitlines()
+    listing = result.stdout.splitlines()
+    assert result.stderr == ("fp8kv: warning: the card names no base_model (the source is not a Hub id); "
+                             "pass --base-model org/name\n")
     assert listing == format_plan(plan).splitlines()
     expected = _expected_files(verified_dir)
     expected["README.md"] = len(plan.card_text.encode())
@@ -193,8 +199,8 @@ def test_cli_push_dry_run_and_upload_never_show_the_token(verified_dir: Path, fa
     real = runner.invoke(app, ["push", str(verified_dir), "--repo-id", "me/x", "--private"])
     assert real.exit_code == 0, _output(real)
     count = len(api.calls[-1][2])
-    assert real.output.startswith(f"Uploaded {count} files (")
-    assert real.output.endswith("in one commit: https://huggingface.co/me/x/commit/0123abcd\n")
+    assert real.stdout.startswith(f"Uploaded {count} files (")
+    assert real.stdout.endswith("in one commit: https://huggingface.co/me/x/commit/0123abcd\n")
     assert api.calls[0][2]["private"] is True
     for text in (dry.output, real.output, (verified_dir / "README.md").read_text()):
         assert fake_token not in text
@@ -220,3 +226,41 @@ def test_cli_push_refusal_is_one_line(calibrated_dir: Path, write_report) -> Non
 def test_push_rejects_a_bad_repo_id(verified_dir: Path) -> None:
     with pytest.raises(Fp8kvError, match=r"--repo-id 'not a repo': not a valid Hub repository id"):
         plan_push(verified_dir, "not a repo")
+
+
+def test_nothing_push_uploads_shows_a_local_path(verified_dir: Path, source_model: Path) -> None:
+    """Every uploaded file, fp8kv's records included, is free of the author's paths (folders, data files)."""
+    api = FakeHfApi()
+    push(plan_push(verified_dir, "me/x", base_model="org/base"), api=api)
+    operations = api.calls[1][2]
+    local = [str(verified_dir.parent), str(source_model.parent), str(Path.home()), sys.prefix]
+    for op in operations:
+        data = op.path_or_fileobj if isinstance(op.path_or_fileobj, bytes) else Path(op.path_or_fileobj).read_bytes()
+        for path in local:
+            assert path.encode() not in data, (op.path_in_repo, path)
+    assert {op.path_in_repo for op in operations} >= {"fp8kv.json", "verify/report.json", "verify/report.md", "README.md"}
+
+
+def test_card_and_push_keep_an_edited_readme_unless_forced(verified_dir: Path) -> None:
+    write_card(verified_dir, repo_id="me/x")
+    edited = (verified_dir / "README.md").read_text().replace("# me/x", "# me/x\n\nMy own words.")
+    (verified_dir / "README.md").write_text(edited)
+    for args in (["card", str(verified_dir)], ["push", str(verified_dir), "--repo-id", "me/other", "--dry-run"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 4, _output(result)
+        assert result.stderr.endswith("README.md: differs from the README.md fp8kv wrote (edited since?); keep your "
+                                      "text by moving it elsewhere first, or pass --force to replace it\n")
+        assert (verified_dir / "README.md").read_text() == edited
+    result = runner.invoke(app, ["card", str(verified_dir), "--force"])
+    assert result.exit_code == 0, _output(result)
+    assert "My own words." not in (verified_dir / "README.md").read_text()
+    assert runner.invoke(app, ["card", str(verified_dir)]).exit_code == 0  # fp8kv's own card, unchanged: replaced
+
+
+def test_push_without_a_token_says_so(verified_dir: Path, monkeypatch) -> None:
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)  # no HF_TOKEN, no `hf auth login`
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: pytest.fail("built an HfApi without a token"))
+    result = runner.invoke(app, ["push", str(verified_dir), "--repo-id", "me/x"])
+    assert result.exit_code == 4
+    assert result.stderr.endswith("fp8kv: error: me/x: no Hub token; log in with `hf auth login` or set HF_TOKEN, "
+                             "then push again\n")

@@ -1,6 +1,6 @@
 """Build the bundled outlier model: the bundled model with K/V outlier channels and the same function.
 
-    python -m fp8kv.models.outliers          # rewrites models/bundled/outliers/ (seconds)
+    python -m fp8kv.tools.outliers          # rewrites models/bundled/outliers/ (seconds)
 
 Real models carry "massive activations": a few fixed K or V channels hundreds of times larger than
 the rest, so their K/V amax lies far beyond e4m3's 448 and unit scales saturate (or, without a
@@ -107,9 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fp8kv.models import BUNDLED_HELDOUT_TEXT
-    from fp8kv.models.train import perplexity
+    from fp8kv.tools.train import perplexity
 
-    parser = argparse.ArgumentParser(prog="python -m fp8kv.models.outliers", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fp8kv.tools.outliers", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=BUNDLED_OUTLIERS_DIR)
     args = parser.parse_args(argv)
     out = build(out=args.out)

@@ -5,7 +5,7 @@ Each one is built from transformers' own config class (its defaults, shrunk: 2 l
 safetensors with the factory tokenizer. Tests and the docs/architectures.md table enumerate them from
 `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, so a new transformers release brings its new architectures.
 
-    from fp8kv.models.zoo import causal_lm_types, make_zoo_checkpoint
+    from fp8kv.tools.zoo import causal_lm_types, make_zoo_checkpoint
     path = make_zoo_checkpoint("gpt2", tmp_path / "gpt2")
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fp8kv.models.factory import _spread_norm_weights, make_tokenizer
+from fp8kv.tools.factory import _spread_norm_weights, make_tokenizer
 
 NUM_LAYERS = 2
 TOKENIZER_VOCAB = 512
@@ -116,7 +116,7 @@ def tiny_config(model_type: str, vocab_size: int, tokenizer: Any):
     if text is config:
         return type(config).from_dict({**config.to_dict(), **values})
     data = config.to_dict()
-    for name, sub in config.sub_configs.items():
+    for name in config.sub_configs:
         if getattr(config, name, None) is getattr(config, "text_config", None) and name in data:
             data[name] = {**data[name], **values}
     data.update({k: v for k, v in values.items() if k in ("vocab_size",) and "vocab_size" in data})

@@ -12,9 +12,9 @@ not K and V: they are compared with `latent_cache_amax`, read from the model's f
 `judge_and_verify` then runs `fp8kv verify` on it, briefly (`verify_outcome`: its verdict, a one-line
 refusal, or a crash, and the fidelity KL it measured).
 
-    python -m fp8kv.models.zoo_matrix            # prints the docs/architectures.md table for every architecture
-    python -m fp8kv.models.zoo_matrix llama gpt2  # only these
-    python -m fp8kv.models.zoo_matrix --layerwise llama jamba   # layer by layer against the whole model
+    python -m fp8kv.tools.zoo_matrix            # prints the docs/architectures.md table for every architecture
+    python -m fp8kv.tools.zoo_matrix llama gpt2  # only these
+    python -m fp8kv.tools.zoo_matrix --layerwise llama jamba   # layer by layer against the whole model
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.models.zoo import causal_lm_types, make_zoo_checkpoint, make_zoo_config
+from fp8kv.tools.zoo import causal_lm_types, make_zoo_checkpoint, make_zoo_config
 
 # Calibration data of the matrix: short records of Python's documentation (no download).
 NUM_SAMPLES, SEQ_LEN = 3, 48
@@ -103,7 +103,7 @@ def _calibrate_and_compare(model_type: str, folder: Path) -> ZooResult:
     if sorted(reference) != sorted(got):
         return ZooResult(model_type, FAILING, f"cached layers {sorted(reference)} but fp8kv scaled {sorted(got)}")
     load_error = loads_in_transformers(folder / "out")
-    worst = max(float(((got[l] - reference[l]).abs() / reference[l]).max()) for l in got)
+    worst = max(float(((got[layer] - reference[layer]).abs() / reference[layer]).max()) for layer in got)
     skipped = list(result.provenance.skipped_layers or ())
     note = f"layers {sorted(got)}" + (f", skipped {skipped}" if skipped else "")
     if worst == 0.0:

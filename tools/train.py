@@ -1,7 +1,7 @@
 """Train the bundled default model: a small Llama on Python's own documentation.
 
-    python -m fp8kv.models.train            # rewrites models/bundled/ (~11 min, 2 busy cores)
-    python -m fp8kv.models.train --out /tmp/m --steps 20   # smoke run
+    python -m fp8kv.tools.train            # rewrites models/bundled/ (~11 min, 2 busy cores)
+    python -m fp8kv.tools.train --out /tmp/m --steps 20   # smoke run
 
 The corpus ships with CPython (PSF license), so training needs no download: the language and
 library reference topics of `pydoc_data.topics` plus the module, class and function docstrings
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from fp8kv.models import BUNDLED_DIR
-from fp8kv.models.factory import train_tokenizer
+from fp8kv.tools.factory import train_tokenizer
 
 RECORD_CHARS = 900
 MIN_SPLIT_CHARS = 300  # calibration / held-out records are at least this long
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     parser = argparse.ArgumentParser(
-        prog="python -m fp8kv.models.train", description="Train fp8kv's bundled default model."
+        prog="python -m fp8kv.tools.train", description="Train fp8kv's bundled default model."
     )
     parser.add_argument("--out", type=Path, default=BUNDLED_DIR, help="bundle (model/, data/)")
     parser.add_argument(

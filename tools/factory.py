@@ -3,7 +3,7 @@
 Each checkpoint is a real architecture with a real (small, trained) BPE tokenizer and real
 safetensors files, written in well under a second:
 
-    from fp8kv.models.factory import make_checkpoint
+    from fp8kv.tools.factory import make_checkpoint
     path = make_checkpoint("qwen3", tmp_path / "qwen3", num_layers=2)
 """
 

@@ -1,0 +1,28 @@
+"""The fp8 KV-cache dtypes as names and numbers, without torch: MAX, a plain cast's limit, how files and
+engines spell them. `fp8.py` adds the torch dtypes and the casts; reports and the card read these."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from fp8kv.options import KV_DTYPE_SPELLINGS, KvDtype
+
+KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
+# The largest finite value of each dtype (torch.finfo(torch.float8_e4m3fn).max, ...; fp8.py checks them).
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+# The torch dtype name engines print for each kv dtype (the vLLM JSON file stores it).
+TORCH_DTYPE_NAME = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+# A kv dtype as checkpoint files name it: the torch name ("float8_e4m3fn") or fp8kv's ("fp8_e4m3").
+_KV_DTYPE_BY_FILE_NAME = {torch_name: kv for kv, torch_name in TORCH_DTYPE_NAME.items()} | {kv: kv for kv in KV_DTYPES}
+# What `--kv-cache-dtype` takes for each kv dtype: vLLM spells e4m3 "fp8", SGLang uses fp8kv's names.
+VLLM_KV_CACHE_DTYPE = {kv: next((s for s, name in KV_DTYPE_SPELLINGS.items() if name == kv), kv) for kv in KV_DTYPES}
+
+# The largest |x / scale| a plain (non-saturating) cast still turns into a finite value.
+# e4m3fn: 448 < y <= 464 rounds down to 448, anything above is NaN (e4m3fn has no inf).
+# e5m2: y rounds to 57344 below 61440 (halfway to 2**16) and to inf from 61440 on.
+RAW_CAST_FINITE_LIMIT = {"fp8_e4m3": 464.0, "fp8_e5m2": 61439.99609375}  # float32 just below 61440
+
+
+def kv_dtype_from_file(name: str) -> str | None:
+    """The fp8 kv dtype a checkpoint file names ("float8_e4m3fn" or "fp8_e4m3"); None when it is no fp8 dtype."""
+    return _KV_DTYPE_BY_FILE_NAME.get(name)
