@@ -15,6 +15,7 @@ from typing import Any
 from fp8kv.checkpoint.conventions import (
     COMPRESSION_CONFIG, HF_QUANT_CONFIG, QUANTIZATION_CONFIG, is_vllm_json, parse_scale_name,
 )
+from fp8kv.checkpoint.locate import verify_command
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import read_json
@@ -76,7 +77,7 @@ def check_unchanged(folder: Path, recorded: CheckpointDigest, report_path: Path)
     if changes:
         shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
         raise Fp8kvError(f"{report_path}: judged other files than {folder} holds now ({shown}); "
-                         f"run `fp8kv verify {folder}` again")
+                         f"run `{verify_command(folder)}` again")
 
 
 def _tensor_hash(path: Path, entry: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from fp8kv.errors import Fp8kvError
@@ -79,6 +80,13 @@ def _json_object(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def verify_command(folder: Path) -> str:
+    """The `fp8kv verify` line to suggest for `folder`: the bundled held-out text is its default only for the
+    bundled models; any other gets text it writes itself."""
+    text = "" if is_bundled_model(folder) else " --dataset generated"
+    return f"fp8kv verify {shlex.quote(str(folder))}{text}"
 
 
 def is_bundled_model(folder: Path) -> bool:
