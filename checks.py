@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fp8kv.checkpoint.conventions import (
-    COMPRESSION_CONFIG, QUANTIZATION_CONFIG, VLLM_JSON_FILE, attention_modules, parse_scale_name, scale_names,
-    vllm_json_readers,
+    COMPRESSION_CONFIG, HF_QUANT_CONFIG, QUANTIZATION_CONFIG, VLLM_JSON_FILE, attention_modules, parse_scale_name,
+    scale_names, vllm_format_gaps, vllm_json_readers, vllm_loading_gap,
 )
 from fp8kv.checkpoint.provenance import Provenance
+from fp8kv.geometry import read_json
 from fp8kv.kvdtypes import FP8_MAX
 
 from fp8kv.runtime.kernel_rule import TPU_HEAD_DIM_MULTIPLE, fp8_kernel_note
@@ -44,7 +45,7 @@ def check_readout(readout: ScaleReadout, provenance: Provenance | None = None) -
     scales doubled for e4m3fnuz.
     """
     return (_scale_findings(readout) + _advice(readout, provenance) + _declaration_findings(readout)
-            + _engine_name_findings(readout) + _kernel_findings(readout) + _latent_loader_findings(readout, provenance))
+            + _engine_name_findings(readout) + _format_gap_findings(readout) + _kernel_findings(readout) + _latent_loader_findings(readout, provenance))
 
 
 def tpu_layout_findings(readout: ScaleReadout) -> list[Finding]:
@@ -136,9 +137,22 @@ def _declaration_findings(readout: ScaleReadout) -> list[Finding]:
     if "quark" in readout.conventions and not (declared["quark"] or declared["fp8"]):
         findings.append(Finding(FAIL, "k_proj.output_scale tensors without a Quark kv_cache_group or fp8 "
                                       "kv_cache_scheme in config.json: engines ignore or refuse the scales"))
+    hf_quant = read_json(readout.source.path / HF_QUANT_CONFIG) if HF_QUANT_CONFIG in readout.source.files else None
+    for convention in ("modelopt", "quark"):
+        gap = convention in readout.conventions and vllm_loading_gap(convention, readout.source.config, hf_quant)
+        if gap:
+            findings.append(Finding(WARN, f"{gap}; fp8kv convert --to {convention} writes the form vLLM loads"))
     if "vllm-json" in readout.conventions:
         findings.append(Finding(INFO, f"scales in the legacy vLLM JSON file: {vllm_json_readers(VLLM_JSON_FILE)}"))
     return findings
+
+
+def _format_gap_findings(readout: ScaleReadout) -> list[Finding]:
+    """ModelOpt or Quark scales on an architecture whose vLLM loader refuses that format's names."""
+    source = readout.source
+    gap = vllm_format_gaps(readout.conventions, list(source.weight_map), source.geometry.model_type,
+                           source.geometry.kv_layers[0])
+    return [Finding(WARN, gap)] if gap else []
 
 
 def _engine_name_findings(readout: ScaleReadout) -> list[Finding]:

@@ -6,7 +6,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -15,14 +15,18 @@ from fp8kv import __version__
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError, UsageError
 from fp8kv.evaluation.bundled_tasks import BUNDLED_TASKS
 from fp8kv.kvdtypes import FP8_MAX
-if TYPE_CHECKING:
-    from fp8kv.data import DataRequest
+from fp8kv.calibrate.request import CalibrationRequest
+from fp8kv.data import DataRequest
+from fp8kv.engine_models import EVAL_ENGINES, parse_engines
 from fp8kv.options import (
-    DEFAULT_HEADROOM, DEFAULT_KV_DTYPE, EVAL_EXTRA_HINT, AttentionChoice, Convention, EngineChoice, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
-    TorchDeviceChoice, WriteMode, check_headroom, engine_names, kv_dtype_name,
+    DEFAULT_HEADROOM, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
+    TorchDeviceChoice, WriteMode, check_headroom, kv_dtype_name,
 )
 
 DEBUG_ENV = "FP8KV_DEBUG"
+# calibrate's defaults are its request's (both import without torch): one home for each.
+_CAL = CalibrationRequest(model="")
+_DATA = _CAL.data
 
 
 BASE_MODEL_HELP = ("Hub id org/name of the model the scales are for (the card's base_model). Default: MODEL when it "
@@ -58,7 +62,7 @@ def reads_text(*, num_samples: int, seq_len: int, seed: int = 42) -> Callable[[C
                 "num_samples": num_samples, "seq_len": seq_len, "seed": seed}
 
     def decorate(command: Callable) -> Callable:
-        signature = inspect.signature(command)  # `data` stays a string: DataRequest imports torch
+        signature = inspect.signature(command)
         names = list(signature.parameters)
         at = names.index("data")
         text = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation,
@@ -67,8 +71,6 @@ def reads_text(*, num_samples: int, seq_len: int, seed: int = 42) -> Callable[[C
 
         @functools.wraps(command)
         def with_data(**options):
-            from fp8kv.data import DataRequest
-
             data = DataRequest(**{name: options.pop(name) for name in TEXT_OPTIONS})
             return command(data=data, **options)
 
@@ -136,6 +138,17 @@ def _checked(parse: Callable[[str], object]) -> Callable[[str | None], str | Non
         return value
 
     return callback
+
+
+def _leave_out_xla(device: str) -> None:
+    """transformers and accelerate import torch_xla whenever it is installed (8 s of a bundled-model verify);
+    a run that cannot use it tells them not to, before they load (once loaded, the flag is moot)."""
+    import sys
+
+    from fp8kv.runtime.device import may_use_xla
+
+    if "transformers" not in sys.modules and not may_use_xla(device):
+        os.environ.setdefault("USE_TORCH_XLA", "0")
 
 
 def _is_usage_error(exc: Exception) -> bool:
@@ -261,7 +274,7 @@ def convert_command(
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
     from fp8kv.calibrate.report import command_line
-    from fp8kv.checkpoint.convert import convert_checkpoint, serve_hint
+    from fp8kv.checkpoint.convert import convert_checkpoint, format_gap, serve_hint
     from fp8kv.checkpoint.reader import read_kv_scales
 
     written = convert_checkpoint(model, out, convention, overwrite=overwrite, mode=mode, command=command_line())
@@ -270,6 +283,8 @@ def convert_command(
         typer.echo(f"note: {convention} has no query-scale convention; q_scale was left out", err=True)
     if convention == "vllm-json":
         typer.echo(serve_hint(written))
+    if gap := format_gap(written, convention):
+        typer.echo(f"note: {gap}", err=True)
 
 
 def _headroom(value: str) -> float:
@@ -283,18 +298,18 @@ def _headroom(value: str) -> float:
 
 
 @app.command(cls=_Command)
-@reads_text(num_samples=512, seq_len=2048)
+@reads_text(num_samples=_DATA.num_samples, seq_len=_DATA.seq_len, seed=_DATA.seed)
 def calibrate(
     model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint folder, a Hub id org/name[@revision] (from the local cache when offline), or 'bundled' / 'bundled-outliers' for a bundled model."),
     out: Path | None = typer.Option(None, "--out", help="Output folder (created atomically). Omit to only report scales."),
-    data: "DataRequest" = None,  # the text options, made one by @reads_text
-    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Samples per forward pass (right-padded; padding is never observed)."),
+    data: DataRequest = None,  # the text options, made one by @reads_text
+    batch_size: int = typer.Option(_CAL.batch_size, "--batch-size", min=1, help="Samples per forward pass (right-padded; padding is never observed)."),
     kv_dtype: KvDtypeSpelling = typer.Option(
-        DEFAULT_KV_DTYPE, "--kv-dtype", help=f"KV-cache dtype: fp8_e4m3 (MAX {FP8_MAX['fp8_e4m3']:g}; vLLM's 'fp8') or fp8_e5m2 "
+        _CAL.kv_dtype, "--kv-dtype", help=f"KV-cache dtype: fp8_e4m3 (MAX {FP8_MAX['fp8_e4m3']:g}; vLLM's 'fp8') or fp8_e5m2 "
         f"(MAX {FP8_MAX['fp8_e5m2']:g}).",
     ),
     strategy: str = typer.Option(
-        "amax", "--strategy", callback=_checked(Strategy.parse),
+        _CAL.strategy, "--strategy", callback=_checked(Strategy.parse),
         help="Clip value mapped to MAX: amax (nothing saturates; amax/scale <= MAX guaranteed), "
         "percentile:P (P-th percentile of |x|), mse (least squared fp8 error), or last-batch (the amax of the "
         "last batch alone: llm-compressor's default observer, for comparison; use --batch-size 1 --headroom 1.0). "
@@ -305,29 +320,29 @@ def calibrate(
         help="auto (the margin measured to keep unseen text inside fp8's range; docs/margin.md) or a factor "
         "F >= 1 multiplying every scale; 1.0 writes amax/MAX exactly.",
     ),
-    per_head: bool = typer.Option(False, "--per-head", help="One scale per KV head ([num_kv_heads,1,1], attn_head strategy)."),
+    per_head: bool = typer.Option(_CAL.per_head, "--per-head", help="One scale per KV head ([num_kv_heads,1,1], attn_head strategy)."),
     allow_unobserved: bool = typer.Option(
-        False, "--allow-unobserved", help="Write 1.0 (with a warning) for layers whose K/V were all zero or never seen."
+        _CAL.allow_unobserved, "--allow-unobserved", help="Write 1.0 (with a warning) for layers whose K/V were all zero or never seen."
     ),
-    mode: ModeOpt = "overlay",
-    convention: Convention = typer.Option("compressed-tensors", "--format", help="Scale convention."),
-    overwrite: OverwriteOpt = False,
+    mode: ModeOpt = _CAL.mode,
+    convention: Convention = typer.Option(_CAL.convention, "--format", help="Scale convention."),
+    overwrite: OverwriteOpt = _CAL.overwrite,
     base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
-    device: TorchDeviceChoice = typer.Option("auto", "--device", help="Where calibration runs (auto: CUDA when available)."),
-    dtype: ModelDtype = typer.Option("auto", "--dtype", help="Model dtype (auto: the checkpoint's)."),
+    device: TorchDeviceChoice = typer.Option(_CAL.device, "--device", help="Where calibration runs (auto: CUDA when available)."),
+    dtype: ModelDtype = typer.Option(_CAL.dtype, "--dtype", help="Model dtype (auto: the checkpoint's)."),
     trust_remote_code: bool = typer.Option(
-        False, "--trust-remote-code",
+        _CAL.trust_remote_code, "--trust-remote-code",
         help="Run Python code shipped inside the checkpoint (custom architectures). Only for checkpoints you trust.",
     ),
     attention: AttentionChoice = typer.Option(
-        "kv", "--attention",
+        _CAL.attention, "--attention",
         help="kv: K/V cache scales; fp8: also query scales (q_scale, after q_norm and RoPE) for fp8 attention "
         "kernels (FlashAttention-3 / FlashInfer), written as compressed-tensors' attention scheme.",
     ),
     layerwise: bool | None = typer.Option(
-        None, "--layerwise/--no-layerwise", show_default="automatic",
+        _CAL.layerwise, "--layerwise/--no-layerwise", show_default="automatic",
         help="Load one decoder layer at a time (for models larger than memory). "
         "Default: layer by layer when the weights exceed 60% of available RAM.",
     ),
@@ -337,6 +352,7 @@ def calibrate(
     The text defaults to HuggingFaceH4/ultrachat_200k (split train_sft); when that cannot be loaded, the
     bundled calibration split, announced before the work.
     """
+    _leave_out_xla(device)  # calibration runs transformers' forward on CUDA or the CPU
     from fp8kv.calibrate import report
     from fp8kv.calibrate.distributed import is_writer
     from fp8kv.calibrate.pipeline import CalibrationRequest
@@ -365,7 +381,7 @@ def verify_command(
         ..., metavar="MODEL", help="Checkpoint with KV scales (any convention): a folder, a Hub id org/name[@revision], "
         "or 'bundled'.",
     ),
-    data: "DataRequest" = None,  # the text options, made one by @reads_text
+    data: DataRequest = None,  # the text options, made one by @reads_text
     batch_size: int = typer.Option(4, "--batch-size", min=1, help="Samples per step."),
     device: RuntimeDeviceOpt = "auto",
     prompts: Path | None = typer.Option(
@@ -385,9 +401,11 @@ def verify_command(
     max_saturation: float | None = typer.Option(
         None, "--max-saturation", help="WARN when a layer clamps a larger share of K or V [file: 1e-4]."
     ),
-    engine: EngineChoice = typer.Option(
-        "all", "--engine", help="Engine cast model(s) to run: clamp (saturating), raw (plain cast), raw-bf16 "
-        "(bf16 division, plain cast) or all. Any engine whose logits go NaN/inf is a FAIL."
+    engine: str = typer.Option(
+        "", "--engine", show_default="every released engine", callback=_checked(parse_engines),
+        help="Engine models to run, comma-separated: vllm-cuda, vllm-tpu, vllm-triton, tpu-inference, "
+        "tpu-inference-v6e, sglang, tensorrt-llm; bugs: no-clamp, inverted-scale, scales-ignored, kv-swapped, "
+        "e5m2-read; 'all' is every one. A released engine whose logits go NaN/inf is a FAIL (docs/engines.md).",
     ),
     unit_kl_ratio: float | None = typer.Option(
         None, "--unit-kl-ratio", help="WARN when mean KL exceeds this x the unit-scale KL [file: 1.25]."
@@ -401,8 +419,8 @@ def verify_command(
         False, "--quantize-query", help="Also quantize Q with the checkpoint's q_scale (fp8 attention) and report the cost."
     ),
 ) -> None:
+    _leave_out_xla(device)
     from fp8kv.progress import StageProgress
-    from fp8kv.verify.engines import parse_engines
     from fp8kv.verify.report import show
     from fp8kv.verify.run import VerifyRequest, verify
     from fp8kv.verify.verdict import load_thresholds
@@ -432,7 +450,8 @@ def eval_command(
     ),
     limit: int | None = typer.Option(None, "--limit", min=1, help="At most N items per task."),
     engines: str = typer.Option(
-        "clamp,raw,raw-bf16", "--engines", callback=_checked(engine_names), help="Engine cast models to compare: clamp, raw, raw-bf16 (comma-separated)."
+        ",".join(EVAL_ENGINES), "--engines", callback=_checked(parse_engines),
+        help="Engine models to compare, comma-separated (fp8kv verify --help lists them).",
     ),
     device: RuntimeDeviceOpt = "auto",
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per runner step."),
@@ -448,12 +467,13 @@ def eval_command(
     if importlib.util.find_spec("lm_eval") is None:  # the `eval` extra: a usage error, before torch loads
         typer.echo(f"fp8kv: error: fp8kv eval needs lm-evaluation-harness: {EVAL_EXTRA_HINT}", err=True)
         raise typer.Exit(ExitCode.USAGE)
+    _leave_out_xla(device)
     from fp8kv.evaluation.compare import EvalRequest, evaluate
     from fp8kv.progress import StageProgress
 
     request = EvalRequest(
         model_dir=model_dir, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit,
-        engines=engine_names(engines), device=device, batch_size=batch_size,
+        engines=parse_engines(engines), device=device, batch_size=batch_size,
         max_length=max_length, include_path=include_path, report_dir=report_dir,
     )
     with StageProgress() as progress:

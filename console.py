@@ -47,8 +47,10 @@ def layer_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]
 
 def markdown_table(head: list[str], rows: list[list[str]]) -> str:
     """A GitHub-flavoured markdown table of already formatted cells."""
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    def line(cells: list[str]) -> str:  # a | inside a cell (|x|/scale) would end it
+        return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+    return "\n".join([line(head), "|" + "---|" * len(head)] + [line(row) for row in rows])
 
 
 def text_console(stderr: bool = False):

@@ -14,13 +14,14 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 from urllib.parse import urlparse
-
-import torch
 
 from fp8kv.errors import Fp8kvError, UsageError
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_MODEL_ALIAS
+
+if TYPE_CHECKING:  # DataRequest, the command line's defaults, needs no torch
+    import torch
 
 DEFAULT_DATASET = "HuggingFaceH4/ultrachat_200k"
 DEFAULT_SPLIT = "train_sft"
@@ -130,6 +131,8 @@ def load_calibration_data(request: DataRequest, tokenizer: Any, *, fallback: boo
 
 def make_batches(samples: list[list[int]], batch_size: int, pad_id: int) -> list[Batch]:
     """Group samples (longest first, so padding stays small) into right-padded batches."""
+    import torch
+
     if batch_size < 1:
         raise Fp8kvError("--batch-size must be at least 1")
     order = sorted(range(len(samples)), key=lambda i: (-len(samples[i]), i))
@@ -154,6 +157,8 @@ def generate_text(request: DataRequest, tokenizer: Any, model: Any, split: str) 
     if not getattr(tokenizer, "chat_template", None):
         raise Fp8kvError(f"{tokenizer.name_or_path}: has no chat template, which --dataset {GENERATED_DATASET} "
                          "needs to prompt the model; pass --dataset with a text file or a Hub dataset")
+    import torch
+
     instructions = _INSTRUCTIONS[split]
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": instructions[i % len(instructions)]}],
                                                   add_generation_prompt=True, tokenize=True, return_dict=False))
@@ -173,6 +178,8 @@ def generate_text(request: DataRequest, tokenizer: Any, model: Any, split: str) 
 
 def _sample(model: Any, prompts: list[list[int]], seq_len: int, tokenizer: Any) -> list[list[int]]:
     """Each prompt followed by the model's sampled continuation, cut at its end-of-sequence token."""
+    import torch
+
     device, pad, width = next(model.parameters()).device, pad_id(tokenizer), max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)

@@ -1,19 +1,20 @@
-"""FP8 facts in one place: cache dtype names, MAX, what a plain cast does past MAX, and how engines cast.
+"""FP8 facts in one place: cache dtype names, MAX, what a plain cast does past MAX, and fp8kv's own cast.
 
 A KV scale is a dequantization multiplier: an engine stores `fp8(x / scale)` and reads
 `float(stored) * scale`. How it turns `x / scale` into fp8 differs between engines, and only a
-saturating conversion is safe: torch's cast (torch 2.9, CPU and XLA) does not saturate.
+saturating conversion is safe: torch's cast (torch 2.9, CPU and XLA) does not saturate, newer torch's
+does on CPU. `to_fp8` decides every out-of-range value itself, so no result depends on the torch installed.
 """
 
 from __future__ import annotations
 
-from typing import get_args
+import functools
 
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.kvdtypes import FP8_MAX, TORCH_DTYPE_NAME
-from fp8kv.options import KV_DTYPE_SPELLINGS, EngineName
+from fp8kv.kvdtypes import FP8_MAX, RAW_CAST_FINITE_LIMIT, TORCH_DTYPE_NAME
+from fp8kv.options import KV_DTYPE_SPELLINGS
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 CACHE_DTYPES = {**FP8_DTYPES, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -21,19 +22,13 @@ ALIASES = KV_DTYPE_SPELLINGS
 assert all(torch.finfo(dtype).max == FP8_MAX[name] and str(dtype) == f"torch.{TORCH_DTYPE_NAME[name]}"
            for name, dtype in FP8_DTYPES.items()), "kvdtypes.py disagrees with torch"
 
-# How an engine turns `x / scale` into fp8 (chosen with `fp8kv verify --engine`):
-#   clamp     divide in float32, clamp to ±MAX, cast (vLLM CUDA's saturating conversion, vLLM's TPU
-#             Pallas write path; tpu-inference clips too).
-#   raw       divide in float32, plain cast: NaN (e4m3) or inf (e5m2) past the limits above.
-#   raw-bf16  divide the bf16 tensor in bf16, then a plain cast (engines that divide the cached
-#             tensor in place, such as SGLang's `cache_k.div_(k_scale)`).
-ENGINES: tuple[str, ...] = get_args(EngineName)
-# What each engine model stands for, as reports name it.
-ENGINE_DESCRIPTIONS = {
-    "clamp": "divide in float32, clamp to ±MAX, cast (vLLM CUDA and TPU)",
-    "raw": "divide in float32, plain cast",
-    "raw-bf16": "divide in bf16, plain cast, as in-place division of the bf16 tensor does (SGLang)",
-}
+# The bytes a non-saturating conversion (torch 2.9's cast, CUDA's c10 conversion) stores past that limit,
+# for a positive value (the sign bit is added for a negative one): e4m3fn has no inf, so NaN (S.1111.111);
+# e5m2 overflows to inf (S.11111.00). A NaN input is stored as S.1111.111 / S.11111.11 either way
+# (positive: a NaN has no order to tell its sign by).
+OVERFLOW_BYTE = {"fp8_e4m3": 0x7F, "fp8_e5m2": 0x7C}
+NAN_BYTE = {"fp8_e4m3": 0x7F, "fp8_e5m2": 0x7F}
+_KV_DTYPE_OF = {dtype: name for name, dtype in FP8_DTYPES.items()}
 
 
 def canonical_cache_dtype(name: str) -> str:
@@ -55,22 +50,43 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES.values()
 
 
-def check_engine(engine: str) -> str:
-    """`engine` if it is a known cast model, else a one-line error listing them."""
-    if engine not in ENGINES:
-        raise Fp8kvError(f"unknown engine cast model {engine!r}; choose one of {', '.join(ENGINES)}")
-    return engine
+def to_fp8(y: torch.Tensor, dtype: torch.dtype, *, saturate: bool) -> torch.Tensor:
+    """`y` (already divided by the scale) as fp8 `dtype`, with out-of-range values handled here.
+
+    saturate=True is a saturating conversion (CUDA's `__NV_SATFINITE`, or a clamp to ±MAX before the
+    cast): ±MAX past the range, inf included. saturate=False is a plain conversion: values up to
+    `RAW_CAST_FINITE_LIMIT` round to ±MAX, larger ones become NaN (e4m3fn) or ±inf (e5m2). NaN stays
+    NaN in both. torch's cast only ever sees values within ±MAX, so the bytes do not depend on
+    whether the installed torch's cast saturates (torch >= 2.12 on CPU) or not (torch 2.9).
+    """
+    kv = _KV_DTYPE_OF[dtype]
+    limit = FP8_MAX[kv]
+    in_range = y.nan_to_num(0.0, limit, -limit).clamp(-limit, limit).to(dtype)
+    nan = y.isnan()
+    special = nan if saturate else nan | (y.float().abs() > RAW_CAST_FINITE_LIMIT[kv])  # in float32: exact limit
+    nan_up, over_up, nan_down, over_down = _special_values(kv, y.device)
+    byte = torch.where(nan, nan_up, over_up)  # NaN, else the overflow value (a positive y)
+    byte = torch.where(y < 0, torch.where(nan, nan_down, over_down), byte)  # not signbit: no XLA lowering
+    return torch.where(special, byte, in_range)
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, engine: str = "clamp") -> torch.Tensor:
-    """`x / scale` cast to the fp8 `dtype` the way `engine` casts it; other dtypes store `x` unscaled."""
+@functools.cache
+def _special_values(kv: str, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """+NaN, +overflow, -NaN, -overflow as one-element fp8 tensors on `device`, made from their bytes.
+
+    Each is copied to the device on its own: a slice of one device tensor would be a pending XLA
+    computation, and a graph that computes it once and reads it afterwards compiles twice.
+    """
+    bytes_ = [NAN_BYTE[kv], OVERFLOW_BYTE[kv], NAN_BYTE[kv] | 0x80, OVERFLOW_BYTE[kv] | 0x80]
+    return tuple(torch.tensor([b], dtype=torch.uint8).view(FP8_DTYPES[kv]).to(device) for b in bytes_)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """`fp8(clamp(x / scale))` divided in float32 and saturated; other dtypes store `x` unscaled.
+
+    The write every engine should do (vLLM's CUDA and TPU paths do exactly this); `fp8kv.engine_models`
+    states each engine's own.
+    """
     if not is_fp8(dtype):
         return x.to(dtype)
-    check_engine(engine)
-    if engine == "raw-bf16":
-        return (x.to(torch.bfloat16) / scale).to(torch.bfloat16).to(dtype)
-    y = x.float() / scale
-    if engine == "clamp":
-        limit = torch.finfo(dtype).max
-        y = y.clamp(-limit, limit)
-    return y.to(dtype)
+    return to_fp8(x.float() / scale, dtype, saturate=True)

@@ -22,9 +22,6 @@ RuntimeChoice = Literal["auto", "tpu", "xla-cpu", "cuda", "cpu"]
 TorchDeviceChoice = Literal["auto", "cuda", "cpu"]
 # kv: K/V cache scales only; fp8: also query scales for fp8 attention kernels.
 AttentionChoice = Literal["kv", "fp8"]
-# How an engine casts `x / scale` to fp8; fp8kv.fp8 says what each one does.
-EngineName = Literal["clamp", "raw", "raw-bf16"]
-EngineChoice = Literal["all", "clamp", "raw", "raw-bf16"]
 # What verify concludes; the exit code of each is in errors.ExitCode.
 Verdict = Literal["PASS", "WARN", "FAIL"]
 VERDICTS: tuple[str, ...] = get_args(Verdict)
@@ -45,15 +42,6 @@ KV_DTYPE_SPELLINGS: dict[str, KvDtype] = {"fp8": "fp8_e4m3"}
 def kv_dtype_name(spelling: str) -> str:
     """fp8kv's name for a kv dtype as typed (`fp8` -> `fp8_e4m3`)."""
     return KV_DTYPE_SPELLINGS.get(spelling, spelling)
-
-
-def engine_names(text: str) -> tuple[str, ...]:
-    """`--engines clamp,raw`: the engine names, each checked, in the order given."""
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in get_args(EngineName)]
-    if unknown or not names:
-        raise Fp8kvError(f"--engines {text!r}: use a comma-separated list of {', '.join(get_args(EngineName))}")
-    return names
 
 
 def check_headroom(headroom: float) -> float:

@@ -61,8 +61,8 @@ def study(name: str, path: Path, args: argparse.Namespace) -> list[dict]:
         for headroom in args.headrooms:
             _, scales = model.scales(statistics, headroom)
             over, ratio = kvcompare.overflow(model, held, scales)
-            raw = model.run(samples, scales, "raw")
-            clamp = model.run(samples, scales, "clamp") if raw.nonfinite_stored else raw
+            raw = model.run(samples, scales, "no-clamp")
+            clamp = model.run(samples, scales, "vllm-tpu") if raw.nonfinite_stored else raw
             scores, raw_scores = kvcompare.compare(samples, clamp, reference), kvcompare.compare(samples, raw, reference)
             base = base or scores
             rows.append({

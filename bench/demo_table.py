@@ -5,8 +5,8 @@ scored on 40 of the 78 held-out records on fp8kv's paged runtime, per row of
 
     | cache | scales | engine | held-out PPL | KL vs bf16 | top-1 | sequences lost |
 
-`clamp` clamps to ±448 before the fp8 cast (vLLM, tpu-inference); `raw` casts without a clamp
-(NaN above 464), as engines that forget the clamp do. llm-compressor's default kv-cache observer
+`vllm-tpu` clamps to ±448 before the fp8 cast; `no-clamp` (the seed's draft) and `sglang` cast without
+a clamp (NaN above 464); fp8kv.engine_models states each. llm-compressor's default kv-cache observer
 (memoryless_minmax) is mimicked by `--strategy last-batch --batch-size 1 --headroom 1.0`: its
 scale is recomputed at every forward and the last sample's wins. A sequence is lost when any of its
 logits is NaN/inf. Prints one table per model and a sentence; writes bench/results/demo.json.
@@ -61,12 +61,12 @@ def rows_for(model_name: str, heldout_samples: int) -> list[Row]:
     tight = calibrated(model_name, headroom=1.0)
     mimic = calibrated(model_name, strategy="last-batch", batch_size=1, headroom=1.0)
     plan = [
-        ("unit (1.0)", unit, "clamp"),
-        (f"calibrated, default margin {DEFAULT_HEADROOM:g}", default, "clamp"),
-        (f"calibrated, default margin {DEFAULT_HEADROOM:g}", default, "raw"),
-        (f"calibrated, default margin {DEFAULT_HEADROOM:g}", default, "raw-bf16"),
-        ("calibrated, headroom 1.0", tight, "raw"),
-        ("llm-compressor's default observer (last-batch)", mimic, "raw"),
+        ("unit (1.0)", unit, "vllm-tpu"),
+        (f"calibrated, default margin {DEFAULT_HEADROOM:g}", default, "vllm-tpu"),
+        (f"calibrated, default margin {DEFAULT_HEADROOM:g}", default, "no-clamp"),
+        (f"calibrated, default margin {DEFAULT_HEADROOM:g}", default, "sglang"),
+        ("calibrated, headroom 1.0", tight, "no-clamp"),
+        ("llm-compressor's default observer (last-batch)", mimic, "no-clamp"),
     ]
     rows = [Row("bf16", "-", "-", kvcompare.compare(samples, reference, reference), 0)]
     for label, scales, engine in plan:

@@ -63,7 +63,7 @@ class Model:
                                last_batch=last_batch)
         return table, KVScales(k=table.tensors(0), v=table.tensors(1))
 
-    def run(self, samples: list[list[int]], scales: KVScales | None, engine: str = "clamp") -> Run:
+    def run(self, samples: list[list[int]], scales: KVScales | None, engine: str = "vllm-tpu") -> Run:
         """Prefill `samples` on a bf16 cache (`scales=None`) or an fp8 cache with `scales` and `engine`."""
         longest = max(len(s) for s in samples)
         common: dict[str, Any] = dict(device="cpu", max_model_len=longest, max_num_seqs=BATCH, model=self.weights)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import platform
 import re
@@ -49,7 +48,7 @@ def load_one(path: str, engine_args: dict[str, Any], result_file: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm.model_executor.model_loader import base_loader
 
-    result: dict[str, Any] = {"held": None, "error": None, "log": [], "served": None}
+    result: dict[str, Any] = {"held": None, "error": None, "served": None}
     original = base_loader.process_weights_after_loading
 
     def spy(model, model_config, target_device):
@@ -57,8 +56,6 @@ def load_one(path: str, engine_args: dict[str, Any], result_file: str) -> None:
         result["held"] = held_scales(model)
 
     base_loader.process_weights_after_loading = spy
-    handler = _LogCollector(result["log"])
-    logging.getLogger("vllm").addHandler(handler)
     try:
         from vllm import LLM, SamplingParams
 
@@ -69,19 +66,6 @@ def load_one(path: str, engine_args: dict[str, Any], result_file: str) -> None:
     except Exception as exc:  # the point is to record what vLLM says, whatever it raises
         result["error"] = f"{type(exc).__name__}: {_last_line(str(exc))}"
     Path(result_file).write_text(json.dumps(result))
-
-
-class _LogCollector(logging.Handler):
-    """Keeps vLLM's log lines about scales and the KV cache (its warnings say when it ignores a scale)."""
-
-    def __init__(self, lines: list[str]) -> None:
-        super().__init__(logging.INFO)
-        self.lines = lines
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if record.levelno >= logging.WARNING and _SCALE_LOG.search(message) and message not in self.lines:
-            self.lines.append(message)
 
 
 def _last_line(text: str) -> str:
@@ -102,7 +86,13 @@ def run_case(case: dict[str, Any], timeout: int) -> dict[str, Any]:
         if not Path(result_file).exists():
             return {**case, "status": "crashed", "error": _last_line(child.stderr), "layers": [], "log": []}
         result = json.loads(Path(result_file).read_text())
-    return {**case, **compare(case["file"], result)}
+    return {**case, **compare(case["file"], result), "log": scale_warnings(child.stdout + child.stderr)}
+
+
+def scale_warnings(stderr: str) -> list[str]:
+    """vLLM's warnings about scales and the KV cache (they say when it ignores a scale), each once."""
+    lines = [line.split("] ", 1)[-1] for line in stderr.splitlines() if " WARNING " in line and _SCALE_LOG.search(line)]
+    return list(dict.fromkeys(lines))
 
 
 def compare(file_scales: dict[str, dict[str, float | None]], result: dict[str, Any]) -> dict[str, Any]:
@@ -118,7 +108,7 @@ def compare(file_scales: dict[str, dict[str, float | None]], result: dict[str, A
         row["exact"] = row["rel_err"] is not None and row["rel_err"] <= _TOLERANCE
         layers.append(row)
     return {"status": verdict(layers, result["held"] is not None), "error": result["error"],
-            "served_tokens": result["served"], "layers": layers, "log": result["log"]}
+            "served_tokens": result["served"], "layers": layers}
 
 
 def verdict(layers: list[dict[str, Any]], loaded: bool) -> str:

@@ -33,7 +33,8 @@ FACTORY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mi
 ZOO = ("gpt2", "gpt_neox", "falcon", "deepseek_v3")  # transformers' own tiny configs; deepseek_v3 is MLA
 # vLLM's CPU attention takes head sizes from 32 up: the zoo's 16-wide heads are widened (4 heads of 32)
 _ZOO_WIDTH = {"gpt2": {"n_embd": 128}, "gpt_neox": {"hidden_size": 128},
-              "falcon": {"hidden_size": 128}, "deepseek_v3": {"kv_lora_rank": 32, "qk_rope_head_dim": 32,
+              # vLLM's falcon.py sizes its MLP 4 x hidden, whatever ffn_hidden_size says
+              "falcon": {"hidden_size": 128, "ffn_hidden_size": 512}, "deepseek_v3": {"kv_lora_rank": 32, "qk_rope_head_dim": 32,
                                                               "qk_nope_head_dim": 32, "v_head_dim": 32, "head_dim": 32,
                                                               "topk_method": "noaux_tc"}}
 CONVERTED = ("modelopt", "quark", "vllm-json")
@@ -102,12 +103,51 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def cell(row: dict[str, Any]) -> str:
+    """What vLLM held for one folder, in a few words: exact, bf16 (largest relative error), 1.0, or the failure."""
+    if row["status"] == "exact":
+        return f"exact {len(row['layers'])}/{len(row['layers'])}"
+    if row["status"] == "bf16-rounded":
+        return f"bf16-rounded (≤ {max(layer['rel_err'] for layer in row['layers']):.2%})"
+    if row["status"] == "ignored (1.0)":
+        return "1.0 (scales ignored)"
+    if row["status"] == "fp8kv refuses":
+        return "fp8kv refuses"
+    return f"fails: {(row['error'] or '').split(' The available')[0][:90]}"
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Architectures down, formats across: what vLLM held (see `cell`)."""
+    formats = list(dict.fromkeys(row["format"] for row in rows))
+    by = {(row["arch"], row["format"]): row for row in rows}
+    lines = ["| architecture | " + " | ".join(formats) + " |", "|---" * (len(formats) + 1) + "|"]
+    for arch in dict.fromkeys(row["arch"] for row in rows):
+        cells = [cell(by[arch, f]).replace("|", "/") if (arch, f) in by else "" for f in formats]
+        lines.append(f"| {arch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def show(paths: list[Path]) -> None:
+    """Print the summary and the per-layer table of saved results files, rows of later files replacing earlier."""
+    rows: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        results = json.loads(path.read_text())
+        print(f"{path}: vLLM {results['meta']['vllm']} ({results['meta']['machine']}), load {results['meta']['load']}")
+        rows.update((row["name"], row) for row in results["rows"])
+    print(summary(list(rows.values())) + "\n\n" + markdown(list(rows.values())))
+
+
 def main() -> int:
     options = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     options.add_argument("--archs", nargs="*", default=[*FACTORY, *ZOO])
     options.add_argument("--vllm-python", default=str(BENCH / ".vllm-venv" / "bin" / "python"))
     options.add_argument("--work", help="keep the checkpoints here (default: a temporary folder)")
+    options.add_argument("--results", type=Path, default=RESULTS)
+    options.add_argument("--show", type=Path, nargs="+", help="only print the tables of these results files")
     args = options.parse_args()
+    if args.show:
+        show(args.show)
+        return 0
     if not Path(args.vllm_python).exists():
         print(f"{args.vllm_python}: not found; build it with bench/vllm_venv.sh", file=sys.stderr)
         return 2
@@ -116,15 +156,14 @@ def main() -> int:
         manifest = root / "manifest.json"
         loads, refused = cases(args.archs, root)
         manifest.write_text(json.dumps(loads, indent=2))
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        args.results.parent.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PJRT_DEVICE")}
-        subprocess.run([args.vllm_python, str(BENCH / "vllm_load_check.py"), str(manifest), "--out", str(RESULTS)],
+        subprocess.run([args.vllm_python, str(BENCH / "vllm_load_check.py"), str(manifest), "--out", str(args.results)],
                        check=True, env=env)
-    results = json.loads(RESULTS.read_text())
+    results = json.loads(args.results.read_text())
     results["rows"] += refused
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nvLLM {results['meta']['vllm']} ({results['meta']['machine']}), load {results['meta']['load']}")
-    print(markdown(results["rows"]))
+    args.results.write_text(json.dumps(results, indent=2) + "\n")
+    show([args.results])
     return 0
 
 

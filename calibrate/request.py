@@ -5,19 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fp8kv.options import DEFAULT_HEADROOM
+from fp8kv.options import DEFAULT_HEADROOM, DEFAULT_KV_DTYPE
 from fp8kv.data import DataRequest
 
 
 @dataclass(frozen=True)
 class CalibrationRequest:
-    """Everything `calibrate` needs; defaults match the CLI's."""
+    """Everything `calibrate` needs; `fp8kv calibrate` takes its defaults from here."""
 
     model: str
     out: Path | None = None  # None: calibrate and report, write nothing
     data: DataRequest = field(default_factory=DataRequest)
     batch_size: int = 8
-    kv_dtype: str = "fp8_e4m3"
+    kv_dtype: str = DEFAULT_KV_DTYPE
     strategy: str = "amax"
     headroom: float = DEFAULT_HEADROOM
     per_head: bool = False

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
-from fp8kv.checkpoint.engine_names import vllm_scale_module
+from fp8kv.checkpoint.engine_names import vllm_format_gap, vllm_scale_module
 from fp8kv.kvdtypes import TORCH_DTYPE_NAME
 from fp8kv.errors import Fp8kvError
 from fp8kv.options import Convention
@@ -101,6 +101,14 @@ def attention_modules(tensor_names: list[str], layers: tuple[int, ...]) -> dict[
             found.setdefault(int(match["layer"]), match["module"])
     prefix = layer_prefix(tensor_names)
     return {layer: found.get(layer, f"{prefix}layers.{layer}.self_attn") for layer in layers}
+
+
+def vllm_format_gaps(conventions: tuple[str, ...] | list[str], tensor_names: list[str], model_type: str,
+                     layer: int) -> str | None:
+    """The first of `conventions` whose scale names vLLM (0.32) refuses on this model (its attention module at
+    `layer`, read from `tensor_names`), as one line naming the format vLLM loads; None when there is none."""
+    module = attention_modules(tensor_names, (layer,))[layer]
+    return next((gap for c in conventions if (gap := vllm_format_gap(c, model_type, module))), None)
 
 
 def layer_prefix(tensor_names: list[str]) -> str:
@@ -325,6 +333,23 @@ def _quark_config(qc: dict[str, Any] | None, scales: KVScales) -> dict[str, Any]
         layers[group] = {**base, **layers.get(group, {}), "output_tensors": quark_tensor_spec(scales.kv_dtype)}
     qc.setdefault("export", {})["kv_cache_group"] = list(_QUARK_GROUP)
     return qc
+
+
+def vllm_loading_gap(convention: str, config: dict[str, Any], hf_quant: dict[str, Any] | None) -> str | None:
+    """Why vLLM (0.32) refuses a KV-only ModelOpt or Quark folder written without the fields above, or None.
+
+    ModelOpt's and Quark's own KV-only exports name no weight algorithm (ModelOpt) or exclude no module (Quark).
+    """
+    if weight_method(config, hf_quant) is not None:
+        return None
+    if convention == "modelopt" and hf_quant is not None and not (hf_quant.get("quantization") or {}).get("quant_algo"):
+        return ("hf_quant_config.json names no quant_algo: vLLM (0.32) loads ModelOpt KV scales only beside one "
+                "(\"'QKVParallelLinear' object has no attribute 'data'\")")
+    block = quantization_block(config)[1] or {}
+    if convention == "quark" and block.get("quant_method") == "quark" and not block.get("exclude"):
+        return ("the Quark config quantizes no weights and excludes no module: vLLM (0.32) then finds no scheme for "
+                "the linear layers (\"No quark compatible scheme was found\")")
+    return None
 
 
 def vllm_json_readers(path: str | Path) -> str:

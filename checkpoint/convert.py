@@ -6,7 +6,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from fp8kv import __version__
-from fp8kv.checkpoint.conventions import VLLM_JSON_FILE, vllm_json_readers
+from fp8kv.checkpoint.conventions import VLLM_JSON_FILE, vllm_format_gaps, vllm_json_readers
+from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.checkpoint.provenance import ConvertedFrom, Provenance, read_provenance
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
@@ -35,6 +36,13 @@ def convert_checkpoint(
     scales = readout.scales if convention == "compressed-tensors" else replace(readout.scales, q=None)
     return write_checkpoint(model_dir, out_dir, scales, convention=convention, mode=mode, overwrite=overwrite,
                             record=record)
+
+
+def format_gap(out_dir: Path, convention: str) -> str | None:
+    """One line when vLLM (0.32) refuses `convention`'s scale names for the model written to `out_dir`."""
+    source = SourceCheckpoint.open(out_dir)
+    return vllm_format_gaps((convention,), list(source.weight_map), source.geometry.model_type,
+                            source.geometry.kv_layers[0])
 
 
 def serve_hint(out_dir: Path) -> str:

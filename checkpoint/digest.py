@@ -16,7 +16,7 @@ from fp8kv.checkpoint.conventions import (
     COMPRESSION_CONFIG, HF_QUANT_CONFIG, QUANTIZATION_CONFIG, is_vllm_json, parse_scale_name,
 )
 from fp8kv.checkpoint.locate import verify_command
-from fp8kv.checkpoint.source import SourceCheckpoint
+from fp8kv.checkpoint.source import CheckpointLayout
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import read_json
 
@@ -55,7 +55,7 @@ class CheckpointDigest:
 
 def checkpoint_digest(folder: str | Path) -> CheckpointDigest:
     """The digest of `folder` as it is on disk now (reads headers, scale bytes and configs only)."""
-    source = SourceCheckpoint.open(folder)
+    source = CheckpointLayout.read(folder)
     scales: dict[str, str] = {}
     for file, header in source.headers.items():
         for tensor, entry in header.items():

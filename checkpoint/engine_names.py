@@ -38,3 +38,29 @@ def vllm_scale_module(model_type: str, module: str) -> str:
     (vLLM remaps it; architectures vLLM lacks keep the checkpoint's own module path).
     """
     return f"{module}.{VLLM_ATTENTION_ATTRIBUTE}" if model_type in FULL_PATH_MODEL_TYPES else module
+
+
+# vLLM (0.32) maps ModelOpt's `<module>.k_proj.k_scale` onto its attention layer only under a module named
+# `self_attn` (its cache-scale name mapper): under GPT-2's `attn`, GPT-NeoX's `attention` or Falcon's
+# `self_attention` the name reaches no parameter and the load fails.
+MODELOPT_ATTENTION_MODULE = "self_attn"
+# What vLLM (0.32)'s loader of a model type does with Quark's `k_proj.output_scale`, where it does not load it:
+# gemma2.py and gemma3.py map `k_proj` onto the fused `qkv_proj` before Quark's scale names are mapped, so the
+# name reaches the fused linear ("'QKVParallelLinear' object has no attribute 'data'"); falcon.py loads the
+# folder and every attention layer holds 1.0, with no warning.
+_FUSED_FIRST = "maps k_proj onto the fused qkv_proj before Quark's scale names, so it refuses k_proj.output_scale"
+QUARK_REFUSED = {"gemma2": _FUSED_FIRST, "gemma3": _FUSED_FIRST, "gemma3_text": _FUSED_FIRST,
+                 "falcon": "drops k_proj.output_scale without a word and runs every layer at scale 1.0"}
+
+
+def vllm_format_gap(convention: str, model_type: str, module: str) -> str | None:
+    """One line when vLLM (0.32) refuses `convention`'s scale names on the attention module at path `module` of
+    a `model_type` model, naming the format it loads; None when it loads them."""
+    fix = "for vLLM, fp8kv convert --to compressed-tensors"
+    attribute = module.rsplit(".", 1)[-1]
+    if convention == "modelopt" and attribute != MODELOPT_ATTENTION_MODULE:
+        return (f"vLLM (0.32) loads ModelOpt's k_proj.k_scale only under a {MODELOPT_ATTENTION_MODULE} module and "
+                f"{model_type}'s attention module is {attribute}, so it refuses this folder; {fix}")
+    if convention == "quark" and model_type in QUARK_REFUSED:
+        return f"vLLM (0.32)'s {model_type} loader {QUARK_REFUSED[model_type]}; {fix}"
+    return None

@@ -26,6 +26,38 @@ _HASH_CHUNK = 2**20
 
 
 @dataclass(frozen=True)
+class CheckpointLayout:
+    """A checkpoint folder's files, config and safetensors headers, read without transformers (the digest
+    card and push check needs no attention geometry)."""
+
+    path: Path
+    config: dict[str, Any]
+    files: tuple[str, ...]
+    weight_files: tuple[str, ...]
+    headers: dict[str, dict[str, dict[str, Any]]]
+
+    @classmethod
+    def read(cls, path: str | Path) -> CheckpointLayout:
+        """Read `path`'s config and safetensors headers (never the weights), checking the index and names."""
+        root = Path(path)
+        if not root.exists():
+            raise Fp8kvError(f"{root}: no such checkpoint folder")
+        if not root.is_dir():
+            raise Fp8kvError(f"{root}: not a folder; pass the checkpoint folder holding config.json")
+        root = root.resolve()
+        files = _list_files(root)
+        if not files:
+            raise Fp8kvError(f"{root}: the folder is empty; expected config.json and *.safetensors")
+        config = read_config(root)
+        weight_files = _weight_files(root, files)
+        headers = {name: read_safetensors_header(root / name) for name in weight_files}
+        if INDEX_NAME in files:
+            _check_index_tensors(root, headers)
+        _check_unique_tensors(headers)
+        return cls(root, config, files, weight_files, headers)
+
+
+@dataclass(frozen=True)
 class SourceCheckpoint:
     """A validated checkpoint folder: its config, geometry and safetensors layout.
 
@@ -44,24 +76,11 @@ class SourceCheckpoint:
     @classmethod
     def open(cls, path: str | Path) -> SourceCheckpoint:
         """Validate `path` and read its config and safetensors headers (never the weights)."""
-        root = Path(path)
-        if not root.exists():
-            raise Fp8kvError(f"{root}: no such checkpoint folder")
-        if not root.is_dir():
-            raise Fp8kvError(f"{root}: not a folder; pass the checkpoint folder holding config.json")
-        root = root.resolve()
-        files = _list_files(root)
-        if not files:
-            raise Fp8kvError(f"{root}: the folder is empty; expected config.json and *.safetensors")
-        config = read_config(root)
-        geometry = AttentionGeometry.from_config(config, source=str(root / "config.json"))
-        weight_files = _weight_files(root, files)
-        headers = {name: read_safetensors_header(root / name) for name in weight_files}
-        if INDEX_NAME in files:
-            _check_index_tensors(root, headers)
-        _check_unique_tensors(headers)
-        _check_projections(root, geometry, headers)
-        return cls(root, config, geometry, files, weight_files, headers)
+        layout = CheckpointLayout.read(path)
+        root = layout.path
+        geometry = AttentionGeometry.from_config(layout.config, source=str(root / "config.json"))
+        _check_projections(root, geometry, layout.headers)
+        return cls(root, layout.config, geometry, layout.files, layout.weight_files, layout.headers)
 
     @property
     def weight_map(self) -> dict[str, str]:

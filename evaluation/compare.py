@@ -19,7 +19,7 @@ from fp8kv.checkpoint.provenance import record_written
 from fp8kv.errors import Fp8kvError
 from fp8kv.evaluation.results import RESULTS_JSON, RESULTS_MD, ConfigScores, EvalResults, metric_values
 from fp8kv.evaluation.spec import CacheSpec
-from fp8kv.fp8 import ENGINES
+from fp8kv.engine_models import EVAL_ENGINES
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class EvalRequest:
     model_dir: Path
     tasks: tuple[str, ...]
     limit: int | None = None
-    engines: tuple[str, ...] = ENGINES
+    engines: tuple[str, ...] = EVAL_ENGINES
     device: str = "auto"
     batch_size: int = 8
     max_length: int | None = None

@@ -4,7 +4,7 @@ Importing this module registers the model with lm_eval; `python -m fp8kv.evaluat
 command line with it registered:
 
     python -m fp8kv.evaluation --model fp8kv --batch_size 8 --tasks gsm8k \\
-        --model_args pretrained=DIR,kv_cache=fp8,scales=checkpoint,engine=raw,device=xla-cpu
+        --model_args pretrained=DIR,kv_cache=fp8,scales=checkpoint,engine=sglang,device=xla-cpu
 
 Every request runs on `PagedModelRunner`: up to `batch_size` sequences share each step (ragged
 prefill for log-likelihoods, batched greedy decode for generation), so the cache quantizes K/V
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from fp8kv.data import load_tokenizer
+from fp8kv.engine_models import DEFAULT_ENGINE
 from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.errors import Fp8kvError
 from fp8kv.evaluation.spec import CacheSpec, open_runner
@@ -48,7 +49,7 @@ class Fp8kvLM(TemplateLM):
 
     Args (all lm_eval `--model_args` strings):
         pretrained: checkpoint folder (or `bundled`).
-        kv_cache, scales, engine: see `CacheSpec` (bf16 | fp8; checkpoint | unit; clamp | raw | raw-bf16).
+        kv_cache, scales, engine: see `CacheSpec` (bf16 | fp8; checkpoint | unit; an engine model name).
         quantize_query: also read Q as fp8 with the checkpoint's q_scale (fp8 attention).
         device: auto, tpu, xla-cpu, cuda (or cuda:N) or cpu, as for `fp8kv verify`.
         batch_size: sequences per runner step (lm_eval's `--batch_size`; "auto" means 8).
@@ -58,7 +59,7 @@ class Fp8kvLM(TemplateLM):
         model: preloaded weights from `fp8kv.runtime.runner.load_model`, shared between caches (Python only).
     """
 
-    def __init__(self, pretrained: str, kv_cache: str = "fp8", scales: str = "checkpoint", engine: str = "clamp",
+    def __init__(self, pretrained: str, kv_cache: str = "fp8", scales: str = "checkpoint", engine: str = DEFAULT_ENGINE,
                  quantize_query: bool = False, device: str | None = None, batch_size: int | str | None = None, max_batch_size: int | None = None,
                  max_length: int | None = None, max_gen_toks: int = 256, page_size: int = 16,
                  add_bos_token: bool | None = None, model: torch.nn.Module | None = None) -> None:

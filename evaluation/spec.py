@@ -1,6 +1,6 @@
 """Which KV cache an evaluation runs on: dtype, where its scales come from, how the engine casts.
 
-    spec = CacheSpec.parse(kv_cache="fp8", scales="checkpoint", engine="raw")
+    spec = CacheSpec.parse(kv_cache="fp8", scales="checkpoint", engine="sglang")
     runner = open_runner(model_dir, spec, device="cpu", max_model_len=2048, max_num_seqs=8)
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.errors import Fp8kvError
-from fp8kv.fp8 import ENGINES
+from fp8kv.engine_models import DEFAULT_ENGINE, ENGINE_MODELS
 from fp8kv.runtime.runner import PagedModelRunner
 from fp8kv.verify.accuracy import runtime_scales
 
@@ -29,15 +29,15 @@ class CacheSpec:
 
     kv_cache: str = "fp8"
     scales: str = "checkpoint"
-    engine: str = "clamp"
+    engine: str = DEFAULT_ENGINE
     query: bool = False
 
     @classmethod
-    def parse(cls, kv_cache: str = "fp8", scales: str = "checkpoint", engine: str = "clamp",
+    def parse(cls, kv_cache: str = "fp8", scales: str = "checkpoint", engine: str = DEFAULT_ENGINE,
               query: bool = False) -> CacheSpec:
         """Validate the choices (one clear error naming the bad one)."""
         for name, value, choices in (("kv_cache", kv_cache, KV_CACHES), ("scales", scales, SCALE_SOURCES),
-                                     ("engine", engine, ENGINES)):
+                                     ("engine", engine, tuple(m.name for m in ENGINE_MODELS))):
             if value not in choices:
                 raise Fp8kvError(f"{name}={value!r} is not one of {', '.join(choices)}")
         if query and (kv_cache, scales) != ("fp8", "checkpoint"):
@@ -46,14 +46,14 @@ class CacheSpec:
 
     @property
     def label(self) -> str:
-        """Short name for tables: `bf16`, `fp8 unit clamp`, `fp8 checkpoint raw`."""
+        """Short name for tables: `bf16`, `fp8 unit vllm-tpu`, `fp8 checkpoint sglang`."""
         if self.kv_cache == "bf16":
             return "bf16"
         return f"fp8 {self.scales} {self.engine}" + (" + fp8 Q" if self.query else "")
 
 
 def engine_arguments(engine: str) -> dict[str, Any]:
-    """The runner's keyword for an engine's cast model (`fp8kv.fp8.ENGINES`)."""
+    """The runner's keyword for an engine model (`fp8kv.engine_models`)."""
     return {"engine": engine}
 
 

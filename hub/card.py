@@ -34,7 +34,7 @@ TAGS = ["fp8", "kv-cache", "fp8kv", "vllm", "compressed-tensors"]
 _LICENSE_ID = re.compile(r"^[a-z0-9][a-z0-9.\-]*$")
 _DATA_FILE = re.compile(r"\.(jsonl|json|txt|csv|parquet|arrow)$")
 # An absolute POSIX path of two or more parts (not a URL, not a/b inside a word or after `|x|`).
-_LOCAL_PATH = re.compile(r"(?<![\w:/.|)\]`~-])/[^\s\"'`|<>()\[\],;:/]+(?:/[^\s\"'`|<>()\[\],;:/]+)+")
+_LOCAL_PATH = re.compile(r"(?<![\w:/.|)\]~-])/[^\s\"'`|<>()\[\],;:/]+(?:/[^\s\"'`|<>()\[\],;:/]+)+")
 # (label, key, is a share) rows of the verify accuracy table.
 _ACCURACY_ROWS = [
     ("Perplexity, bf16 KV cache", "ppl_bf16", False),

@@ -8,6 +8,7 @@ stored in pages `page_indices[s]`. Queries are aligned to the end of their KV (c
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Literal, get_args
 
 import torch
@@ -21,11 +22,15 @@ Scale = float | torch.Tensor | None
 # The arithmetic of the torch backend, each named for what it reproduces (torch_xla 2.9):
 # "float32": dequantized K/V, scores, softmax and P·V all in float32; only the output is rounded to q's dtype.
 # "xla-reference": `ragged_paged_attention(use_kernel=False)`, what runs on XLA:CPU: K/V dequantized in float32
-#   and rounded to q's dtype; QK, the sm_scale product, the soft cap, each softmax step and P·V in q's dtype.
+#   and rounded to q's dtype; QK, the sm_scale product, the soft cap, the softmax and P·V in q's dtype.
 # "pallas-kernel": the v2 Pallas kernel vLLM's TPU backend runs: raw fp8 K and V, QK in float32 times
 #   (sm_scale * k_scale), softmax in float32, P·V in float32 times v_scale, the output rounded to q's dtype.
 AttentionNumerics = Literal["float32", "xla-reference", "pallas-kernel"]
 NUMERICS: tuple[str, ...] = get_args(AttentionNumerics)
+# What the runtime report names, one count per call of the function that ran.
+TORCH = "fp8kv.torch"
+XLA_KERNEL = "torch_xla.ragged_paged_attention (Pallas kernel)"
+XLA_REFERENCE = "torch_xla.ragged_paged_attention (reference)"
 
 
 def ragged_paged_attention(
@@ -47,6 +52,7 @@ def ragged_paged_attention(
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     numerics: AttentionNumerics = "float32",
+    calls: Counter[str] | None = None,
 ) -> torch.Tensor:
     """Attention of `q` `[T, q_heads, head_dim]` over `kv_pages` `[pages, page_size, 2*kv_heads, D]`.
 
@@ -57,7 +63,8 @@ def ragged_paged_attention(
     are per-head logits that join every softmax and take probability without a value (gpt-oss);
     `chunk_size` limits each query to keys of its own chunk of positions (llama4's chunked layers).
     Both run on the torch backend only: torch_xla's function has neither. `numerics` is the torch
-    backend's arithmetic (`AttentionNumerics`); torch_xla's function has its own.
+    backend's arithmetic (`AttentionNumerics`); torch_xla's function has its own. `calls` counts each
+    call under the name of the function that ran (`TORCH`, `XLA_KERNEL`, `XLA_REFERENCE`).
 
     backend: "xla" calls torch_xla's function as vLLM's TPU backend does (the Pallas kernel with
     `use_kernel`, which needs a TPU: see `kernel_supported`; torch_xla's reference otherwise);
@@ -80,11 +87,15 @@ def ragged_paged_attention(
             q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, sliding_window, soft_cap,
             use_kernel,
         )
+        name = XLA_KERNEL if use_kernel else XLA_REFERENCE
     else:
         out = _torch_attention(
             q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale, k_scale, v_scale, sliding_window,
             soft_cap, max_q_len, sinks, chunk_size, numerics,
         )
+        name = TORCH
+    if calls is not None:
+        calls[name] += 1
     return out[..., :head_dim]
 
 
@@ -158,8 +169,9 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last axis, each step (max shift, exp, sum, divide) rounded to `scores`' dtype, as XLA
-    lowers torch.softmax; in float32 that is torch's own softmax."""
+    """Softmax over the last axis with the max shift, exp, row sum and divide each rounded to `scores`' dtype, as
+    XLA lowers torch.softmax; the sum accumulates in float32 (XLA:CPU adds in bf16, 32 values at a time, an order
+    a TPU need not share). In float32 this is torch's own softmax."""
     if scores.dtype == torch.float32:
         return torch.softmax(scores, dim=-1)
     e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))

@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.fp8 import check_engine, is_fp8, quantize
+from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
+from fp8kv.fp8 import is_fp8
 
 SCRATCH_PAGE = 0
 
@@ -90,7 +91,7 @@ class PagedKVCache:
     `k_scales`/`v_scales` map each KV layer index to a float or a per-KV-head list of floats
     (dequantization multipliers); None means 1.0 everywhere. Scales only apply to fp8 caches. The cache
     holds them as one table, `scales` `[num_kv_layers, 2 (K, V), kv_heads]` float32 on its device.
-    `engine` is how writes cast to fp8 (`fp8kv.fp8.ENGINES`: "clamp", "raw", "raw-bf16").
+    `engine` names the engine model whose write (and loaded scales) the cache reproduces (`fp8kv.engine_models`).
     `num_kv_heads` and `head_dim` are one value for every layer or one per KV layer (in `kv_layers` order);
     the attributes of those names hold the largest, `layer_kv_heads(layer)` / `layer_head_dim(layer)` each layer's.
     `shared_layers` maps each layer that reads another's cache (KV sharing) to that layer (`owner`).
@@ -111,7 +112,7 @@ class PagedKVCache:
         head_dim_multiple: int = 1,
         k_scales: Mapping[int, Scale] | None = None,
         v_scales: Mapping[int, Scale] | None = None,
-        engine: str = "clamp",
+        engine: str = DEFAULT_ENGINE,
         shared_layers: Mapping[int, int] | None = None,
     ) -> None:
         self.kv_layers = tuple(kv_layers)
@@ -123,7 +124,8 @@ class PagedKVCache:
         self._padded = [math.ceil(d / head_dim_multiple) * head_dim_multiple for d in self._head_dims]
         self.head_dim_padded = max(self._padded)
         self.dtype = dtype
-        self.engine = check_engine(engine)
+        self.engine = engine_model(engine)
+        k_scales, v_scales = self.engine.loads(k_scales, v_scales)
         k_given = layer_scales(k_scales, self.kv_layers, self._kv_heads, "k_scale")
         v_given = layer_scales(v_scales, self.kv_layers, self._kv_heads, "v_scale")
         # a layer with fewer KV heads than the largest repeats its last value in the padding of its row
@@ -172,9 +174,11 @@ class PagedKVCache:
         `valid` `[tokens]` (bool) marks real tokens; padding tokens go to the scratch page and are not counted.
         """
         row = self._row[layer]
+        heads = self._kv_heads[row]
         kv = torch.stack([k, v], dim=2).flatten(1, 2)  # [T, 2*kv_heads, head_dim]
         kv = torch.nn.functional.pad(kv, (0, self._padded[row] - self._head_dims[row]))
-        stored = quantize(kv, self._write_scales[row, : 2 * self._kv_heads[row]], self.dtype, self.engine)
+        stored = self.engine.write(kv, self._write_scales[row, : 2 * heads], self.dtype) if is_fp8(self.dtype) \
+            else kv.to(self.dtype)
         self._count(row, kv, stored, valid)
         store_rows(self.pages[row].flatten(0, 1), slots, stored)  # [num_pages*page_size, 2*kv_heads, d_padded]
 

@@ -16,6 +16,7 @@ object the runner keeps per sequence.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,9 @@ from fp8kv.runtime.attention import gather_kv
 from fp8kv.runtime.cache import PagedKVCache
 from fp8kv.runtime.latent import LatentPagedCache
 
+# What the runtime report names when the model's own attention code read the pages, one count per layer call.
+CACHE_VIEW = "the model's own attention over fp8kv.cache_view"
+
 
 def recurrent_layers(layer_types: Sequence[str]) -> list[int]:
     """Layers whose transformers cache layer keeps a recurrent state (Mamba, linear attention), not K/V."""
@@ -37,10 +41,11 @@ def recurrent_layers(layer_types: Sequence[str]) -> list[int]:
 
 
 def sequence_cache(cache: PagedKVCache, attention_layers: Sequence[int], past: int, slots: torch.Tensor,
-                   pages: Sequence[int], state: Any = None) -> Any:
+                   pages: Sequence[int], calls: Counter[str], state: Any = None) -> Any:
     """A transformers `Cache` over `cache` for one sequence: `past` cached tokens, new tokens at `slots` `[T]`,
-    its page table `pages`. `state`: the sequence's own transformers cache holding its recurrent layers
-    (hybrids), whose attention layers are replaced; None builds a cache of `attention_layers` only."""
+    its page table `pages`. Each `update` is counted in `calls` under `CACHE_VIEW`. `state`: the sequence's own
+    transformers cache holding its recurrent layers (hybrids), whose attention layers are replaced; None builds
+    a cache of `attention_layers` only."""
     from transformers.cache_utils import Cache, DynamicLayer
 
     class PagedSequenceLayer(DynamicLayer):
@@ -53,6 +58,7 @@ def sequence_cache(cache: PagedKVCache, attention_layers: Sequence[int], past: i
             self.layer = layer
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            calls[CACHE_VIEW] += 1
             if isinstance(cache, LatentPagedCache):
                 return self._update_latent(key_states, value_states)
             owner = cache.owner(self.layer)

@@ -58,6 +58,14 @@ def resolve_device(choice: str = "auto", torch_only: bool = False) -> RuntimeDev
     return RuntimeDevice(choice, _xla_device("TPU" if choice == "tpu" else "CPU"))
 
 
+def may_use_xla(choice: str) -> bool:
+    """Whether a runtime `choice` can end on a torch_xla device, decided without importing torch_xla."""
+    if choice in ("tpu", "xla-cpu"):
+        return True
+    return choice == "auto" and os.environ.get("PJRT_DEVICE", "TPU").upper() == "TPU" and \
+        importlib.util.find_spec("libtpu") is not None
+
+
 def tpu_version() -> int:
     """The TPU generation (4, 5, 6, ...) through torch_xla's public `torch_xla.tpu`, or 0 without a TPU."""
     if tpu_chips() == 0:  # version() asks the cloud metadata server: only worth it with chips attached

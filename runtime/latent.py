@@ -12,18 +12,22 @@ by a forward hook on `kv_a_layernorm` (`capture_latents`).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.fp8 import check_engine, is_fp8, quantize
+from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
+from fp8kv.fp8 import is_fp8
 from fp8kv.geometry import LatentCache
 from fp8kv.runtime.cache import Scale, layer_counts, layer_scales, load_rows, store_rows
 
 # The attention module attribute that holds the current forward's kv_c_normed `[1, T, kv_lora_rank]`.
 _CAPTURED = "fp8kv_kv_c_normed"
+# What the runtime report names for `latent_attention`, one count per call.
+LATENT = "fp8kv.latent_attention"
 
 
 class LatentPagedCache:
@@ -45,11 +49,12 @@ class LatentPagedCache:
         device: torch.device,
         k_scales: Mapping[int, Scale] | None = None,
         v_scales: Mapping[int, Scale] | None = None,
-        engine: str = "clamp",
+        engine: str = DEFAULT_ENGINE,
     ) -> None:
         self.kv_layers, self.latent = tuple(kv_layers), latent
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
-        self.engine = check_engine(engine)
+        self.engine = engine_model(engine)
+        k_scales, v_scales = self.engine.loads(k_scales, v_scales)
         k_given = layer_scales(k_scales, self.kv_layers, [1] * len(self.kv_layers), "k_scale")
         v_given = layer_scales(v_scales, self.kv_layers, [1] * len(self.kv_layers), "v_scale")
         self.scales = torch.tensor([[k, v] for k, v in zip(k_given, v_given)], dtype=torch.float32).to(device)
@@ -73,7 +78,7 @@ class LatentPagedCache:
         """Quantize and store `vectors` `[T, width]` at flat `slots` `[T]`; `valid` `[T]` marks real tokens."""
         row = self._row[layer]
         scale = self.scales[row, 0]
-        stored = quantize(vectors, scale, self.dtype, self.engine)
+        stored = self.engine.write(vectors, scale, self.dtype) if is_fp8(self.dtype) else vectors.to(self.dtype)
         mask = valid[:, None]
         if is_fp8(self.dtype):
             self.clamped[row] += ((vectors.float().abs() / scale > torch.finfo(self.dtype).max) & mask).sum()
@@ -133,12 +138,14 @@ def capture_latents(model: torch.nn.Module) -> None:
 
 
 def latent_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, cache: LatentPagedCache,
-                     meta: Any, scaling: float) -> torch.Tensor:
+                     meta: Any, scaling: float, calls: Counter[str]) -> torch.Tensor:
     """Write the step's latents, then attend over each sequence's cached latents: `[1, T, heads, v_head_dim]`.
 
     `query` `[1, heads, T, qk_head_dim]`, `key` `[1, heads, T, qk_head_dim]` (the expanded K of the new
-    tokens); `meta` is the runner's `StepMetadata` (slots, kv_lens, page_indices, cu_q_lens, num_seqs).
+    tokens); `meta` is the runner's `StepMetadata` (slots, kv_lens, page_indices, cu_q_lens, num_seqs). The call
+    is counted in `calls` under `LATENT`.
     """
+    calls[LATENT] += 1
     layer, latent = module.layer_idx, cache.latent
     kv_c_normed = getattr(module, _CAPTURED).reshape(-1, latent.kv_lora_rank)  # [T, kv_lora_rank]
     setattr(module, _CAPTURED, None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +25,9 @@ from pathlib import Path
 import torch
 
 from fp8kv.errors import Fp8kvError
+from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
 from fp8kv.fp8 import cache_dtype as _cache_dtype
-from fp8kv.fp8 import FP8_DTYPES, quantize
+from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, quantize
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.attention import NUMERICS, AttentionNumerics, kernel_supported, ragged_paged_attention
@@ -62,7 +64,8 @@ class PagedStep:
     meta: StepMetadata
     backend: str
     use_kernel: bool
-    numerics: AttentionNumerics = "float32"  # the torch backend's arithmetic (runtime.attention)
+    numerics: AttentionNumerics  # the torch backend's arithmetic (runtime.attention)
+    calls: Counter[str]  # the runner's count of attention calls, by the function that ran
     q_scales: dict[int, torch.Tensor] | None = None  # fp8 attention: the query is read as fp8(q / q_scale)
 
 
@@ -82,7 +85,7 @@ def _paged_attention(
     if step is None:
         raise Fp8kvError(f"{ATTN_IMPLEMENTATION} attention runs only inside PagedModelRunner.step")
     if isinstance(step.cache, LatentPagedCache):
-        return latent_attention(module, query, key, step.cache, step.meta, scaling), None
+        return latent_attention(module, query, key, step.cache, step.meta, scaling, step.calls), None
     meta, layer = step.meta, step.cache.owner(module.layer_idx)
     tiles, restore = key.shape[1] // step.cache.layer_kv_heads(layer), None
     if tiles > 1:  # JetMoe hands K/V tiled once per chosen expert (repeat, not repeat_interleave): cache one tile
@@ -123,6 +126,7 @@ def _paged_attention(
         sinks=kwargs.get("s_aux"),
         chunk_size=_chunk_size(module),
         numerics=step.numerics,
+        calls=step.calls,
     )
     out = out if restore is None else out[:, restore]
     out = out if v_dim == out.shape[-1] else out[..., :v_dim]
@@ -151,8 +155,8 @@ class PagedModelRunner:
         device: "auto", "tpu", "xla-cpu", "cuda" or "cpu".
         cache_dtype: "fp8_e4m3" (or vLLM's "fp8"), "fp8_e5m2", "bf16" or "fp32".
         k_scales, v_scales: {kv layer index: float or per-KV-head list}; None = 1.0 (fp8 only).
-        engine: how writes cast to fp8, as an engine does (`fp8kv.fp8.ENGINES`): "clamp" saturates
-            at ±MAX; "raw" and "raw-bf16" reproduce a plain cast (NaN/inf past the limits).
+        engine: the engine model the cache reproduces (`fp8kv.engine_models`): its fp8 write, the scales it
+            runs with and the fp8 format it allocates; the default is vLLM TPU's (divide in float32, clamp).
         page_size, max_model_len, max_num_seqs: cache geometry; `num_pages` defaults to enough
             pages for `max_num_seqs` sequences of `max_model_len` tokens (plus the scratch page).
         dtype: model weights dtype (default: the checkpoint's).
@@ -179,7 +183,7 @@ class PagedModelRunner:
         cache_dtype: str = "bf16",
         k_scales: Mapping[int, Scale] | None = None,
         v_scales: Mapping[int, Scale] | None = None,
-        engine: str = "clamp",
+        engine: str = DEFAULT_ENGINE,
         page_size: int = 16,
         max_model_len: int = 512,
         max_num_seqs: int = 8,
@@ -208,12 +212,13 @@ class PagedModelRunner:
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.backend = _resolve_backend(attention_backend, self.runtime_device)
         g = self.geometry
+        dtype_of_cache = _cache_dtype(engine_model(engine).cache_dtype(canonical_cache_dtype(cache_dtype)))
         if g.latent is not None:
             if q_scales is not None:
                 raise Fp8kvError("q_scales: fp8 attention is not modelled for multi-head latent attention (MLA)")
             self.cache = LatentPagedCache(
                 g.kv_layers, latent=g.latent, num_pages=num_pages or max_num_seqs * self.pages_per_seq + 1,
-                page_size=page_size, dtype=_cache_dtype(cache_dtype), device=self.runtime_device.device,
+                page_size=page_size, dtype=dtype_of_cache, device=self.runtime_device.device,
                 k_scales=k_scales, v_scales=v_scales, engine=engine)
             capture_latents(self.model)
         else:
@@ -223,7 +228,7 @@ class PagedModelRunner:
                 page_size=page_size,
                 num_kv_heads=[g.layer_kv_heads(layer) for layer in g.kv_layers],
                 head_dim=[g.layer_head_dim(layer) for layer in g.kv_layers],
-                dtype=_cache_dtype(cache_dtype),
+                dtype=dtype_of_cache,
                 device=self.runtime_device.device,
                 head_dim_multiple=self.runtime_device.head_dim_multiple,
                 k_scales=k_scales,
@@ -242,13 +247,14 @@ class PagedModelRunner:
             raise Fp8kvError(f"q_scales cover layers {sorted(q_scales)}; give one per KV layer {list(g.kv_layers)}")
         self.q_scales = None if q_scales is None else {
             layer: torch.tensor(float(q_scales[layer]), device=self.device) for layer in g.kv_layers}
+        self.calls: Counter[str] = Counter()
         self._next_id = 0
         self._sync()  # materialize the zeroed caches, so the first step compiles the same graph as later ones
 
     @property
     def attention(self) -> str:
-        """The attention function that runs: "torch_xla.ragged_paged_attention" or "fp8kv.torch"."""
-        return "torch_xla.ragged_paged_attention" if self.backend == "xla" else "fp8kv.torch"
+        """The attention that ran, from counted calls (`calls`): its name, names joined by " + ", or "none"."""
+        return " + ".join(sorted(self.calls)) or "none"
 
     @property
     def device(self) -> torch.device:
@@ -291,7 +297,7 @@ class PagedModelRunner:
         if self.cache_view:
             return [self._cache_view_step(seq_id, tokens) for seq_id, tokens in batch]
         ids, positions, meta = self._prepare(batch)
-        step = PagedStep(self.cache, meta, self.backend, self.use_kernel, self.numerics, self.q_scales)
+        step = PagedStep(self.cache, meta, self.backend, self.use_kernel, self.numerics, self.calls, self.q_scales)
         bound = _ACTIVE_STEP.set(step)
         try:
             logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
@@ -309,7 +315,7 @@ class PagedModelRunner:
         past, dev = self.length(seq_id), self.device
         slots = torch.tensor(self.allocator.extend(seq_id, len(tokens)), dtype=torch.int64).to(dev)
         attention = [i for i in range(self.geometry.num_layers) if i not in self.recurrent]
-        cache = sequence_cache(self.cache, attention, past, slots, self.allocator.tables[seq_id],
+        cache = sequence_cache(self.cache, attention, past, slots, self.allocator.tables[seq_id], self.calls,
                                self._states.get(seq_id))
         ids = torch.tensor([list(tokens)]).to(dev)
         positions = torch.arange(past, past + len(tokens))[None].to(dev) + self.position_offset

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from fp8kv.runtime.attention import XLA_KERNEL
 from fp8kv.runtime.runner import PagedModelRunner
 
 
@@ -48,19 +49,25 @@ def warm_decode_step(runner: PagedModelRunner, prompt: Sequence[int]) -> StepCos
 
 @dataclass(frozen=True)
 class RuntimeSummary:
-    """Which attention ran and, on XLA, what a warm fp8 decode step costs and how many graphs were compiled.
+    """Which attention ran (counted calls) and, on XLA, what a warm fp8 decode step costs and how many graphs
+    were compiled.
 
+    `attention_calls` counts calls by the function that ran; `use_kernel` is whether torch_xla's Pallas kernel
+    was among them; `attention_numerics` is the arithmetic of the ragged paged attention (`runtime.attention`).
     `compiles["warmup"]` counts graphs compiled while verify ran its checks; `compiles["timed"]` the
     graphs a warm decode step still compiled (0 when shapes are bounded). Both None off XLA.
     """
 
     attention: str
     use_kernel: bool
+    attention_calls: dict[str, int]
+    attention_numerics: str
     xla_cpu_fallbacks_per_decode_step: int | None
     compiles: dict[str, int] | None
 
     def as_dict(self) -> dict:
-        return {"attention": self.attention, "use_kernel": self.use_kernel,
+        return {"attention": self.attention, "use_kernel": self.use_kernel, "attention_calls": self.attention_calls,
+                "attention_numerics": self.attention_numerics,
                 "xla_cpu_fallbacks_per_decode_step": self.xla_cpu_fallbacks_per_decode_step,
                 "compiles": self.compiles}
 
@@ -68,8 +75,12 @@ class RuntimeSummary:
 def summarize(runner: PagedModelRunner, prompt: Sequence[int], compiles_before: int | None) -> RuntimeSummary:
     """The runtime section of a report; on XLA it runs one warm decode step of `prompt` on `runner`."""
     if not runner.runtime_device.is_xla:
-        return RuntimeSummary(runner.attention, runner.use_kernel, None, None)
+        return _summary(runner, None, None)
     warmup = compiles() - (compiles_before or 0)
     cost = warm_decode_step(runner, prompt)
-    return RuntimeSummary(runner.attention, runner.use_kernel, cost.cpu_fallbacks,
-                          {"warmup": warmup, "timed": cost.compiles})
+    return _summary(runner, cost.cpu_fallbacks, {"warmup": warmup, "timed": cost.compiles})
+
+
+def _summary(runner: PagedModelRunner, fallbacks: int | None, compiled: dict[str, int] | None) -> RuntimeSummary:
+    calls = dict(sorted(runner.calls.items()))
+    return RuntimeSummary(runner.attention, calls.get(XLA_KERNEL, 0) > 0, calls, runner.numerics, fallbacks, compiled)

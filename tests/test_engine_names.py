@@ -115,3 +115,24 @@ def test_verify_reads_the_gpt2_full_path_names(outputs, tmp_path):
     request = VerifyRequest(outputs["gpt2"], data=DataRequest(str(held), num_samples=2, seq_len=32), batch_size=2,
                             num_prompts=1, prompt_len=16, new_tokens=1, device="cpu", report_dir=tmp_path / "report")
     assert verify(request).report.scales == ROWS
+
+
+@pytest.mark.parametrize("model_type, convention, note", [
+    ("gpt2", "modelopt", "note: vLLM (0.32) loads ModelOpt's k_proj.k_scale only under a self_attn module and gpt2's "
+                         "attention module is attn, so it refuses this folder; for vLLM, fp8kv convert --to "
+                         "compressed-tensors"),
+    ("gemma2", "quark", "note: vLLM (0.32)'s gemma2 loader maps k_proj onto the fused qkv_proj before Quark's scale "
+                        "names, so it refuses k_proj.output_scale; for vLLM, fp8kv convert --to compressed-tensors"),
+    ("llama", "modelopt", None),
+    ("llama", "quark", None),
+    ("gpt2", "quark", None),
+])
+def test_convert_names_the_formats_vllm_refuses_for_the_architecture(tmp_path, model_type, convention, note):
+    src = write_checkpoint(make_zoo_checkpoint(model_type, tmp_path / "src"), tmp_path / "ct", KVScales.from_floats(K, V))
+    out = tmp_path / convention
+    result = CliRunner().invoke(app, ["convert", str(src), "--to", convention, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if "vLLM (0.32)" in line]
+    assert notes == ([note] if note else [])
+    warned = [w for w in _inspect(out)["warnings"] if "vLLM (0.32)" in w]
+    assert warned == ([note.removeprefix("note: ")] if note else [])

@@ -114,18 +114,18 @@ def quarter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(BUNDLED_MODEL_DIR, tmp_path_factory.mktemp("quarter") / "ckpt", quarter)
 
 
-def test_quarter_scales_score_lower_under_the_raw_cast_than_clamped(
+def test_quarter_scales_score_lower_without_the_clamp_than_with_it(
         quarter: Path, weights: torch.nn.Module, tasks: TaskManager) -> None:
     acc, nonfinite = {}, {}
-    for engine in ("clamp", "raw"):
+    for engine in ("vllm-tpu", "no-clamp"):
         lm = Fp8kvLM(str(quarter), kv_cache="fp8", scales="checkpoint", engine=engine, device="cpu", batch_size=16,
                      model=weights)
         out = lm_eval.simple_evaluate(model=lm, tasks=["test_pydoc_mc"], task_manager=tasks, limit=16,
                                       log_samples=False, bootstrap_iters=0)
         acc[engine] = out["results"]["test_pydoc_mc"]["acc,none"]
         nonfinite[engine] = sum(k + v for k, v in lm.runner.counts()["nonfinite"].values())
-    assert nonfinite["clamp"] == 0 and nonfinite["raw"] > 0
-    assert acc["raw"] < acc["clamp"]
+    assert nonfinite["vllm-tpu"] == 0 and nonfinite["no-clamp"] > 0
+    assert acc["no-clamp"] < acc["vllm-tpu"]
 
 
 def test_fp8kv_eval_command_writes_the_comparison(quarter: Path, tmp_path: Path) -> None:
@@ -134,41 +134,41 @@ def test_fp8kv_eval_command_writes_the_comparison(quarter: Path, tmp_path: Path)
     from fp8kv.cli import app
 
     result = CliRunner().invoke(app, ["eval", str(quarter), "--tasks", "fp8kv_pydoc_mc", "--limit", "8",
-                                      "--engines", "raw", "--device", "cpu", "--batch-size", "16",
+                                      "--engines", "no-clamp", "--device", "cpu", "--batch-size", "16",
                                       "--report", str(tmp_path / "r")])
     assert result.exit_code == 0, result.output
     back = EvalResults.from_json((tmp_path / "r" / "results.json").read_text())
-    assert [row.label for row in back.rows] == ["bf16", "fp8 unit raw", "fp8 checkpoint raw"]
+    assert [row.label for row in back.rows] == ["bf16", "fp8 unit no-clamp", "fp8 checkpoint no-clamp"]
     assert back.tasks == ("fp8kv_pydoc_mc",) and back.limit == 8 and back.device == "cpu"
     scores = {row.label: row.metrics["fp8kv_pydoc_mc acc"] for row in back.rows}
     stored = {row.label: row.nonfinite_stored for row in back.rows}
-    assert stored["bf16"] == 0 and stored["fp8 unit raw"] == 0 and stored["fp8 checkpoint raw"] > 0
-    assert set(stored) == {"bf16", "fp8 unit raw", "fp8 checkpoint raw"}
-    assert scores["fp8 checkpoint raw"] < scores["bf16"]
+    assert stored["bf16"] == 0 and stored["fp8 unit no-clamp"] == 0 and stored["fp8 checkpoint no-clamp"] > 0
+    assert set(stored) == {"bf16", "fp8 unit no-clamp", "fp8 checkpoint no-clamp"}
+    assert scores["fp8 checkpoint no-clamp"] < scores["bf16"]
     assert (tmp_path / "r" / "results.md").read_text() == back.markdown()
-    assert "| fp8 checkpoint raw |" in result.output
+    assert "| fp8 checkpoint no-clamp |" in result.output
 
 
 def test_unknown_engine_and_missing_scales_are_one_line_errors(weights: torch.nn.Module) -> None:
     from fp8kv.evaluation.spec import CacheSpec, engine_arguments
 
-    assert CacheSpec.parse("fp8", "checkpoint", "raw-bf16").label == "fp8 checkpoint raw-bf16"
-    assert engine_arguments("raw-bf16") == {"engine": "raw-bf16"}
-    with pytest.raises(Fp8kvError, match=r"engine='fast' is not one of clamp, raw, raw-bf16"):
+    assert CacheSpec.parse("fp8", "checkpoint", "sglang").label == "fp8 checkpoint sglang"
+    assert engine_arguments("sglang") == {"engine": "sglang"}
+    with pytest.raises(Fp8kvError, match=r"engine='fast' is not one of vllm-cuda, vllm-tpu, .*, e5m2-read"):
         Fp8kvLM(str(BUNDLED_MODEL_DIR), engine="fast", device="cpu", model=weights)
     with pytest.raises(Fp8kvError, match="no KV scales in any convention; use scales=unit"):
         Fp8kvLM(str(BUNDLED_MODEL_DIR), kv_cache="fp8", scales="checkpoint", device="cpu", model=weights)
 
 
 def test_results_round_trip_and_report_folder_rule(tmp_path: Path) -> None:
-    row = ConfigScores("fp8 checkpoint raw", "fp8", "checkpoint", "raw", {"t acc": 0.5, "t ppl": float("nan")}, 7)
+    row = ConfigScores("fp8 checkpoint sglang", "fp8", "checkpoint", "sglang", {"t acc": 0.5, "t ppl": float("nan")}, 7)
     result = EvalResults("ckpt", ("t",), 10, "cpu", (row,))
     folder = tmp_path / "ckpt"
     (folder / "eval").mkdir(parents=True)
     (folder / "eval" / "results.json").write_text(result.to_json())
     back = read_results(folder)
     assert back is not None and back.rows[0].metrics["t acc"] == 0.5 and back.rows[0].nonfinite_stored == 7
-    assert "| fp8 checkpoint raw | 0.5 | NaN | 7 |" in back.markdown()
+    assert "| fp8 checkpoint sglang | 0.5 | NaN | 7 |" in back.markdown()
     with pytest.raises(Fp8kvError, match="not written by fp8kv .no fp8kv.json.; pass --report"):
         report_folder(folder, None)
     assert report_folder(folder, tmp_path / "r") == tmp_path / "r"

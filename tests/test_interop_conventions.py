@@ -17,6 +17,7 @@ from fp8kv.checkpoint.convert import convert_checkpoint
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
+from fp8kv.checks import check_readout
 from fp8kv.errors import Fp8kvError
 from fp8kv.tools.factory import make_checkpoint
 
@@ -273,7 +274,6 @@ def _blocks(folder: Path) -> dict:
 
 @pytest.mark.parametrize("key", ["quantization_config", "compression_config"])
 def test_inspect_and_verify_read_a_kv_cache_scheme_under_either_key(base, tmp_path, key):
-    from fp8kv.checks import check_readout
     from fp8kv.inspection import inspect_checkpoint
     from fp8kv.verify.static import static_checks
 
@@ -340,3 +340,18 @@ def test_kv_only_quark_excludes_every_module_but_vllms_attention_layers(base, tm
     for attention in ("model.layers.0.self_attn.attn", "transformer.h.0.attn.attn", "gpt_neox.layers.1.attention.attn"):
         assert not re.match(pattern, attention), attention
     assert weight_method(json.loads((out / "config.json").read_text()), None) is None
+
+
+@pytest.mark.parametrize("convention, said", [
+    ("modelopt", "hf_quant_config.json names no quant_algo: vLLM (0.32) loads ModelOpt KV scales only beside one "
+                 "(\"'QKVParallelLinear' object has no attribute 'data'\"); fp8kv convert --to modelopt writes the "
+                 "form vLLM loads"),
+    ("quark", "the Quark config quantizes no weights and excludes no module: vLLM (0.32) then finds no scheme for the "
+              "linear layers (\"No quark compatible scheme was found\"); fp8kv convert --to quark writes the form "
+              "vLLM loads"),
+])
+def test_the_tools_own_kv_only_folders_are_flagged_and_fp8kvs_are_not(base, tmp_path, convention, said):
+    tools = golden(base, tmp_path / "tool", convention)  # as ModelOpt / Quark write a KV-only export
+    assert [f.message for f in check_readout(read_kv_scales(tools)) if "vLLM (0.32)" in f.message] == [said]
+    ours = convert_checkpoint(tools, tmp_path / "ours", convention)
+    assert not [f for f in check_readout(read_kv_scales(ours)) if "vLLM (0.32)" in f.message]

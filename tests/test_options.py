@@ -14,7 +14,6 @@ from typer.testing import CliRunner
 import fp8kv.calibrate.pipeline as pipeline
 from fp8kv.checkpoint.conventions import CONVENTIONS
 from fp8kv.checkpoint.load import MODEL_DTYPES
-from fp8kv.fp8 import ENGINE_DESCRIPTIONS, ENGINES
 from fp8kv.kvdtypes import FP8_MAX, VLLM_KV_CACHE_DTYPE
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode
@@ -57,7 +56,6 @@ def test_help_lists_the_choices():
 def test_choice_lists_match_the_library():
     assert set(get_args(KvDtype)) == set(FP8_MAX)
     assert set(get_args(ModelDtype)) == {"auto", *MODEL_DTYPES}
-    assert set(ENGINE_DESCRIPTIONS) == set(ENGINES)
     assert VLLM_KV_CACHE_DTYPE == {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}  # vLLM's --kv-cache-dtype
 
 
@@ -127,6 +125,9 @@ def quickstart_output(tmp_path_factory):
     result = CliRunner().invoke(app, ["calibrate", "bundled", "--dataset", "bundled", "--num-samples", "4",
                                       "--seq-len", "32", "--out", str(out)])
     assert result.exit_code == 0, result.output
+    from tests.reports import report_for, write_report
+
+    write_report(out, report_for(out))  # card and push check the report's digest against the folder
     return out
 
 
@@ -176,3 +177,41 @@ def test_eval_without_its_extra_names_the_install_command():
 def test_third_party_notes_are_quiet_unless_verbose(tmp_path):
     assert _probe(["card", str(tmp_path)])[1] == "error 40 False"  # TRANSFORMERS_VERBOSITY, logging.ERROR
     assert _probe(["-v", "card", str(tmp_path)])[1] == "None 0 False"
+
+
+def _cli_defaults(command: str) -> dict[str, object]:
+    """Each option of `command` (its parameter name) -> the default the command line gives it."""
+    import typer.main
+
+    click_command = typer.main.get_command(app).commands[command]
+    return {param.name: param.default for param in click_command.params if not param.required}
+
+
+@pytest.mark.parametrize("command", ["calibrate", "verify", "eval"])
+def test_command_line_defaults_are_the_requests(command):
+    """What a user gets by omitting an option is what the library does by default."""
+    from dataclasses import MISSING, fields
+
+    from fp8kv.calibrate.request import CalibrationRequest
+    from fp8kv.data import DataRequest
+    from fp8kv.evaluation.compare import EvalRequest
+    from fp8kv.options import DEFAULT_HEADROOM
+    from fp8kv.verify.run import VerifyRequest
+
+    request = {"calibrate": CalibrationRequest(model="m"), "verify": VerifyRequest(model_dir="m"),
+               "eval": EvalRequest(model_dir="m", tasks=())}[command]
+    cli = _cli_defaults(command)
+    shared = {f.name for f in fields(request) if f.default is not MISSING or f.default_factory is not MISSING} & set(cli)
+    assert len(shared) >= 4, shared
+    as_cli = {"engines": ",".join(getattr(request, "engines", ())), "kv_dtype": getattr(request, "kv_dtype", None)}
+    for name in shared - {"headroom"}:  # "auto" on the command line; checked below
+        expected = as_cli.get(name, getattr(request, name))
+        if name == "engines" and command == "verify":
+            expected = "all"
+        assert cli[name] == expected, (command, name, cli[name], expected)
+    data = getattr(request, "data", None)
+    if data is not None:
+        assert {k: cli[k] for k in ("num_samples", "seq_len", "seed")} == \
+            {"num_samples": data.num_samples, "seq_len": data.seq_len, "seed": data.seed}
+    if command == "calibrate":
+        assert cli["headroom"] == "auto" and request.headroom == DEFAULT_HEADROOM

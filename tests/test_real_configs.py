@@ -60,7 +60,7 @@ def test_new_architecture_falcon_calibrates_its_kv_heads_and_verifies(tmp_path) 
     assert torch.equal(result.table.amax, expected)
 
     verdict = CliRunner().invoke(app, ["verify", str(tmp_path / "out"), "--dataset", corpus(tmp_path),
-                                       "--num-samples", "2", "--seq-len", "32", "--engine", "clamp", "--quiet"])
+                                       "--num-samples", "2", "--seq-len", "32", "--engine", "vllm-tpu", "--quiet"])
     assert verdict.exit_code in (ExitCode.PASS, ExitCode.WARN), verdict.output
     report = json.loads((tmp_path / "out" / "verify" / "report.json").read_text())
     assert report["fidelity"]["kl_mean"] <= report["fidelity"]["bound"], report["fidelity"]  # the runtime is the model

@@ -97,7 +97,7 @@ def test_fp8_cache_clamps_and_raw_cast_turns_to_nan(checkpoints):
     assert logits.isfinite().all()
     assert all(k > 0 and v == 0 for k, v in counts["clamped"].values())
     assert all(pair == (0, 0) for pair in counts["nonfinite"].values())
-    raw = _runner(model, cache_dtype="fp8_e4m3", k_scales=tiny, v_scales=ones, engine="raw")
+    raw = _runner(model, cache_dtype="fp8_e4m3", k_scales=tiny, v_scales=ones, engine="no-clamp")
     seq, _ = raw.start()
     logits = raw.step([(seq, PROMPTS[0])])[0]
     assert logits.isnan().all()
@@ -192,9 +192,10 @@ def test_runner_through_torch_xla_reference_attention(checkpoints):
     for backend in ("auto", "torch"):
         runner = _runner(checkpoints["mistral"], device="xla-cpu", cache_dtype="fp8_e4m3", k_scales=scales,
                          v_scales=scales, attention_backend=backend)
-        assert runner.attention == ("torch_xla.ragged_paged_attention" if backend == "auto" else "fp8kv.torch")
         assert not runner.use_kernel  # no TPU here
         outs.append(runner.step([(runner.start()[0], PROMPTS[0][:6]), (runner.start()[0], PROMPTS[1][:3])]))
+        assert runner.attention == ("torch_xla.ragged_paged_attention (reference)" if backend == "auto"
+                                    else "fp8kv.torch")
     for reference, ours in zip(*outs):
         torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
     reference = _runner(checkpoints["mistral"], device="xla-cpu", cache_dtype="fp8_e4m3", k_scales=scales,

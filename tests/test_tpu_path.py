@@ -76,9 +76,10 @@ def test_faked_tpu_calls_the_kernel_as_vllm_does(arch, windows, cap, monkeypatch
     scales = {0: 0.05, 1: 0.025}
     tpu = PagedModelRunner(model, device="tpu", cache_dtype="fp8", k_scales=scales, v_scales=scales,
                            page_size=4, max_model_len=32, max_num_seqs=3)
-    assert tpu.attention == "torch_xla.ragged_paged_attention" and tpu.use_kernel
+    assert tpu.use_kernel
     prompt = [(7 * i + 11) % 500 + 4 for i in range(9)]
     logits = tpu.step([(tpu.start()[0], prompt)])[0]
+    assert tpu.attention == "torch_xla.ragged_paged_attention (Pallas kernel)" and tpu.numerics == "pallas-kernel"
     (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs), kwargs = calls[0]
     assert len(calls) == 2  # one per layer
     assert q.shape == (16, 4, 128) and kv_pages.dtype == torch.float8_e4m3fn and kv_pages.shape[-2:] == (4, 128)

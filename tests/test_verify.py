@@ -18,6 +18,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 from fp8kv.data import DataRequest  # noqa: E402
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
 from fp8kv.cli import app  # noqa: E402
+from fp8kv.engine_models import RELEASED, engine_model  # noqa: E402
 from fp8kv.tools.factory import MOE_ARCHITECTURES, make_checkpoint  # noqa: E402
 from fp8kv.verify.fidelity import MIN_BOUND  # noqa: E402
 from fp8kv.verify.report import VerifyReport  # noqa: E402
@@ -95,13 +96,17 @@ def test_a_checkpoint_calibrated_by_fp8kv_passes(calibrated, texts, tmp_path):
         assert row["k_saturation"] == row["v_saturation"] == 0.0 and row["nan_with_clamp"] == 0
         assert 0 < row["k_max_ratio"] <= 448.0 and 0 < row["v_max_ratio"] <= 448.0
     engines = {e["engine"]: e for e in report["engines"]}
-    assert list(engines) == ["clamp", "raw", "raw-bf16"]
-    for e in engines.values():  # nothing reaches MAX: every engine stores the same finite values
+    assert list(engines) == list(RELEASED)
+    for e in engines.values():  # nothing reaches MAX: no engine stores a NaN
         assert (e["nan_rows"], e["sequences_lost"], e["first_nonfinite_layer"]) == (0, 0, None)
-        assert e["sequences"] == 4 and e["rows"] == report["num_tokens"]
-    assert engines["clamp"]["ppl"] == engines["raw"]["ppl"] == acc["ppl_fp8"]
-    assert report["runtime"] == {"attention": "fp8kv.torch", "use_kernel": False,
-                                 "xla_cpu_fallbacks_per_decode_step": None, "compiles": None}
+        assert e["sequences"] == 4 and e["rows"] == report["num_tokens"] and e["verdict"] == "PASS"
+        assert e["source"] == engine_model(e["engine"]).source
+    # float32 activations: the bf16-dividing engines divide in float32 too, and none clamps anything
+    assert engines["vllm-cuda"]["ppl"] == engines["sglang"]["ppl"] == engines["tpu-inference"]["ppl"] == acc["ppl_fp8"]
+    runtime = report["runtime"]
+    assert list(runtime.pop("attention_calls")) == ["fp8kv.torch"]  # counted: the torch attention, nothing else
+    assert runtime == {"attention": "fp8kv.torch", "use_kernel": False, "attention_numerics": "float32",
+                       "xla_cpu_fallbacks_per_decode_step": None, "compiles": None}
     assert set(report["generation"]) == {"prefill_match", "decode_match", "prefix_match"}
     assert report["generation_details"]["shared_tokens"] == 2 * 16  # both prompts shared a whole page
     assert (tmp_path / "report" / "scales.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -117,11 +122,13 @@ def test_scales_divided_by_four_are_flagged_per_layer(calibrated, texts, tmp_pat
         for kind in ("K", "V"):
             assert any(m.startswith(f"layer {layer}: ") and f"of {kind} values saturate" in m for m in messages)
     engines = {e["engine"]: e for e in result.report.engines}
-    assert engines["clamp"]["nan_rows"] == 0 and engines["clamp"]["first_nonfinite_layer"] is None
-    for name in ("raw", "raw-bf16"):  # past 464: NaN in layer 0's cache, every sequence lost
-        assert engines[name]["first_nonfinite_layer"] == 0 and engines[name]["sequences_lost"] == 4
+    for name in RELEASED:
+        if engine_model(name).saturate:
+            assert engines[name]["nan_rows"] == 0 and engines[name]["first_nonfinite_layer"] is None
+    # past 464 without a clamp: NaN in layer 0's cache, every sequence lost
+    assert engines["sglang"]["first_nonfinite_layer"] == 0 and engines["sglang"]["sequences_lost"] == 4
     fails = [r.message for r in result.report.reasons if r.level == "FAIL"]
-    assert [m.split(" (")[0] for m in fails] == ["engine raw", "engine raw-bf16"]
+    assert [m.split(" (")[0] for m in fails] == ["engine sglang"]
     assert "sequences lost; first NaN/inf in the cache of layer 0" in fails[0]
     for row in result.report.layers:
         assert row["k_max_ratio"] > 448 * 3 and row["nan_with_clamp"] == 0
@@ -155,15 +162,16 @@ def test_without_compression_config_fails_with_what_vllm_does(calibrated, texts,
 def test_cli_json_is_clean_and_flags_override_thresholds(calibrated, texts, tmp_path):
     args = ["verify", str(calibrated), "--dataset", str(texts["held"]), "--num-samples", "2", "--seq-len", "32",
             "--num-prompts", "1", "--new-tokens", "1", "--device", "cpu", "--report", str(tmp_path / "r"),
-            "--json", "--max-kl-mean", "1e-12", "--engine", "raw"]
+            "--json", "--max-kl-mean", "1e-12", "--engine", "vllm-cuda,no-clamp"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 3, result.output
     report = json.loads(result.stdout)
     assert report["verdict"] == "FAIL" and report["thresholds"]["kl_mean"] == 1e-12
     assert any(r["message"].startswith("mean KL to the bf16 cache") for r in report["reasons"])
-    assert [e["engine"] for e in report["engines"]] == ["raw"]
-    bad = CliRunner().invoke(app, ["verify", str(calibrated), "--engine", "saturate"])
-    assert bad.exit_code == 2 and "'saturate' is not one of 'all', 'clamp', 'raw', 'raw-bf16'" in bad.output
+    assert [(e["engine"], e["verdict"]) for e in report["engines"]] == [("vllm-cuda", "PASS"), ("no-clamp", "bug model")]
+    assert set(report["engines"][0]) >= {"engine", "ppl", "nan_rows", "sequences_lost", "first_nonfinite_layer", "source"}
+    bad = CliRunner().invoke(app, ["verify", str(calibrated), "--engine", "vllm-cuda,saturate"])
+    assert bad.exit_code == 2 and "unknown engine 'saturate'" in bad.output
     assert json.loads((tmp_path / "r" / "report.json").read_text())["verdict"] == "FAIL"
 
 
@@ -176,7 +184,8 @@ def test_verify_runs_on_xla_cpu(calibrated, texts, tmp_path):
     assert report.accuracy["kl_mean"] < 1e-3 and report.accuracy["top1_agreement"] > 0.9
     assert result.verdict in ("PASS", "WARN") and not [r for r in report.reasons if r.level == "FAIL"]
     runtime = report.runtime
-    assert runtime["attention"] == "torch_xla.ragged_paged_attention" and runtime["use_kernel"] is False
+    assert runtime["attention"] == "torch_xla.ragged_paged_attention (reference)" and runtime["use_kernel"] is False
+    assert runtime["attention_numerics"] == "xla-reference"
     assert runtime["compiles"]["warmup"] > 0 and runtime["compiles"]["timed"] == 0
     assert runtime["xla_cpu_fallbacks_per_decode_step"] >= 0
 
@@ -193,11 +202,12 @@ def test_the_bundled_model_calibrated_by_fp8kv_verifies_on_its_held_out_split(tm
     # Only a non-clamping engine may fail (unseen text can pass the calibration amax), and only where a
     # layer's held-out |x|/scale passed the raw cast's limit: NaN then starts in that layer's cache.
     fails = [r.message for r in report.reasons if r.level == "FAIL"]
-    assert all(m.startswith(("engine raw ", "engine raw-bf16 ")) for m in fails), fails
+    assert all(m.startswith("engine sglang ") for m in fails), fails
     over = [row["layer"] for row in report.layers if max(row["k_max_ratio"], row["v_max_ratio"]) > 464]
     for engine in report.engines:
         first = engine["first_nonfinite_layer"]
-        assert first is None if engine["engine"] == "clamp" else (first is None or first in over), report.engines
+        saturates = engine_model(engine["engine"]).saturate
+        assert first is None if saturates else (first is None or first in over), report.engines
     assert report.readback["equal"] and report.accuracy["kl_mean"] < 0.05
     assert report.accuracy["ppl_bf16"] < 4096 / 10  # a trained model: far better than chance over its vocabulary
 
@@ -208,7 +218,7 @@ def test_mixture_of_experts_checkpoints_pass(arch, texts, tmp_path):
     src = make_checkpoint(arch, tmp_path / "src", dtype=torch.bfloat16)
     data = DataRequest(str(texts["calibration"]), num_samples=10, seq_len=SEQ_LEN)
     calibrate(CalibrationRequest(model=str(src), out=tmp_path / "out", data=data, batch_size=5))
-    result = verify(_request(tmp_path / "out", texts, engines=("clamp",)))
+    result = verify(_request(tmp_path / "out", texts, engines=("vllm-tpu",)))
     assert result.verdict == "PASS", result.report.reasons
     fidelity = result.report.fidelity
     assert fidelity["kl_mean"] <= fidelity["bound"] and fidelity["noise"] is not None

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
+from fp8kv.engine_models import engine_model
 from fp8kv.errors import Fp8kvError
 from fp8kv.verify.engines import EngineResult, engine_reasons
 from fp8kv.verify.report import finite_json
@@ -83,13 +85,15 @@ def test_several_saturating_layers_get_one_fix_that_covers_them_all():
 
 
 def test_an_engine_that_writes_nan_fails_by_name_with_the_fix():
-    lost = EngineResult("raw", ppl=math.nan, nan_rows=512, rows=3234, sequences_lost=2, sequences=16,
-                        first_nonfinite_layer=3)
-    clean = EngineResult("clamp", ppl=37.7, nan_rows=0, rows=3234, sequences_lost=0, sequences=16,
-                         first_nonfinite_layer=None)
-    (reason,) = engine_reasons([clean, lost], 483.84, 448.0)
+    lost = EngineResult("sglang", ppl=math.nan, nan_rows=512, rows=3234, sequences_lost=2, sequences=16,
+                        first_nonfinite_layer=3, source=engine_model("sglang").source, verdict=FAIL)
+    clean = EngineResult("vllm-tpu", ppl=37.7, nan_rows=0, rows=3234, sequences_lost=0, sequences=16,
+                         first_nonfinite_layer=None, source=engine_model("vllm-tpu").source, verdict="PASS")
+    bug = replace(lost, engine="no-clamp", verdict="bug model")
+    (reason,) = engine_reasons([clean, lost, bug], 483.84, 448.0)
     assert reason.level == "FAIL"
-    assert reason.message.startswith("engine raw (divide in float32, plain cast): 512 of 3234 logit rows NaN/inf, "
+    assert reason.message.startswith("engine sglang (past the fp8 maximum it stores NaN above 464 for e4m3 (±inf "
+                                     "from 61440 for e5m2): cast without a clamp): 512 of 3234 logit rows NaN/inf, "
                                      "2 of 16 sequences lost; first NaN/inf in the cache of layer 3. Fix: recalibrate "
                                      "with --headroom 1.08")
 

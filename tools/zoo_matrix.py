@@ -256,7 +256,7 @@ def verify_outcome(out_dir: Path, folder: Path) -> VerifyOutcome:
                                for key in sorted(topics)[-VERIFY_SAMPLES:]))
     request = VerifyRequest(out_dir, data=DataRequest(str(heldout), num_samples=VERIFY_SAMPLES, seq_len=VERIFY_LEN),
                             batch_size=VERIFY_SAMPLES, num_prompts=1, prompt_len=8, new_tokens=2, device="cpu",
-                            report_dir=folder / "verify-report", engines=("clamp",))
+                            report_dir=folder / "verify-report", engines=("vllm-tpu",))
     try:
         report = verify(request).report
     except Fp8kvError as exc:  # the folder is a temporary one: the reason is what follows it

@@ -2,7 +2,9 @@
 
 Three runners hold the same model: a bf16 cache (the reference), an fp8 cache with the
 checkpoint's scales (clamped writes, as engines should do) and an fp8 cache with unit scales;
-one more per non-clamping engine model (`verify.engines`) with the checkpoint's scales.
+one more per engine model (`verify.engines`) that writes other bytes than these (engines whose
+writes are the same arithmetic share a runner, and a non-saturating engine reuses its saturating
+twin's logits for every batch in which no value passed the fp8 maximum).
 Every held-out sample is prefilled on each; the logits give perplexity, KL(bf16 || fp8) of every
 next-token distribution and top-1 agreement. The fp8 cache's counters give the exact share of
 values clamped at ±MAX and any NaN/inf stored.
@@ -18,42 +20,57 @@ from typing import Any, Callable
 import torch
 
 from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, engine_model
 from fp8kv.runtime.cache import Scale
 from fp8kv.runtime.device import resolve_device
 from fp8kv.runtime.runner import PagedModelRunner, load_model
-from fp8kv.verify.engines import EngineResult, first_nonfinite_layer
+from fp8kv.checks import FAIL
+from fp8kv.verify.engines import BUG, PASS, EngineResult, first_nonfinite_layer
 
 
 @dataclass
 class Runners:
     """The reference (bf16 cache), the checkpoint's scales and unit scales, on one device.
 
-    `engines` maps each engine model to its runner; "clamp" is `fp8` itself.
+    `engines` maps each engine model to its runner; engines whose writes are the same arithmetic share
+    one (the default engine's is `fp8`, "scales-ignored" runs on `unit`). `twins` maps a non-saturating
+    engine to the runner of its saturating twin, whose bytes it shares wherever |x / scale| <= MAX.
     """
 
     bf16: PagedModelRunner
     fp8: PagedModelRunner
     unit: PagedModelRunner
     engines: dict[str, PagedModelRunner]
+    twins: dict[str, PagedModelRunner] = field(default_factory=dict)
 
     @classmethod
     def open(cls, model_dir: Path, scales: KVScales, kv_layers: tuple[int, ...], *, device: str,
              max_model_len: int, max_num_seqs: int, page_size: int = 16,
-             engines: tuple[str, ...] = ("clamp",)) -> Runners:
-        # One copy of the weights serves the three caches: only the caches differ.
+             engines: tuple[str, ...] = (DEFAULT_ENGINE,)) -> Runners:
+        # One copy of the weights serves every cache: only the caches differ.
         model = load_model(model_dir, resolve_device(device).device)
         common = dict(device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size,
                       model=model)
         k, v = runtime_scales(scales, kv_layers)
         fp8 = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v, **common)
-        others = {e: PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v, engine=e, **common)
-                  for e in engines if e != "clamp"}
-        return cls(
-            bf16=PagedModelRunner(model_dir, cache_dtype="bf16", **common),
-            fp8=fp8,
-            unit=PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, **common),
-            engines={**({"clamp": fp8} if "clamp" in engines else {}), **others},
-        )
+        unit = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, **common)
+        # the unit-scale runner is exactly an engine that never received its scales
+        shared = {_write_key(engine_model(DEFAULT_ENGINE)): fp8, _write_key(engine_model("scales-ignored")): unit}
+        runners = {}
+        for name in engines:
+            key = _write_key(engine_model(name))
+            if key not in shared:
+                shared[key] = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
+                                               engine=name, **common)
+            runners[name] = shared[key]
+        twins = {name: shared[(*engine_model(name).twin_key, True)] for name in engines
+                 if not engine_model(name).saturate and (*engine_model(name).twin_key, True) in shared}
+        return cls(PagedModelRunner(model_dir, cache_dtype="bf16", **common), fp8, unit, runners, twins)
+
+
+def _write_key(model: EngineModel) -> tuple:
+    """Engine models with equal keys write the same bytes for every input."""
+    return (*model.twin_key, model.saturate)
 
 
 def runtime_scales(scales: KVScales, kv_layers: tuple[int, ...]) -> tuple[dict[int, Scale], dict[int, Scale]]:
@@ -185,8 +202,10 @@ class EngineTotals:
         self.sequences += 1
 
     def result(self, engine: str, runner: PagedModelRunner) -> EngineResult:
+        model = engine_model(engine)
+        verdict = (FAIL if self.nan_rows else PASS) if model.released else BUG
         return EngineResult(engine, self.loss.perplexity(), self.nan_rows, self.rows, self.lost, self.sequences,
-                            first_nonfinite_layer(runner))
+                            first_nonfinite_layer(runner), model.source, verdict)
 
 
 def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
@@ -203,12 +222,20 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
     totals = _Totals()
     engine_totals = {engine: EngineTotals() for engine in runners.engines}
     named = {"bf16": runners.bf16, "fp8": runners.fp8, "unit": runners.unit}
-    extra = {engine: runner for engine, runner in runners.engines.items() if runner is not runners.fp8}
+    # saturating engines first: a non-saturating one may reuse its twin's logits from this batch
+    order = sorted(runners.engines, key=lambda name: name in runners.twins)
     for start in range(0, len(samples), batch_size):
         batch = samples[start : start + batch_size]
-        outputs = {name: prefill(runner, batch) for name, runner in named.items()}
-        engine_outputs = {engine: prefill(runner, batch) for engine, runner in extra.items()}
-        engine_outputs.update({engine: outputs["fp8"] for engine in runners.engines if engine not in extra})
+        ran = {id(runner): counted_prefill(runner, batch) for runner in named.values()}
+        outputs = {name: ran[id(runner)][0] for name, runner in named.items()}
+        engine_outputs = {}
+        for engine in order:
+            runner, twin = runners.engines[engine], runners.twins.get(engine)
+            if id(runner) not in ran and twin is not None and ran.get(id(twin), (None, 1))[1] == 0:
+                ran[id(runner)] = ran[id(twin)]  # nothing passed the fp8 maximum: the same bytes were written
+            if id(runner) not in ran:
+                ran[id(runner)] = counted_prefill(runner, batch)
+            engine_outputs[engine] = ran[id(runner)][0]
         for i, ids in enumerate(batch):
             totals.add(ids, {name: out[i] for name, out in outputs.items()})
             for engine, out in engine_outputs.items():
@@ -236,6 +263,13 @@ def query_cost(model_dir: Path, runners: Runners, scales: KVScales, samples: lis
     summary, _ = measure_accuracy(Runners(runners.bf16, with_query, runners.unit, {}), samples, batch_size)
     return {"kl_mean": summary["kl_mean"], "kl_max": summary["kl_max"], "top1_agreement": summary["top1_agreement"],
             "ppl": summary["ppl_fp8"], "max_q_scale": max(scales.q_value(i) for i in layers)}
+
+
+def counted_prefill(runner: PagedModelRunner, batch: list[list[int]]) -> tuple[list[torch.Tensor], int]:
+    """`prefill`, and how many K/V values it wrote past the fp8 maximum (clamped or not)."""
+    before = int(runner.cache.clamped.sum())
+    logits = prefill(runner, batch)
+    return logits, int(runner.cache.clamped.sum()) - before
 
 
 def prefill(runner: PagedModelRunner, batch: list[list[int]]) -> list[torch.Tensor]:

@@ -1,9 +1,10 @@
-"""Engine models of the fp8 cast, run through the runtime on the held-out text (`fp8kv verify --engine`).
+"""Engine models run through the runtime on the held-out text (`fp8kv verify --engine`).
 
-Each engine model (`fp8kv.fp8.ENGINES`) is a runner whose cache writes cast the way that engine
-does; "clamp" is verify's fp8 runner itself. Per engine: perplexity, logit rows with a NaN/inf,
-sequences with any non-finite logit (lost to the user), and the first layer whose cache holds a
-NaN/inf value (later layers inherit it).
+Each engine model (`fp8kv.engine_models`) is a runner whose cache writes the bytes that engine writes,
+with the scales it runs with. Per engine: perplexity, logit rows with a NaN/inf, sequences with any
+non-finite logit (lost to the user), the first layer whose cache holds a NaN/inf value (later layers
+inherit it), and the engine source the model reproduces. A released engine that loses a logit row is
+a FAIL naming it; a bug model's row shows what that bug would do to this checkpoint.
 """
 
 from __future__ import annotations
@@ -11,17 +12,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from fp8kv.fp8 import ENGINE_DESCRIPTIONS, ENGINES, check_engine
-from fp8kv.runtime.runner import PagedModelRunner
 from fp8kv.checks import FAIL, Finding
+from fp8kv.engine_models import engine_model
+from fp8kv.runtime.runner import PagedModelRunner
 from fp8kv.verify.verdict import headroom_fix
 
-ALL = "all"
-
-
-def parse_engines(choice: str) -> tuple[str, ...]:
-    """`--engine` value: one engine model, or "all" of them."""
-    return ENGINES if choice == ALL else (check_engine(choice),)
+PASS, BUG = "PASS", "bug model"
 
 
 @dataclass(frozen=True)
@@ -35,6 +31,8 @@ class EngineResult:
     sequences_lost: int  # samples with any non-finite logit
     sequences: int
     first_nonfinite_layer: int | None  # first KV layer whose cache holds a NaN/inf value
+    source: str  # the engine, version and file the model reproduces
+    verdict: str  # PASS or FAIL for a released engine, "bug model" for a bug
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -47,16 +45,17 @@ def first_nonfinite_layer(runner: PagedModelRunner) -> int | None:
 
 
 def engine_reasons(results: list[EngineResult], worst_ratio: float, fp8_max: float) -> list[Finding]:
-    """FAIL for each engine model whose logits went non-finite, naming the engine and the fix.
+    """FAIL for each released engine whose logits went non-finite, naming the engine and the fix.
 
     `worst_ratio` is the largest |x|/scale seen on the held-out text, which sizes the `--headroom` advice.
     """
     reasons = []
     for r in results:
-        if r.nan_rows:
+        if r.verdict == FAIL:
             where = f"; first NaN/inf in the cache of layer {r.first_nonfinite_layer}" \
                 if r.first_nonfinite_layer is not None else ""
-            reasons.append(Finding(FAIL, f"engine {r.engine} ({ENGINE_DESCRIPTIONS[r.engine]}): {r.nan_rows} of {r.rows} "
-                                        f"logit rows NaN/inf, {r.sequences_lost} of {r.sequences} sequences lost"
-                                        f"{where}. " + headroom_fix(worst_ratio, fp8_max)))
+            above = engine_model(r.engine).above_range
+            reasons.append(Finding(FAIL, f"engine {r.engine} (past the fp8 maximum it stores {above}): {r.nan_rows} "
+                                        f"of {r.rows} logit rows NaN/inf, {r.sequences_lost} of {r.sequences} "
+                                        f"sequences lost{where}. " + headroom_fix(worst_ratio, fp8_max)))
     return reasons

@@ -20,18 +20,19 @@ from fp8kv.checkpoint.artifacts import write_file_atomic
 from fp8kv.checkpoint.provenance import record_written
 from fp8kv.checks import Finding
 from fp8kv.errors import Fp8kvError
-from fp8kv.console import markdown_table
+from fp8kv.console import fmt_number, layer_table, markdown_table
 from fp8kv.kvdtypes import FP8_MAX, RAW_CAST_FINITE_LIMIT
 from fp8kv.json_fields import typed
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.verify.verdict import unit_scale_note
 
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "scales.png"
-_ACCURACY = [("Perplexity, bf16 cache", "ppl_bf16", "{:.4f}"), ("Perplexity, fp8 + these scales", "ppl_fp8", "{:.4f}"),
-             ("Perplexity, fp8 + unit scales", "ppl_fp8_unit", "{:.4f}"), ("Mean KL to bf16", "kl_mean", "{:.3g}"),
-             ("Max KL to bf16", "kl_max", "{:.3g}"), ("Top-1 agreement", "top1_agreement", "{:.2%}"),
-             ("Mean KL to bf16, unit scales", "kl_mean_unit", "{:.3g}"),
-             ("Top-1 agreement, unit scales", "top1_agreement_unit", "{:.2%}")]
+# (label, key, is a share) of the accuracy rows.
+_ACCURACY = [("Perplexity, bf16 cache", "ppl_bf16", False), ("Perplexity, fp8 + these scales", "ppl_fp8", False),
+             ("Perplexity, fp8 + unit scales", "ppl_fp8_unit", False), ("Mean KL to bf16", "kl_mean", False),
+             ("Max KL to bf16", "kl_max", False), ("Top-1 agreement", "top1_agreement", True),
+             ("Mean KL to bf16, unit scales", "kl_mean_unit", False),
+             ("Top-1 agreement, unit scales", "top1_agreement_unit", True)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,62 +150,50 @@ def render_markdown(report: VerifyReport) -> str:
     fid = report.fidelity
     if fid:
         setup.append(("bf16 runtime vs transformers: mean KL (bound)", f"{fid['kl_mean']:.2e} ({fid['bound']:.1e})"))
-    parts.append(markdown_table(["Setting", "Value"], [[k, _fmt(v)] for k, v in setup]))
+    parts.append(markdown_table(["Setting", "Value"], [[k, fmt_number(v)] for k, v in setup]))
     accuracy = report.accuracy or {}
     if accuracy:
-        rows = [[label, _fmt(accuracy.get(key), spec)] for label, key, spec in _ACCURACY]
+        rows = [[label, fmt_number(accuracy.get(key), share)] for label, key, share in _ACCURACY]
         parts.append("## Accuracy\n\n" + markdown_table(["Metric", "Value"], rows))
     query = report.query or {}
     if query:
-        rows = [[key.replace("_", " "), _fmt(value, "{:.6g}")] for key, value in query.items()]
+        rows = [[key.replace("_", " "), fmt_number(value)] for key, value in query.items()]
         parts.append("## Query quantized with q_scale (fp8 attention)\n\n" + markdown_table(["Metric", "Value"], rows))
     gen = report.generation or {}
     if gen:
-        rows = [[phase, _fmt(gen.get(f"{phase}_match"), "{:.2%}")] for phase in ("prefill", "decode", "prefix")]
+        rows = [[phase, fmt_number(gen.get(f"{phase}_match"), percent=True)] for phase in ("prefill", "decode", "prefix")]
         parts.append("## Greedy tokens matching the bf16 cache\n\n" + markdown_table(["Phase", "Match"], rows))
     if report.engines:
-        parts.append("## Engine cast models, run on the held-out text\n\n" + _engine_table(report.engines)
-                     + "\n\nclamp: divide in float32, clamp to ±MAX, cast (vLLM CUDA and TPU). raw: divide in "
-                     f"float32, plain cast (NaN past {RAW_CAST_FINITE_LIMIT['fp8_e4m3']:g} for e4m3, inf from "
-                     f"{RAW_CAST_FINITE_LIMIT['fp8_e5m2']:.5g} for e5m2). raw-bf16: divide in "
-                     "bf16, plain cast (in-place division of the bf16 tensor). Any NaN/inf row fails that engine.")
+        parts.append("## Engine models, run on the held-out text\n\n" + _engine_table(report.engines)
+                     + "\n\nEach row writes the cache the way that engine's released code does (source below; "
+                     "docs/engines.md). A released engine with any NaN/inf logit row is a FAIL; a bug model's row "
+                     "shows what that bug would do to this checkpoint.\n\n"
+                     + "\n".join(f"- {e['engine']}: {e['source']}" for e in report.engines))
     runtime = report.runtime
     if runtime:
-        rows = [[key.replace("_", " "), _fmt(value)] for key, value in runtime.items()]
+        rows = [[key.replace("_", " "), fmt_number(value)] for key, value in runtime.items()]
         parts.append("## Runtime\n\n" + markdown_table(["Setting", "Value"], rows))
     if report.layers:
         parts.append("## Per layer\n\n" + _layer_table(report) + "\n\nSaturation: exact share of values the fp8 "
                      "cache clamped at ±MAX. Max |x|/scale: from K/V observed on the same text.")
     parts.append("## Thresholds\n\n" + markdown_table(["Threshold", "Value"],
-                                               [[k, _fmt(v)] for k, v in report.thresholds.items()]))
+                                               [[k, fmt_number(v)] for k, v in report.thresholds.items()]))
     return "\n\n".join(parts) + "\n"
 
 
 def _layer_table(report: VerifyReport) -> str:
     scales = {row["layer"]: row for row in report.scales}
-    head = ["layer", "k_scale", "v_scale", "K sat.", "V sat.", r"K max \|x\|/scale", r"V max \|x\|/scale"]
-    rows = []
-    for row in report.layers:
-        s = scales.get(row["layer"], {})
-        rows.append([str(row["layer"]), _fmt(s.get("k_scale"), "{:.6g}"), _fmt(s.get("v_scale"), "{:.6g}"),
-                     _fmt(row.get("k_saturation"), "{:.4%}"), _fmt(row.get("v_saturation"), "{:.4%}"),
-                     _fmt(row.get("k_max_ratio"), "{:.4g}"), _fmt(row.get("v_max_ratio"), "{:.4g}")])
-    return markdown_table(head, rows)
+    columns = ("layer", "k_saturation", "k_max_ratio", "v_saturation", "v_max_ratio")
+    rows = [{"k_scale": scales.get(row["layer"], {}).get("k_scale"), "v_scale": scales.get(row["layer"], {}).get("v_scale"),
+             **{c: row.get(c) for c in columns}} for row in report.layers]
+    return markdown_table(*layer_table(rows))
 
 
 def _engine_table(engines: list[dict[str, Any]]) -> str:
-    head = ["engine", "perplexity", "NaN/inf logit rows", "sequences lost", "first non-finite layer"]
-    rows = [[e["engine"], _fmt(e["ppl"], "{:.4f}"), f"{e['nan_rows']} of {e['rows']}",
-             f"{e['sequences_lost']} of {e['sequences']}", _fmt(e["first_nonfinite_layer"])] for e in engines]
+    head = ["engine", "verdict", "perplexity", "NaN/inf logit rows", "sequences lost", "first non-finite layer"]
+    rows = [[e["engine"], e["verdict"], fmt_number(e["ppl"]), f"{e['nan_rows']} of {e['rows']}",
+             f"{e['sequences_lost']} of {e['sequences']}", fmt_number(e["first_nonfinite_layer"])] for e in engines]
     return markdown_table(head, rows)
-
-
-def _fmt(value: Any, spec: str = "{}") -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, list):
-        return "[" + ", ".join(_fmt(v, spec) for v in value) + "]"
-    return spec.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
 def plot_png(report: VerifyReport) -> bytes | None:
@@ -268,15 +257,15 @@ def show(result: Any, json_output: bool = False) -> None:
         print(f"  {reason.level}: {reason.message}")
     accuracy = report.accuracy or {}
     if accuracy:
-        print("  " + ", ".join(f"{key} {_fmt(accuracy.get(key), spec)}" for _, key, spec in _ACCURACY[:6]))
+        print("  " + ", ".join(f"{key} {fmt_number(accuracy.get(key), share)}" for _, key, share in _ACCURACY[:6]))
     note = unit_scale_note(accuracy, report.thresholds["unit_ppl_ratio"]) if accuracy else None
     if note:
         print(f"  note: {note}")
     for e in report.engines:
-        print(f"  engine {e['engine']}: ppl {_fmt(e['ppl'], '{:.4f}')}, NaN/inf rows {e['nan_rows']} of {e['rows']}, "
+        print(f"  engine {e['engine']} ({e['verdict']}): ppl {fmt_number(e['ppl'])}, NaN/inf rows {e['nan_rows']} of {e['rows']}, "
               f"sequences lost {e['sequences_lost']} of {e['sequences']}")
     query = report.query or {}
     if query:
-        print(f"  with Q quantized by q_scale: kl_mean {_fmt(query['kl_mean'], '{:.3g}')} "
-              f"(K/V only {_fmt(query['kl_mean_kv_only'], '{:.3g}')}), top1 {_fmt(query['top1_agreement'], '{:.2%}')}")
+        print(f"  with Q quantized by q_scale: kl_mean {fmt_number(query['kl_mean'])} "
+              f"(K/V only {fmt_number(query['kl_mean_kv_only'])}), top1 {fmt_number(query['top1_agreement'], True)}")
     print(f"  report: {result.report_dir / REPORT_MD}")

@@ -21,7 +21,7 @@ from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import WeightsMismatch
 from fp8kv.checkpoint.writer import check_writable_location
 from fp8kv.errors import Fp8kvError
-from fp8kv.fp8 import ENGINES
+from fp8kv.engine_models import RELEASED
 from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
 from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime import xla_cost
@@ -29,6 +29,7 @@ from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, engines, fidelity, generation, heldout
 from fp8kv.verify.report import REPORT_JSON, VerifyReport, write_report
 from fp8kv.verify.static import StaticResult, static_checks
+from fp8kv.verify.tpu import tpu_kernel_reasons
 from fp8kv.checks import FAIL, WARN, Finding
 from fp8kv.verify.verdict import (
     EXIT_CODES, Thresholds, accuracy_reasons, heldout_reasons, load_thresholds, verdict,
@@ -52,7 +53,7 @@ class VerifyRequest:
     page_size: int = 16
     report_dir: Path | None = None  # None: see `report_location`
     thresholds: Thresholds | None = None  # None: configs/verify.toml
-    engines: tuple[str, ...] = ENGINES  # engine cast models run through the runtime (verify.engines)
+    engines: tuple[str, ...] = RELEASED  # engine models run through the runtime (verify.engines)
     quantize_query: bool = False  # also run attention with Q quantized by the checkpoint's q_scale
 
 
@@ -217,6 +218,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     worst_ratio = max((max(row["k_max_ratio"], row["v_max_ratio"]) for row in layers), default=0.0)
     engine_failures = engines.engine_reasons(engine_results, worst_ratio, scales.fp8_max)  # each names the fix
     reasons += engine_failures + heldout_reasons(layers, thresholds, scales.fp8_max, with_fix=not engine_failures)
+    reasons += tpu_kernel_reasons(device, source.geometry, runners.fp8.calls)
     fields = {
         "accuracy": measured,
         "generation": {key: gen[key] for key in ("prefill_match", "decode_match", "prefix_match")},

@@ -175,9 +175,9 @@ def test_card_includes_the_eval_table_when_present(calibrated_dir: Path) -> None
     from fp8kv.evaluation.results import RESULTS_JSON, ConfigScores, EvalResults
 
     assert "## Task scores" not in render_card(calibrated_dir)
-    rows = (ConfigScores("bf16", "bf16", "checkpoint", "clamp", {"gsm8k exact_match": 0.78}, 0),
-            ConfigScores("fp8 checkpoint raw", "fp8", "checkpoint", "raw", {"gsm8k exact_match": 0.025}, 12))
+    rows = (ConfigScores("bf16", "bf16", "checkpoint", "vllm-tpu", {"gsm8k exact_match": 0.78}, 0),
+            ConfigScores("fp8 checkpoint no-clamp", "fp8", "checkpoint", "no-clamp", {"gsm8k exact_match": 0.025}, 12))
     (calibrated_dir / EVAL_DIR).mkdir()
     (calibrated_dir / EVAL_DIR / RESULTS_JSON).write_text(EvalResults("x", ("gsm8k",), None, "tpu", rows).to_json())
     card = render_card(calibrated_dir)
-    assert "## Task scores" in card and "| fp8 checkpoint raw | 0.025 | 12 |" in card
+    assert "## Task scores" in card and "| fp8 checkpoint no-clamp | 0.025 | 12 |" in card

@@ -230,8 +230,16 @@ def test_push_rejects_a_bad_repo_id(verified_dir: Path) -> None:
 
 def test_nothing_push_uploads_shows_a_local_path(verified_dir: Path, source_model: Path) -> None:
     """Every uploaded file, fp8kv's records included, is free of the author's paths (folders, data files)."""
+    from dataclasses import replace
+
+    from fp8kv.checkpoint.provenance import read_provenance
+
+    record = read_provenance(verified_dir)  # calibrated on a local file, as `--dataset my.jsonl` records it
+    local_data = replace(record.dataset, name=str(source_model.parent / "calib.jsonl"))
+    (verified_dir / "fp8kv.json").write_text(replace(record, dataset=local_data).to_json())
+    (verified_dir / "verify" / "report.md").write_text(f"# verify of `{verified_dir}` on ({local_data.name})\n")
     api = FakeHfApi()
-    push(plan_push(verified_dir, "me/x", base_model="org/base"), api=api)
+    push(plan_push(verified_dir, "me/x", base_model="org/base", force=True), api=api)
     operations = api.calls[1][2]
     local = [str(verified_dir.parent), str(source_model.parent), str(Path.home()), sys.prefix]
     for op in operations:

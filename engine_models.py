@@ -1,0 +1,183 @@
+"""Engine models: each serving engine's fp8 KV-cache write, as that engine's own code computes it.
+
+An engine model states how one engine turns K or V into cache bytes: the dtype it divides in, whether
+it clamps or saturates or neither, the cast, the cache dtype it really allocates, and which scales it
+ends up running with. Values past the fp8 range are decided by `fp8.to_fp8`, never by the installed
+torch's cast, so every model writes the same bytes on every torch. The bug models state the arithmetic
+of fp8 KV bugs seen in public engine fixes; each is invisible with unit scales and ruinous with
+calibrated ones. `ENGINE_MODELS` is the one table; docs/engines.md explains it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fp8kv.errors import Fp8kvError
+from fp8kv.kvdtypes import KV_DTYPES
+
+if TYPE_CHECKING:  # the table is read without torch (the CLI checks --engine names before torch loads)
+    import torch
+
+ScaleMap = Mapping[int, object] | None  # {kv layer: float or per-head list}; None = 1.0 everywhere
+
+
+def fp32_divide(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`float(x) / scale` in float32 (vLLM CUDA, vLLM TPU, vLLM Triton)."""
+    return x.float() / scale
+
+
+def activation_divide(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x / scale` rounded back to the activation dtype (bf16 when serving a bf16 model).
+
+    Division of a bf16 tensor by a float32 scale computes in float32 and stores bf16, on CUDA and on TPU;
+    the cast to fp8 then rounds that bf16 value (two roundings).
+    """
+    return (x.float() / scale).to(x.dtype)
+
+
+def reciprocal_multiply(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`float(x) * (1 / scale)`: the engine keeps the quantization scale as a float32 reciprocal."""
+    return x.float() * (1.0 / scale)
+
+
+def inverted(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The bug: `float(x) * scale` where the engine should divide."""
+    return x.float() * scale
+
+
+def as_given(k: ScaleMap, v: ScaleMap) -> tuple[ScaleMap, ScaleMap]:
+    """The engine runs with the checkpoint's scales."""
+    return k, v
+
+
+def ignored(k: ScaleMap, v: ScaleMap) -> tuple[ScaleMap, ScaleMap]:
+    """The bug: the scales never reach the attention layer, which keeps its default 1.0."""
+    return None, None
+
+
+def swapped(k: ScaleMap, v: ScaleMap) -> tuple[ScaleMap, ScaleMap]:
+    """The bug: K is written and read with v_scale, V with k_scale."""
+    return v, k
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """One engine's fp8 KV write (or one bug's), and where it was read.
+
+    `divide` maps (x, scale) to the value converted; `saturate` says whether the conversion saturates
+    (a clamp to ±MAX then a cast stores the same bytes as a saturating conversion); `written` is the
+    fp8 format the bytes are produced in when it is not the cache's (the bytes are then read as the
+    cache's format); `cache` is the cache dtype the engine allocates when asked for fp8 (None: the
+    checkpoint's); `loads` gives the (k, v) scales it runs with.
+    """
+
+    name: str
+    divide: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    saturate: bool
+    source: str  # engine, version, file the arithmetic was read from
+    above_range: str  # what the engine stores for |x / scale| past the fp8 maximum
+    released: bool = True  # False: a bug model
+    loads: Callable[[ScaleMap, ScaleMap], tuple[ScaleMap, ScaleMap]] = as_given
+    cache: str | None = None
+    written: str | None = None
+    fix: str = ""  # a bug model: what the engine must change
+
+    def write(self, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """What the engine stores for `x` with dequantization `scale` in a cache of fp8 `dtype`."""
+        from fp8kv.fp8 import FP8_DTYPES, to_fp8
+
+        if self.written is None:
+            return to_fp8(self.divide(x, scale), dtype, saturate=self.saturate)
+        # a dtype view falls back to the CPU on XLA: only the bug that reinterprets bytes pays it
+        return to_fp8(self.divide(x, scale), FP8_DTYPES[self.written], saturate=self.saturate).view(dtype)
+
+    def cache_dtype(self, name: str) -> str:
+        """The cache dtype the engine allocates when asked for the cache dtype `name` (fp8kv's spelling)."""
+        return self.cache if self.cache and name in KV_DTYPES else name
+
+    @property
+    def twin_key(self) -> tuple:
+        """Engines with the same key store the same bytes wherever no |x / scale| exceeds the fp8 maximum:
+        they differ at most in saturating or not."""
+        return self.divide, self.loads, self.cache, self.written
+
+
+_SATURATES = "±MAX (saturating conversion)"
+_CLAMPS = "±MAX (clamped before the cast)"
+_NAN = "NaN above 464 for e4m3 (±inf from 61440 for e5m2): cast without a clamp"
+
+ENGINE_MODELS: tuple[EngineModel, ...] = (
+    EngineModel("vllm-cuda", fp32_divide, True,
+                "vLLM main (commit 0492a43, late 2026), csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh "
+                "scaled_vec_conversion: "
+                "__nv_cvt_float_to_fp8(__bfloat162float(a) / scale, __NV_SATFINITE, fp8_type)", _SATURATES),
+    EngineModel("vllm-tpu", fp32_divide, True,
+                "vLLM from its first merged TPU fp8 commit (July 2025), vllm/v1/attention/backends/pallas.py "
+                "write_to_kv_cache: "
+                "key.to(torch.float32) / k_scale; torch.clamp(key, finfo.min, finfo.max); key.to(fp8)", _CLAMPS),
+    EngineModel("vllm-triton", fp32_divide, True,
+                "vLLM main (commit 027e07f), vllm/v1/attention/ops/triton_reshape_and_cache_flash.py: key_load / "
+                "tl.load(k_scale) (float32), implicit cast in tl.store, which Triton lowers on NVIDIA to "
+                "cvt.rn.satfinite.e4m3x2.f32 (ElementwiseOpToLLVM.cpp)", _SATURATES),
+    EngineModel("tpu-inference", activation_divide, True,
+                "tpu-inference v0.27.0, tpu_inference/layers/common/quantization/__init__.py "
+                "static_per_tensor_quantize_tensor: jnp.clip(tensor / scale, finfo.min, finfo.max).astype(dtype), "
+                "tensor bf16, scale a Python float", _CLAMPS),
+    EngineModel("tpu-inference-v6e", activation_divide, True,
+                "tpu-inference v0.27.0, as tpu-inference; tpu_inference/platforms/tpu_platform.py fp8_dtype: "
+                "TPU v6e allocates float8_e5m2 for --kv-cache-dtype fp8", "±57344 (clamped, e5m2 cache)",
+                cache="fp8_e5m2"),
+    EngineModel("sglang", activation_divide, False,
+                "SGLang main (commit 14c3fee, late 2026), python/sglang/srt/mem_cache/memory_pool.py set_kv_buffer: "
+                "cache_k.div_(k_scale) on the bf16 tensor, then cache_k.to(fp8) (torch's CUDA cast)", _NAN),
+    EngineModel("tensorrt-llm", reciprocal_multiply, True,
+                "TensorRT-LLM main (late 2026), cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention "
+                "templates: "
+                "x * kv_scale_orig_quant[0] (the float32 reciprocal), __nv_fp8_e4m3 conversion (__NV_SATFINITE)",
+                _SATURATES),
+    EngineModel("no-clamp", fp32_divide, False,
+                "the seed's unmerged draft of vLLM's TPU fp8 write: key.to(float32) / k_scale, then the cast",
+                _NAN, released=False, fix="clamp x / scale to ±MAX before the cast (or use a saturating conversion)"),
+    EngineModel("inverted-scale", inverted, True,
+                "fixed in vLLM's Intel XPU kernels and in ROCm's flash-attention path: x * scale written",
+                _SATURATES, released=False, fix="divide by the scale when writing; multiply only when reading"),
+    EngineModel("scales-ignored", fp32_divide, True,
+                "TensorRT-LLM's Kimi MLA path, vLLM's MLA loader: scales never delivered, the layer keeps 1.0",
+                _SATURATES, released=False, loads=ignored,
+                fix="load k_scale/v_scale into every attention layer (check the engine's log for the values)"),
+    EngineModel("kv-swapped", fp32_divide, True,
+                "a loader mapping k_scale to V and v_scale to K", _SATURATES, released=False, loads=swapped,
+                fix="map *.k_scale to the key cache and *.v_scale to the value cache"),
+    EngineModel("e5m2-read", fp32_divide, True,
+                "an e4m3 cache read by a kernel compiled for e5m2", _SATURATES, released=False,
+                cache="fp8_e5m2", written="fp8_e4m3",
+                fix="read the cache in the format it was written in (--kv-cache-dtype fp8_e4m3 end to end)"),
+)
+_BY_NAME = {model.name: model for model in ENGINE_MODELS}
+RELEASED = tuple(m.name for m in ENGINE_MODELS if m.released)
+BUGS = tuple(m.name for m in ENGINE_MODELS if not m.released)
+# The runtime's default write: the correct one (vLLM TPU's, the backend whose layout the runtime keeps).
+DEFAULT_ENGINE = "vllm-tpu"
+# `fp8kv eval` scores whole task suites per engine: by default one engine that clamps and one that does not.
+EVAL_ENGINES = (DEFAULT_ENGINE, "sglang")
+ALL = "all"
+
+
+def engine_model(name: str) -> EngineModel:
+    """The engine model called `name`, or one error line listing them."""
+    if name not in _BY_NAME:
+        raise Fp8kvError(f"unknown engine {name!r}; choose from {', '.join(RELEASED)} "
+                         f"(released) or {', '.join(BUGS)} (bugs), or {ALL}")
+    return _BY_NAME[name]
+
+
+def parse_engines(choice: str) -> tuple[str, ...]:
+    """`--engine` value: comma-separated names; "all" is every model, bugs included; empty is every released one."""
+    names = [part.strip() for part in choice.split(",") if part.strip()]
+    if not names:
+        return RELEASED
+    if ALL in names:
+        return tuple(_BY_NAME)
+    return tuple(dict.fromkeys(engine_model(name).name for name in names))

@@ -1,0 +1,64 @@
+"""Engine models: each engine's write, pinned as bytes for boundary inputs, on any torch's cast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8kv.engine_models import (
+    ALL, BUGS, ENGINE_MODELS, RELEASED, EngineModel, engine_model, parse_engines,
+)
+from fp8kv.errors import Fp8kvError
+from tests.test_fp8 import E4M3, E4M3_BYTES, E5M2, E5M2_BYTES, E5M2_INPUTS, INPUTS, bytes_of
+
+NAMES = ["vllm-cuda", "vllm-tpu", "vllm-triton", "tpu-inference", "tpu-inference-v6e", "sglang", "tensorrt-llm"]
+BUG_NAMES = ["no-clamp", "inverted-scale", "scales-ignored", "kv-swapped", "e5m2-read"]
+
+
+def test_the_names_other_tools_rely_on():
+    assert list(RELEASED) == NAMES and list(BUGS) == BUG_NAMES
+    assert all(m.source and m.above_range for m in ENGINE_MODELS)
+    assert all(m.fix for m in ENGINE_MODELS if not m.released)
+
+
+@pytest.mark.parametrize("model", ENGINE_MODELS, ids=lambda m: m.name)
+def test_every_engine_writes_the_pinned_bytes_at_unit_scale(cast, model: EngineModel):
+    one = torch.tensor(1.0)
+    for dtype, inputs, expected in ((E4M3, INPUTS, E4M3_BYTES), (E5M2, E5M2_INPUTS, E5M2_BYTES)):
+        written = dtype if model.written is None else E4M3  # e5m2-read writes e4m3 bytes into any cache
+        x = torch.tensor(inputs if written is dtype else INPUTS)
+        table = expected if written is dtype else E4M3_BYTES
+        assert bytes_of(model.write(x, one, dtype)) == table[model.saturate], (model.name, dtype)
+
+
+def test_the_division_is_the_engines():
+    x = torch.tensor([233.0], dtype=torch.bfloat16)
+    scale = torch.tensor(0.5017)  # 233 / 0.5017 = 464.42 in float32; bf16 rounds it to 464
+    assert bytes_of(engine_model("no-clamp").write(x, scale, E4M3)) == [0x7F]  # float32 divide: NaN
+    assert bytes_of(engine_model("sglang").write(x, scale, E4M3)) == [0x7E]  # bf16 first: 464 -> 448
+    y, s = torch.tensor([0.01]), torch.tensor(0.0123)  # x / s and x * (1 / s) differ in float32's last bit
+    assert engine_model("vllm-cuda").divide(y, s).item() == 0.8130081295967102
+    assert engine_model("tensorrt-llm").divide(y, s).item() == 0.813008189201355
+    # 4 * 0.01 = 0.04 stored (S.0010.010) where 4 / 0.01 = 400 should be
+    assert bytes_of(engine_model("inverted-scale").write(torch.tensor([4.0]), torch.tensor(0.01), E4M3)) == [0x12]
+
+
+def test_bug_models_change_the_scales_or_the_format():
+    k, v = {0: 0.1}, {0: 0.2}
+    assert engine_model("kv-swapped").loads(k, v) == (v, k)
+    assert engine_model("scales-ignored").loads(k, v) == (None, None)
+    assert engine_model("vllm-cuda").loads(k, v) == (k, v)
+    assert engine_model("e5m2-read").cache_dtype("fp8_e4m3") == "fp8_e5m2"
+    assert engine_model("tpu-inference-v6e").cache_dtype("fp8_e4m3") == "fp8_e5m2"
+    assert engine_model("tpu-inference-v6e").cache_dtype("bf16") == "bf16"
+    stored = engine_model("e5m2-read").write(torch.tensor([1.0]), torch.tensor(1.0), E5M2)
+    assert stored.dtype == E5M2 and stored.float().item() == 0.5  # e4m3's 1.0 (0x38) read as e5m2
+
+
+def test_parse_engines():
+    assert parse_engines("") == RELEASED
+    assert parse_engines(ALL) == (*RELEASED, *BUGS)
+    assert parse_engines("sglang, vllm-tpu,sglang") == ("sglang", "vllm-tpu")
+    with pytest.raises(Fp8kvError, match="unknown engine 'raw'; choose from vllm-cuda, .* \\(released\\) or "
+                                         "no-clamp, .* \\(bugs\\), or all"):
+        parse_engines("raw")
