@@ -1,8 +1,10 @@
 """The seed's table on a real model (SmolLM2-135M-Instruct, the GGUF the `demo` extra installs), and what
 calibrating on text the model writes itself costs against real text.
 
-Table 1, one row per cache: bf16; fp8 unit scales; fp8 calibrated (default margin) under each engine
-cast model; calibrated with headroom 1.0; llm-compressor's default observer (last-batch, headroom 1.0).
+Table 1, one row per cache: bf16; fp8 unit scales; fp8 calibrated (default margin) under each released
+engine model (fp8kv.engine_models); calibrated with headroom 1.0 and llm-compressor's default observer
+(last-batch, headroom 1.0), both under SGLang's unclamped cast; calibrated under the engine bugs
+inverted-scale, no-clamp and scales-ignored.
 Scales come from `--calib-samples` x `--seq-len` tokens of CPython's documentation (the bundled corpus:
 real English prose, `data` below); rows are scored on held-out records of it on fp8kv's paged runtime:
 perplexity, mean KL(bf16 || fp8), top-1 agreement, sequences lost (any NaN/inf logit), and accuracy
@@ -28,6 +30,7 @@ import torch
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import load_language_model
 from fp8kv.checkpoint.locate import resolve_model
+from fp8kv.engine_models import DEFAULT_ENGINE, RELEASED
 from fp8kv.data import GENERATED_DATASET, CalibrationData, DataRequest, load_calibration_data
 from fp8kv.evaluation.bundled_tasks import arithmetic_items
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT
@@ -37,7 +40,7 @@ from fp8kv.options import DEFAULT_HEADROOM
 import common  # bench/common.py
 import kvcompare  # bench/kvcompare.py
 
-ENGINES = ("clamp", "raw", "raw-bf16")
+BUGS = ("inverted-scale", "no-clamp", "scales-ignored")  # the conformance check's engine bugs
 
 
 def task_accuracy(model: kvcompare.Model, items: list[dict], scales: KVScales | None, engine: str) -> float:
@@ -72,10 +75,11 @@ def seed_table(model: kvcompare.Model, calib: CalibrationData, held: list[list[i
     unit = KVScales(k={i: torch.ones(1) for i in model.kv_layers}, v={i: torch.ones(1) for i in model.kv_layers})
     default, tight = scales_of(model, calib, DEFAULT_HEADROOM), scales_of(model, calib, 1.0)
     mimic = scales_of(model, calib, 1.0, "last-batch", batch_size=1)
-    plan = [("bf16", "-", None, "-"), ("fp8", "unit (1.0)", unit, "clamp")]
-    plan += [("fp8", f"calibrated, default margin {DEFAULT_HEADROOM:g}", default, engine) for engine in ENGINES]
-    plan += [("fp8", "calibrated, headroom 1.0", tight, "raw"),
-             ("fp8", "llm-compressor's default observer (last-batch)", mimic, "raw")]
+    plan = [("bf16", "-", None, "-"), ("fp8", "unit (1.0)", unit, DEFAULT_ENGINE)]
+    plan += [("fp8", f"calibrated, default margin {DEFAULT_HEADROOM:g}", default, engine) for engine in RELEASED]
+    plan += [("fp8", "calibrated, headroom 1.0", tight, "sglang"),
+             ("fp8", "llm-compressor's default observer (last-batch)", mimic, "sglang")]
+    plan += [("fp8", f"calibrated, default margin {DEFAULT_HEADROOM:g}", default, bug) for bug in BUGS]
     reference = model.run(held, None)
     rows = []
     for cache, label, scales, engine in plan:
@@ -98,7 +102,7 @@ def text_table(model: kvcompare.Model, texts: dict[str, CalibrationData], held: 
     for held_name, samples in held.items():
         reference = model.run(samples, None)
         for name, chosen in scales.items():
-            scores = kvcompare.compare(samples, model.run(samples, chosen, "clamp"), reference)
+            scores = kvcompare.compare(samples, model.run(samples, chosen, DEFAULT_ENGINE), reference)
             rows.append({"table": "text", "calibrated_on": name, "held_out": held_name, "ppl_bf16": kvcompare.compare(
                 samples, reference, reference).ppl, "ppl": scores.ppl, "kl_mean": scores.kl_mean, "top1": scores.top1,
                 "sequences_lost": scores.sequences_lost})

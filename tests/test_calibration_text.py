@@ -80,7 +80,7 @@ def test_verify_refuses_the_bundled_held_out_text_for_another_model_and_reads_ge
                               "which says nothing about this model; pass --dataset (a .txt/.jsonl/.parquet file, a Hub "
                               "dataset org/name, or 'generated' (text the model writes itself)), not its calibration "
                               "text\n")
-    verified = CliRunner().invoke(app, ["verify", str(out), *GENERATED, "--engine", "clamp", "--quiet"])
+    verified = CliRunner().invoke(app, ["verify", str(out), *GENERATED, "--engine", "vllm-tpu", "--quiet"])
     assert verified.exit_code in (ExitCode.PASS, ExitCode.WARN), verified.output
     report = json.loads((out / "verify" / "report.json").read_text())
     assert "generated" in report["text_source"] and "heldout" in report["text_source"]
