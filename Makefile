@@ -29,9 +29,10 @@ demo: $(STAMP)
 	$(BIN)/fp8kv calibrate smollm2 --dataset generated --num-samples 16 --seq-len 256 --out out/demo --overwrite
 	$(BIN)/fp8kv verify out/demo --dataset generated --num-samples 8
 
-# ruff first (seconds), then every test, the slow ones included (`pytest -m "not slow"` for a quick run).
+# ruff and mypy first (seconds), then every test, the slow ones included (`pytest -m "not slow"` for a quick run).
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)

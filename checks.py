@@ -45,7 +45,8 @@ def check_readout(readout: ScaleReadout, provenance: Provenance | None = None) -
     scales doubled for e4m3fnuz.
     """
     return (_scale_findings(readout) + _advice(readout, provenance) + _declaration_findings(readout)
-            + _engine_name_findings(readout) + _format_gap_findings(readout) + _kernel_findings(readout) + _latent_loader_findings(readout, provenance))
+            + _engine_name_findings(readout) + _format_gap_findings(readout) + _kernel_findings(readout)
+            + _latent_loader_findings(readout, provenance))
 
 
 def tpu_layout_findings(readout: ScaleReadout) -> list[Finding]:

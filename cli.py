@@ -12,6 +12,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from fp8kv import __version__
+from fp8kv.cli_conformance import conformance_app
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError, UsageError
 from fp8kv.evaluation.bundled_tasks import BUNDLED_TASKS
 from fp8kv.kvdtypes import FP8_MAX
@@ -90,7 +91,7 @@ ModeOpt = Annotated[WriteMode, typer.Option(
     "--mode", help="overlay: hard-link the source weights; copy: a self-contained copy.")]
 
 # `fp8kv --help` lists the commands in the order of the workflow.
-WORKFLOW = ("calibrate", "verify", "eval", "inspect", "convert", "card", "push")
+WORKFLOW = ("calibrate", "verify", "eval", "inspect", "convert", "card", "push", "conformance")
 
 
 class _Group(TyperGroup):
@@ -480,6 +481,9 @@ def eval_command(
         result, folder = evaluate(request, progress=progress)
     typer.echo(result.markdown())
     typer.echo(f"Wrote {folder}")
+
+
+app.add_typer(conformance_app, name="conformance")
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fp8kv.checkpoint.load import cache_kwargs, fold_repeated_heads, model_cache_class, new_cache
+from fp8kv.transformers_cache import cache_kwargs, fold_repeated_heads, model_cache_class, new_cache
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry, LatentCache
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 import common  # bench/common.py
+from fp8kv.json_fields import to_json_value
 from fp8kv.models import BUNDLED_MODEL_DIR
 from fp8kv.tools.factory import ARCHITECTURES, make_checkpoint, make_tokenizer
 from fp8kv.runtime.runner import PagedModelRunner
@@ -27,7 +28,7 @@ def measure(name: str, weights: str, path: Path, samples: list[list[int]], args:
     runner = PagedModelRunner(path, device=args.device, cache_dtype="bf16", max_model_len=args.seq_len,
                               max_num_seqs=len(samples))
     result = fidelity.measure_fidelity(runner, samples, num_samples=len(samples))
-    row = {"model": name, "weights": weights, **result.as_dict()}
+    row = {"model": name, "weights": weights, **to_json_value(result)}
     noise = result.noise if result.noise is not None else float("nan")  # nan: one attention implementation
     print(f"{name:<14}{weights:<10}{result.kl_mean:>11.2e}{result.kl_max:>11.2e}{noise:>11.2e}"
           f"{result.bound:>11.1e}  {'yes' if result.reproduces else 'NO'}")

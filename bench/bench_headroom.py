@@ -60,8 +60,9 @@ def study(name: str, path: Path, args: argparse.Namespace) -> list[dict]:
         base = None
         for headroom in args.headrooms:
             _, scales = model.scales(statistics, headroom)
-            over, ratio = kvcompare.overflow(model, held, scales)
+            ratio = kvcompare.max_ratio(model, held, scales)
             raw = model.run(samples, scales, "no-clamp")
+            over = raw.nonfinite_stored  # values past the raw cast's limit: NaN/inf in the raw-cast cache
             clamp = model.run(samples, scales, "vllm-tpu") if raw.nonfinite_stored else raw
             scores, raw_scores = kvcompare.compare(samples, clamp, reference), kvcompare.compare(samples, raw, reference)
             base = base or scores

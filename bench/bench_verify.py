@@ -86,8 +86,8 @@ def bench_model(name: str, source: Path, folder: Path, args) -> dict:
         verify_s.append(seconds)
     return {
         "model": name,
-        "samples": report.num_samples,
-        "tokens": report.num_tokens,
+        "samples": report.held_out.num_samples,
+        "tokens": report.held_out.num_tokens,
         "plain_forward_s": statistics.median(plain_s),
         "verify_s": statistics.median(verify_s),
         "ratio": statistics.median(verify_s) / statistics.median(plain_s),

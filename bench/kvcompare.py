@@ -84,10 +84,9 @@ class Model:
         return Run(logits, nonfinite)
 
 
-def overflow(model: Model, held: KVStatistics, scales: KVScales) -> tuple[int, float]:
-    """(held-out values with |x|/scale above the raw-cast limit, largest |x|/scale) under `scales`."""
-    rows = heldout.max_ratio_rows(held, scales, model.kv_layers)
-    return sum(r["nan_without_clamp"] for r in rows), max(max(r["k_max_ratio"], r["v_max_ratio"]) for r in rows)
+def max_ratio(model: Model, held: KVStatistics, scales: KVScales) -> float:
+    """The largest held-out |x|/scale of any layer under `scales`."""
+    return max(max(r.k_max_ratio, r.v_max_ratio) for r in heldout.max_ratio_rows(held, scales, model.kv_layers))
 
 
 @dataclass

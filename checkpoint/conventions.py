@@ -132,30 +132,6 @@ def scale_names(convention: str, module: str, model_type: str) -> tuple[str, str
     return f"{module}.{k_suffix}", f"{module}.{v_suffix}"
 
 
-def weights_config(model_dir: str | Path, trust_remote_code: bool = False):
-    """transformers' config of `model_dir` for loading its weights, less what is not about the weights.
-
-    transformers 5.24 acts on a compressed-tensors block under `quantization_config` (llm-compressor's
-    KV-only outputs; fp8kv's beside quantized weights): a KV-cache-only one runs the compressed-tensors
-    quantizer, which fails on MoE checkpoints stored per expert (its expert merge looks up a weight group
-    that does not exist) and on configs whose head counts live in a sub-config (vision-language wrappers);
-    an attention scheme hooks attention and fake-quantizes Q in every model, a bf16 reference included.
-    The scales are not weights, so fp8kv loads without either and reads the scales itself.
-    """
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    qc = getattr(config, QUANTIZATION_CONFIG, None)
-    qc = qc.to_dict() if hasattr(qc, "to_dict") else qc
-    if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
-        qc = without_attention_schemes(qc)
-        if qc.get("config_groups"):
-            config.quantization_config = qc
-        else:
-            del config.quantization_config
-    return config
-
-
 def query_scale_name(module: str, model_type: str) -> str:
     """The query-scale tensor name of the attention module at path `module` of a `model_type`, in compressed-tensors."""
     return f"{vllm_scale_module(model_type, module)}.q_scale"

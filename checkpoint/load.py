@@ -7,15 +7,16 @@ it has no place for, with only a log line. Either makes every number measured on
 
 from __future__ import annotations
 
-import inspect
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fp8kv.checkpoint.conventions import parse_scale_name, weights_config
+from fp8kv.checkpoint.conventions import QUANTIZATION_CONFIG, parse_scale_name, without_attention_schemes
 from fp8kv.errors import Fp8kvError
+from fp8kv.geometry import AttentionGeometry
+from fp8kv.transformers_cache import recurrent_layers
 
 # `--dtype` names of the weights dtype ("auto": the checkpoint's own).
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,6 +49,30 @@ def load_causal_lm(model_dir: str | Path, model_class: Any = None, config: Any =
     return model
 
 
+def weights_config(model_dir: str | Path, trust_remote_code: bool = False):
+    """transformers' config of `model_dir` for loading its weights, less what is not about the weights.
+
+    transformers 5.24 acts on a compressed-tensors block under `quantization_config` (llm-compressor's
+    KV-only outputs; fp8kv's beside quantized weights): a KV-cache-only one runs the compressed-tensors
+    quantizer, which fails on MoE checkpoints stored per expert (its expert merge looks up a weight group
+    that does not exist) and on configs whose head counts live in a sub-config (vision-language wrappers);
+    an attention scheme hooks attention and fake-quantizes Q in every model, a bf16 reference included.
+    The scales are not weights, so fp8kv loads without either and reads the scales itself.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    qc = getattr(config, QUANTIZATION_CONFIG, None)
+    qc = qc.to_dict() if hasattr(qc, "to_dict") else qc
+    if isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors":
+        qc = without_attention_schemes(qc)
+        if qc.get("config_groups"):
+            config.quantization_config = qc
+        else:
+            del config.quantization_config
+    return config
+
+
 def _named(what: str, keys: Any) -> str:
     names = sorted(str(k) for k in keys)
     if not names:
@@ -78,22 +103,36 @@ _CAUSAL_CLASS_READS_TEXT_ONLY = frozenset({"emu3"})
 
 
 def load_language_model(model_dir: str | Path, device: Any, dtype: str = "auto", trust_remote_code: bool = False,
-                        attn_implementation: str | None = None) -> Any:
+                        attn_implementation: str | None = None, *, paged_attention: str | None = None) -> Any:
     """The checkpoint's language model (`model_class`) on `device` in eval mode, refusing mismatched weights.
 
-    `dtype` is a `--dtype` name or "auto" (the checkpoint's); `attn_implementation` None keeps
-    transformers' default attention.
+    `dtype` is a `--dtype` name or "auto" (the checkpoint's). `attn_implementation`: a registered attention
+    function the model must run (an error for a model that computes attention in its own code); None keeps
+    transformers' default. `paged_attention`: a registered attention function the model runs where it can;
+    a model with its own attention code, or a hybrid with recurrent layers, keeps its own (a runner then
+    reads its pages through a cache view).
     """
     if dtype != "auto" and dtype not in MODEL_DTYPES:
         raise Fp8kvError(f"--dtype {dtype!r}: choose auto, {', '.join(MODEL_DTYPES)}")
-    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     config = weights_config(model_dir, trust_remote_code)
     if attn_implementation is not None and not takes_attention_function(config):
         raise Fp8kvError(f"{model_dir}: {config.model_type} computes attention in its own code, not through "
                          f"transformers' attention interface, so it cannot run {attn_implementation!r}")
+    if paged_attention is not None and takes_attention_function(config) and not _hybrid(model_dir):
+        attn_implementation = paged_attention
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     model = load_causal_lm(model_dir, model_class(config.to_dict()), config, dtype=MODEL_DTYPES.get(dtype, "auto"),
                            trust_remote_code=trust_remote_code, **extra)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if torch.device(device).type == "xla" and model._can_set_experts_implementation():
+        # transformers' default MoE path (grouped_mm) counts tokens per expert with an integer histc that
+        # XLA cannot run; batched_mm computes each token's chosen experts with static shapes
+        model.set_experts_implementation("batched_mm")
+    return model
+
+
+def _hybrid(model_dir: str | Path) -> bool:
+    return bool(recurrent_layers(AttentionGeometry.from_dir(model_dir).layer_types))
 
 
 def takes_attention_function(config: Any) -> bool:
@@ -115,40 +154,3 @@ def _own_attention_table(model_cls: type) -> bool:
     module = sys.modules[model_cls.__module__]
     return any(name.endswith("ATTENTION_CLASSES") and "VISION" not in name and isinstance(table, dict)
                and "eager" in table for name, table in vars(module).items())
-
-
-def model_cache_class(model: Any) -> type:
-    """The DynamicCache subclass the model's own file defines (one at most), else DynamicCache."""
-    from transformers import DynamicCache
-
-    module = sys.modules[type(model).__module__]
-    own = [c for c in vars(module).values()
-           if isinstance(c, type) and issubclass(c, DynamicCache) and c.__module__ == module.__name__]
-    return own[0] if len(own) == 1 else DynamicCache
-
-
-def new_cache(cache_class: type, model: Any) -> Any:
-    """An empty `cache_class` for `model`: built from its config where the class takes one (DynamicCache
-    then lays out Mamba and linear-attention layers), else bare (MiniMax's own cache)."""
-    takes_config = "config" in inspect.signature(cache_class.__init__).parameters
-    return cache_class(config=model.config) if takes_config else cache_class()
-
-
-def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
-    """The forward keywords that hand `cache` to `model`: `cache=` (newer models) or `past_key_values=`."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache, "use_cache": True}
-
-
-def fold_repeated_heads(states: torch.Tensor, kv_heads: int, where: str) -> torch.Tensor:
-    """[batch, heads, seq, head_dim] whose head h repeats KV head h // (heads / kv_heads) -> [batch, kv_heads, seq, head_dim].
-
-    Falcon's new decoder architecture (Falcon-40B, -180B, Falcon2) hands its cache K and V already broadcast
-    to every query head; vLLM caches the KV heads, so the copies fold back, checked to be exact copies.
-    """
-    heads = states.shape[1]
-    grouped = states.unflatten(1, (kv_heads, heads // kv_heads)) if heads % kv_heads == 0 else None
-    if grouped is None or not torch.equal(grouped, grouped[:, :, :1].expand_as(grouped)):
-        raise Fp8kvError(f"{where}: the cache update got {heads} K/V heads that are not copies of the config's "
-                         f"{kv_heads} KV heads; fp8kv cannot tell which heads an engine would cache")
-    return grouped[:, :, 0]

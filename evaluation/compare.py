@@ -102,7 +102,7 @@ def evaluate(request: EvalRequest, progress: Callable[[str, int, int], None] | N
                      batch_size=request.batch_size, max_length=request.max_length, model=model)
         out = lm_eval.simple_evaluate(model=lm, tasks=list(request.tasks), limit=request.limit, task_manager=manager,
                                       log_samples=False, bootstrap_iters=0)
-        nonfinite = sum(k + v for k, v in lm.runner.counts()["nonfinite"].values())
+        nonfinite = sum(k + v for k, v in lm.runner.counts().nonfinite.values())
         rows.append(ConfigScores(spec.label, spec.kv_cache, spec.scales, spec.engine,
                                  metric_values(out["results"]), nonfinite, spec.query))
         del lm  # free this configuration's cache before the next one is allocated

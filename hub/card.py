@@ -23,6 +23,7 @@ from fp8kv.console import fmt_number, layer_table, markdown_table
 from fp8kv.errors import Fp8kvError
 from fp8kv.kvdtypes import FP8_MAX, VLLM_KV_CACHE_DTYPE
 from fp8kv.geometry import read_json
+from fp8kv.json_fields import to_json_value
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.kernel_rule import FP8_HEAD_RULE
 from fp8kv.verify.report import PLOT, REPORT_JSON, VerifyReport
@@ -269,19 +270,19 @@ def _verify(out: Path, report: VerifyReport | None) -> str:
     parts = ["## Verify results", f"**Verdict: {report.verdict}**"]
     if report.reasons:
         parts.append("\n".join(f"- {r.level}: {r.message}" for r in report.reasons))
-    setup = [("Device", report.device), ("Text", report.text_source), ("Samples", report.num_samples),
-             ("Tokens", report.num_tokens), ("Convention", report.convention), ("KV-cache dtype", report.kv_dtype)]
+    held = report.held_out
+    setup = [("Device", report.device), ("Text", held.text_source), ("Samples", held.num_samples),
+             ("Tokens", held.num_tokens), ("Convention", report.convention), ("KV-cache dtype", report.kv_dtype)]
     rows = [[name, fmt_number(value)] for name, value in setup if value is not None]
-    accuracy = report.accuracy or {}
-    rows += [[name, fmt_number(accuracy[key], share)] for name, key, share in _ACCURACY_ROWS
-             if accuracy.get(key) is not None]
+    if held.accuracy is not None:
+        rows += [[name, fmt_number(getattr(held.accuracy, key), share)] for name, key, share in _ACCURACY_ROWS]
     # Shares of greedy tokens that match the bf16 cache.
     rows += [[f"Generation: {key.replace('_', ' ')}", fmt_number(value, percent=True)]
-             for key, value in (report.generation or {}).items()]
+             for key, value in (to_json_value(held.generation) or {}).items()]
     if rows:
         parts.append(markdown_table(["Check", "Result"], rows))
     columns = ("layer", "k_saturation", "v_saturation", "k_max_ratio", "v_max_ratio")
-    layers = [{c: layer.get(c) for c in columns} for layer in report.layers]
+    layers = [{c: getattr(layer, c) for c in columns} for layer in held.layers]
     if layers:
         parts.append(markdown_table(*layer_table(layers)))
     return "\n\n".join(parts)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -85,7 +86,51 @@ class PageAllocator:
         del self.lengths[seq_id]
 
 
-class PagedKVCache:
+@dataclass(frozen=True)
+class CacheCounts:
+    """A cache's counters per KV layer: `(K, V)` counts of values clamped at ±MAX and of NaN/inf values
+    stored, and how many values were written to K (as many to V)."""
+
+    clamped: dict[int, tuple[int, int]]
+    nonfinite: dict[int, tuple[int, int]]
+    written: dict[int, int]
+
+
+class PagedLayers:
+    """What the paged K/V cache and the latent cache share: one page tensor per KV layer (`pages`, row `i`
+    for `kv_layers[i]`), the row copy into and out of them, and the overflow counters (int64 on the cache
+    device: `clamped`, `nonfinite` `[num_kv_layers, 2]` for K and V, `written` `[num_kv_layers]`)."""
+
+    def __init__(self, kv_layers: Sequence[int], pages: list[torch.Tensor], device: torch.device) -> None:
+        self.kv_layers = tuple(kv_layers)
+        self.pages = pages
+        self._row = {layer: i for i, layer in enumerate(self.kv_layers)}
+        self.clamped = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
+        self.nonfinite = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
+        self.written = torch.zeros(len(self.kv_layers), dtype=torch.int64, device=device)
+
+    def _store(self, row: int, slots: torch.Tensor, stored: torch.Tensor) -> None:
+        """`stored` `[T, ...]` into row `row`'s pages at flat `slots` `[T]`."""
+        store_rows(self.pages[row].flatten(0, 1), slots, stored)
+
+    def _load(self, row: int, slots: torch.Tensor) -> torch.Tensor:
+        return load_rows(self.pages[row].flatten(0, 1), slots)
+
+    def bytes_per_token(self) -> float:
+        """Cache bytes one token occupies across all layers (padding included)."""
+        return float(sum(pages[0, 0].numel() * pages.element_size() for pages in self.pages))
+
+    def counts(self) -> CacheCounts:
+        """The counters, read from the device once."""
+        clamped, nonfinite, written = self.clamped.cpu().tolist(), self.nonfinite.cpu().tolist(), self.written.cpu().tolist()
+        return CacheCounts(
+            clamped={layer: (clamped[i][0], clamped[i][1]) for i, layer in enumerate(self.kv_layers)},
+            nonfinite={layer: (nonfinite[i][0], nonfinite[i][1]) for i, layer in enumerate(self.kv_layers)},
+            written={layer: written[i] for i, layer in enumerate(self.kv_layers)},
+        )
+
+
+class PagedKVCache(PagedLayers):
     """One preallocated cache tensor per KV layer, quantized writes, and overflow counters.
 
     `k_scales`/`v_scales` map each KV layer index to a float or a per-KV-head list of floats
@@ -115,19 +160,19 @@ class PagedKVCache:
         engine: str = DEFAULT_ENGINE,
         shared_layers: Mapping[int, int] | None = None,
     ) -> None:
-        self.kv_layers = tuple(kv_layers)
+        kv_layers = tuple(kv_layers)
         self.shared_layers = dict(shared_layers or {})  # KV sharing: reading layer -> the layer owning the cache
         self.page_size = page_size
-        self._kv_heads = _per_layer(num_kv_heads, self.kv_layers, "num_kv_heads")
-        self._head_dims = _per_layer(head_dim, self.kv_layers, "head_dim")
+        self._kv_heads = _per_layer(num_kv_heads, kv_layers, "num_kv_heads")
+        self._head_dims = _per_layer(head_dim, kv_layers, "head_dim")
         self.num_kv_heads, self.head_dim = max(self._kv_heads), max(self._head_dims)
         self._padded = [math.ceil(d / head_dim_multiple) * head_dim_multiple for d in self._head_dims]
         self.head_dim_padded = max(self._padded)
         self.dtype = dtype
         self.engine = engine_model(engine)
         k_scales, v_scales = self.engine.loads(k_scales, v_scales)
-        k_given = layer_scales(k_scales, self.kv_layers, self._kv_heads, "k_scale")
-        v_given = layer_scales(v_scales, self.kv_layers, self._kv_heads, "v_scale")
+        k_given = layer_scales(k_scales, kv_layers, self._kv_heads, "k_scale")
+        v_given = layer_scales(v_scales, kv_layers, self._kv_heads, "v_scale")
         # a layer with fewer KV heads than the largest repeats its last value in the padding of its row
         table = torch.tensor([[_padded_row(k, heads, self.num_kv_heads), _padded_row(v, heads, self.num_kv_heads)]
                               for k, v, heads in zip(k_given, v_given, self._kv_heads)], dtype=torch.float32)
@@ -137,16 +182,12 @@ class PagedKVCache:
                               for row, pair in zip(table.tolist(), zip(k_given, v_given))]
         self.scales = table.to(device)
         # [num_kv_layers, 2*kv_heads, 1]: K0, V0, K1, V1, ... like the cache's combined heads
-        self._write_scales = self.scales.transpose(1, 2).reshape(len(self.kv_layers), 2 * self.num_kv_heads, 1)
+        self._write_scales = self.scales.transpose(1, 2).reshape(len(kv_layers), 2 * self.num_kv_heads, 1)
         self.num_pages = num_pages
         # One tensor per layer, not views of one [layers, ...] tensor: on XLA an in-place write into a view
         # of the big tensor measured 0.68x fp8 decode (bench/bench_runtime.py, bench/README.md: Runtime).
-        self.pages = [torch.zeros((num_pages, page_size, 2 * heads, padded), dtype=dtype, device=device)
-                      for heads, padded in zip(self._kv_heads, self._padded)]
-        self._row = {layer: i for i, layer in enumerate(self.kv_layers)}
-        self.clamped = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
-        self.nonfinite = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
-        self.written = torch.zeros(len(self.kv_layers), dtype=torch.int64, device=device)
+        super().__init__(kv_layers, [torch.zeros((num_pages, page_size, 2 * heads, padded), dtype=dtype, device=device)
+                                     for heads, padded in zip(self._kv_heads, self._padded)], device)
 
     def owner(self, layer: int) -> int:
         """The cache layer `layer` attends over: itself, or the layer whose cache it shares."""
@@ -180,7 +221,7 @@ class PagedKVCache:
         stored = self.engine.write(kv, self._write_scales[row, : 2 * heads], self.dtype) if is_fp8(self.dtype) \
             else kv.to(self.dtype)
         self._count(row, kv, stored, valid)
-        store_rows(self.pages[row].flatten(0, 1), slots, stored)  # [num_pages*page_size, 2*kv_heads, d_padded]
+        self._store(row, slots, stored)
 
     def _count(self, row: int, kv: torch.Tensor, stored: torch.Tensor, valid: torch.Tensor) -> None:
         mask, heads = valid[:, None, None], self._kv_heads[row]
@@ -202,14 +243,6 @@ class PagedKVCache:
                 for i, value in enumerate(self._scale_floats[row]))
         return k, v
 
-    def bytes_per_token(self) -> float:
-        """Cache bytes one token occupies across all layers (K and V, padded head_dim)."""
-        return float(sum(pages[0, 0].numel() * pages.element_size() for pages in self.pages))
-
-    def counts(self) -> dict[str, dict[int, tuple[int, int]]]:
-        """Per KV layer `(k, v)` counts: {"clamped": ..., "nonfinite": ...}, plus values "written" per K (or V)."""
-        return layer_counts(self.kv_layers, self.clamped, self.nonfinite, self.written)
-
 
 def store_rows(flat: torch.Tensor, slots: torch.Tensor, stored: torch.Tensor) -> None:
     """`flat[slots] = stored` along dim 0, for a cache tensor of any dtype.
@@ -228,17 +261,6 @@ def load_rows(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     if is_fp8(flat.dtype) and flat.device.type != "xla":
         return flat.view(torch.uint8).index_select(0, slots).view(flat.dtype)
     return flat.index_select(0, slots)
-
-
-def layer_counts(kv_layers: tuple[int, ...], clamped: torch.Tensor, nonfinite: torch.Tensor,
-                 written: torch.Tensor) -> dict[str, dict[int, tuple[int, int]]]:
-    """A cache's device counters (`[layers, 2]`, `[layers, 2]`, `[layers]`) as per-layer `(k, v)` tuples."""
-    clamped_rows, nonfinite_rows, written_rows = clamped.cpu().tolist(), nonfinite.cpu().tolist(), written.cpu()
-    return {
-        "clamped": {layer: tuple(clamped_rows[i]) for i, layer in enumerate(kv_layers)},
-        "nonfinite": {layer: tuple(nonfinite_rows[i]) for i, layer in enumerate(kv_layers)},
-        "written": {layer: (int(written_rows[i]), int(written_rows[i])) for i, layer in enumerate(kv_layers)},
-    }
 
 
 def _per_layer(value: int | Sequence[int], kv_layers: tuple[int, ...], name: str) -> list[int]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fp8kv.checkpoint.load import fold_repeated_heads
+from fp8kv.transformers_cache import fold_repeated_heads
 from fp8kv.errors import Fp8kvError
 from fp8kv.runtime.attention import gather_kv
 from fp8kv.runtime.cache import PagedKVCache
@@ -30,14 +30,6 @@ from fp8kv.runtime.latent import LatentPagedCache
 
 # What the runtime report names when the model's own attention code read the pages, one count per layer call.
 CACHE_VIEW = "the model's own attention over fp8kv.cache_view"
-
-
-def recurrent_layers(layer_types: Sequence[str]) -> list[int]:
-    """Layers whose transformers cache layer keeps a recurrent state (Mamba, linear attention), not K/V."""
-    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin
-
-    return [i for i, kind in enumerate(layer_types)
-            if issubclass(DYNAMIC_LAYER_TYPE_MAPPING.get(kind, object), LinearAttentionCacheLayerMixin)]
 
 
 def sequence_cache(cache: PagedKVCache, attention_layers: Sequence[int], past: int, slots: torch.Tensor,

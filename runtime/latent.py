@@ -22,7 +22,7 @@ from fp8kv.errors import Fp8kvError
 from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
 from fp8kv.fp8 import is_fp8
 from fp8kv.geometry import LatentCache
-from fp8kv.runtime.cache import Scale, layer_counts, layer_scales, load_rows, store_rows
+from fp8kv.runtime.cache import PagedLayers, Scale, layer_scales
 
 # The attention module attribute that holds the current forward's kv_c_normed `[1, T, kv_lora_rank]`.
 _CAPTURED = "fp8kv_kv_c_normed"
@@ -30,12 +30,12 @@ _CAPTURED = "fp8kv_kv_c_normed"
 LATENT = "fp8kv.latent_attention"
 
 
-class LatentPagedCache:
+class LatentPagedCache(PagedLayers):
     """One `[num_pages, page_size, width]` tensor per MLA layer, written with the layer's k_scale.
 
     Exposes what verify reads of `PagedKVCache`: `scales` float32 `[layers, 2, 1]` (the file's k_scale
-    and v_scale; only k_scale quantizes, as in vLLM's MLA layer), `scale_args`, and counters whose K and
-    V slots both count the one latent vector (`clamped`, `nonfinite` `[layers, 2]`, `written` `[layers]`).
+    and v_scale; only k_scale quantizes, as in vLLM's MLA layer), `scale_args`, and the counters of
+    `PagedLayers`, whose K and V slots both count the one latent vector.
     """
 
     def __init__(
@@ -51,20 +51,17 @@ class LatentPagedCache:
         v_scales: Mapping[int, Scale] | None = None,
         engine: str = DEFAULT_ENGINE,
     ) -> None:
-        self.kv_layers, self.latent = tuple(kv_layers), latent
+        kv_layers = tuple(kv_layers)
+        super().__init__(kv_layers, [torch.zeros(num_pages, page_size, latent.width, dtype=dtype, device=device)
+                                     for _ in kv_layers], device)
+        self.latent = latent
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
         self.engine = engine_model(engine)
         k_scales, v_scales = self.engine.loads(k_scales, v_scales)
-        k_given = layer_scales(k_scales, self.kv_layers, [1] * len(self.kv_layers), "k_scale")
-        v_given = layer_scales(v_scales, self.kv_layers, [1] * len(self.kv_layers), "v_scale")
+        k_given = layer_scales(k_scales, kv_layers, [1] * len(kv_layers), "k_scale")
+        v_given = layer_scales(v_scales, kv_layers, [1] * len(kv_layers), "v_scale")
         self.scales = torch.tensor([[k, v] for k, v in zip(k_given, v_given)], dtype=torch.float32).to(device)
         self._k_floats = [k[0] for k in k_given]
-        self.pages = [torch.zeros(num_pages, page_size, latent.width, dtype=dtype, device=device)
-                      for _ in self.kv_layers]
-        self._row = {layer: i for i, layer in enumerate(self.kv_layers)}
-        self.clamped = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
-        self.nonfinite = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
-        self.written = torch.zeros(len(self.kv_layers), dtype=torch.int64, device=device)
 
     def owner(self, layer: int) -> int:
         """MLA layers own their cache (no KV sharing)."""
@@ -84,14 +81,14 @@ class LatentPagedCache:
             self.clamped[row] += ((vectors.float().abs() / scale > torch.finfo(self.dtype).max) & mask).sum()
         self.nonfinite[row] += (~torch.isfinite(stored.float()) & mask).sum()
         self.written[row] += valid.sum() * self.latent.width
-        store_rows(self.pages[row].flatten(0, 1), slots, stored)  # [num_pages * page_size, width]
+        self._store(row, slots, stored)
 
     def read(self, layer: int, pages: torch.Tensor, length: int) -> torch.Tensor:
         """The first `length` vectors of a sequence whose page table is `pages` `[pages_per_seq]`, dequantized (float32)."""
         row = self._row[layer]
         positions = torch.arange(length, device=pages.device)
         slots = pages.long()[positions // self.page_size] * self.page_size + positions % self.page_size
-        stored = load_rows(self.pages[row].flatten(0, 1), slots)
+        stored = self._load(row, slots)
         return stored.float() * self.scales[row, 0] if is_fp8(self.dtype) else stored.float()
 
     def scale_args(self, layer: int) -> tuple[float | None, float | None]:
@@ -100,14 +97,6 @@ class LatentPagedCache:
             return None, None
         row = self._row[layer]
         return self._k_floats[row], float(self.scales[row, 1])
-
-    def bytes_per_token(self) -> float:
-        """Cache bytes one token occupies across all layers (one latent vector per layer)."""
-        return float(self.latent.width * self.pages[0].element_size() * len(self.kv_layers))
-
-    def counts(self) -> dict[str, dict[int, tuple[int, int]]]:
-        """Per layer `(k, v)` counts as `PagedKVCache.counts`; both slots count the latent vector."""
-        return layer_counts(self.kv_layers, self.clamped, self.nonfinite, self.written)
 
 
 def latent_gain(module: torch.nn.Module) -> float:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from fp8kv.checkpoint.load import MODEL_DTYPES, load_language_model
 from fp8kv.errors import Fp8kvError
 from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
 from fp8kv.fp8 import cache_dtype as _cache_dtype
@@ -31,8 +32,9 @@ from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, quantize
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.attention import NUMERICS, AttentionNumerics, kernel_supported, ragged_paged_attention
-from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache, Scale
-from fp8kv.runtime.cache_view import recurrent_layers, sequence_cache
+from fp8kv.runtime.cache import SCRATCH_PAGE, CacheCounts, PageAllocator, PagedKVCache, Scale
+from fp8kv.runtime.cache_view import sequence_cache
+from fp8kv.transformers_cache import cache_kwargs, model_cache_class, new_cache, recurrent_layers
 from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
 from fp8kv.runtime.latent import LatentPagedCache, capture_latents, latent_attention
 
@@ -271,8 +273,6 @@ class PagedModelRunner:
             raise Fp8kvError(f"cannot share the prefix of sequence {share_from}: it does not exist")
         seq_id, self._next_id = self._next_id, self._next_id + 1
         if self.recurrent:
-            from fp8kv.checkpoint.load import model_cache_class, new_cache
-
             self._states[seq_id] = new_cache(model_cache_class(self.model), self.model)
             return seq_id, self.allocator.add(seq_id)
         return seq_id, self.allocator.add(seq_id, share_from, shared_tokens)
@@ -310,7 +310,6 @@ class PagedModelRunner:
 
     def _cache_view_step(self, seq_id: int, tokens: Sequence[int]) -> torch.Tensor:
         """One sequence's forward on a cache view of its pages: float32 CPU logits `[len(tokens), vocab]`."""
-        from fp8kv.checkpoint.load import cache_kwargs
 
         past, dev = self.length(seq_id), self.device
         slots = torch.tensor(self.allocator.extend(seq_id, len(tokens)), dtype=torch.int64).to(dev)
@@ -336,8 +335,8 @@ class PagedModelRunner:
             self.free(s)
         return tokens
 
-    def counts(self) -> dict[str, dict[int, tuple[int, int]]]:
-        """Per KV layer (k, v) counts of clamped and NaN/inf values, and values written (see PagedKVCache)."""
+    def counts(self) -> CacheCounts:
+        """The cache's counters per KV layer: values clamped, NaN/inf values stored, values written."""
         return self.cache.counts()
 
     def _sync(self) -> None:
@@ -437,22 +436,8 @@ def _resolve_numerics(requested: AttentionNumerics | None, backend: str, use_ker
 
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """The checkpoint's language model on `device`, wired to the paged attention (shareable between runners).
-
-    A vision-language wrapper loads whole (its weight names) and runs its language model on text.
-    A model that computes attention in its own code, or a hybrid, keeps its own attention (the runner then
-    reads the pages through a cache view).
-    """
-    from fp8kv.checkpoint.conventions import weights_config
-    from fp8kv.checkpoint.load import MODEL_DTYPES, load_language_model, takes_attention_function
-
+    """The checkpoint's language model (`checkpoint.load.load_language_model`) on `device`, running the paged
+    attention where it can; shareable between runners."""
     _register()
     name = "auto" if dtype is None else {d: n for n, d in MODEL_DTYPES.items()}[dtype]
-    hybrid = recurrent_layers(AttentionGeometry.from_dir(model_dir).layer_types)
-    attention = ATTN_IMPLEMENTATION if takes_attention_function(weights_config(model_dir)) and not hybrid else None
-    model = load_language_model(model_dir, device, name, attn_implementation=attention)
-    if device.type == "xla" and model._can_set_experts_implementation():
-        # transformers' default MoE path (grouped_mm) counts tokens per expert with an integer histc that
-        # XLA cannot run; batched_mm computes each token's chosen experts with static shapes
-        model.set_experts_implementation("batched_mm")
-    return model
+    return load_language_model(model_dir, device, name, paged_attention=ATTN_IMPLEMENTATION)

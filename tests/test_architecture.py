@@ -20,16 +20,17 @@ LAYERS: list[set[str]] = [
     {"errors", "json_fields"},
     {"options", "configs"},
     {"kvdtypes"},
-    {"fp8", "geometry", "console", "progress", "models"},
+    {"fp8", "geometry", "console", "progress", "models", "transformers_cache"},
     {"engine_models"},
     {"checkpoint"},
     {"data", "observe", "runtime"},
     {"checks"},
     {"inspection", "calibrate"},
     {"verify"},
+    {"conformance"},
     {"evaluation"},
     {"hub"},
-    {"cli", "__main__", "tools"},
+    {"cli", "cli_conformance", "__main__", "tools"},
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 PACKAGE = "fp8kv"

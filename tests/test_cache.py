@@ -56,12 +56,12 @@ def test_counts_clamped_and_nonfinite_per_layer_and_k_v():
     saturating = _cache(k_scales={0: 1.0, 2: 1.0}, v_scales={0: 0.001, 2: 1.0})  # v / 0.001 = 1000 > 448
     _write(saturating, 0, k, v, [4, 5])
     counts = saturating.counts()
-    assert counts["clamped"] == {0: (1, 12), 2: (0, 0)}
-    assert counts["nonfinite"] == {0: (0, 0), 2: (0, 0)}
-    assert counts["written"][0] == (12, 12)
+    assert counts.clamped == {0: (1, 12), 2: (0, 0)}
+    assert counts.nonfinite == {0: (0, 0), 2: (0, 0)}
+    assert counts.written[0] == 12
     raw = _cache(engine="no-clamp", k_scales={0: 1.0, 2: 1.0}, v_scales={0: 0.001, 2: 1.0})
     _write(raw, 0, k, v, [4, 5])
-    assert raw.counts()["nonfinite"] == {0: (1, 12), 2: (0, 0)}
+    assert raw.counts().nonfinite == {0: (1, 12), 2: (0, 0)}
     assert raw.layer_pages(0).float().isnan().sum() == 13
 
 
@@ -69,7 +69,7 @@ def test_padding_tokens_are_not_counted():
     cache = _cache()
     k = torch.full((2, 2, 3), 1000.0)
     _write(cache, 0, k, k, [4, SCRATCH_PAGE], valid=torch.tensor([True, False]))
-    assert cache.counts()["clamped"][0] == (6, 6)
+    assert cache.counts().clamped[0] == (6, 6)
 
 
 def test_per_head_scales_apply_to_their_head():
@@ -90,7 +90,7 @@ def test_layers_differ_in_kv_heads_and_head_dim():
     assert [(cache.layer_kv_heads(layer), cache.layer_head_dim(layer)) for layer in (0, 2)] == [(2, 3), (1, 5)]
     _write(cache, 2, torch.full((1, 1, 5), 1000.0), torch.ones(1, 1, 5), [4])
     assert cache.layer_pages(2)[1, 0].float()[:, :6].tolist() == [[448.0] * 5 + [0.0], [0.25] * 5 + [0.0]]
-    assert cache.counts()["clamped"][2] == (5, 0) and cache.counts()["written"][2] == (5, 5)
+    assert cache.counts().clamped[2] == (5, 0) and cache.counts().written[2] == 5
     assert cache.scale_args(2) == (0.25, 4.0)
     assert cache.scale_args(0)[0].tolist() == [1.0, 0.5]  # per head: the layer's own head count, not the widest
     assert cache.bytes_per_token() == 4 * 4 + 2 * 8

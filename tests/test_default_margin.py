@@ -131,10 +131,12 @@ def test_last_batch_strategy_refuses_layer_by_layer(factory_checkpoint):
 
 
 def test_unit_scale_comparison_ignores_differences_within_rounding_noise():
+    from fp8kv.verify.results import Accuracy
     from fp8kv.verify.verdict import accuracy_reasons, load_thresholds
 
     def reasons(kl: float, unit_kl: float) -> list[str]:
-        accuracy = {"kl_mean": kl, "ppl_fp8": 10.0, "kl_mean_unit": unit_kl, "ppl_fp8_unit": 10.0}
+        accuracy = Accuracy(ppl_bf16=9.9, ppl_fp8=10.0, ppl_fp8_unit=10.0, kl_mean=kl, kl_max=10 * kl, top1_agreement=0.99,
+                            kl_mean_unit=unit_kl, kl_max_unit=10 * unit_kl, top1_agreement_unit=0.99)
         return [r.message for r in accuracy_reasons(accuracy, {}, load_thresholds())]
 
     assert reasons(4.0e-6, 3.0e-6) == []  # a random-weight llama: both negligible, the ratio is noise

@@ -23,6 +23,7 @@ from fp8kv.checkpoint.reader import read_kv_scales  # noqa: E402
 from fp8kv.checkpoint.writer import write_checkpoint  # noqa: E402
 from fp8kv.cli import app  # noqa: E402
 from fp8kv.data import DataRequest  # noqa: E402
+from fp8kv.models import BUNDLED_CALIBRATION_TEXT  # noqa: E402
 from fp8kv.tools.zoo import make_zoo_checkpoint  # noqa: E402
 from fp8kv.verify.run import VerifyRequest, verify  # noqa: E402
 
@@ -128,7 +129,8 @@ def test_verify_reads_the_gpt2_full_path_names(outputs, tmp_path):
     ("gpt2", "quark", None),
 ])
 def test_convert_names_the_formats_vllm_refuses_for_the_architecture(tmp_path, model_type, convention, note):
-    src = write_checkpoint(make_zoo_checkpoint(model_type, tmp_path / "src"), tmp_path / "ct", KVScales.from_floats(K, V))
+    scales = KVScales.from_floats(K, V)
+    src = write_checkpoint(make_zoo_checkpoint(model_type, tmp_path / "src"), tmp_path / "ct", scales)
     out = tmp_path / convention
     result = CliRunner().invoke(app, ["convert", str(src), "--to", convention, "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -136,3 +138,14 @@ def test_convert_names_the_formats_vllm_refuses_for_the_architecture(tmp_path, m
     assert notes == ([note] if note else [])
     warned = [w for w in _inspect(out)["warnings"] if "vLLM (0.32)" in w]
     assert warned == ([note.removeprefix("note: ")] if note else [])
+
+
+def test_calibrate_to_a_format_vllm_refuses_for_the_architecture_says_so(tmp_path):
+    src = make_zoo_checkpoint("gpt2", tmp_path / "gpt2")
+    result = CliRunner().invoke(app, ["calibrate", str(src), "--dataset", str(BUNDLED_CALIBRATION_TEXT), "-q",
+                                      "--num-samples", "4", "--seq-len", "16", "--format", "modelopt",
+                                      "--out", str(tmp_path / "mo")])
+    assert result.exit_code == 0, result.output
+    assert [line for line in result.stderr.splitlines() if "vLLM (0.32)" in line] == [
+        "fp8kv: vLLM (0.32) loads ModelOpt's k_proj.k_scale only under a self_attn module and gpt2's attention "
+        "module is attn, so it refuses this folder; for vLLM, fp8kv convert --to compressed-tensors"]

@@ -123,7 +123,7 @@ def test_quarter_scales_score_lower_without_the_clamp_than_with_it(
         out = lm_eval.simple_evaluate(model=lm, tasks=["test_pydoc_mc"], task_manager=tasks, limit=16,
                                       log_samples=False, bootstrap_iters=0)
         acc[engine] = out["results"]["test_pydoc_mc"]["acc,none"]
-        nonfinite[engine] = sum(k + v for k, v in lm.runner.counts()["nonfinite"].values())
+        nonfinite[engine] = sum(k + v for k, v in lm.runner.counts().nonfinite.values())
     assert nonfinite["vllm-tpu"] == 0 and nonfinite["no-clamp"] > 0
     assert acc["no-clamp"] < acc["vllm-tpu"]
 

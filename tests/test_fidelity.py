@@ -8,7 +8,8 @@ from fp8kv.checks import FAIL, WARN
 from fp8kv.tools.factory import make_checkpoint
 from fp8kv.runtime import runner as runner_module
 from fp8kv.runtime.runner import PagedModelRunner
-from fp8kv.verify.fidelity import MIN_BOUND, Fidelity, measure_fidelity
+from fp8kv.verify.fidelity import MIN_BOUND, measure_fidelity
+from fp8kv.verify.results import Fidelity
 
 SAMPLES = [list(range(5, 53)), list(range(60, 100))]  # both longer than the factory's sliding window (16)
 

@@ -13,7 +13,10 @@ from fp8kv.checkpoint.digest import CheckpointDigest
 from fp8kv.checkpoint.provenance import ConvertedFrom, Provenance
 from fp8kv.checks import FAIL, Finding
 from fp8kv.errors import Fp8kvError
-from fp8kv.verify.report import PLOT, REPORT_JSON, REPORT_MD, VerifyReport, write_report
+from fp8kv.verify.report import PLOT, REPORT_JSON, REPORT_MD, HeldOut, VerifyReport, write_report
+from fp8kv.verify.results import (
+    Accuracy, EngineResult, Fidelity, GenerationDetails, GenerationMatch, LayerCheck, QueryCost, Readback,
+)
 
 DIGEST = CheckpointDigest({"model.layers.0.self_attn.k_scale": "sha256:" + "0" * 64}, "sha256:" + "1" * 64,
                           {"model.safetensors": 1234})
@@ -52,9 +55,35 @@ def test_a_report_without_held_out_checks_round_trips_and_leaves_optional_sectio
     assert VerifyReport.from_json(report.to_json()) == report
 
 
-def test_non_finite_numbers_become_null() -> None:
-    report = _report(accuracy={"ppl_fp8": math.nan, "kl_mean": math.inf, "ppl_bf16": 3.5})
-    assert json.loads(report.to_json())["accuracy"] == {"ppl_fp8": None, "kl_mean": None, "ppl_bf16": 3.5}
+def test_non_finite_numbers_become_null_and_read_back_as_nan() -> None:
+    accuracy = Accuracy(ppl_bf16=3.5, ppl_fp8=math.nan, ppl_fp8_unit=3.6, kl_mean=math.inf, kl_max=math.nan,
+                        top1_agreement=0.5, kl_mean_unit=0.01, kl_max_unit=0.2, top1_agreement_unit=0.9)
+    report = _report(held_out=HeldOut(accuracy=accuracy))
+    written = json.loads(report.to_json())["accuracy"]
+    assert (written["ppl_fp8"], written["kl_mean"], written["ppl_bf16"]) == (None, None, 3.5)
+    back = VerifyReport.from_json(report.to_json()).held_out.accuracy
+    assert math.isnan(back.ppl_fp8) and math.isnan(back.kl_mean) and back.ppl_bf16 == 3.5
+
+
+def test_a_report_with_every_held_out_section_round_trips() -> None:
+    held_out = HeldOut(
+        text_source="t", num_samples=2, num_tokens=64,
+        accuracy=Accuracy(3.5, 3.6, 3.7, 0.01, 0.2, 0.9, 0.02, 0.3, 0.8),
+        generation=GenerationMatch(1.0, 0.75, None), readback=Readback(False, 2, ("layer 0: k_scale differs",)),
+        layers=(LayerCheck(0, 300.0, 200.0, 0.0, 0.0, 0), LayerCheck(1, 470.5, 100.0, 1e-3, 0.0, 2)),
+        runtime={"attention": "torch", "use_kernel": False, "xla_cpu_fallbacks_per_decode_step": None,
+                 "compiles": None},
+        engines=(EngineResult("vllm-tpu", 3.6, 0, 64, 0, 2, None, "vllm 0.32 tpu", "PASS"),
+                 EngineResult("sglang", math.inf, 3, 64, 1, 2, 1, "sglang 0.5", "FAIL")),
+        query=QueryCost(0.02, 0.4, 0.85, 3.9, 0.05, 0.01),
+        generation_details=GenerationDetails(2, 8, 32, ((1, 2, 3), (4, 5, 6))),
+        fidelity=Fidelity(1e-7, 2e-6, None, 5e-6, 2, 64),
+    )
+    report = _report(held_out=held_out)
+    back = VerifyReport.from_json(report.to_json())
+    assert back.to_json() == report.to_json()
+    assert back.held_out.layers == held_out.layers and back.held_out.generation_details == held_out.generation_details
+    assert back.held_out.fidelity == held_out.fidelity and back.held_out.readback == held_out.readback
 
 
 @pytest.mark.parametrize(("edit", "problem"), [

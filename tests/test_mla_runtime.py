@@ -76,8 +76,8 @@ def test_fp8_cache_with_calibrated_scales_costs_a_little(deepseek, bf16) -> None
     kl = _kl(prefill(bf16, SAMPLES), prefill(fp8, SAMPLES))
     assert 0.0 < float(kl.mean()) < 1e-4
     counts = fp8.counts()
-    assert counts["clamped"] == {0: (0, 0), 1: (0, 0)} and counts["nonfinite"] == {0: (0, 0), 1: (0, 0)}
-    assert counts["written"][0] == (sum(map(len, SAMPLES)) * 24,) * 2
+    assert counts.clamped == {0: (0, 0), 1: (0, 0)} and counts.nonfinite == {0: (0, 0), 1: (0, 0)}
+    assert counts.written[0] == sum(map(len, SAMPLES)) * 24
     assert fp8.cache.scale_args(0) == (scales[0], scales[0])
 
 
@@ -86,7 +86,7 @@ def test_a_scale_below_the_latent_amax_clamps_and_is_counted(deepseek, bf16) -> 
                            max_model_len=64, max_num_seqs=1, model=bf16.model)
     seq, _ = fp8.start()
     assert torch.isfinite(fp8.step([(seq, SAMPLES[0])])[0]).all()
-    clamped = fp8.counts()["clamped"]
+    clamped = fp8.counts().clamped
     assert clamped[0][0] > 0 and clamped[0][0] == clamped[0][1]
 
 
@@ -100,7 +100,7 @@ def test_a_hybrid_runs_its_latent_attention_on_a_cache_view(tmp_path) -> None:
     seq, _ = runner.start()
     rows = [runner.step([(seq, tokens[:20])])[0][-1:]]
     rows += [runner.step([(seq, [token])])[0] for token in tokens[20:]]
-    assert runner.counts()["written"][runner.geometry.kv_layers[0]][0] == len(tokens) * runner.cache.latent.width
+    assert runner.counts().written[runner.geometry.kv_layers[0]] == len(tokens) * runner.cache.latent.width
     runner.free(seq)
     with torch.no_grad():
         reference = runner.model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0, 19:].float()

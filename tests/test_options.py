@@ -193,7 +193,6 @@ def test_command_line_defaults_are_the_requests(command):
     from dataclasses import MISSING, fields
 
     from fp8kv.calibrate.request import CalibrationRequest
-    from fp8kv.data import DataRequest
     from fp8kv.evaluation.compare import EvalRequest
     from fp8kv.options import DEFAULT_HEADROOM
     from fp8kv.verify.run import VerifyRequest

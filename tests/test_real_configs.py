@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from fp8kv.checkpoint.load import cache_kwargs, fold_repeated_heads
+from fp8kv.transformers_cache import cache_kwargs, fold_repeated_heads
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode, Fp8kvError
 from fp8kv.geometry import AttentionGeometry

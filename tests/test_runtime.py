@@ -82,7 +82,7 @@ def test_shared_prefix_reads_the_first_sequences_pages(checkpoints):
     assert runner.allocator.tables[second][:3] == runner.allocator.tables[first][:3]
     logits = runner.step([(second, second_ids[reused:])])[0]
     torch.testing.assert_close(logits, _eager_logits(eager, second_ids)[reused:], rtol=1e-4, atol=1e-4)
-    written = runner.counts()["written"][0][0]
+    written = runner.counts().written[0]
     assert written == (18 + 8) * 2 * 16  # the shared 12 tokens were not written again (2 kv heads x 16)
 
 
@@ -95,14 +95,14 @@ def test_fp8_cache_clamps_and_raw_cast_turns_to_nan(checkpoints):
     logits = clamped.step([(seq, PROMPTS[0])])[0]
     counts = clamped.counts()
     assert logits.isfinite().all()
-    assert all(k > 0 and v == 0 for k, v in counts["clamped"].values())
-    assert all(pair == (0, 0) for pair in counts["nonfinite"].values())
+    assert all(k > 0 and v == 0 for k, v in counts.clamped.values())
+    assert all(pair == (0, 0) for pair in counts.nonfinite.values())
     raw = _runner(model, cache_dtype="fp8_e4m3", k_scales=tiny, v_scales=ones, engine="no-clamp")
     seq, _ = raw.start()
     logits = raw.step([(seq, PROMPTS[0])])[0]
     assert logits.isnan().all()
-    nan_k, nan_v = raw.counts()["nonfinite"][0]  # layer 0 sees the same K as before: compare to its clamps
-    assert 0.9 * counts["clamped"][0][0] < nan_k <= counts["clamped"][0][0] and nan_v == 0  # 448 < x < 465: no NaN
+    nan_k, nan_v = raw.counts().nonfinite[0]  # layer 0 sees the same K as before: compare to its clamps
+    assert 0.9 * counts.clamped[0][0] < nan_k <= counts.clamped[0][0] and nan_v == 0  # 448 < x < 465: no NaN
 
 
 def test_runners_sharing_weights_keep_their_own_caches(checkpoints):
@@ -241,7 +241,7 @@ def test_models_with_their_own_attention_code_attend_over_the_pages(model_type, 
     fp8 = _runner(path, cache_dtype="fp8_e4m3", k_scales=tiny, v_scales=tiny, model=runner.model)
     seq, _ = fp8.start()
     clamped = fp8.step([(seq, PROMPTS[0])])[0]
-    assert min(fp8.counts()["clamped"][0]) > 0 and not torch.allclose(clamped, full[0], atol=1e-2)
+    assert min(fp8.counts().clamped[0]) > 0 and not torch.allclose(clamped, full[0], atol=1e-2)
 
 
 @pytest.mark.parametrize("model_type", ["jamba", "minimax", "qwen4_exp", "lara_mini"])  # Mamba; linear attention, own cache; an indexer; sliding-window layers
@@ -270,7 +270,7 @@ def test_hybrids_keep_each_sequences_recurrent_state_apart(model_type, tmp_path)
     fp8 = _runner(path, cache_dtype="fp8_e4m3", k_scales={layer: 1e-4}, v_scales={layer: 1e-4}, model=runner.model)
     seq, _ = fp8.start()
     clamped = fp8.step([(seq, PROMPTS[0])])[0]
-    assert min(fp8.counts()["clamped"][layer]) > 0 and not torch.allclose(clamped, full[0], atol=1e-2)
+    assert min(fp8.counts().clamped[layer]) > 0 and not torch.allclose(clamped, full[0], atol=1e-2)
 
 
 # V narrower than K; K/V tiled per expert; positions numbered from past the padding index

@@ -76,7 +76,7 @@ def test_on_a_tpu_heads_that_do_not_tile_fail_vllm_tpu_naming_the_rule(kv_heads,
     model_dir = make_checkpoint("llama", tmp_path / "llama", num_heads=kv_heads * 2, num_kv_heads=kv_heads,
                                 hidden_size=kv_heads * 32)
     runner = _run(model_dir, device="tpu")
-    reasons = tpu_kernel_reasons("tpu", runner.geometry, runner.calls)
+    reasons = tpu_kernel_reasons("tpu", runner.geometry, runner.calls, ("vllm-cuda", "vllm-tpu"))
     if tiles:
         assert dict(runner.calls) == {XLA_KERNEL: 2} and reasons == []
         return
@@ -89,7 +89,8 @@ def test_on_a_tpu_heads_that_do_not_tile_fail_vllm_tpu_naming_the_rule(kv_heads,
     assert "(per chip under tensor parallelism)" in reasons[0].message
     assert reasons[0].message.endswith(f"verify ran {XLA_REFERENCE} (2 calls) instead of the kernel, so its numbers "
                                        "are not that engine's")
-    assert tpu_kernel_reasons("xla-cpu", runner.geometry, runner.calls) == []  # no TPU: no claim
+    assert tpu_kernel_reasons("xla-cpu", runner.geometry, runner.calls, ("vllm-tpu",)) == []  # no TPU: no claim
+    assert tpu_kernel_reasons("tpu", runner.geometry, runner.calls, ("vllm-cuda",)) == []  # vllm-tpu not judged
 
 
 def test_verify_on_a_tpu_fails_vllm_tpu_for_heads_that_do_not_tile(monkeypatch, tmp_path):
@@ -106,5 +107,5 @@ def test_verify_on_a_tpu_fails_vllm_tpu_for_heads_that_do_not_tile(monkeypatch, 
     assert result.verdict == "FAIL"
     failed = [r.message for r in result.report.reasons if r.level == "FAIL"]
     assert len(failed) == 1 and failed[0].startswith("engine vllm-tpu: num_key_value_heads=3: ")
-    runtime = result.report.runtime
+    runtime = result.report.held_out.runtime
     assert runtime["attention"] == XLA_REFERENCE and runtime["use_kernel"] is False

@@ -20,6 +20,7 @@ from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
 from fp8kv.cli import app  # noqa: E402
 from fp8kv.engine_models import RELEASED, engine_model  # noqa: E402
 from fp8kv.tools.factory import MOE_ARCHITECTURES, make_checkpoint  # noqa: E402
+from fp8kv.verify.results import Readback
 from fp8kv.verify.fidelity import MIN_BOUND  # noqa: E402
 from fp8kv.verify.report import VerifyReport  # noqa: E402
 from fp8kv.verify.run import VerifyRequest, verify  # noqa: E402
@@ -121,17 +122,17 @@ def test_scales_divided_by_four_are_flagged_per_layer(calibrated, texts, tmp_pat
     for layer in (0, 1):
         for kind in ("K", "V"):
             assert any(m.startswith(f"layer {layer}: ") and f"of {kind} values saturate" in m for m in messages)
-    engines = {e["engine"]: e for e in result.report.engines}
+    engines = {e.engine: e for e in result.report.held_out.engines}
     for name in RELEASED:
         if engine_model(name).saturate:
-            assert engines[name]["nan_rows"] == 0 and engines[name]["first_nonfinite_layer"] is None
+            assert engines[name].nan_rows == 0 and engines[name].first_nonfinite_layer is None
     # past 464 without a clamp: NaN in layer 0's cache, every sequence lost
-    assert engines["sglang"]["first_nonfinite_layer"] == 0 and engines["sglang"]["sequences_lost"] == 4
+    assert engines["sglang"].first_nonfinite_layer == 0 and engines["sglang"].sequences_lost == 4
     fails = [r.message for r in result.report.reasons if r.level == "FAIL"]
     assert [m.split(" (")[0] for m in fails] == ["engine sglang"]
     assert "sequences lost; first NaN/inf in the cache of layer 0" in fails[0]
-    for row in result.report.layers:
-        assert row["k_max_ratio"] > 448 * 3 and row["nan_with_clamp"] == 0
+    for row in result.report.held_out.layers:
+        assert row.k_max_ratio > 448 * 3 and row.nan_with_clamp == 0
     assert (edited / "verify" / "report.json").is_file()  # default report folder: DIR/verify
 
 
@@ -141,7 +142,7 @@ def test_a_zero_scale_fails_before_any_model_runs(calibrated, texts, tmp_path):
     assert (result.verdict, result.exit_code) == ("FAIL", 3)
     fails = [r.message for r in result.report.reasons if r.level == "FAIL"]
     assert "layer 1: v_scale 0.0 is not a positive finite number" in fails
-    assert result.report.accuracy is None and result.report.layers == []
+    assert result.report.held_out.accuracy is None and result.report.held_out.layers == ()
 
 
 def test_without_compression_config_fails_with_what_vllm_does(calibrated, texts, tmp_path):
@@ -179,11 +180,11 @@ def test_verify_runs_on_xla_cpu(calibrated, texts, tmp_path):
     data = DataRequest(str(texts["held"]), num_samples=2, seq_len=16)
     result = verify(_request(calibrated, texts, data=data, device="xla-cpu", num_prompts=1, new_tokens=1,
                              batch_size=2, report_dir=tmp_path / "report"))
-    report = result.report
-    assert report.device == "xla-cpu" and report.readback["equal"] is True
-    assert report.accuracy["kl_mean"] < 1e-3 and report.accuracy["top1_agreement"] > 0.9
+    report, held = result.report, result.report.held_out
+    assert report.device == "xla-cpu" and held.readback.equal is True
+    assert held.accuracy.kl_mean < 1e-3 and held.accuracy.top1_agreement > 0.9
     assert result.verdict in ("PASS", "WARN") and not [r for r in report.reasons if r.level == "FAIL"]
-    runtime = report.runtime
+    runtime = held.runtime
     assert runtime["attention"] == "torch_xla.ragged_paged_attention (reference)" and runtime["use_kernel"] is False
     assert runtime["attention_numerics"] == "xla-reference"
     assert runtime["compiles"]["warmup"] > 0 and runtime["compiles"]["timed"] == 0
@@ -198,18 +199,19 @@ def test_the_bundled_model_calibrated_by_fp8kv_verifies_on_its_held_out_split(tm
     request = VerifyRequest(tmp_path / "bundled", data=DataRequest(None, num_samples=4, seq_len=64), batch_size=4,
                             num_prompts=2, prompt_len=16, new_tokens=2, device="cpu")
     report = verify(request).report
-    assert report.text_source == f"bundled held-out split ({BUNDLED_HELDOUT_TEXT}), split train, column 'text'"
+    held = report.held_out
+    assert held.text_source == f"bundled held-out split ({BUNDLED_HELDOUT_TEXT}), split train, column 'text'"
     # Only a non-clamping engine may fail (unseen text can pass the calibration amax), and only where a
     # layer's held-out |x|/scale passed the raw cast's limit: NaN then starts in that layer's cache.
     fails = [r.message for r in report.reasons if r.level == "FAIL"]
     assert all(m.startswith("engine sglang ") for m in fails), fails
-    over = [row["layer"] for row in report.layers if max(row["k_max_ratio"], row["v_max_ratio"]) > 464]
-    for engine in report.engines:
-        first = engine["first_nonfinite_layer"]
-        saturates = engine_model(engine["engine"]).saturate
-        assert first is None if saturates else (first is None or first in over), report.engines
-    assert report.readback["equal"] and report.accuracy["kl_mean"] < 0.05
-    assert report.accuracy["ppl_bf16"] < 4096 / 10  # a trained model: far better than chance over its vocabulary
+    over = [row.layer for row in held.layers if max(row.k_max_ratio, row.v_max_ratio) > 464]
+    for engine in held.engines:
+        first = engine.first_nonfinite_layer
+        saturates = engine_model(engine.engine).saturate
+        assert first is None if saturates else (first is None or first in over), held.engines
+    assert held.readback.equal and held.accuracy.kl_mean < 0.05
+    assert held.accuracy.ppl_bf16 < 4096 / 10  # a trained model: far better than chance over its vocabulary
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
@@ -220,9 +222,9 @@ def test_mixture_of_experts_checkpoints_pass(arch, texts, tmp_path):
     calibrate(CalibrationRequest(model=str(src), out=tmp_path / "out", data=data, batch_size=5))
     result = verify(_request(tmp_path / "out", texts, engines=("vllm-tpu",)))
     assert result.verdict == "PASS", result.report.reasons
-    fidelity = result.report.fidelity
-    assert fidelity["kl_mean"] <= fidelity["bound"] and fidelity["noise"] is not None
-    assert result.report.readback["equal"] and result.report.accuracy["top1_agreement"] > 0.9
+    held = result.report.held_out
+    assert held.fidelity.kl_mean <= held.fidelity.bound and held.fidelity.noise is not None
+    assert held.readback.equal and held.accuracy.top1_agreement > 0.9
 
 
 def test_verify_refuses_to_judge_when_its_runtime_is_not_the_model(calibrated, texts, tmp_path, monkeypatch):
@@ -235,7 +237,7 @@ def test_verify_refuses_to_judge_when_its_runtime_is_not_the_model(calibrated, t
     fails = [r.message for r in result.report.reasons if r.level == "FAIL"]
     assert result.verdict == "FAIL" and len(fails) == 1, fails
     assert fails[0].startswith("verify's bf16 runtime does not reproduce transformers on this model: mean KL ")
-    assert result.report.fidelity["kl_mean"] > 2e-6 and result.report.accuracy is None
+    assert result.report.held_out.fidelity.kl_mean > 2e-6 and result.report.held_out.accuracy is None
 
 
 def test_readback_catches_a_scale_one_float32_step_off(calibrated):
@@ -246,10 +248,10 @@ def test_readback_catches_a_scale_one_float32_step_off(calibrated):
     scales = read_kv_scales(calibrated).scales
     k, v = runtime_scales(scales, (0, 1))
     exact = PagedModelRunner(calibrated, device="cpu", cache_dtype="fp8_e4m3", k_scales=k, v_scales=v, max_model_len=16)
-    assert readback(exact, scales) == {"equal": True, "layers": 2, "mismatches": []}
+    assert readback(exact, scales) == Readback(equal=True, layers=2, mismatches=())
     off = float(torch.nextafter(scales.v[1], torch.tensor([1.0]))[0])
     shifted = PagedModelRunner(calibrated, device="cpu", cache_dtype="fp8_e4m3", k_scales=k, v_scales={**v, 1: off},
                                max_model_len=16)
-    mismatches = readback(shifted, scales)["mismatches"]
+    mismatches = readback(shifted, scales).mismatches
     assert len(mismatches) == 2 and all(m.startswith("layer 1: v_scale in the ") for m in mismatches)
     assert f"is [{off!r}], the file has [{scales.v[1].item()!r}]" in mismatches[0]

@@ -9,12 +9,14 @@ import pytest
 
 from fp8kv.engine_models import engine_model
 from fp8kv.errors import Fp8kvError
-from fp8kv.verify.engines import EngineResult, engine_reasons
-from fp8kv.verify.report import finite_json
+from fp8kv.verify.engines import engine_reasons
+from fp8kv.verify.results import Accuracy, EngineResult, LayerCheck
+from fp8kv.json_fields import to_json_value
 from fp8kv.checks import FAIL, INFO, WARN, Finding
 from fp8kv.verify.verdict import accuracy_reasons, heldout_reasons, load_thresholds, verdict
 
-ACCURACY = {"ppl_fp8": 10.0, "ppl_fp8_unit": 10.0, "kl_mean": 0.001, "kl_mean_unit": 0.001}
+ACCURACY = Accuracy(ppl_bf16=9.9, ppl_fp8=10.0, ppl_fp8_unit=10.0, kl_mean=0.001, kl_max=0.01, top1_agreement=0.99,
+                    kl_mean_unit=0.001, kl_max_unit=0.01, top1_agreement_unit=0.99)
 
 
 def test_packaged_defaults_then_file_then_flags(tmp_path):
@@ -50,20 +52,20 @@ def test_verdict_takes_the_worst_level_and_info_never_counts():
 def test_accuracy_reasons_bound_kl_nan_and_unit_scales():
     t = load_thresholds()
     assert accuracy_reasons(ACCURACY, {}, t) == []
-    nan = accuracy_reasons({**ACCURACY, "kl_mean": math.nan, "ppl_fp8": math.nan}, {1: 3}, t)
+    nan = accuracy_reasons(replace(ACCURACY, kl_mean=math.nan, ppl_fp8=math.nan), {1: 3}, t)
     assert [r.level for r in nan] == [FAIL, FAIL] and nan[0].message == "NaN/inf values in the clamped fp8 cache: layer 1 (3)"
-    worse = accuracy_reasons({**ACCURACY, "kl_mean": 0.06, "ppl_fp8": 10.2}, {}, t)
+    worse = accuracy_reasons(replace(ACCURACY, kl_mean=0.06, ppl_fp8=10.2), {}, t)
     assert [r.level for r in worse] == [FAIL, WARN, WARN]
     assert worse[1].message.startswith("calibrated scales do worse than unit scales: mean KL 0.06 vs 0.001")
 
 
 def test_report_json_has_no_nan():
-    assert finite_json({"a": [math.nan, 1.0], "b": {"c": math.inf}, "d": "x"}) == {"a": [None, 1.0], "b": {"c": None}, "d": "x"}
+    assert to_json_value({"a": [math.nan, 1.0], "b": {"c": math.inf}, "d": "x"}) == {"a": [None, 1.0], "b": {"c": None}, "d": "x"}
 
 
 def test_warnings_explain_their_numbers_and_the_fix():
     thresholds = load_thresholds()
-    row = {"layer": 3, "k_saturation": 0.0, "v_saturation": 0.0002, "k_max_ratio": 400.0, "v_max_ratio": 483.84}
+    row = LayerCheck(3, k_max_ratio=400.0, v_max_ratio=483.84, k_saturation=0.0, v_saturation=0.0002, nan_with_clamp=0)
     (saturation, fix) = heldout_reasons([row], thresholds, 448.0)
     assert saturation.message == (
         "layer 3: 0.020% of V values saturate at ±448 (WARN above 0.010%); the largest |x|/scale is 483.8, 8.0% past "
@@ -75,7 +77,8 @@ def test_warnings_explain_their_numbers_and_the_fix():
 
 
 def test_several_saturating_layers_get_one_fix_that_covers_them_all():
-    rows = [{"layer": i, "k_saturation": 0.0002, "v_saturation": 0.0003, "k_max_ratio": 450.0 + i, "v_max_ratio": 460.0 + 7 * i}
+    rows = [LayerCheck(i, k_max_ratio=450.0 + i, v_max_ratio=460.0 + 7 * i, k_saturation=0.0002, v_saturation=0.0003,
+                       nan_with_clamp=0)
             for i in range(3)]
     reasons = heldout_reasons(rows, load_thresholds(), 448.0)
     assert len(reasons) == 7 and sum("--headroom" in r.message for r in reasons) == 1
@@ -101,8 +104,8 @@ def test_an_engine_that_writes_nan_fails_by_name_with_the_fix():
 def test_a_pass_says_when_calibrated_and_unit_perplexity_differ_by_noise():
     from fp8kv.verify.verdict import unit_scale_note
 
-    note = unit_scale_note({"ppl_fp8": 37.8146, "ppl_fp8_unit": 37.7955}, 1.01)
+    note = unit_scale_note(replace(ACCURACY, ppl_fp8=37.8146, ppl_fp8_unit=37.7955), 1.01)
     assert note.startswith("perplexity with these scales and with unit scales differ by 0.05%, inside the 1% the "
                            "verdict treats as noise (--unit-ppl-ratio 1.01)")
-    assert unit_scale_note({"ppl_fp8": 38.5, "ppl_fp8_unit": 37.7955}, 1.01) is None  # that one WARNs instead
-    assert unit_scale_note({"ppl_fp8": math.nan, "ppl_fp8_unit": 37.7955}, 1.01) is None
+    assert unit_scale_note(replace(ACCURACY, ppl_fp8=38.5, ppl_fp8_unit=37.7955), 1.01) is None  # that one WARNs instead
+    assert unit_scale_note(replace(ACCURACY, ppl_fp8=math.nan, ppl_fp8_unit=37.7955), 1.01) is None

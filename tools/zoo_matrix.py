@@ -159,7 +159,7 @@ def cache_amax(model_dir: Path, samples: list[list[int]]) -> dict[int, torch.Ten
 
     from fp8kv.checkpoint.load import model_class
     from fp8kv.geometry import read_config
-    from fp8kv.checkpoint.load import cache_kwargs
+    from fp8kv.transformers_cache import cache_kwargs
 
     model = model_class(read_config(model_dir)).from_pretrained(model_dir).eval()
     running: dict[int, torch.Tensor] = {}
@@ -263,9 +263,9 @@ def verify_outcome(out_dir: Path, folder: Path) -> VerifyOutcome:
         return VerifyOutcome(REFUSED, _one_line(str(exc).removeprefix(f"{out_dir}: ")))
     except Exception as exc:  # the matrix reports every other failure instead of stopping
         return VerifyOutcome(CRASH, _one_line(f"{type(exc).__name__}: {exc}"))
-    fidelity = report.fidelity or {}
-    kl, bound = fidelity.get("kl_mean"), fidelity.get("bound")
-    refused = fidelity.get("noise") is not None and not kl <= bound  # a NaN KL refuses too
+    fidelity = report.held_out.fidelity
+    kl, bound = (fidelity.kl_mean, fidelity.bound) if fidelity else (None, None)
+    refused = fidelity is not None and fidelity.refuses
     status = REFUSED if refused else report.verdict
     reasons = [r.message for r in report.reasons if r.level == (FAIL if refused else status)]
     return VerifyOutcome(status, _one_line(reasons[0]) if reasons and status != PASS else "", kl, bound)

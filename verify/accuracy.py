@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -25,7 +25,8 @@ from fp8kv.runtime.cache import Scale
 from fp8kv.runtime.device import resolve_device
 from fp8kv.runtime.runner import PagedModelRunner, load_model
 from fp8kv.checks import FAIL
-from fp8kv.verify.engines import BUG, PASS, EngineResult, first_nonfinite_layer
+from fp8kv.verify.engines import BUG, PASS, first_nonfinite_layer
+from fp8kv.verify.results import Accuracy, CacheShares, EngineResult, QueryCost, Readback
 
 
 @dataclass
@@ -83,7 +84,7 @@ def runtime_scales(scales: KVScales, kv_layers: tuple[int, ...]) -> tuple[dict[i
     return {i: one(scales.k[i]) for i in kv_layers}, {i: one(scales.v[i]) for i in kv_layers}
 
 
-def readback(runner: PagedModelRunner, scales: KVScales) -> dict[str, Any]:
+def readback(runner: PagedModelRunner, scales: KVScales) -> Readback:
     """Compare the scales the runner's cache writes and attends with against the file, bit for bit in float32.
 
     Each value the cache holds (its per-layer scale table and the attention's scale argument) must
@@ -99,7 +100,7 @@ def readback(runner: PagedModelRunner, scales: KVScales) -> dict[str, Any]:
                 if not _same_bits(value, stored):
                     mismatches.append(f"layer {layer}: {name} in the {what} is {_shown(value, stored)}, "
                                       f"the file has {stored.flatten().tolist()}")
-    return {"equal": not mismatches, "layers": len(cache.kv_layers), "mismatches": mismatches}
+    return Readback(not mismatches, len(cache.kv_layers), tuple(mismatches))
 
 
 def _values(value: float | tuple[float, ...] | torch.Tensor) -> list[float]:
@@ -171,15 +172,14 @@ class _Totals:
             self.top1[name] += int((logp[name].argmax(-1) == top_ref).sum())
         self.compared += len(ids)
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> Accuracy:
         ppl = {name: loss.perplexity() for name, loss in self.loss.items()}
         n = max(self.compared, 1)
-        return {
-            "ppl_bf16": ppl["bf16"], "ppl_fp8": ppl["fp8"], "ppl_fp8_unit": ppl["unit"],
-            "kl_mean": self.kl["fp8"] / n, "kl_max": self.kl_max["fp8"], "top1_agreement": self.top1["fp8"] / n,
-            "kl_mean_unit": self.kl["unit"] / n, "kl_max_unit": self.kl_max["unit"],
-            "top1_agreement_unit": self.top1["unit"] / n,
-        }
+        return Accuracy(
+            ppl_bf16=ppl["bf16"], ppl_fp8=ppl["fp8"], ppl_fp8_unit=ppl["unit"],
+            kl_mean=self.kl["fp8"] / n, kl_max=self.kl_max["fp8"], top1_agreement=self.top1["fp8"] / n,
+            kl_mean_unit=self.kl["unit"] / n, kl_max_unit=self.kl_max["unit"], top1_agreement_unit=self.top1["unit"] / n,
+        )
 
 
 @dataclass
@@ -214,7 +214,7 @@ def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
 
 
 def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int,
-                     progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, float], list[EngineResult]]:
+                     progress: Callable[[int, int], None] | None = None) -> tuple[Accuracy, list[EngineResult]]:
     """Prefill every sample on every runner (`batch_size` sequences per step) and compare logits.
 
     Returns the comparison with the bf16 cache and one result per engine model.
@@ -247,7 +247,7 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
 
 
 def query_cost(model_dir: Path, runners: Runners, scales: KVScales, samples: list[list[int]],
-               batch_size: int) -> dict[str, float]:
+               batch_size: int, kl_mean_kv_only: float) -> QueryCost:
     """What quantizing Q with the checkpoint's q_scale costs on top of the fp8 cache: KL, top-1 and PPL vs bf16.
 
     A fourth runner holds the checkpoint's K/V scales and also reads the query as fp8(q / q_scale).
@@ -261,8 +261,8 @@ def query_cost(model_dir: Path, runners: Runners, scales: KVScales, samples: lis
         max_num_seqs=fp8.max_num_seqs, page_size=fp8.cache.page_size, model=fp8.model,
     )
     summary, _ = measure_accuracy(Runners(runners.bf16, with_query, runners.unit, {}), samples, batch_size)
-    return {"kl_mean": summary["kl_mean"], "kl_max": summary["kl_max"], "top1_agreement": summary["top1_agreement"],
-            "ppl": summary["ppl_fp8"], "max_q_scale": max(scales.q_value(i) for i in layers)}
+    return QueryCost(summary.kl_mean, summary.kl_max, summary.top1_agreement, summary.ppl_fp8,
+                     max(scales.q_value(i) for i in layers), kl_mean_kv_only)
 
 
 def counted_prefill(runner: PagedModelRunner, batch: list[list[int]]) -> tuple[list[torch.Tensor], int]:
@@ -281,12 +281,9 @@ def prefill(runner: PagedModelRunner, batch: list[list[int]]) -> list[torch.Tens
     return logits
 
 
-def cache_counts(runner: PagedModelRunner) -> dict[int, dict[str, float | int]]:
-    """Per KV layer: exact shares of K and V values clamped at ±MAX, and NaN/inf values stored."""
+def cache_shares(runner: PagedModelRunner) -> dict[int, CacheShares]:
+    """Per KV layer of `runner`'s cache: shares of K and V values clamped at ±MAX, and NaN/inf values stored."""
     counts = runner.counts()
-    rows = {}
-    for layer, (k_clamped, v_clamped) in counts["clamped"].items():
-        written = max(counts["written"][layer][0], 1)
-        rows[layer] = {"k_saturation": k_clamped / written, "v_saturation": v_clamped / written,
-                       "nan_with_clamp": sum(counts["nonfinite"][layer])}
-    return rows
+    return {layer: CacheShares(k / max(counts.written[layer], 1), v / max(counts.written[layer], 1),
+                               sum(counts.nonfinite[layer]))
+            for layer, (k, v) in counts.clamped.items()}

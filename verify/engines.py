@@ -9,38 +9,18 @@ a FAIL naming it; a bug model's row shows what that bug would do to this checkpo
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
-
 from fp8kv.checks import FAIL, Finding
 from fp8kv.engine_models import engine_model
 from fp8kv.runtime.runner import PagedModelRunner
+from fp8kv.verify.results import EngineResult
 from fp8kv.verify.verdict import headroom_fix
 
 PASS, BUG = "PASS", "bug model"
 
 
-@dataclass(frozen=True)
-class EngineResult:
-    """One engine model's run over the held-out samples."""
-
-    engine: str
-    ppl: float
-    nan_rows: int  # logit rows (one per token) with any NaN/inf
-    rows: int
-    sequences_lost: int  # samples with any non-finite logit
-    sequences: int
-    first_nonfinite_layer: int | None  # first KV layer whose cache holds a NaN/inf value
-    source: str  # the engine, version and file the model reproduces
-    verdict: str  # PASS or FAIL for a released engine, "bug model" for a bug
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def first_nonfinite_layer(runner: PagedModelRunner) -> int | None:
     """The lowest KV layer whose cache was written a NaN/inf value, or None."""
-    bad = [layer for layer, pair in runner.counts()["nonfinite"].items() if sum(pair)]
+    bad = [layer for layer, pair in runner.counts().nonfinite.items() if sum(pair)]
     return min(bad) if bad else None
 
 

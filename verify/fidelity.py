@@ -15,13 +15,12 @@ weights it is near 1e-7; `MIN_BOUND` covers the latter. A model with a single at
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 
 import torch
 
-from fp8kv.checks import FAIL, WARN, Finding
 from fp8kv.runtime.runner import PagedModelRunner
 from fp8kv.verify.accuracy import prefill, token_kl
+from fp8kv.verify.results import Fidelity
 
 # Measured (bench/bench_fidelity.py, 4 samples of 256 tokens): runtime / noise 0.66 on the bundled
 # model and 0.8 to 1.0 on the factory architectures with bf16 weights, whose runtime KL is at most
@@ -35,48 +34,6 @@ from fp8kv.verify.accuracy import prefill, token_kl
 NOISE_FACTOR = 4.0
 MIN_BOUND = 5e-6
 NUM_SAMPLES = 2
-
-
-@dataclass(frozen=True)
-class Fidelity:
-    """KL(transformers || runtime bf16 cache) over `tokens` tokens of `samples` held-out samples.
-
-    `noise` is KL(transformers || transformers with another attention implementation), None where the
-    model has one; `bound` = max(MIN_BOUND, NOISE_FACTOR x noise).
-    """
-
-    kl_mean: float
-    kl_max: float
-    noise: float | None
-    bound: float
-    samples: int
-    tokens: int
-
-    @property
-    def reproduces(self) -> bool:
-        return self.kl_mean <= self.bound  # NaN does not reproduce
-
-    @property
-    def refuses(self) -> bool:
-        """The runtime is measurably not the model: verify judges nothing."""
-        return self.noise is not None and not self.reproduces
-
-    def as_dict(self) -> dict[str, float | int]:
-        return asdict(self)
-
-    def reasons(self) -> list[Finding]:
-        """One FAIL finding when the runtime is not the model (verify then judges nothing); WARN without noise."""
-        if self.reproduces:
-            return []
-        if self.noise is None:
-            return [Finding(WARN, f"verify's bf16 runtime is {self.kl_mean:.2e} (mean KL) from transformers on "
-                                  f"this model, above {self.bound:.0e}; the model has one attention "
-                                  "implementation, so its own rounding noise, and whether this is within it, "
-                                  "is unknown")]
-        return [Finding(FAIL, f"verify's bf16 runtime does not reproduce transformers on this model: mean KL "
-                              f"{self.kl_mean:.2e} against transformers' own forward exceeds the bound "
-                              f"{self.bound:.1e}; its fp8 numbers would judge the runtime, not the model, "
-                              "so nothing was judged")]
 
 
 def measure_fidelity(runner: PagedModelRunner, samples: list[list[int]], num_samples: int = NUM_SAMPLES) -> Fidelity:

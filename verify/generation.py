@@ -15,6 +15,7 @@ from typing import Any
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.runtime.runner import PagedModelRunner
+from fp8kv.verify.results import GenerationDetails, GenerationMatch
 
 
 def read_prompts(path: Path, tokenizer: Any) -> list[list[int]]:
@@ -30,7 +31,7 @@ def read_prompts(path: Path, tokenizer: Any) -> list[list[int]]:
 
 
 def compare_generation(ref: PagedModelRunner, fp8: PagedModelRunner, prompts: list[list[int]],
-                       new_tokens: int) -> dict[str, Any]:
+                       new_tokens: int) -> tuple[GenerationMatch, GenerationDetails]:
     """Prefill, decode and shared-prefix agreement of `fp8` with `ref`, each a share of positions."""
     seqs = {name: [runner.start()[0] for _ in prompts] for name, runner in (("ref", ref), ("fp8", fp8))}
     matches = {"prefill": [0, 0], "decode": [0, 0], "prefix": [0, 0]}
@@ -50,11 +51,9 @@ def compare_generation(ref: PagedModelRunner, fp8: PagedModelRunner, prompts: li
     for name, runner in (("ref", ref), ("fp8", fp8)):
         for seq in seqs[name]:
             runner.free(seq)
-    result: dict[str, Any] = {f"{phase}_match": hits / total if total else None
-                              for phase, (hits, total) in matches.items()}
-    result.update(prompts=len(prompts), new_tokens=new_tokens, shared_tokens=shared,
-                  greedy_tokens=[toks[:-1] for toks in fed])
-    return result
+    share = {phase: hits / total if total else None for phase, (hits, total) in matches.items()}
+    return (GenerationMatch(share["prefill"], share["decode"], share["prefix"]),
+            GenerationDetails(len(prompts), new_tokens, shared, tuple(tuple(toks[:-1]) for toks in fed)))
 
 
 def _prefix_requests(ref: PagedModelRunner, fp8: PagedModelRunner, seqs: dict[str, list[int]],

@@ -20,6 +20,7 @@ from fp8kv.errors import Fp8kvError, UsageError
 from fp8kv.models import BUNDLED_HELDOUT_TEXT
 from fp8kv.observe import KVStatistics, Progress, observe
 from fp8kv.runtime.device import resolve_device
+from fp8kv.verify.results import LayerRatio
 
 
 def load_heldout(request: DataRequest, tokenizer: Any, source: SourceCheckpoint, device: str) -> CalibrationData:
@@ -60,17 +61,15 @@ def observe_heldout(
     return observe(model, batches, source.geometry, progress)
 
 
-def max_ratio_rows(statistics: KVStatistics, scales: KVScales, kv_layers: tuple[int, ...]) -> list[dict[str, Any]]:
+def max_ratio_rows(statistics: KVStatistics, scales: KVScales, kv_layers: tuple[int, ...]) -> list[LayerRatio]:
     """Per cache-owning layer: the largest |x| / scale of K and of V over the held-out text."""
-    rows = []
-    for layer in kv_layers:
-        row: dict[str, Any] = {"layer": layer}
-        for kind, name in ((0, "k"), (1, "v")):
-            amax = statistics.amax[layer, kind].double()  # [kv_heads]
-            scale = (scales.k if kind == 0 else scales.v)[layer].flatten().double().expand_as(amax)
-            row[f"{name}_max_ratio"] = float((amax / scale).max())
-        rows.append(row)
-    return rows
+
+    def ratio(layer: int, kind: int) -> float:
+        amax = statistics.amax[layer, kind].double()  # [kv_heads]
+        scale = (scales.k if kind == 0 else scales.v)[layer].flatten().double().expand_as(amax)
+        return float((amax / scale).max())
+
+    return [LayerRatio(layer, ratio(layer, 0), ratio(layer, 1)) for layer in kv_layers]
 
 
 def text_source(data: CalibrationData) -> str:

@@ -8,12 +8,11 @@ Non-finite numbers (NaN perplexity of a broken cache) become null in JSON.
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from fp8kv.checkpoint.digest import CheckpointDigest
 from fp8kv.checkpoint.artifacts import write_file_atomic
@@ -22,8 +21,11 @@ from fp8kv.checks import Finding
 from fp8kv.errors import Fp8kvError
 from fp8kv.console import fmt_number, layer_table, markdown_table
 from fp8kv.kvdtypes import FP8_MAX, RAW_CAST_FINITE_LIMIT
-from fp8kv.json_fields import typed
+from fp8kv.json_fields import dataclass_from_json, from_json_value, to_json_value
 from fp8kv.options import DEFAULT_KV_DTYPE
+from fp8kv.verify.results import (
+    Accuracy, EngineResult, Fidelity, GenerationDetails, GenerationMatch, LayerCheck, QueryCost, Readback,
+)
 from fp8kv.verify.verdict import unit_scale_note
 
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "scales.png"
@@ -35,10 +37,28 @@ _ACCURACY = [("Perplexity, bf16 cache", "ppl_bf16", False), ("Perplexity, fp8 + 
              ("Top-1 agreement, unit scales", "top1_agreement_unit", True)]
 
 
+@dataclass(frozen=True)
+class HeldOut:
+    """What the held-out checks measured; a section keeps its default when its check did not run."""
+
+    text_source: str | None = None
+    num_samples: int = 0
+    num_tokens: int = 0
+    accuracy: Accuracy | None = None
+    generation: GenerationMatch | None = None
+    readback: Readback | None = None
+    layers: tuple[LayerCheck, ...] = ()
+    runtime: dict[str, Any] | None = None  # runtime.xla_cost.RuntimeSummary
+    engines: tuple[EngineResult, ...] = ()
+    query: QueryCost | None = None  # --quantize-query on a checkpoint with q_scale
+    generation_details: GenerationDetails | None = None
+    fidelity: Fidelity | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class VerifyReport:
-    """Everything one verify run found, in report.json's key order. Leaf tables (accuracy, per-layer rows,
-    engine rows, ...) stay JSON objects; the held-out fields keep their defaults when those checks were skipped."""
+    """Everything one verify run found. report.json holds its fields in this order, the held-out sections
+    at the top level in `held_out`'s place."""
 
     checkpoint: str
     digest: CheckpointDigest  # exactly what was judged: card and push refuse the report once the folder differs
@@ -48,18 +68,7 @@ class VerifyReport:
     thresholds: dict[str, float]
     static: dict[str, Any]
     scales: list[dict[str, Any]]
-    text_source: str | None = None
-    num_samples: int = 0
-    num_tokens: int = 0
-    accuracy: dict[str, Any] | None = None
-    generation: dict[str, float] | None = None  # share of greedy tokens matching the bf16 cache, per phase
-    readback: dict[str, Any] | None = None
-    layers: list[dict[str, Any]] = field(default_factory=list)
-    runtime: dict[str, Any] | None = None
-    engines: list[dict[str, Any]] = field(default_factory=list)
-    query: dict[str, Any] | None = None  # --quantize-query on a checkpoint with q_scale
-    generation_details: dict[str, Any] | None = None
-    fidelity: dict[str, Any] | None = None
+    held_out: HeldOut = HeldOut()
     verdict: str
     exit_code: int
     timings_s: dict[str, float]
@@ -69,13 +78,12 @@ class VerifyReport:
         """The JSON object (NaN/inf as null); the optional sections are left out when absent."""
         out: dict[str, Any] = {}
         for name in (f.name for f in fields(self)):
-            value = getattr(self, name)
-            if value is None and name in _OPTIONAL_SECTIONS:
-                continue
-            out[name] = value
-        out["digest"] = self.digest.to_json()
-        out["reasons"] = [{"level": r.level, "message": r.message} for r in self.reasons]
-        return finite_json(out)
+            if name == "held_out":
+                out.update((key, value) for key, value in to_json_value(self.held_out).items()
+                           if value is not None or key not in _OPTIONAL_SECTIONS)
+            else:
+                out[name] = self.digest.to_json() if name == "digest" else to_json_value(getattr(self, name))
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -88,26 +96,18 @@ class VerifyReport:
         except ValueError as exc:
             raise Fp8kvError(f"{where}: cannot be read as JSON ({exc})") from None
         digest = CheckpointDigest.from_json(data.get("digest") if isinstance(data, dict) else None, str(where))
+        hints = get_type_hints(cls)
         try:
-            values = {name: typed(data, name, kind) for name, kind in _JSON_KINDS.items()
-                      if name not in _OPTIONAL_SECTIONS or data.get(name) is not None}
-            reasons = tuple(Finding(typed(r, "level", str), typed(r, "message", str)) for r in values.pop("reasons"))
+            values = {f.name: from_json_value(hints[f.name], data[f.name], repr(f.name)) for f in fields(cls)
+                      if f.name not in ("digest", "held_out")}
+            held_out = dataclass_from_json(HeldOut, data, "the report")
         except (KeyError, TypeError) as exc:
             detail = f"missing {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
             raise Fp8kvError(f"{where}: not an fp8kv verify report ({detail}); run `fp8kv verify` again") from None
-        return cls(digest=digest, reasons=reasons, **values)
+        return cls(digest=digest, held_out=held_out, **values)
 
 
 _OPTIONAL_SECTIONS = ("query", "generation_details", "fidelity")
-_NONE = type(None)
-# The JSON type of every field but the digest (parsed by CheckpointDigest).
-_JSON_KINDS: dict[str, type | tuple[type, ...]] = {
-    "checkpoint": str, "device": str, "convention": (str, _NONE), "kv_dtype": (str, _NONE), "thresholds": dict,
-    "static": dict, "scales": list, "text_source": (str, _NONE), "num_samples": int, "num_tokens": int,
-    "accuracy": (dict, _NONE), "generation": (dict, _NONE), "readback": (dict, _NONE), "layers": list,
-    "runtime": (dict, _NONE), "engines": list, "query": dict, "generation_details": dict, "fidelity": dict,
-    "verdict": str, "exit_code": int, "timings_s": dict, "reasons": list,
-}
 
 
 def write_report(report: VerifyReport, out_dir: Path) -> None:
@@ -126,54 +126,40 @@ def write_report(report: VerifyReport, out_dir: Path) -> None:
     record_written(out_dir / REPORT_JSON, out_dir / REPORT_MD, out_dir / PLOT)
 
 
-def finite_json(value: Any) -> Any:
-    """`value` with NaN/inf floats replaced by None, so the JSON is standard."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_json(v) for v in value]
-    return value
-
-
 def render_markdown(report: VerifyReport) -> str:
     """A human-readable report: verdict and reasons, setup, accuracy, generation, per-layer table."""
     parts = [f"# fp8kv verify: {report.verdict}", f"Checkpoint: `{report.checkpoint}`"]
     if report.reasons:
         parts.append("\n".join(f"- **{r.level}**: {r.message}" for r in report.reasons))
+    held = report.held_out
     setup = [("Device", report.device), ("Convention", report.convention), ("KV dtype", report.kv_dtype),
-             ("Held-out text", report.text_source), ("Samples", report.num_samples), ("Tokens", report.num_tokens)]
-    readback = report.readback
-    if readback:
-        setup.append(("Runtime scales equal the file's (float32 bits)", "yes" if readback["equal"] else "NO"))
-    fid = report.fidelity
+             ("Held-out text", held.text_source), ("Samples", held.num_samples), ("Tokens", held.num_tokens)]
+    if held.readback:
+        setup.append(("Runtime scales equal the file's (float32 bits)", "yes" if held.readback.equal else "NO"))
+    fid = held.fidelity
     if fid:
-        setup.append(("bf16 runtime vs transformers: mean KL (bound)", f"{fid['kl_mean']:.2e} ({fid['bound']:.1e})"))
+        setup.append(("bf16 runtime vs transformers: mean KL (bound)", f"{fid.kl_mean:.2e} ({fid.bound:.1e})"))
     parts.append(markdown_table(["Setting", "Value"], [[k, fmt_number(v)] for k, v in setup]))
-    accuracy = report.accuracy or {}
-    if accuracy:
-        rows = [[label, fmt_number(accuracy.get(key), share)] for label, key, share in _ACCURACY]
+    if held.accuracy:
+        rows = [[label, fmt_number(getattr(held.accuracy, key), share)] for label, key, share in _ACCURACY]
         parts.append("## Accuracy\n\n" + markdown_table(["Metric", "Value"], rows))
-    query = report.query or {}
-    if query:
-        rows = [[key.replace("_", " "), fmt_number(value)] for key, value in query.items()]
+    if held.query:
+        rows = [[key.replace("_", " "), fmt_number(value)] for key, value in to_json_value(held.query).items()]
         parts.append("## Query quantized with q_scale (fp8 attention)\n\n" + markdown_table(["Metric", "Value"], rows))
-    gen = report.generation or {}
-    if gen:
-        rows = [[phase, fmt_number(gen.get(f"{phase}_match"), percent=True)] for phase in ("prefill", "decode", "prefix")]
+    if held.generation:
+        rows = [[phase, fmt_number(getattr(held.generation, f"{phase}_match"), percent=True)]
+                for phase in ("prefill", "decode", "prefix")]
         parts.append("## Greedy tokens matching the bf16 cache\n\n" + markdown_table(["Phase", "Match"], rows))
-    if report.engines:
-        parts.append("## Engine models, run on the held-out text\n\n" + _engine_table(report.engines)
+    if held.engines:
+        parts.append("## Engine models, run on the held-out text\n\n" + _engine_table(held.engines)
                      + "\n\nEach row writes the cache the way that engine's released code does (source below; "
                      "docs/engines.md). A released engine with any NaN/inf logit row is a FAIL; a bug model's row "
                      "shows what that bug would do to this checkpoint.\n\n"
-                     + "\n".join(f"- {e['engine']}: {e['source']}" for e in report.engines))
-    runtime = report.runtime
-    if runtime:
-        rows = [[key.replace("_", " "), fmt_number(value)] for key, value in runtime.items()]
+                     + "\n".join(f"- {e.engine}: {e.source}" for e in held.engines))
+    if held.runtime:
+        rows = [[key.replace("_", " "), fmt_number(value)] for key, value in held.runtime.items()]
         parts.append("## Runtime\n\n" + markdown_table(["Setting", "Value"], rows))
-    if report.layers:
+    if held.layers:
         parts.append("## Per layer\n\n" + _layer_table(report) + "\n\nSaturation: exact share of values the fp8 "
                      "cache clamped at ±MAX. Max |x|/scale: from K/V observed on the same text.")
     parts.append("## Thresholds\n\n" + markdown_table(["Threshold", "Value"],
@@ -184,15 +170,15 @@ def render_markdown(report: VerifyReport) -> str:
 def _layer_table(report: VerifyReport) -> str:
     scales = {row["layer"]: row for row in report.scales}
     columns = ("layer", "k_saturation", "k_max_ratio", "v_saturation", "v_max_ratio")
-    rows = [{"k_scale": scales.get(row["layer"], {}).get("k_scale"), "v_scale": scales.get(row["layer"], {}).get("v_scale"),
-             **{c: row.get(c) for c in columns}} for row in report.layers]
+    rows = [{"k_scale": scales.get(row.layer, {}).get("k_scale"), "v_scale": scales.get(row.layer, {}).get("v_scale"),
+             **{c: getattr(row, c) for c in columns}} for row in report.held_out.layers]
     return markdown_table(*layer_table(rows))
 
 
-def _engine_table(engines: list[dict[str, Any]]) -> str:
+def _engine_table(engines: tuple[EngineResult, ...]) -> str:
     head = ["engine", "verdict", "perplexity", "NaN/inf logit rows", "sequences lost", "first non-finite layer"]
-    rows = [[e["engine"], e["verdict"], fmt_number(e["ppl"]), f"{e['nan_rows']} of {e['rows']}",
-             f"{e['sequences_lost']} of {e['sequences']}", fmt_number(e["first_nonfinite_layer"])] for e in engines]
+    rows = [[e.engine, e.verdict, fmt_number(e.ppl), f"{e.nan_rows} of {e.rows}",
+             f"{e.sequences_lost} of {e.sequences}", fmt_number(e.first_nonfinite_layer)] for e in engines]
     return markdown_table(head, rows)
 
 
@@ -217,12 +203,12 @@ def plot_png(report: VerifyReport) -> bytes | None:
 
     fig = Figure(figsize=(8, 6), layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True)
-    rows = report.layers
-    layers = [row["layer"] for row in rows]
+    rows = report.held_out.layers
+    layers = [row.layer for row in rows]
     kv_dtype = report.kv_dtype or DEFAULT_KV_DTYPE
     fp8_max, raw_limit = FP8_MAX[kv_dtype], RAW_CAST_FINITE_LIMIT[kv_dtype]
     for kind, marker in (("k", "o"), ("v", "s")):
-        top.plot(layers, [row.get(f"{kind}_max_ratio") or 0.0 for row in rows], marker=marker, linestyle="none",
+        top.plot(layers, [getattr(row, f"{kind}_max_ratio") for row in rows], marker=marker, linestyle="none",
                  label=f"{kind.upper()} max |x|/scale")
     top.axhline(fp8_max, color="orange", linestyle="--", linewidth=1, label=f"fp8 max {fp8_max:g}: clamped above")
     top.axhline(raw_limit, color="red", linewidth=1, label=f"{raw_limit:g}: NaN/inf above without a clamp")
@@ -232,7 +218,7 @@ def plot_png(report: VerifyReport) -> bytes | None:
     width, bound = 0.4, 100 * report.thresholds["saturation"]
     highest = 3 * bound
     for offset, kind in ((-width / 2, "k"), (width / 2, "v")):
-        shares = [100 * (row.get(f"{kind}_saturation") or 0.0) for row in rows]
+        shares = [100 * getattr(row, f"{kind}_saturation") for row in rows]
         highest = max([highest, *shares])
         bottom.bar([layer + offset for layer in layers], shares, width=width, label=f"{kind.upper()} clamped")
     bottom.axhline(bound, color="red", linestyle="--", linewidth=1, label=f"WARN above {bound:g} %")
@@ -255,17 +241,18 @@ def show(result: Any, json_output: bool = False) -> None:
     print(f"fp8kv verify: {result.verdict}  ({report.checkpoint}, {report.device})")
     for reason in report.reasons:
         print(f"  {reason.level}: {reason.message}")
-    accuracy = report.accuracy or {}
+    held = report.held_out
+    accuracy = held.accuracy
     if accuracy:
-        print("  " + ", ".join(f"{key} {fmt_number(accuracy.get(key), share)}" for _, key, share in _ACCURACY[:6]))
+        print("  " + ", ".join(f"{key} {fmt_number(getattr(accuracy, key), share)}" for _, key, share in _ACCURACY[:6]))
     note = unit_scale_note(accuracy, report.thresholds["unit_ppl_ratio"]) if accuracy else None
     if note:
         print(f"  note: {note}")
-    for e in report.engines:
-        print(f"  engine {e['engine']} ({e['verdict']}): ppl {fmt_number(e['ppl'])}, NaN/inf rows {e['nan_rows']} of {e['rows']}, "
-              f"sequences lost {e['sequences_lost']} of {e['sequences']}")
-    query = report.query or {}
+    for e in held.engines:
+        print(f"  engine {e.engine} ({e.verdict}): ppl {fmt_number(e.ppl)}, NaN/inf rows {e.nan_rows} of {e.rows}, "
+              f"sequences lost {e.sequences_lost} of {e.sequences}")
+    query = held.query
     if query:
-        print(f"  with Q quantized by q_scale: kl_mean {fmt_number(query['kl_mean'])} "
-              f"(K/V only {fmt_number(query['kl_mean_kv_only'])}), top1 {fmt_number(query['top1_agreement'], True)}")
+        print(f"  with Q quantized by q_scale: kl_mean {fmt_number(query.kl_mean)} "
+              f"(K/V only {fmt_number(query.kl_mean_kv_only)}), top1 {fmt_number(query.top1_agreement, True)}")
     print(f"  report: {result.report_dir / REPORT_MD}")

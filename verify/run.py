@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +21,15 @@ from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import WeightsMismatch
 from fp8kv.checkpoint.writer import check_writable_location
 from fp8kv.errors import Fp8kvError
+from fp8kv.json_fields import to_json_value
 from fp8kv.engine_models import RELEASED
 from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
 from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime import xla_cost
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, engines, fidelity, generation, heldout
-from fp8kv.verify.report import REPORT_JSON, VerifyReport, write_report
+from fp8kv.verify.report import REPORT_JSON, HeldOut, VerifyReport, write_report
+from fp8kv.verify.results import LayerCheck, QueryCost
 from fp8kv.verify.static import StaticResult, static_checks
 from fp8kv.verify.tpu import tpu_kernel_reasons
 from fp8kv.checks import FAIL, WARN, Finding
@@ -78,20 +80,19 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     clock = time.perf_counter()
     announce(progress, "static checks")
     static = static_checks(model_dir)
-    reasons, held_out, timings = list(static.reasons), {}, {}
+    reasons, held_out, timings = list(static.reasons), HeldOut(), {}
     if static.runnable:
         tokenizer, data = _heldout_text(request, static, runtime.kind, progress)
-        held_out = {"text_source": heldout.text_source(data), "num_samples": len(data.samples),
-                   "num_tokens": data.num_tokens}
+        held_out = HeldOut(heldout.text_source(data), len(data.samples), data.num_tokens)
         try:
-            measured, found, timings = _heldout_checks(request, static, tokenizer, data, runtime.kind, thresholds,
-                                                       progress)
-            held_out, reasons = {**held_out, **measured}, reasons + found
+            held_out, found, timings = _heldout_checks(request, static, tokenizer, data, runtime.kind, thresholds,
+                                                       held_out, progress)
+            reasons += found
         except WeightsMismatch as exc:  # numbers from invented weights would judge nothing
             reasons.append(Finding(FAIL, f"{exc}; held-out checks skipped"))
     else:
         reasons.append(Finding(FAIL, "held-out checks skipped: the scales cannot drive an fp8 cache"))
-    timings = {**timings, "total": time.perf_counter() - clock}
+    timings["total"] = time.perf_counter() - clock
     report = build_report(static, runtime.kind, thresholds, reasons, held_out, timings)
     announce(progress, f"writing the report to {report_dir}")
     write_report(report, report_dir)
@@ -99,12 +100,17 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
 
 
 def build_report(static: StaticResult, device: str, thresholds: Thresholds, reasons: list[Finding],
-                 held_out: dict[str, Any], timings: dict[str, float]) -> VerifyReport:
-    """The report of one run: the static part, the held-out sections measured (none when skipped), and the
-    verdict `reasons` give."""
-    outcome = verdict(reasons)
-    return VerifyReport(**_static_fields(static, device, thresholds), **held_out, verdict=outcome,
-                        exit_code=EXIT_CODES[outcome], timings_s=timings, reasons=tuple(reasons))
+                 held_out: HeldOut, timings: dict[str, float]) -> VerifyReport:
+    """The report of one run: the static part, what the held-out checks measured, and the verdict `reasons` give."""
+    outcome, readout = verdict(reasons), static.readout
+    return VerifyReport(
+        checkpoint=str(readout.source.path),
+        # Exactly what was judged: card and push refuse this report once the folder differs.
+        digest=checkpoint_digest(readout.source.path),
+        device=device, convention=static.convention, kv_dtype=readout.kv_dtype, thresholds=thresholds.as_dict(),
+        static=static.summary(), scales=readout.scales.rows() if readout.scales else [], held_out=held_out,
+        verdict=outcome, exit_code=EXIT_CODES[outcome], timings_s=timings, reasons=tuple(reasons),
+    )
 
 
 def report_location(model: str, model_dir: Path, requested: Path | None) -> Path:
@@ -130,22 +136,6 @@ def _validate(request: VerifyRequest) -> None:
         raise Fp8kvError(f"{request.prompts}: no such prompts file (one prompt per line)")
 
 
-def _static_fields(static: StaticResult, device: str, thresholds: Thresholds) -> dict[str, Any]:
-    """The report's fields known before any model runs."""
-    readout = static.readout
-    return {
-        "checkpoint": str(readout.source.path),
-        # Exactly what was judged: card and push refuse this report once the folder differs.
-        "digest": checkpoint_digest(readout.source.path),
-        "device": device,
-        "convention": static.convention,
-        "kv_dtype": readout.kv_dtype,
-        "thresholds": thresholds.as_dict(),
-        "static": static.summary(),
-        "scales": readout.scales.rows() if readout.scales else [],
-    }
-
-
 def _heldout_text(request: VerifyRequest, static: StaticResult, device: str,
                   progress: StageProgress | None) -> tuple[Any, CalibrationData]:
     """The checkpoint's tokenizer and the held-out samples it reads (the data note goes to `progress`)."""
@@ -158,11 +148,11 @@ def _heldout_text(request: VerifyRequest, static: StaticResult, device: str,
 
 
 def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any, data: CalibrationData, device: str,
-                    thresholds: Thresholds, progress: StageProgress | None
-                    ) -> tuple[dict[str, Any], list[Finding], dict[str, float]]:
+                    thresholds: Thresholds, text: HeldOut, progress: StageProgress | None
+                    ) -> tuple[HeldOut, list[Finding], dict[str, float]]:
     """Observe K/V on held-out text, run the three caches, compare generations.
 
-    Returns the report's held-out fields, the findings, and the seconds each phase took.
+    Returns `text` (what was read) with what was measured, the findings, and the seconds each phase took.
     """
     source, scales = static.readout.source, static.readout.scales
     assert scales is not None  # runnable implies scales
@@ -189,52 +179,47 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     )
     timings["load_runners"] = time.perf_counter() - clock
     readback = accuracy.readback(runners.fp8, scales)
-    if not readback["equal"]:
+    if not readback.equal:
         reasons.append(Finding(FAIL, "the runtime's scales differ from the file's: "
-                                    + "; ".join(readback["mismatches"][:3])))
+                                    + "; ".join(readback.mismatches[:3])))
     reference = fidelity.measure_fidelity(runners.bf16, data.samples)
     if reference.refuses:  # fp8 against a runtime that is not the model would judge the runtime
-        return {"readback": readback, "fidelity": reference.as_dict()}, reasons + reference.reasons(), timings
+        return replace(text, readback=readback, fidelity=reference), reasons + reference.reasons(), timings
     reasons += reference.reasons()
 
     clock = time.perf_counter()
     measured, engine_results = accuracy.measure_accuracy(
         runners, data.samples, request.batch_size,
         stage_callback(progress, "bf16 / fp8 / unit-scale caches and engine models (samples)"))
-    counts = accuracy.cache_counts(runners.fp8)
+    shares = accuracy.cache_shares(runners.fp8)
     timings["accuracy"] = time.perf_counter() - clock
-    query, query_reasons, query_seconds = _query_cost(request, runners, scales, data.samples, measured["kl_mean"])
+    query, query_reasons, query_seconds = _query_cost(request, runners, scales, data.samples, measured.kl_mean)
     reasons += query_reasons
     if query_seconds is not None:
         timings["query"] = query_seconds
-    layers = [{**row, **counts[row["layer"]]} for row in rows]
+    layers = tuple(LayerCheck.of(row, shares[row.layer]) for row in rows)
 
     clock = time.perf_counter()
     announce(progress, f"greedy generation ({len(prompts)} prompts x {request.new_tokens} tokens)")
-    gen = generation.compare_generation(runners.bf16, runners.fp8, prompts, request.new_tokens)
+    matched, details = generation.compare_generation(runners.bf16, runners.fp8, prompts, request.new_tokens)
     timings["generation"] = time.perf_counter() - clock
-    nan_with_clamp = {row["layer"]: row["nan_with_clamp"] for row in layers if row["nan_with_clamp"]}
+    nan_with_clamp = {row.layer: row.nan_with_clamp for row in layers if row.nan_with_clamp}
     reasons += accuracy_reasons(measured, nan_with_clamp, thresholds)
-    worst_ratio = max((max(row["k_max_ratio"], row["v_max_ratio"]) for row in layers), default=0.0)
+    worst_ratio = max((max(row.k_max_ratio, row.v_max_ratio) for row in layers), default=0.0)
     engine_failures = engines.engine_reasons(engine_results, worst_ratio, scales.fp8_max)  # each names the fix
     reasons += engine_failures + heldout_reasons(layers, thresholds, scales.fp8_max, with_fix=not engine_failures)
-    reasons += tpu_kernel_reasons(device, source.geometry, runners.fp8.calls)
-    fields = {
-        "accuracy": measured,
-        "generation": {key: gen[key] for key in ("prefill_match", "decode_match", "prefix_match")},
-        "readback": readback,
-        "layers": layers,
-        "runtime": xla_cost.summarize(runners.fp8, prompts[0], compiles_before).as_dict(),
-        "engines": [result.as_dict() for result in engine_results],
-        "query": query,
-        "fidelity": reference.as_dict(),
-        "generation_details": {key: gen[key] for key in ("prompts", "new_tokens", "shared_tokens", "greedy_tokens")},
-    }
-    return fields, reasons, timings
+    reasons += tpu_kernel_reasons(device, source.geometry, runners.fp8.calls, request.engines)
+    measured_all = replace(
+        text, accuracy=measured, generation=matched, readback=readback, layers=layers,
+        runtime=to_json_value(xla_cost.summarize(runners.fp8, prompts[0], compiles_before)),
+        engines=tuple(engine_results),
+        query=query, fidelity=reference, generation_details=details,
+    )
+    return measured_all, reasons, timings
 
 
 def _query_cost(request: VerifyRequest, runners: accuracy.Runners, scales: KVScales, samples: list[list[int]],
-                kl_mean_kv_only: float) -> tuple[dict[str, Any] | None, list[Finding], float | None]:
+                kl_mean_kv_only: float) -> tuple[QueryCost | None, list[Finding], float | None]:
     """With --quantize-query: the accuracy cost of also quantizing Q with q_scale, the findings, and its seconds."""
     if not request.quantize_query:
         return None, [], None
@@ -242,8 +227,8 @@ def _query_cost(request: VerifyRequest, runners: accuracy.Runners, scales: KVSca
         return None, [Finding(WARN, "--quantize-query: the checkpoint has no q_scale (calibrate with --attention fp8)")
                       ], None
     clock = time.perf_counter()
-    query = accuracy.query_cost(request.model_dir, runners, scales, samples, request.batch_size)
-    return {**query, "kl_mean_kv_only": kl_mean_kv_only}, [], time.perf_counter() - clock
+    query = accuracy.query_cost(request.model_dir, runners, scales, samples, request.batch_size, kl_mean_kv_only)
+    return query, [], time.perf_counter() - clock
 
 
 def _prompts(request: VerifyRequest, data: CalibrationData, tokenizer: Any) -> list[list[int]]:

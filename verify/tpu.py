@@ -8,7 +8,7 @@ kernel's rule where the heads are what keeps it out, never a silent fallback.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from fp8kv.checks import FAIL, Finding
 from fp8kv.geometry import AttentionGeometry
@@ -18,12 +18,14 @@ from fp8kv.runtime.kernel_rule import fp8_kernel_note
 VLLM_TPU = "vllm-tpu"
 
 
-def tpu_kernel_reasons(device_kind: str, geometry: AttentionGeometry, calls: Mapping[str, int]) -> list[Finding]:
-    """A FAIL for vLLM's TPU engine when, on a TPU, any attention call of verify's fp8 runner was not torch_xla's
-    Pallas kernel. `calls` counts attention calls by the function that ran (`PagedModelRunner.calls`).
+def tpu_kernel_reasons(device_kind: str, geometry: AttentionGeometry, calls: Mapping[str, int],
+                       engines: Sequence[str]) -> list[Finding]:
+    """A FAIL for vLLM's TPU engine, when it is among the `engines` judged and, on a TPU, any attention call of
+    verify's fp8 runner was not torch_xla's Pallas kernel. `calls` counts attention calls by the function that
+    ran (`PagedModelRunner.calls`).
     """
     others = {name: count for name, count in sorted(calls.items()) if name != XLA_KERNEL and count}
-    if device_kind != "tpu" or not others:
+    if device_kind != "tpu" or VLLM_TPU not in engines or not others:
         return []
     heads = [] if geometry.latent is not None else sorted({geometry.layer_kv_heads(layer) for layer in geometry.kv_layers})
     rules = [note for note in (fp8_kernel_note(count) for count in heads) if note]

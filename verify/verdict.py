@@ -10,6 +10,7 @@ from typing import Any
 
 from fp8kv.checks import FAIL, WARN, Finding
 from fp8kv.errors import ExitCode, Fp8kvError
+from fp8kv.verify.results import Accuracy, LayerCheck
 
 try:
     import tomllib
@@ -76,17 +77,17 @@ def verdict(reasons: list[Finding]) -> str:
     return "FAIL" if FAIL in levels else "WARN" if WARN in levels else "PASS"
 
 
-def heldout_reasons(layers: list[dict[str, Any]], thresholds: Thresholds, fp8_max: float,
+def heldout_reasons(layers: list[LayerCheck], thresholds: Thresholds, fp8_max: float,
                     with_fix: bool = True) -> list[Finding]:
     """Saturation above its bound, one short line per layer, then (`with_fix`) the one --headroom that fixes
     every layer at once; `fp8_max` is the dtype's largest value."""
     reasons, worst = [], 0.0
     for row in layers:
         for kind in ("k", "v"):
-            share, ratio = row.get(f"{kind}_saturation"), row[f"{kind}_max_ratio"]
-            if share is not None and share > thresholds.saturation:
+            share, ratio = getattr(row, f"{kind}_saturation"), getattr(row, f"{kind}_max_ratio")
+            if share > thresholds.saturation:
                 worst = max(worst, ratio)
-                reasons.append(Finding(WARN, f"layer {row['layer']}: {share:.3%} of {kind.upper()} values saturate at "
+                reasons.append(Finding(WARN, f"layer {row.layer}: {share:.3%} of {kind.upper()} values saturate at "
                                             f"±{fp8_max:g} (WARN above {thresholds.saturation:.3%}); the largest "
                                             f"|x|/scale is {ratio:.4g}, {ratio / fp8_max - 1:.1%} past the calibrated "
                                             "range"))
@@ -104,33 +105,33 @@ def headroom_fix(ratio: float, fp8_max: float, every_layer: bool = False) -> str
             "precision is the same across its range, so this costs almost nothing) or on text like this.")
 
 
-def accuracy_reasons(accuracy: dict[str, Any], nan_with_clamp: dict[int, int], thresholds: Thresholds) -> list[Finding]:
+def accuracy_reasons(accuracy: Accuracy, nan_with_clamp: dict[int, int], thresholds: Thresholds) -> list[Finding]:
     """NaN with clamping and the KL bound (FAIL); calibrated scales worse than unit scales (WARN)."""
     reasons = []
     if nan_with_clamp:
         named = ", ".join(f"layer {layer} ({n})" for layer, n in sorted(nan_with_clamp.items()))
         reasons.append(Finding(FAIL, f"NaN/inf values in the clamped fp8 cache: {named}"))
-    kl = accuracy["kl_mean"]
-    if not _finite(kl) or not _finite(accuracy["ppl_fp8"]):
+    kl = accuracy.kl_mean
+    if not _finite(kl) or not _finite(accuracy.ppl_fp8):
         reasons.append(Finding(FAIL, "the fp8 cache with these scales gives NaN/inf logits"))
         return reasons
     if kl > thresholds.kl_mean:
         reasons.append(Finding(FAIL, f"mean KL to the bf16 cache {kl:.4g} nats exceeds the bound {thresholds.kl_mean:g}"))
-    unit_kl, unit_ppl = accuracy["kl_mean_unit"], accuracy["ppl_fp8_unit"]
+    unit_kl, unit_ppl = accuracy.kl_mean_unit, accuracy.ppl_fp8_unit
     if _finite(unit_kl) and kl > unit_kl * thresholds.unit_kl_ratio and kl - unit_kl > UNIT_KL_NOISE:
         reasons.append(Finding(WARN, f"calibrated scales do worse than unit scales: mean KL {kl:.4g} vs {unit_kl:.4g} "
                                     f"(ratio bound {thresholds.unit_kl_ratio:g})"))
-    if _finite(unit_ppl) and accuracy["ppl_fp8"] > unit_ppl * thresholds.unit_ppl_ratio:
+    if _finite(unit_ppl) and accuracy.ppl_fp8 > unit_ppl * thresholds.unit_ppl_ratio:
         reasons.append(Finding(WARN, f"calibrated scales do worse than unit scales: perplexity "
-                                    f"{accuracy['ppl_fp8']:.4f} vs {unit_ppl:.4f} "
+                                    f"{accuracy.ppl_fp8:.4f} vs {unit_ppl:.4f} "
                                     f"(ratio bound {thresholds.unit_ppl_ratio:g})"))
     return reasons
 
 
-def unit_scale_note(accuracy: dict[str, Any], unit_ppl_ratio: float) -> str | None:
+def unit_scale_note(accuracy: Accuracy, unit_ppl_ratio: float) -> str | None:
     """When calibrated and unit-scale perplexities differ by less than the band the verdict treats as equal,
     one line saying so (a reader otherwise takes 37.81 against 37.80 for a finding); else None."""
-    ppl, unit = accuracy.get("ppl_fp8"), accuracy.get("ppl_fp8_unit")
+    ppl, unit = accuracy.ppl_fp8, accuracy.ppl_fp8_unit
     if not (_finite(ppl) and _finite(unit)) or not unit > 0 or ppl > unit * unit_ppl_ratio:
         return None
     return (f"perplexity with these scales and with unit scales differ by {abs(ppl / unit - 1):.2%}, inside the "

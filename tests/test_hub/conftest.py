@@ -17,7 +17,8 @@ from fp8kv.checkpoint.provenance import (
     CacheRecord, DatasetRecord, LayerRecord, Provenance, SourceRecord, file_digest, folder_files, record_written,
 )
 from fp8kv.checks import WARN, Finding
-from fp8kv.verify.report import VerifyReport
+from fp8kv.verify.report import HeldOut, VerifyReport
+from fp8kv.verify.results import Accuracy, GenerationMatch, LayerCheck
 from tests.reports import report_for, write_report as write_report_file
 
 
@@ -105,14 +106,16 @@ def fake_token(monkeypatch: pytest.MonkeyPatch) -> str:
 def report(out: Path) -> VerifyReport:
     """A WARN verify of `out` over 16 held-out samples, with its digest as it is now."""
     return report_for(
-        out, (Finding(WARN, "layer 1 K saturation 0.042%"),), text_source="bundled heldout",
-        num_samples=16, num_tokens=4096,
-        accuracy={"ppl_bf16": 10.137, "ppl_fp8": 10.2461, "ppl_fp8_unit": 10.9133, "kl_mean": 0.00123,
-                  "kl_max": 0.0345, "top1_agreement": 0.9876},
-        layers=[{"layer": 0, "k_saturation": 0.0, "v_saturation": 0.0, "k_max_ratio": 301.2, "v_max_ratio": 250.0},
-                {"layer": 1, "k_saturation": 0.00042, "v_saturation": 0.0, "k_max_ratio": 417.5,
-                 "v_max_ratio": 212.25}],
-        generation={"prefill_match": 1.0, "decode_match": 1.0, "prefix_match": 0.75},
+        out, (Finding(WARN, "layer 1 K saturation 0.042%"),), HeldOut(
+            text_source="bundled heldout", num_samples=16, num_tokens=4096,
+            accuracy=Accuracy(ppl_bf16=10.137, ppl_fp8=10.2461, ppl_fp8_unit=10.9133, kl_mean=0.00123, kl_max=0.0345,
+                              top1_agreement=0.9876, kl_mean_unit=0.0021, kl_max_unit=0.051, top1_agreement_unit=0.981),
+            layers=(LayerCheck(0, k_max_ratio=301.2, v_max_ratio=250.0, k_saturation=0.0, v_saturation=0.0,
+                               nan_with_clamp=0),
+                    LayerCheck(1, k_max_ratio=417.5, v_max_ratio=212.25, k_saturation=0.00042, v_saturation=0.0,
+                               nan_with_clamp=0)),
+            generation=GenerationMatch(prefill_match=1.0, decode_match=1.0, prefix_match=0.75),
+        ),
     )
 
 

@@ -1,0 +1,76 @@
+"""`fp8kv conformance`: reference, simulate, check. Thin: the work is in `fp8kv.conformance.run`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from fp8kv.errors import ExitCode
+from fp8kv.options import RuntimeChoice, WriteMode
+
+conformance_app = typer.Typer(
+    no_args_is_help=True, rich_markup_mode=None,
+    help="Does an engine write and read the fp8 KV cache correctly? fp8kv's log-probabilities per behaviour "
+    "(the correct write and each known engine bug) against the engine's own.",
+)
+
+
+@conformance_app.command("reference")
+def reference_command(
+    model_dir: Path = typer.Argument(..., metavar="DIR", help="A checkpoint with KV scales (fp8kv calibrate's output)."),
+    out: Path = typer.Option(..., "--out", help="The pack folder to write (replaced if it is a pack)."),
+    scale_factor: float | None = typer.Option(
+        None, "--scale-factor", help="Multiply the scales in PACK/model by this (below 1 exercises the clamp). "
+        "Default: the factor of 0.25, 0.5, 0.75, 0.9, 1 under which the behaviours lie furthest apart."),
+    device: RuntimeChoice = typer.Option("cpu", "--device", help="Where fp8kv's runtime computes the references."),
+    mode: WriteMode = typer.Option("overlay", "--mode", help="PACK/model: overlay links the weights; copy copies them."),
+) -> None:
+    """Write PACK: fixed prompts, token ids, PACK/model (the engine loads it) and fp8kv's log-probabilities."""
+    from fp8kv.conformance.run import reference
+
+    pack = reference(model_dir, out, scale_factor=scale_factor, device=device, mode=mode)
+    typer.echo(f"Wrote {out}: {len(pack.prompts)} prompts, scales x{pack.scale_factor:g}, behaviours "
+               f"{', '.join(pack.behaviours)} (at least {pack.separation:.3g} apart)")
+    if pack.same_as_correct:
+        typer.echo(f"note: on these prompts {', '.join(pack.same_as_correct)} give the correct log-probabilities; "
+                   "this pack cannot tell them apart (lower --scale-factor)", err=True)
+    typer.echo(f"Serve {out}/model, write its prompt log-probabilities as JSONL (bench/vllm_logprobs.py does it "
+               f"for vLLM), then: fp8kv conformance check {out} ENGINE.jsonl")
+
+
+@conformance_app.command("check")
+def check_command(
+    pack: Path = typer.Argument(..., metavar="PACK"),
+    answers: Path = typer.Argument(..., metavar="ENGINE.jsonl", help='One line per prompt: {"id", "logprobs"}.'),
+    json_output: bool = typer.Option(False, "--json", help='Print {"match": NAME, "distances": {NAME: float}}.'),
+) -> None:
+    """Name the behaviour the engine's log-probabilities match. Exit 0 for correct, 3 otherwise."""
+    from fp8kv.conformance.run import CORRECT, check
+
+    result = check(pack, answers)
+    if json_output:
+        typer.echo(result.to_json(), nl=False)
+    else:
+        typer.echo(f"matches: {result.match}")
+        if result.distances[result.match] > result.separation / 2:
+            typer.echo(f"note: the engine is further from {result.match} than half the distance between two "
+                       f"behaviours ({result.separation:.3g}): it matches none of them closely", err=True)
+        for name, value in sorted(result.distances.items(), key=lambda item: item[1]):
+            typer.echo(f"  {name}: mean |delta logprob| {value:.4g}")
+    raise typer.Exit(ExitCode.PASS if result.match == CORRECT else ExitCode.FAIL)
+
+
+@conformance_app.command("simulate")
+def simulate_command(
+    pack: Path = typer.Argument(..., metavar="PACK"),
+    bug: str = typer.Option(..., "--bug", help="correct, or a bug: no-clamp, inverted-scale, scales-ignored, "
+                            "kv-swapped, e5m2-read."),
+    out: Path = typer.Option(..., "--out", help="The JSONL answer file to write."),
+    device: RuntimeChoice = typer.Option("cpu", "--device", help="Where fp8kv's runtime runs."),
+) -> None:
+    """Answer the pack's prompts with fp8kv's runtime with BUG injected (what a buggy engine would write)."""
+    from fp8kv.conformance.run import simulate
+
+    simulate(pack, bug, out, device=device)
+    typer.echo(f"Wrote {out}")

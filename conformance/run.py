@@ -1,0 +1,155 @@
+"""Engine conformance: which fp8 KV behaviour does an engine have, the correct one or a known bug?
+
+    reference(model_dir, out)        fp8kv's log-probabilities on fixed prompts, per behaviour (a pack)
+    simulate(pack, "no-clamp", out)  an answer file from fp8kv's runtime with that behaviour
+    check(pack, answers)             the behaviour the answers are closest to, and every distance
+
+Each behaviour is an engine model (`fp8kv.engine_models`): "correct" is the write every engine should
+do (float32 divide, saturate: vLLM's CUDA and TPU paths), the others are the bug models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.checkpoint.reader import read_kv_scales
+from fp8kv.checkpoint.writer import write_checkpoint
+from fp8kv.conformance.pack import CORRECT, MODEL_DIR, ConformancePack, Prompt, read_answers, read_pack, \
+    write_answers, write_pack
+from fp8kv.data import load_tokenizer
+from fp8kv.engine_models import BUGS, DEFAULT_ENGINE, engine_model
+from fp8kv.errors import Fp8kvError
+from fp8kv.runtime.runner import PagedModelRunner, load_model
+from fp8kv.runtime.device import resolve_device
+from fp8kv.verify.accuracy import prefill, runtime_scales
+
+# Fixed English prompts: ordinary text, so attention looks like it does in use.
+PROMPT_TEXTS = (
+    "The history of the printing press begins in the fifteenth century, when movable metal type made "
+    "books cheap enough for merchants, students and craftsmen to own.",
+    "To make bread, mix flour, water, salt and yeast, knead the dough until it is smooth, let it rise "
+    "for an hour, shape it, and bake it in a hot oven until the crust is brown.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
+    "Question: A train leaves at 9:15 and arrives at 11:45. How long is the journey? Answer: The "
+    "journey takes two hours and thirty minutes.",
+)
+# A log-probability is at least this (NaN and -inf count as this value): a lost token weighs as much
+# as a very unlikely one, and distances stay finite.
+FLOOR = -100.0
+# The factors the source's scales are tried with: below 1, K/V values above factor x the calibration amax
+# cross the fp8 maximum, which exercises the clamp; too low, and several bugs all end in NaN everywhere.
+SCALE_FACTORS = (0.25, 0.5, 0.75, 0.9, 1.0)
+
+
+@dataclass(frozen=True)
+class ConformanceResult:
+    """The behaviour an engine's answers match (the nearest), and the distance to every behaviour."""
+
+    match: str
+    distances: dict[str, float]
+    separation: float = 0.0  # the pack's smallest distance between two behaviours
+
+    def to_json(self) -> str:
+        return json.dumps({"match": self.match, "distances": self.distances}) + "\n"
+
+
+def behaviour_engine(name: str) -> str:
+    """The engine model a behaviour runs: the default engine for "correct", else the bug model itself."""
+    if name == CORRECT:
+        return DEFAULT_ENGINE
+    if name not in BUGS:
+        raise Fp8kvError(f"unknown behaviour {name!r}; choose {CORRECT} or one of {', '.join(BUGS)}")
+    return engine_model(name).name
+
+
+def reference(model_dir: Path, out: Path, *, scale_factor: float | None = None, device: str = "cpu",
+              mode: str = "overlay") -> ConformancePack:
+    """Write the pack for the checkpoint at `model_dir` to `out`.
+
+    PACK/model holds the source's scales x `scale_factor`; None tries `SCALE_FACTORS` and keeps the one
+    under which the behaviours lie furthest apart (the smallest distance between two of them is largest).
+    """
+    factors = SCALE_FACTORS if scale_factor is None else (scale_factor,)
+    if not all(0 < f <= 1 and math.isfinite(f) for f in factors):
+        raise Fp8kvError(f"--scale-factor {scale_factor} must be in (0, 1]")
+    readout = read_kv_scales(model_dir)
+    if readout.scales is None:
+        raise Fp8kvError(f"{model_dir}: no KV scales; calibrate it first (fp8kv calibrate)")
+    tokenizer = load_tokenizer(readout.source.path, False)
+    prompts = tuple(Prompt(f"p{i}", text, tuple(tokenizer(text)["input_ids"])) for i, text in enumerate(PROMPT_TEXTS))
+    model = load_model(readout.source.path, resolve_device(device).device)
+    behaviours = (CORRECT, *BUGS)
+    tried = []
+    for factor in factors:
+        scales = _scaled(readout.scales, factor)
+        logprobs = {name: prompt_logprobs(readout.source.path, scales, prompts, behaviour_engine(name), device, model)
+                    for name in behaviours}
+        tried.append((separation(logprobs), factor, scales, logprobs))
+    gap, factor, scales, logprobs = max(tried, key=lambda t: t[0])
+    same = tuple(name for name in BUGS if distance(logprobs[name], logprobs[CORRECT]) == 0.0)
+    pack = ConformancePack(str(model_dir), scales.kv_dtype, factor, prompts, behaviours, same, gap)
+    write_pack(out, pack, logprobs, lambda folder: write_checkpoint(readout.source.path, folder, scales, mode=mode))
+    return pack
+
+
+def separation(logprobs: dict[str, dict[str, torch.Tensor]]) -> float:
+    """The smallest distance between two behaviours: an engine's distance to its match should be far below it."""
+    names = list(logprobs)
+    return min(distance(logprobs[a], logprobs[b]) for i, a in enumerate(names) for b in names[i + 1:])
+
+
+def simulate(pack_dir: Path, behaviour: str, out: Path, *, device: str = "cpu") -> None:
+    """Write `out`: the pack's prompts answered by fp8kv's runtime with `behaviour` ("correct" or a bug)."""
+    pack, _ = read_pack(pack_dir)
+    engine = behaviour_engine(behaviour)
+    model_dir = Path(pack_dir) / MODEL_DIR
+    scales = read_kv_scales(model_dir).scales
+    assert scales is not None  # the pack's model was written with scales
+    answers = prompt_logprobs(model_dir, scales, pack.prompts, engine, device)
+    write_answers(out, {pid: values.tolist() for pid, values in answers.items()})
+
+
+def check(pack_dir: Path, answers_path: Path) -> ConformanceResult:
+    """The behaviour nearest to the engine's answers (the first in the pack's order on a tie)."""
+    pack, logprobs = read_pack(pack_dir)
+    answers = read_answers(answers_path, pack)
+    distances = {name: distance(answers, logprobs[name]) for name in pack.behaviours}
+    return ConformanceResult(min(pack.behaviours, key=distances.__getitem__), distances, pack.separation)
+
+
+def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Mean |a - b| over every token of every prompt, with log-probabilities floored at `FLOOR`."""
+    total = sum(float((_floored(a[pid]) - _floored(b[pid])).abs().sum()) for pid in b)
+    return total / max(sum(t.numel() for t in b.values()), 1)
+
+
+def prompt_logprobs(model_dir: Path, scales: KVScales, prompts: tuple[Prompt, ...], engine: str, device: str,
+                    model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """log p(token i | tokens < i) for i >= 1 of every prompt, float32, from a runner writing as `engine`."""
+    k, v = runtime_scales(scales, tuple(sorted(scales.k)))
+    runner = PagedModelRunner(model_dir, device=device, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
+                              engine=engine, model=model, max_model_len=max(len(p.token_ids) for p in prompts),
+                              max_num_seqs=len(prompts))
+    ids = [list(p.token_ids) for p in prompts]
+    logits = prefill(runner, ids)
+    out = {}
+    for prompt, rows, tokens in zip(prompts, logits, ids):
+        logp = torch.log_softmax(rows.float(), dim=-1)[:-1]
+        out[prompt.id] = logp.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0].cpu()
+    return out
+
+
+def _floored(values: torch.Tensor) -> torch.Tensor:
+    return values.float().nan_to_num(FLOOR, FLOOR, FLOOR).clamp(min=FLOOR)
+
+
+def _scaled(scales: KVScales, factor: float) -> KVScales:
+    return dataclasses.replace(scales, k={i: t * factor for i, t in scales.k.items()},
+                               v={i: t * factor for i, t in scales.v.items()})

@@ -1,0 +1,73 @@
+"""Conformance: fp8kv's reference log-probabilities name every simulated engine bug, and correct output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
+from fp8kv.cli import app
+from fp8kv.conformance.pack import CORRECT, PACK_JSON, ConformancePack, read_pack
+from fp8kv.conformance.run import check, reference, simulate
+from fp8kv.data import DataRequest
+from fp8kv.engine_models import BUGS
+from fp8kv.errors import Fp8kvError
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory, corpus) -> Path:
+    from fp8kv.tools.factory import make_checkpoint
+
+    root = tmp_path_factory.mktemp("conformance")
+    src = make_checkpoint("llama", root / "src")
+    calibrate(CalibrationRequest(model=str(src), out=root / "calibrated", batch_size=3,
+                                 data=DataRequest(corpus, num_samples=6, seq_len=48)))
+    written = reference(root / "calibrated", root / "pack")
+    assert written.behaviours == (CORRECT, *BUGS) and written.same_as_correct == () and written.separation > 0
+    return root / "pack"
+
+
+@pytest.mark.parametrize("behaviour", [CORRECT, *BUGS])
+def test_check_names_every_simulated_behaviour(pack, behaviour, tmp_path):
+    simulate(pack, behaviour, tmp_path / "engine.jsonl")
+    result = check(pack, tmp_path / "engine.jsonl")
+    assert result.match == behaviour and result.distances[behaviour] == 0.0
+    assert all(d > 0 for name, d in result.distances.items() if name != behaviour), result.distances
+
+
+def test_the_cli_prints_json_and_exits_3_unless_correct(pack, tmp_path):
+    runner = CliRunner()
+    for behaviour, code in ((CORRECT, 0), ("no-clamp", 3)):
+        answers = tmp_path / f"{behaviour}.jsonl"
+        made = runner.invoke(app, ["conformance", "simulate", str(pack), "--bug", behaviour, "--out", str(answers)])
+        assert made.exit_code == 0, made.output
+        result = runner.invoke(app, ["conformance", "check", str(pack), str(answers), "--json"])
+        assert result.exit_code == code, result.output
+        data = json.loads(result.stdout)
+        assert data["match"] == behaviour and set(data["distances"]) == {CORRECT, *BUGS}
+
+
+def test_the_pack_round_trips_and_answers_are_checked(pack, tmp_path):
+    text = (pack / PACK_JSON).read_text()
+    assert ConformancePack.from_json(text, "x").to_json() == text
+    loaded, logprobs = read_pack(pack)
+    first = loaded.prompts[0]
+    assert logprobs[CORRECT][first.id].shape == (len(first.token_ids) - 1,)
+    answers = tmp_path / "a.jsonl"
+    # vLLM's prompt_logprobs start with null for the first token: accepted
+    lines = [json.dumps({"id": p.id, "logprobs": [None, *logprobs[CORRECT][p.id].tolist()]}) for p in loaded.prompts]
+    answers.write_text("\n".join(lines) + "\n")
+    result = check(pack, answers)
+    assert (result.match, result.distances[CORRECT], result.separation) == (CORRECT, 0.0, loaded.separation)
+    answers.write_text(lines[0] + "\n")
+    with pytest.raises(Fp8kvError, match=r"a.jsonl: no answer for prompts \['p1', 'p2', 'p3'\]"):
+        check(pack, answers)
+    answers.write_text(json.dumps({"id": first.id, "logprobs": [0.0]}) + "\n")
+    with pytest.raises(Fp8kvError, match=f"a.jsonl:1: prompt p0 has 1 log-probabilities; the pack expects "
+                                         f"{len(first.token_ids) - 1}"):
+        check(pack, answers)
+    with pytest.raises(Fp8kvError, match="unknown behaviour 'raw'"):
+        simulate(pack, "raw", tmp_path / "b.jsonl")

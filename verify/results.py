@@ -1,0 +1,159 @@
+"""What verify measures, as the frozen types its stages hand each other and report.json holds.
+
+`VerifyReport` (verify/report.py) serializes them with `json_fields.to_json_value` and reads them back by
+their type hints (`json_fields.dataclass_from_json`), so a field nobody writes cannot be read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fp8kv.checks import FAIL, WARN, Finding
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """The held-out logits of the fp8 caches against the bf16 cache: perplexities, mean and max KL(bf16 || fp8)
+    per next-token distribution (nats), top-1 agreement; `_unit`: the same fp8 cache with unit scales."""
+
+    ppl_bf16: float
+    ppl_fp8: float
+    ppl_fp8_unit: float
+    kl_mean: float
+    kl_max: float
+    top1_agreement: float
+    kl_mean_unit: float
+    kl_max_unit: float
+    top1_agreement_unit: float
+
+
+@dataclass(frozen=True)
+class QueryCost:
+    """What also quantizing Q with q_scale costs (fp8 attention), against the bf16 cache."""
+
+    kl_mean: float
+    kl_max: float
+    top1_agreement: float
+    ppl: float
+    max_q_scale: float
+    kl_mean_kv_only: float  # the fp8 cache's mean KL with Q unquantized, for comparison
+
+
+@dataclass(frozen=True)
+class CacheShares:
+    """One KV layer of the fp8 cache on the held-out text: exact shares of K and V values clamped at ±MAX,
+    and the NaN/inf values it stored."""
+
+    k_saturation: float
+    v_saturation: float
+    nan_with_clamp: int
+
+
+@dataclass(frozen=True)
+class Readback:
+    """Whether the runtime's cache holds the file's scales, bit for bit, over `layers` KV layers."""
+
+    equal: bool
+    layers: int
+    mismatches: tuple[str, ...]  # one line per value that differs
+
+
+@dataclass(frozen=True)
+class LayerRatio:
+    """The largest |x| / scale of K and of V one cache layer saw on the held-out text."""
+
+    layer: int
+    k_max_ratio: float
+    v_max_ratio: float
+
+
+@dataclass(frozen=True)
+class LayerCheck:
+    """One cache layer on the held-out text: the largest |x| / scale observed, and what the fp8 cache did
+    (exact shares of values clamped at ±MAX, NaN/inf values stored)."""
+
+    layer: int
+    k_max_ratio: float
+    v_max_ratio: float
+    k_saturation: float
+    v_saturation: float
+    nan_with_clamp: int
+
+    @classmethod
+    def of(cls, ratio: LayerRatio, shares: CacheShares) -> LayerCheck:
+        return cls(ratio.layer, ratio.k_max_ratio, ratio.v_max_ratio, shares.k_saturation, shares.v_saturation,
+                   shares.nan_with_clamp)
+
+
+@dataclass(frozen=True)
+class GenerationMatch:
+    """Shares of greedy tokens of the fp8 cache matching the bf16 cache's, per phase (None: no position)."""
+
+    prefill_match: float | None
+    decode_match: float | None
+    prefix_match: float | None
+
+
+@dataclass(frozen=True)
+class GenerationDetails:
+    """What the generation comparison ran: prompts, decode steps, tokens read from shared prefix pages,
+    and the bf16 cache's greedy tokens per prompt."""
+
+    prompts: int
+    new_tokens: int
+    shared_tokens: int
+    greedy_tokens: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    """One engine model's run over the held-out samples."""
+
+    engine: str
+    ppl: float
+    nan_rows: int  # logit rows (one per token) with any NaN/inf
+    rows: int
+    sequences_lost: int  # samples with any non-finite logit
+    sequences: int
+    first_nonfinite_layer: int | None  # first KV layer whose cache holds a NaN/inf value
+    source: str  # the engine, version and file the model reproduces
+    verdict: str  # PASS or FAIL for a released engine, "bug model" for a bug
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """KL(transformers || runtime bf16 cache) over `tokens` tokens of `samples` held-out samples.
+
+    `noise` is KL(transformers || transformers with another attention implementation), None where the
+    model has one; `bound` = max(MIN_BOUND, NOISE_FACTOR x noise).
+    """
+
+    kl_mean: float
+    kl_max: float
+    noise: float | None
+    bound: float
+    samples: int
+    tokens: int
+
+    @property
+    def reproduces(self) -> bool:
+        return self.kl_mean <= self.bound  # NaN does not reproduce
+
+    @property
+    def refuses(self) -> bool:
+        """The runtime is measurably not the model: verify judges nothing."""
+        return self.noise is not None and not self.reproduces
+
+    def reasons(self) -> list[Finding]:
+        """One FAIL finding when the runtime is not the model (verify then judges nothing); WARN without noise."""
+        if self.reproduces:
+            return []
+        if self.noise is None:
+            return [Finding(WARN, f"verify's bf16 runtime is {self.kl_mean:.2e} (mean KL) from transformers on "
+                                  f"this model, above {self.bound:.0e}; the model has one attention "
+                                  "implementation, so its own rounding noise, and whether this is within it, "
+                                  "is unknown")]
+        return [Finding(FAIL, f"verify's bf16 runtime does not reproduce transformers on this model: mean KL "
+                              f"{self.kl_mean:.2e} against transformers' own forward exceeds the bound "
+                              f"{self.bound:.1e}; its fp8 numbers would judge the runtime, not the model, "
+                              "so nothing was judged")]
