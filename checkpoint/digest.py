@@ -15,6 +15,7 @@ from typing import Any
 from fp8kv.checkpoint.conventions import (
     COMPRESSION_CONFIG, HF_QUANT_CONFIG, QUANTIZATION_CONFIG, is_vllm_json, parse_scale_name,
 )
+from fp8kv.checkpoint.artifacts import VERIFY_DIR
 from fp8kv.checkpoint.locate import verify_command
 from fp8kv.checkpoint.source import CheckpointLayout
 from fp8kv.errors import Fp8kvError
@@ -41,7 +42,9 @@ class CheckpointDigest:
         ok = (isinstance(data, dict) and isinstance(data.get("scales"), dict)
               and isinstance(data.get("quantization"), str) and isinstance(data.get("weights"), dict))
         if not ok:
-            raise Fp8kvError(f"{where}: has no valid checkpoint digest; run `fp8kv verify` on this folder again")
+            folder = Path(where).parent.parent  # where verify writes a folder's report: FOLDER/verify/report.json
+            again = f"`{verify_command(folder)}`" if Path(where).parent.name == VERIFY_DIR else "`fp8kv verify` on this folder"
+            raise Fp8kvError(f"{where}: has no valid checkpoint digest; run {again} again")
         return cls(dict(data["scales"]), data["quantization"], dict(data["weights"]))
 
     def changes(self, now: CheckpointDigest) -> list[str]:
