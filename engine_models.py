@@ -70,7 +70,8 @@ class EngineModel:
     (a clamp to ±MAX then a cast stores the same bytes as a saturating conversion); `written` is the
     fp8 format the bytes are produced in when it is not the cache's (the bytes are then read as the
     cache's format); `cache` is the cache dtype the engine allocates when asked for fp8 (None: the
-    checkpoint's); `loads` gives the (k, v) scales it runs with.
+    checkpoint's); `loads` gives the (k, v) scales it runs with; `attention` is the arithmetic of its
+    attention where fp8kv reproduces it ("pallas-kernel": TPU, scales applied after QK and PV).
     """
 
     name: str
@@ -82,6 +83,7 @@ class EngineModel:
     loads: Callable[[ScaleMap, ScaleMap], tuple[ScaleMap, ScaleMap]] = as_given
     cache: str | None = None
     written: str | None = None
+    attention: str | None = None  # the attention arithmetic it runs (runtime.attention's numerics); None: float32
     fix: str = ""  # a bug model: what the engine must change
 
     def write(self, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -97,12 +99,6 @@ class EngineModel:
         """The cache dtype the engine allocates when asked for the cache dtype `name` (fp8kv's spelling)."""
         return self.cache if self.cache and name in KV_DTYPES else name
 
-    @property
-    def twin_key(self) -> tuple:
-        """Engines with the same key store the same bytes wherever no |x / scale| exceeds the fp8 maximum:
-        they differ at most in saturating or not."""
-        return self.divide, self.loads, self.cache, self.written
-
 
 _SATURATES = "±MAX (saturating conversion)"
 _CLAMPS = "±MAX (clamped before the cast)"
@@ -116,7 +112,8 @@ ENGINE_MODELS: tuple[EngineModel, ...] = (
     EngineModel("vllm-tpu", fp32_divide, True,
                 "vLLM from its first merged TPU fp8 commit (July 2025), vllm/v1/attention/backends/pallas.py "
                 "write_to_kv_cache: "
-                "key.to(torch.float32) / k_scale; torch.clamp(key, finfo.min, finfo.max); key.to(fp8)", _CLAMPS),
+                "key.to(torch.float32) / k_scale; torch.clamp(key, finfo.min, finfo.max); key.to(fp8)", _CLAMPS,
+                attention="pallas-kernel"),
     EngineModel("vllm-triton", fp32_divide, True,
                 "vLLM main (commit 027e07f), vllm/v1/attention/ops/triton_reshape_and_cache_flash.py: key_load / "
                 "tl.load(k_scale) (float32), implicit cast in tl.store, which Triton lowers on NVIDIA to "
@@ -124,11 +121,11 @@ ENGINE_MODELS: tuple[EngineModel, ...] = (
     EngineModel("tpu-inference", activation_divide, True,
                 "tpu-inference v0.27.0, tpu_inference/layers/common/quantization/__init__.py "
                 "static_per_tensor_quantize_tensor: jnp.clip(tensor / scale, finfo.min, finfo.max).astype(dtype), "
-                "tensor bf16, scale a Python float", _CLAMPS),
+                "tensor bf16, scale a Python float", _CLAMPS, attention="pallas-kernel"),
     EngineModel("tpu-inference-v6e", activation_divide, True,
                 "tpu-inference v0.27.0, as tpu-inference; tpu_inference/platforms/tpu_platform.py fp8_dtype: "
                 "TPU v6e allocates float8_e5m2 for --kv-cache-dtype fp8", "±57344 (clamped, e5m2 cache)",
-                cache="fp8_e5m2"),
+                cache="fp8_e5m2", attention="pallas-kernel"),
     EngineModel("sglang", activation_divide, False,
                 "SGLang main (commit 14c3fee, late 2026), python/sglang/srt/mem_cache/memory_pool.py set_kv_buffer: "
                 "cache_k.div_(k_scale) on the bf16 tensor, then cache_k.to(fp8) (torch's CUDA cast)", _NAN),

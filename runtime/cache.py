@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
+from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, engine_model
 from fp8kv.fp8 import is_fp8
 
 SCRATCH_PAGE = 0
@@ -159,6 +159,7 @@ class PagedKVCache(PagedLayers):
         v_scales: Mapping[int, Scale] | None = None,
         engine: str = DEFAULT_ENGINE,
         shared_layers: Mapping[int, int] | None = None,
+        shadows: Sequence[str] = (),
     ) -> None:
         kv_layers = tuple(kv_layers)
         self.shared_layers = dict(shared_layers or {})  # KV sharing: reading layer -> the layer owning the cache
@@ -170,6 +171,7 @@ class PagedKVCache(PagedLayers):
         self.head_dim_padded = max(self._padded)
         self.dtype = dtype
         self.engine = engine_model(engine)
+        self.shadows = shadow_models(self.engine, shadows)
         k_scales, v_scales = self.engine.loads(k_scales, v_scales)
         k_given = layer_scales(k_scales, kv_layers, self._kv_heads, "k_scale")
         v_given = layer_scales(v_scales, kv_layers, self._kv_heads, "v_scale")
@@ -188,6 +190,7 @@ class PagedKVCache(PagedLayers):
         # of the big tensor measured 0.68x fp8 decode (bench/bench_runtime.py, bench/README.md: Runtime).
         super().__init__(kv_layers, [torch.zeros((num_pages, page_size, 2 * heads, padded), dtype=dtype, device=device)
                                      for heads, padded in zip(self._kv_heads, self._padded)], device)
+        self.shadow_diffs = torch.zeros(len(self.shadows), dtype=torch.int64, device=device)
 
     def owner(self, layer: int) -> int:
         """The cache layer `layer` attends over: itself, or the layer whose cache it shares."""
@@ -221,6 +224,9 @@ class PagedKVCache(PagedLayers):
         stored = self.engine.write(kv, self._write_scales[row, : 2 * heads], self.dtype) if is_fp8(self.dtype) \
             else kv.to(self.dtype)
         self._count(row, kv, stored, valid)
+        if self.shadows and is_fp8(self.dtype):
+            scales = self._write_scales[row, : 2 * heads]
+            self.shadow_diffs += shadow_differences(self.shadows, kv, scales, stored, valid[:, None, None])
         self._store(row, slots, stored)
 
     def _count(self, row: int, kv: torch.Tensor, stored: torch.Tensor, valid: torch.Tensor) -> None:
@@ -242,6 +248,34 @@ class PagedKVCache(PagedLayers):
         k, v = (self.scales[row, i, :heads] if value is None else value
                 for i, value in enumerate(self._scale_floats[row]))
         return k, v
+
+
+def shadow_models(engine: EngineModel, names: Sequence[str]) -> tuple[EngineModel, ...]:
+    """The engine models a cache also computes every write for, to count where their values would differ.
+
+    Only engines that read what they wrote with the same scales in the same format qualify: where every
+    stored value is the same, their attention reads the same numbers, so their logits are the same.
+    """
+    shadows = tuple(engine_model(name) for name in names)
+    for shadow in shadows:
+        if (shadow.loads, shadow.cache, shadow.written) != (engine.loads, engine.cache, engine.written):
+            raise Fp8kvError(f"engine {shadow.name} runs other scales or another cache format than {engine.name}: "
+                             "its writes cannot be compared value by value")
+    return shadows
+
+
+def shadow_differences(shadows: tuple[EngineModel, ...], x: torch.Tensor, scale: torch.Tensor, stored: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+    """Per shadow engine, how many values of `x` it would store differently from `stored` (`[len(shadows)]`).
+
+    Values compare as the attention reads them (a NaN equals a NaN); `mask` (broadcast to `x`) marks real tokens.
+    """
+    held = stored.float()
+    counts = []
+    for shadow in shadows:
+        other = shadow.write(x, scale, stored.dtype).float()
+        counts.append(((other != held) & ~(other.isnan() & held.isnan()) & mask).sum())
+    return torch.stack(counts)
 
 
 def store_rows(flat: torch.Tensor, slots: torch.Tensor, stored: torch.Tensor) -> None:

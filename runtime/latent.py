@@ -22,7 +22,7 @@ from fp8kv.errors import Fp8kvError
 from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
 from fp8kv.fp8 import is_fp8
 from fp8kv.geometry import LatentCache
-from fp8kv.runtime.cache import PagedLayers, Scale, layer_scales
+from fp8kv.runtime.cache import PagedLayers, Scale, layer_scales, shadow_differences, shadow_models
 
 # The attention module attribute that holds the current forward's kv_c_normed `[1, T, kv_lora_rank]`.
 _CAPTURED = "fp8kv_kv_c_normed"
@@ -50,6 +50,7 @@ class LatentPagedCache(PagedLayers):
         k_scales: Mapping[int, Scale] | None = None,
         v_scales: Mapping[int, Scale] | None = None,
         engine: str = DEFAULT_ENGINE,
+        shadows: Sequence[str] = (),
     ) -> None:
         kv_layers = tuple(kv_layers)
         super().__init__(kv_layers, [torch.zeros(num_pages, page_size, latent.width, dtype=dtype, device=device)
@@ -57,11 +58,13 @@ class LatentPagedCache(PagedLayers):
         self.latent = latent
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
         self.engine = engine_model(engine)
+        self.shadows = shadow_models(self.engine, shadows)
         k_scales, v_scales = self.engine.loads(k_scales, v_scales)
         k_given = layer_scales(k_scales, kv_layers, [1] * len(kv_layers), "k_scale")
         v_given = layer_scales(v_scales, kv_layers, [1] * len(kv_layers), "v_scale")
         self.scales = torch.tensor([[k, v] for k, v in zip(k_given, v_given)], dtype=torch.float32).to(device)
         self._k_floats = [k[0] for k in k_given]
+        self.shadow_diffs = torch.zeros(len(self.shadows), dtype=torch.int64, device=device)
 
     def owner(self, layer: int) -> int:
         """MLA layers own their cache (no KV sharing)."""
@@ -81,6 +84,8 @@ class LatentPagedCache(PagedLayers):
             self.clamped[row] += ((vectors.float().abs() / scale > torch.finfo(self.dtype).max) & mask).sum()
         self.nonfinite[row] += (~torch.isfinite(stored.float()) & mask).sum()
         self.written[row] += valid.sum() * self.latent.width
+        if self.shadows and is_fp8(self.dtype):
+            self.shadow_diffs += shadow_differences(self.shadows, vectors, scale, stored, mask)
         self._store(row, slots, stored)
 
     def read(self, layer: int, pages: torch.Tensor, length: int) -> torch.Tensor:

@@ -159,6 +159,8 @@ class PagedModelRunner:
         k_scales, v_scales: {kv layer index: float or per-KV-head list}; None = 1.0 (fp8 only).
         engine: the engine model the cache reproduces (`fp8kv.engine_models`): its fp8 write, the scales it
             runs with and the fp8 format it allocates; the default is vLLM TPU's (divide in float32, clamp).
+        shadow_engines: engine models the cache also computes every write for, counting in `cache.shadow_diffs`
+            the values each would store differently (none: that engine's logits are this runner's).
         page_size, max_model_len, max_num_seqs: cache geometry; `num_pages` defaults to enough
             pages for `max_num_seqs` sequences of `max_model_len` tokens (plus the scratch page).
         dtype: model weights dtype (default: the checkpoint's).
@@ -186,6 +188,7 @@ class PagedModelRunner:
         k_scales: Mapping[int, Scale] | None = None,
         v_scales: Mapping[int, Scale] | None = None,
         engine: str = DEFAULT_ENGINE,
+        shadow_engines: Sequence[str] = (),
         page_size: int = 16,
         max_model_len: int = 512,
         max_num_seqs: int = 8,
@@ -221,7 +224,7 @@ class PagedModelRunner:
             self.cache = LatentPagedCache(
                 g.kv_layers, latent=g.latent, num_pages=num_pages or max_num_seqs * self.pages_per_seq + 1,
                 page_size=page_size, dtype=dtype_of_cache, device=self.runtime_device.device,
-                k_scales=k_scales, v_scales=v_scales, engine=engine)
+                k_scales=k_scales, v_scales=v_scales, engine=engine, shadows=shadow_engines)
             capture_latents(self.model)
         else:
             self.cache = PagedKVCache(
@@ -237,6 +240,7 @@ class PagedModelRunner:
                 v_scales=v_scales,
                 engine=engine,
                 shared_layers=dict(g.shared_kv_sources),
+                shadows=shadow_engines,
             )
         # The Pallas kernel where vLLM's TPU backend would run it; torch_xla's reference elsewhere.
         self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu" and g.latent is None and all(

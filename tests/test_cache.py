@@ -10,11 +10,11 @@ from fp8kv.fp8 import cache_dtype, quantize
 from fp8kv.runtime.cache import SCRATCH_PAGE, PageAllocator, PagedKVCache
 
 
-def _cache(dtype="fp8_e4m3", engine="vllm-tpu", k_scales=None, v_scales=None, multiple=1):
+def _cache(dtype="fp8_e4m3", engine="vllm-tpu", k_scales=None, v_scales=None, multiple=1, shadows=()):
     return PagedKVCache(
         [0, 2], num_pages=6, page_size=4, num_kv_heads=2, head_dim=3, dtype=cache_dtype(dtype),
         device=torch.device("cpu"), head_dim_multiple=multiple, k_scales=k_scales, v_scales=v_scales,
-        engine=engine,
+        engine=engine, shadows=shadows,
     )
 
 
@@ -143,3 +143,15 @@ def test_allocator_reports_a_full_cache():
     alloc.add(0)
     with pytest.raises(Fp8kvError, match="the KV cache is full"):
         alloc.extend(0, 5)
+
+
+def test_shadow_engines_count_the_values_they_would_store_differently():
+    k = torch.full((2, 2, 3), 10.0)
+    v = torch.full((2, 2, 3), 1.0)
+    k[0, 1, 0] = 500.0  # past 464 at scale 1: NaN without a clamp, 448 with one
+    k[1, 0, 2] = 450.0  # past 448 but not 464: 448 either way
+    cache = _cache(k_scales={0: 1.0, 2: 1.0}, v_scales={0: 1.0, 2: 1.0}, shadows=("no-clamp", "vllm-cuda"))
+    _write(cache, 0, k, v, [4, 5])
+    assert cache.shadow_diffs.tolist() == [1, 0]
+    with pytest.raises(Fp8kvError, match="engine kv-swapped runs other scales or another cache format than vllm-tpu"):
+        _cache(shadows=("kv-swapped",))

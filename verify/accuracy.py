@@ -34,8 +34,10 @@ class Runners:
     """The reference (bf16 cache), the checkpoint's scales and unit scales, on one device.
 
     `engines` maps each engine model to its runner; engines whose writes are the same arithmetic share
-    one (the default engine's is `fp8`, "scales-ignored" runs on `unit`). `twins` maps a non-saturating
-    engine to the runner of its saturating twin, whose bytes it shares wherever |x / scale| <= MAX.
+    one (the default engine's is `fp8`, "scales-ignored" runs on `unit`). `shadows` are the engines whose
+    writes `fp8`'s cache also computes: a batch in which none of their values differs from `fp8`'s gives
+    `fp8`'s logits. `twins` maps a non-saturating engine to the runner of its saturating twin, whose
+    values it shares wherever |x / scale| <= MAX.
     """
 
     bf16: PagedModelRunner
@@ -43,6 +45,7 @@ class Runners:
     unit: PagedModelRunner
     engines: dict[str, PagedModelRunner]
     twins: dict[str, PagedModelRunner] = field(default_factory=dict)
+    shadows: tuple[str, ...] = ()
 
     @classmethod
     def open(cls, model_dir: Path, scales: KVScales, kv_layers: tuple[int, ...], *, device: str,
@@ -53,25 +56,35 @@ class Runners:
         common = dict(device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size,
                       model=model)
         k, v = runtime_scales(scales, kv_layers)
-        fp8 = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v, **common)
+        # the torch attention reproduces an engine's attention arithmetic; torch_xla's runs its own
+        numerics = (lambda m: None) if resolve_device(device).is_xla else (lambda m: m.attention)
+        key = {name: _write_key(engine_model(name), numerics(engine_model(name))) for name in engines}
+        reference = _write_key(engine_model(DEFAULT_ENGINE), None)  # fp8kv's own float32 attention
+        shadows = tuple(name for name in engines if key[name] != reference and _reads(key[name]) == _reads(reference))
+        fp8 = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
+                               shadow_engines=shadows, **common)
         unit = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, **common)
         # the unit-scale runner is exactly an engine that never received its scales
-        shared = {_write_key(engine_model(DEFAULT_ENGINE)): fp8, _write_key(engine_model("scales-ignored")): unit}
-        runners = {}
+        shared = {reference: fp8, _write_key(engine_model("scales-ignored"), None): unit}
         for name in engines:
-            key = _write_key(engine_model(name))
-            if key not in shared:
-                shared[key] = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
-                                               engine=name, **common)
-            runners[name] = shared[key]
-        twins = {name: shared[(*engine_model(name).twin_key, True)] for name in engines
-                 if not engine_model(name).saturate and (*engine_model(name).twin_key, True) in shared}
-        return cls(PagedModelRunner(model_dir, cache_dtype="bf16", **common), fp8, unit, runners, twins)
+            if key[name] not in shared:
+                shared[key[name]] = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
+                                                     engine=name, attention_numerics=key[name][-1], **common)
+        twins = {name: shared[(*key[name][:-2], True, key[name][-1])] for name in engines
+                 if not engine_model(name).saturate and (*key[name][:-2], True, key[name][-1]) in shared}
+        return cls(PagedModelRunner(model_dir, cache_dtype="bf16", **common), fp8, unit,
+                   {name: shared[key[name]] for name in engines}, twins, shadows)
 
 
-def _write_key(model: EngineModel) -> tuple:
-    """Engine models with equal keys write the same bytes for every input."""
-    return (*model.twin_key, model.saturate)
+def _write_key(model: EngineModel, numerics: str | None) -> tuple:
+    """(divide, loads, cache, written format, saturate, attention numerics): engine models with equal keys give
+    the same logits; keys equal but in the divide and saturate read their caches alike, so their writes compare."""
+    return model.divide, model.loads, model.cache, model.written, model.saturate, numerics
+
+
+def _reads(key: tuple) -> tuple:
+    """What of a write key decides how the cache is read: scales, cache format, attention numerics."""
+    return (*key[1:4], key[5])
 
 
 def runtime_scales(scales: KVScales, kv_layers: tuple[int, ...]) -> tuple[dict[int, Scale], dict[int, Scale]]:
@@ -226,11 +239,15 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
     order = sorted(runners.engines, key=lambda name: name in runners.twins)
     for start in range(0, len(samples), batch_size):
         batch = samples[start : start + batch_size]
+        before = runners.fp8.cache.shadow_diffs.clone()
         ran = {id(runner): counted_prefill(runner, batch) for runner in named.values()}
+        differs = dict(zip(runners.shadows, (runners.fp8.cache.shadow_diffs - before).tolist()))
         outputs = {name: ran[id(runner)][0] for name, runner in named.items()}
         engine_outputs = {}
         for engine in order:
             runner, twin = runners.engines[engine], runners.twins.get(engine)
+            if id(runner) not in ran and differs.get(engine) == 0:
+                ran[id(runner)] = ran[id(runners.fp8)]  # it would have stored every value fp8's cache stored
             if id(runner) not in ran and twin is not None and ran.get(id(twin), (None, 1))[1] == 0:
                 ran[id(runner)] = ran[id(twin)]  # nothing passed the fp8 maximum: the same bytes were written
             if id(runner) not in ran:
