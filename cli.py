@@ -13,7 +13,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from fp8kv import __version__
 from fp8kv.cli_conformance import conformance_app
-from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError
+from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError, UsageError
 from fp8kv.evaluation.bundled_tasks import BUNDLED_TASKS
 from fp8kv.kvdtypes import FP8_MAX
 from fp8kv.calibrate.request import CalibrationRequest
@@ -41,8 +41,9 @@ QUIET_HELP = ("No progress on stderr (notes and errors still print). Without a t
 # Options several commands share, one definition each (the huggingface_hub CLI's pattern); each
 # command gives its own default.
 DatasetOpt = Annotated[str | None, typer.Option(
-    "--dataset", help="Text to read: 'bundled', a local .txt/.jsonl/.json/.parquet/.csv file or folder, or a Hub "
-    "dataset org/name.")]
+    "--dataset", help="Text to read: 'bundled' (the bundled models' corpus), a local .txt/.jsonl/.json/.parquet/.csv "
+    "file or folder, a Hub dataset org/name, or 'generated' (the model writes it: answers to instructions through "
+    "its chat template, sampled with --seed).")]
 SplitOpt = Annotated[str | None, typer.Option("--split", help="Dataset split (local files: train).")]
 TextColumnOpt = Annotated[str | None, typer.Option(
     "--text-column", help="Column with the text (default: 'text', else chat 'messages').")]
@@ -108,7 +109,7 @@ class _Group(TyperGroup):
                 raise
             # typer 0.29 vendors its own click, so a plain click.ClickException would not be caught.
             typer.echo(f"fp8kv: error: {_one_line(exc)}", err=True)
-            raise typer.Exit(ExitCode.ERROR) from None
+            raise typer.Exit(ExitCode.USAGE if isinstance(exc, UsageError) else ExitCode.ERROR) from None
         except (typer.Exit, typer.Abort, KeyboardInterrupt):
             raise
         except Exception as exc:  # a bug: never exit 0 or with verify's WARN code

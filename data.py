@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 from urllib.parse import urlparse
 
-from fp8kv.errors import Fp8kvError
+from fp8kv.errors import Fp8kvError, UsageError
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_MODEL_ALIAS
 
 if TYPE_CHECKING:  # DataRequest, the command line's defaults, needs no torch
@@ -33,9 +33,32 @@ BUNDLED_DATASET = BUNDLED_MODEL_ALIAS
 """`--dataset bundled`: the bundled model's calibration split (verify: its held-out split)."""
 FALLBACK_NOTE = (
     f"{DEFAULT_DATASET} cannot be loaded (offline and not cached), so the scales are calibrated on the bundled "
-    "corpus of Python documentation: right for the bundled model, but for a real model they would reflect the "
-    "wrong text; pass --dataset with text like what the model will serve"
+    "model's own corpus of Python documentation"
 )
+GENERATED_DATASET = "generated"
+"""`--dataset generated`: text the model writes itself, answering instructions through its chat template."""
+DATASET_CHOICES = "a .txt/.jsonl/.parquet file, a Hub dataset org/name, or 'generated' (text the model writes itself)"
+# The instructions the model answers for `--dataset generated`: verify's held-out text answers others.
+_INSTRUCTIONS = {
+    "calibration": (
+        "Explain how a bicycle gear system works.", "Write a short story about a lighthouse keeper.",
+        "Give three tips for learning a new language.", "Describe the water cycle to a child.",
+        "Write a polite email asking for a deadline extension.", "What causes the seasons on Earth?",
+        "Summarize the plot of a detective novel you invent.", "List the steps to bake bread at home.",
+        "Explain what a database index is and why it helps.", "Write a poem about autumn in a city.",
+        "Compare trains and planes for a 500 km trip.", "Write a Python function that reverses a list, and explain it.",
+        "How do vaccines train the immune system?", "Describe a busy market in the morning.",
+        "Give advice to someone starting their first job.", "Explain the rules of chess briefly.",
+    ),
+    "heldout": (
+        "Explain how a refrigerator keeps food cold.", "Write a short story about a lost dog finding home.",
+        "Give three tips for sleeping better.", "Describe how plants make food from sunlight.",
+        "Write a thank-you note to a teacher.", "Why is the sky blue?",
+        "Invent a recipe for a vegetable soup.", "Explain what a computer network is.",
+    ),
+}
+GENERATION = {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
+GENERATION_BATCH = 8  # prompts sampled together (left-padded)
 
 
 @dataclass(frozen=True)
@@ -76,14 +99,20 @@ class Batch:
     attention_mask: torch.Tensor
 
 
-def load_calibration_data(request: DataRequest, tokenizer: Any) -> CalibrationData:
+def load_calibration_data(request: DataRequest, tokenizer: Any, *, fallback: bool = False,
+                          model: Any = None, held_out: bool = False) -> CalibrationData:
     """Open the requested records, shuffle them with `request.seed`, tokenize `request.num_samples` of them.
 
+    `fallback`: the bundled corpus may replace an unloadable default dataset (for the bundled models only;
+    anything else is one `UsageError` naming --dataset). `model`: a loaded causal LM, needed only for
+    `--dataset generated`, whose `held_out` text answers other instructions than calibration's.
     The bundled corpus is small: asking it for more samples than it has uses all of them, with a note.
     """
     if request.num_samples < 1 or request.seq_len < 1:
         raise Fp8kvError("--num-samples and --seq-len must be at least 1")
-    records, name, split, note = _open(request)
+    if request.dataset == GENERATED_DATASET:
+        return generate_text(request, tokenizer, model, "heldout" if held_out else "calibration")
+    records, name, split, note = _open(request, fallback)
     column = _text_column(records, request.text_column, name)
     samples = _tokenize(records.shuffle(seed=request.seed), column, tokenizer, request.seq_len, request.num_samples)
     if len(samples) < request.num_samples and _is_bundled(name):
@@ -120,13 +149,60 @@ def make_batches(samples: list[list[int]], batch_size: int, pad_id: int) -> list
     return batches
 
 
-def _open(request: DataRequest):
-    """(records, name, split, note) for the request; the default falls back to the bundled corpus."""
+def generate_text(request: DataRequest, tokenizer: Any, model: Any, split: str) -> CalibrationData:
+    """`request.num_samples` samples the model writes: an instruction of `split` through its chat template, then
+    its sampled answer (`GENERATION`, seeded with `request.seed`), up to `request.seq_len` tokens in all."""
+    if model is None:
+        raise Fp8kvError(f"--dataset {GENERATED_DATASET} needs the model loaded to write its text")
+    if not getattr(tokenizer, "chat_template", None):
+        raise Fp8kvError(f"{tokenizer.name_or_path}: has no chat template, which --dataset {GENERATED_DATASET} "
+                         "needs to prompt the model; pass --dataset with a text file or a Hub dataset")
+    import torch
+
+    instructions = _INSTRUCTIONS[split]
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": instructions[i % len(instructions)]}],
+                                                  add_generation_prompt=True, tokenize=True, return_dict=False))
+               for i in range(request.num_samples)]
+    longest = max(len(p) for p in prompts)
+    if longest >= request.seq_len:
+        raise Fp8kvError(f"--seq-len {request.seq_len} leaves no room to generate after prompts of {longest} tokens")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(request.seed)
+        samples = [ids for start in range(0, len(prompts), GENERATION_BATCH)
+                   for ids in _sample(model, prompts[start:start + GENERATION_BATCH], request.seq_len, tokenizer)]
+    settings = ", ".join(f"{k} {v}" for k, v in GENERATION.items() if k != "do_sample")
+    note = (f"calibration text written by the model itself: {len(samples)} answers to {split} instructions through "
+            f"its chat template (sampling with {settings}, seed {request.seed})")
+    return CalibrationData(samples, GENERATED_DATASET, split, "chat", note)
+
+
+def _sample(model: Any, prompts: list[list[int]], seq_len: int, tokenizer: Any) -> list[list[int]]:
+    """Each prompt followed by the model's sampled continuation, cut at its end-of-sequence token."""
+    import torch
+
+    device, pad, width = next(model.parameters()).device, pad_id(tokenizer), max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=seq_len - width, pad_token_id=pad,
+                             eos_token_id=tokenizer.eos_token_id, **GENERATION)
+    samples = []
+    for prompt, row in zip(prompts, out[:, width:].tolist()):
+        end = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        samples.append(prompt + row[:end])
+    return samples
+
+
+def _open(request: DataRequest, fallback: bool):
+    """(records, name, split, note) for the request; the default falls back to the bundled corpus if allowed."""
     if request.dataset is None:
         split = request.split or DEFAULT_SPLIT
         try:
             return _load_named(DEFAULT_DATASET, split) + (None,)
         except Fp8kvError as exc:
+            if not fallback:
+                raise UsageError(f"{DEFAULT_DATASET} cannot be loaded (offline and not cached), and the bundled "
+                                 f"corpus fits only the bundled models: pass --dataset ({DATASET_CHOICES})") from None
             if not BUNDLED_CALIBRATION_TEXT.is_file():
                 raise Fp8kvError(f"{exc}; the bundled corpus {BUNDLED_CALIBRATION_TEXT} is missing too") from None
             return _load_local(BUNDLED_CALIBRATION_TEXT, None) + (FALLBACK_NOTE,)

@@ -11,6 +11,11 @@ class Fp8kvError(Exception):
     """
 
 
+class UsageError(Fp8kvError):
+    """A command line that cannot work as given, found once the model is known (a missing --dataset):
+    the CLI exits with `ExitCode.USAGE`."""
+
+
 class ExitCode(IntEnum):
     """What a script can read from `$?`. USAGE is typer's own code for a malformed command line."""
 

@@ -16,9 +16,9 @@ import torch
 from fp8kv import __version__
 from fp8kv.calibrate import distributed, layerwise
 from fp8kv.calibrate.request import CalibrationRequest
-from fp8kv.data import CalibrationData, load_calibration_data, load_tokenizer, make_batches, pad_id
+from fp8kv.data import GENERATED_DATASET, CalibrationData, load_calibration_data, load_tokenizer, make_batches, pad_id
 from fp8kv.observe import KVStatistics, Progress, observe, query_observer_for
-from fp8kv.checkpoint.locate import infer_base_model, resolve_model
+from fp8kv.checkpoint.locate import infer_base_model, is_bundled_model, resolve_model
 from fp8kv.calibrate.scales import (
     ScaleTable, compute_scales, fp8_max, scale_from_amax,
 )
@@ -78,7 +78,7 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
     check_latent_attention(source.geometry, request.attention, str(source.path / "config.json"))
     tokenizer = load_tokenizer(source.path, request.trust_remote_code)
     announce(progress, "loading calibration data")
-    data = load_calibration_data(request.data, tokenizer)
+    data = _calibration_text(request, source, tokenizer)
     if data.note and progress is not None:
         progress.note(data.note)
     device = resolve_device(request.device, torch_only=True).device
@@ -132,6 +132,15 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
             record=record,
         )
     return CalibrationResult(source.path, request.out, table, scales, record, warnings, data.note)
+
+
+def _calibration_text(request: CalibrationRequest, source: SourceCheckpoint, tokenizer: Any) -> CalibrationData:
+    """The calibration samples; the model is loaded first only when it writes them (`--dataset generated`)."""
+    model = None
+    if request.data.dataset == GENERATED_DATASET:
+        device = resolve_device(request.device, torch_only=True).device
+        model = load_language_model(source.path, device, request.dtype, request.trust_remote_code)
+    return load_calibration_data(request.data, tokenizer, fallback=is_bundled_model(source.path), model=model)
 
 
 def observe_whole_model(source: SourceCheckpoint, data: CalibrationData, request: CalibrationRequest,

@@ -7,6 +7,7 @@ import shlex
 import sys
 
 from fp8kv.calibrate.pipeline import CalibrationResult
+from fp8kv.checkpoint.locate import verify_command
 from fp8kv.console import fmt_number, layer_table, rich_table, text_console
 
 
@@ -37,4 +38,4 @@ def show(result: CalibrationResult, json_output: bool = False) -> None:
         console.print(f"layers without their own KV cache (no scale): {list(prov.skipped_layers)}")
     if result.out is not None:  # plain print: rich would wrap a long path inside the command to copy
         print(f"wrote {result.out} ({prov.format})")
-        print(f"next: fp8kv verify {shlex.quote(str(result.out))}")
+        print(f"next: {verify_command(result.out)}")

@@ -13,6 +13,7 @@ from pathlib import Path
 from fp8kv.errors import Fp8kvError
 
 PROVENANCE_FILE = "fp8kv.json"
+GGUF_ORIGIN_FILE = "fp8kv-gguf.json"  # in a folder converted from a GGUF file: the file it came from
 VERIFY_DIR = "verify"
 EVAL_DIR = "eval"
 CARD_FILE = "README.md"

@@ -15,6 +15,8 @@ from typing import Any
 from fp8kv.checkpoint.conventions import (
     COMPRESSION_CONFIG, HF_QUANT_CONFIG, QUANTIZATION_CONFIG, is_vllm_json, parse_scale_name,
 )
+from fp8kv.checkpoint.artifacts import VERIFY_DIR
+from fp8kv.checkpoint.locate import verify_command
 from fp8kv.checkpoint.source import CheckpointLayout
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import read_json
@@ -40,7 +42,9 @@ class CheckpointDigest:
         ok = (isinstance(data, dict) and isinstance(data.get("scales"), dict)
               and isinstance(data.get("quantization"), str) and isinstance(data.get("weights"), dict))
         if not ok:
-            raise Fp8kvError(f"{where}: has no valid checkpoint digest; run `fp8kv verify` on this folder again")
+            folder = Path(where).parent.parent  # where verify writes a folder's report: FOLDER/verify/report.json
+            again = f"`{verify_command(folder)}`" if Path(where).parent.name == VERIFY_DIR else "`fp8kv verify` on this folder"
+            raise Fp8kvError(f"{where}: has no valid checkpoint digest; run {again} again")
         return cls(dict(data["scales"]), data["quantization"], dict(data["weights"]))
 
     def changes(self, now: CheckpointDigest) -> list[str]:
@@ -76,7 +80,7 @@ def check_unchanged(folder: Path, recorded: CheckpointDigest, report_path: Path)
     if changes:
         shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
         raise Fp8kvError(f"{report_path}: judged other files than {folder} holds now ({shown}); "
-                         f"run `fp8kv verify {folder}` again")
+                         f"run `{verify_command(folder)}` again")
 
 
 def _tensor_hash(path: Path, entry: dict[str, Any]) -> str:

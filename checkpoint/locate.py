@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from fp8kv.errors import Fp8kvError
+from fp8kv.checkpoint.gguf import gguf_checkpoint, is_gguf
 from fp8kv.checkpoint.hub_cache import is_repo_id, looks_like_hub_id, repo_id_from_cache_path, resolve_hub_model, split_hub_id
 from fp8kv.checkpoint.artifacts import is_fp8kv_card
 from fp8kv.checkpoint.provenance import read_provenance
@@ -15,17 +17,21 @@ BUNDLED_MODELS = {BUNDLED_MODEL_ALIAS: BUNDLED_MODEL_DIR, BUNDLED_OUTLIERS_ALIAS
 
 
 def resolve_model(model: str) -> Path:
-    """`bundled` / `bundled-outliers` -> a bundled model; a local folder -> itself; `org/name[@rev]` -> its Hub snapshot."""
+    """`bundled` / `bundled-outliers` -> a bundled model; a local folder -> itself; `org/name[@rev]` -> its Hub snapshot;
+    a .gguf file or `smollm2` -> its dequantized safetensors folder in fp8kv's cache."""
     if model in BUNDLED_MODELS:
         folder = BUNDLED_MODELS[model]
         if not (folder / "config.json").is_file():
             raise Fp8kvError(f"{folder}: the bundled model {model!r} is not installed; pass a checkpoint folder")
         return folder
+    if is_gguf(model):
+        return gguf_checkpoint(model)
     if looks_like_hub_id(model):
         return resolve_hub_model(model)
     path = Path(model).expanduser()
     if path.is_file():
-        raise Fp8kvError(f"{model}: is a file, not a folder; pass the checkpoint folder that holds config.json")
+        raise Fp8kvError(f"{model}: is a file, not a folder; pass the checkpoint folder that holds config.json "
+                         "(or a .gguf file)")
     if not path.is_dir():
         raise Fp8kvError(
             f"{model}: no such checkpoint folder (pass a local folder with config.json, 'bundled', or a Hub id org/name)"
@@ -74,3 +80,33 @@ def _json_object(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def verify_command(folder: Path) -> str:
+    """The `fp8kv verify` line to suggest for `folder`: the bundled held-out text is its default only for the
+    bundled models; any other gets text it writes itself."""
+    text = "" if is_bundled_model(folder) else " --dataset generated"
+    return f"fp8kv verify {shlex.quote(str(folder))}{text}"
+
+
+def is_bundled_model(folder: Path) -> bool:
+    """`folder` is a bundled model, or fp8kv's output from one (its fp8kv.json names one as source or converted folder)."""
+    seen: set[Path] = set()
+    current: Path | None = Path(folder).resolve()
+    while current is not None and current not in seen:
+        if bundled_name(current) is not None:
+            return True
+        seen.add(current)
+        current = _derived_from(current)
+    return False
+
+
+def _derived_from(folder: Path) -> Path | None:
+    """The folder fp8kv calibrated or converted `folder` from, per its fp8kv.json; None for any other folder."""
+    record = read_provenance(folder) if folder.is_dir() else None
+    if record is None:
+        return None
+    origin = record.source.path if record.source is not None else None
+    if origin is None and record.converted_from is not None:
+        origin = record.converted_from.path
+    return Path(origin).resolve() if origin else None

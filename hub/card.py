@@ -17,7 +17,7 @@ from fp8kv.checkpoint.artifacts import (
 from fp8kv.checkpoint.conventions import COMPRESSION_CONFIG
 from fp8kv.checkpoint.digest import check_unchanged
 from fp8kv.checkpoint.hub_cache import is_repo_id
-from fp8kv.checkpoint.locate import bundled_name, infer_base_model, infer_license
+from fp8kv.checkpoint.locate import bundled_name, infer_base_model, infer_license, verify_command
 from fp8kv.checkpoint.provenance import Provenance, read_provenance as read_record, record_written, unrecorded_files
 from fp8kv.console import fmt_number, layer_table, markdown_table
 from fp8kv.errors import Fp8kvError
@@ -266,7 +266,7 @@ def _scales(out: Path, prov: Provenance) -> str:
 
 def _verify(out: Path, report: VerifyReport | None) -> str:
     if report is None:
-        return f"## Verify results\n\nNot verified. Run `fp8kv verify {out}` before publishing."
+        return f"## Verify results\n\nNot verified. Run `{verify_command(out)}` before publishing."
     parts = ["## Verify results", f"**Verdict: {report.verdict}**"]
     if report.reasons:
         parts.append("\n".join(f"- {r.level}: {r.message}" for r in report.reasons))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8kv import __version__
+from fp8kv.checkpoint.locate import verify_command
 from fp8kv.checkpoint.artifacts import EVAL_DIR, PROVENANCE_FILE, VERIFY_DIR, write_file_atomic
 from fp8kv.checkpoint.provenance import record_written
 from fp8kv.errors import Fp8kvError
@@ -180,7 +181,7 @@ def _check_verify(out: Path, force: bool) -> str | None:
     if force or verdict in PUSHABLE_VERDICTS:
         return verdict
     if report is None:
-        raise Fp8kvError(f"{out}: no {REPORT_FILE.as_posix()}; run `fp8kv verify {out}` first, or pass --force")
+        raise Fp8kvError(f"{out}: no {REPORT_FILE.as_posix()}; run `{verify_command(out)}` first, or pass --force")
     reasons = "; ".join(r.message for r in report.reasons)
     detail = f" ({reasons})" if reasons else ""
     raise Fp8kvError(

@@ -9,7 +9,7 @@ import pytest
 
 from fp8kv import data as data_module
 from fp8kv.data import DataRequest, load_calibration_data, make_batches
-from fp8kv.errors import Fp8kvError
+from fp8kv.errors import Fp8kvError, UsageError
 from fp8kv.tools.factory import make_tokenizer
 
 TEXTS = [f"Record {i}: the quick brown fox jumps over {i} lazy dogs." for i in range(12)]
@@ -83,9 +83,21 @@ def test_default_falls_back_to_bundled_corpus_in_one_line(tmp_path, tokenizer, m
     monkeypatch.setattr(data_module, "BUNDLED_CALIBRATION_TEXT", bundled)
     monkeypatch.setattr(data_module, "DEFAULT_DATASET", "fp8kv-tests/no-such-dataset")
     monkeypatch.setattr(data_module, "_hub_reachable", lambda: False)
-    result = load_calibration_data(DataRequest(num_samples=4), tokenizer)
+    result = load_calibration_data(DataRequest(num_samples=4), tokenizer, fallback=True)
     assert result.dataset == str(bundled) and len(result.samples) == 4
     assert result.note is not None and "\n" not in result.note and "bundled" in result.note
+
+
+def test_without_fallback_an_unloadable_default_is_a_usage_error_naming_dataset(tmp_path, tokenizer, monkeypatch):
+    """Any model but the bundled ones: the bundled corpus would be the wrong text, so nothing falls back."""
+    monkeypatch.setattr(data_module, "DEFAULT_DATASET", "fp8kv-tests/no-such-dataset")
+    monkeypatch.setattr(data_module, "_hub_reachable", lambda: False)
+    with pytest.raises(UsageError) as raised:
+        load_calibration_data(DataRequest(num_samples=4), tokenizer)
+    assert str(raised.value) == (
+        "fp8kv-tests/no-such-dataset cannot be loaded (offline and not cached), and the bundled corpus fits only the "
+        "bundled models: pass --dataset (a .txt/.jsonl/.parquet file, a Hub dataset org/name, or 'generated' (text "
+        "the model writes itself))")
 
 
 def test_unknown_named_dataset_offline_is_one_clear_error(tokenizer, monkeypatch):

@@ -33,7 +33,7 @@ def test_a_default_calibration_passes_verify_on_held_out_text(model, tmp_path, f
     source = model if model.startswith("bundled") else str(factory_checkpoint(model))
     data = DataRequest(str(BUNDLED_CALIBRATION_TEXT), num_samples=16, seq_len=128)
     calibrate(CalibrationRequest(model=source, out=tmp_path / "c", data=data))
-    held_out = DataRequest(None, num_samples=8, seq_len=128)  # the bundled held-out split, never calibrated on
+    held_out = DataRequest("bundled", num_samples=8, seq_len=128)  # the bundled held-out split, never calibrated on
     result = verify(VerifyRequest(tmp_path / "c", data=held_out, batch_size=8, num_prompts=2, prompt_len=16,
                                   new_tokens=2, device="cpu"))
     assert result.verdict == "PASS", result.report.reasons

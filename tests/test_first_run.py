@@ -61,7 +61,7 @@ def test_fallback_is_announced_before_the_work(monkeypatch, tmp_path):
     text = stream.getvalue()
     note = text.index("fp8kv: HuggingFaceH4/ultrachat_200k cannot be loaded (offline and not cached)")
     assert note < text.index("OBSERVING")
-    assert "for a real model they would reflect the wrong text; pass --dataset" in text
+    assert "so the scales are calibrated on the bundled model's own corpus of Python documentation" in text
     assert f"fewer than the 512 samples asked for; all {BUNDLED_RECORDS} are used" in text
 
 

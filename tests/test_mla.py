@@ -186,7 +186,7 @@ def test_verify_runs_the_latent_cache_and_passes(calibrated, tmp_path) -> None:
 
     from fp8kv.cli import app
 
-    result = CliRunner().invoke(app, ["verify", str(calibrated), "--num-samples", "3", "--seq-len", "64",
+    result = CliRunner().invoke(app, ["verify", str(calibrated), "--dataset", "bundled", "--num-samples", "3", "--seq-len", "64",
                                       "--num-prompts", "2", "--new-tokens", "4", "--device", "cpu",
                                       "--report", str(tmp_path / "report")])
     report = json.loads((tmp_path / "report" / "report.json").read_text())

@@ -12,18 +12,26 @@ from typing import Any
 
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import load_language_model
+from fp8kv.checkpoint.locate import is_bundled_model
 from fp8kv.checkpoint.provenance import read_provenance
 from fp8kv.checkpoint.source import SourceCheckpoint
-from fp8kv.data import BUNDLED_DATASET, CalibrationData, DataRequest, load_calibration_data, make_batches, pad_id
-from fp8kv.errors import Fp8kvError
+from fp8kv.data import BUNDLED_DATASET, DATASET_CHOICES, GENERATED_DATASET, CalibrationData, DataRequest, load_calibration_data, make_batches, pad_id
+from fp8kv.errors import Fp8kvError, UsageError
 from fp8kv.models import BUNDLED_HELDOUT_TEXT
 from fp8kv.observe import KVStatistics, Progress, observe
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify.results import LayerRatio
 
 
-def load_heldout(request: DataRequest, tokenizer: Any) -> CalibrationData:
-    """Tokenized held-out samples: `request.dataset`, or the bundled held-out split when it is None."""
+def load_heldout(request: DataRequest, tokenizer: Any, source: SourceCheckpoint, device: str) -> CalibrationData:
+    """Tokenized held-out samples: `request.dataset`, or the bundled held-out split when it is None (for the
+    bundled models only: any other model gets one `UsageError` naming --dataset)."""
+    if request.dataset is None and not is_bundled_model(source.path):
+        raise UsageError(f"{source.path}: verify's default held-out text is the bundled model's corpus, which says "
+                         f"nothing about this model; pass --dataset ({DATASET_CHOICES}), not its calibration text")
+    if request.dataset == GENERATED_DATASET:
+        model = load_language_model(source.path, resolve_device(device, torch_only=True).device)
+        return load_calibration_data(request, tokenizer, model=model, held_out=True)
     if request.dataset in (None, BUNDLED_DATASET):
         if not BUNDLED_HELDOUT_TEXT.is_file():
             raise Fp8kvError(f"{BUNDLED_HELDOUT_TEXT}: the bundled held-out text is not installed; "

@@ -82,7 +82,7 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     static = static_checks(model_dir)
     reasons, held_out, timings = list(static.reasons), HeldOut(), {}
     if static.runnable:
-        tokenizer, data = _heldout_text(request, static, progress)
+        tokenizer, data = _heldout_text(request, static, runtime.kind, progress)
         held_out = HeldOut(heldout.text_source(data), len(data.samples), data.num_tokens)
         try:
             held_out, found, timings = _heldout_checks(request, static, tokenizer, data, runtime.kind, thresholds,
@@ -136,12 +136,12 @@ def _validate(request: VerifyRequest) -> None:
         raise Fp8kvError(f"{request.prompts}: no such prompts file (one prompt per line)")
 
 
-def _heldout_text(request: VerifyRequest, static: StaticResult,
+def _heldout_text(request: VerifyRequest, static: StaticResult, device: str,
                   progress: StageProgress | None) -> tuple[Any, CalibrationData]:
     """The checkpoint's tokenizer and the held-out samples it reads (the data note goes to `progress`)."""
     tokenizer = load_tokenizer(static.readout.source.path, False)
     announce(progress, "loading held-out text")
-    data = heldout.load_heldout(request.data, tokenizer)
+    data = heldout.load_heldout(request.data, tokenizer, static.readout.source, "cuda" if device == "cuda" else "cpu")
     if data.note and progress is not None:
         progress.note(data.note)
     return tokenizer, data

@@ -95,7 +95,7 @@ def test_card_serve_commands(verified_dir: Path) -> None:
 
 def test_card_without_report_says_not_verified_and_has_no_plot(calibrated_dir: Path) -> None:
     text = render_card(calibrated_dir)
-    assert "Not verified. Run `fp8kv verify out`" in text and str(calibrated_dir) not in text
+    assert "Not verified. Run `fp8kv verify out --dataset generated`" in text and str(calibrated_dir) not in text
     assert "Verdict" not in text and "scales.png" not in text
 
 

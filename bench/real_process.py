@@ -1,0 +1,106 @@
+"""`fp8kv calibrate` and `fp8kv verify` on a real model as whole processes, against a plain transformers forward
+over the same tokens, also a whole process (imports, model load, tokenization included).
+
+The plain process loads the causal LM with `AutoModelForCausalLM.from_pretrained`, reads the same samples
+with fp8kv's data stage (the same records, shuffle and truncation) and runs `model(input_ids,
+attention_mask)` over the same right-padded batches. calibrate's goal is 0.9x its plain forward, verify's
+3x its own (verify reads its held-out samples: one forward over them is its plain reference). Each
+command runs `--repeats` times, interleaved; medians are reported with the load average (`uptime`)
+before and after. Writes bench/results/real_process.json.
+
+    .venv/bin/python bench/real_process.py [--model smollm2] [--samples 32] [--seq-len 256] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from fp8kv.checkpoint.locate import resolve_model
+from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT
+
+import common  # bench/common.py
+
+PLAIN = """
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from fp8kv.data import DataRequest, load_calibration_data, make_batches, pad_id
+folder, text, samples, seq_len, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+tokenizer = AutoTokenizer.from_pretrained(folder)
+model = AutoModelForCausalLM.from_pretrained(folder).eval()
+data = load_calibration_data(DataRequest(text, num_samples=samples, seq_len=seq_len), tokenizer)
+with torch.no_grad():
+    for b in make_batches(data.samples, batch, pad_id(tokenizer)):
+        model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+"""
+
+
+def timed(command: list[str]) -> float:
+    """Wall seconds of one command, which must exit 0 (verify: 0 or 1)."""
+    start = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if proc.returncode not in (0, 1):
+        sys.exit(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    return time.perf_counter() - start
+
+
+def load() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def main() -> int:
+    options = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    options.add_argument("--model", default="smollm2")
+    options.add_argument("--samples", type=int, default=32, help="calibration samples")
+    options.add_argument("--heldout-samples", type=int, default=16, help="verify's held-out samples")
+    options.add_argument("--seq-len", type=int, default=256)
+    options.add_argument("--batch-size", type=int, default=8)
+    options.add_argument("--repeats", type=int, default=3)
+    options.add_argument("--device", default="cpu", help="recorded only: every process runs on the CPU")
+    args = options.parse_args()
+    folder = resolve_model(args.model)  # a GGUF is converted once, before anything is timed
+    python = [sys.executable]
+    out = Path(tempfile.mkdtemp(prefix="fp8kv-real-process-")) / "calibrated"
+    shape = ["--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--quiet"]
+    commands = {
+        "plain forward (calibration tokens)": [*python, "-c", PLAIN, str(folder), str(BUNDLED_CALIBRATION_TEXT),
+                                               str(args.samples), str(args.seq_len), str(args.batch_size)],
+        "fp8kv calibrate": [*python, "-m", "fp8kv", "calibrate", str(folder), "--dataset", str(BUNDLED_CALIBRATION_TEXT),
+                            "--num-samples", str(args.samples), "--out", str(out), "--overwrite", *shape],
+        "plain forward (held-out tokens)": [*python, "-c", PLAIN, str(folder), str(BUNDLED_HELDOUT_TEXT),
+                                            str(args.heldout_samples), str(args.seq_len), str(args.batch_size)],
+        "fp8kv verify": [*python, "-m", "fp8kv", "verify", str(out), "--dataset", str(BUNDLED_HELDOUT_TEXT),
+                         "--num-samples", str(args.heldout_samples), *shape],
+    }
+    before = load()
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(args.repeats):
+        for name, command in commands.items():
+            times[name].append(timed(command))
+            print(f"  {name}: {times[name][-1]:.1f} s", file=sys.stderr)
+    after = load()
+    median = {name: statistics.median(values) for name, values in times.items()}
+    ratios = {"fp8kv calibrate": median["fp8kv calibrate"] / median["plain forward (calibration tokens)"],
+              "fp8kv verify": median["fp8kv verify"] / median["plain forward (held-out tokens)"]}
+    goals = {"fp8kv calibrate": 0.9, "fp8kv verify": 3.0}
+    print(f"\n{args.model}: {args.samples} calibration / {args.heldout_samples} held-out samples x {args.seq_len} tokens, "
+          f"batch {args.batch_size}, median of {args.repeats}\nload before: {before}\nload after:  {after}\n")
+    print("| process | median s | runs s | x plain forward | goal |\n|---|---|---|---|---|")
+    for name, values in times.items():
+        ratio = f"{ratios[name]:.2f}" if name in ratios else "-"
+        goal = f"<= {goals[name]:g}" if name in goals else "-"
+        print(f"| {name} | {median[name]:.1f} | {', '.join(f'{v:.1f}' for v in values)} | {ratio} | {goal} |")
+    rows = [{"process": name, "median_s": median[name], "runs_s": values, "ratio": ratios.get(name),
+             "goal": goals.get(name)} for name, values in times.items()]
+    common.write_results("real_process", rows, args, load_before=before, load_after=after)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
