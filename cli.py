@@ -135,7 +135,7 @@ def _checked(parse: Callable[[str], object]) -> Callable[[str | None], str | Non
             try:
                 parse(value)
             except Fp8kvError as exc:
-                raise typer.BadParameter(re.sub(r"^--[\w-]+ '[^']*': ", "", str(exc))) from None
+                raise typer.BadParameter(re.sub(r"^--[\w-]+ ", "", str(exc))) from None
         return value
 
     return callback
@@ -295,7 +295,7 @@ def _headroom(value: str) -> float:
     try:
         return check_headroom(float(value))
     except ValueError:
-        raise Fp8kvError(f"--headroom {value!r}: neither auto nor a number") from None
+        raise Fp8kvError(f"--headroom {value!r} is neither auto nor a number") from None
 
 
 @app.command(cls=_Command)
