@@ -100,6 +100,8 @@ class EngineModel:
         return self.cache if self.cache and name in KV_DTYPES else name
 
 
+# vLLM's TPU engine: the runtime's default write, and the one a TPU run off the Pallas kernel fails.
+VLLM_TPU = "vllm-tpu"
 _SATURATES = "±MAX (saturating conversion)"
 _CLAMPS = "±MAX (clamped before the cast)"
 _NAN = "NaN above 464 for e4m3 (±inf from 61440 for e5m2): cast without a clamp"
@@ -109,7 +111,7 @@ ENGINE_MODELS: tuple[EngineModel, ...] = (
                 "vLLM main (commit 0492a43, late 2026), csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh "
                 "scaled_vec_conversion: "
                 "__nv_cvt_float_to_fp8(__bfloat162float(a) / scale, __NV_SATFINITE, fp8_type)", _SATURATES),
-    EngineModel("vllm-tpu", fp32_divide, True,
+    EngineModel(VLLM_TPU, fp32_divide, True,
                 "vLLM from its first merged TPU fp8 commit (July 2025), vllm/v1/attention/backends/pallas.py "
                 "write_to_kv_cache: "
                 "key.to(torch.float32) / k_scale; torch.clamp(key, finfo.min, finfo.max); key.to(fp8)", _CLAMPS,
@@ -156,7 +158,7 @@ _BY_NAME = {model.name: model for model in ENGINE_MODELS}
 RELEASED = tuple(m.name for m in ENGINE_MODELS if m.released)
 BUGS = tuple(m.name for m in ENGINE_MODELS if not m.released)
 # The runtime's default write: the correct one (vLLM TPU's, the backend whose layout the runtime keeps).
-DEFAULT_ENGINE = "vllm-tpu"
+DEFAULT_ENGINE = VLLM_TPU
 # `fp8kv eval` scores whole task suites per engine: by default one engine that clamps and one that does not.
 EVAL_ENGINES = (DEFAULT_ENGINE, "sglang")
 ALL = "all"

@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from fp8kv.checks import FAIL, Finding
+from fp8kv.engine_models import VLLM_TPU
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.runtime.attention import XLA_KERNEL
 from fp8kv.runtime.kernel_rule import fp8_kernel_note
-
-VLLM_TPU = "vllm-tpu"
 
 
 def tpu_kernel_reasons(device_kind: str, geometry: AttentionGeometry, calls: Mapping[str, int],
