@@ -187,10 +187,10 @@ def test_verify_runs_on_xla_cpu(calibrated, texts, tmp_path):
     assert held.accuracy.kl_mean < 1e-3 and held.accuracy.top1_agreement > 0.9
     assert result.verdict in ("PASS", "WARN") and not [r for r in report.reasons if r.level == "FAIL"]
     runtime = held.runtime
-    assert runtime["attention"] == "torch_xla.ragged_paged_attention (reference)" and runtime["use_kernel"] is False
-    assert runtime["attention_numerics"] == "xla-reference"
-    assert runtime["compiles"]["warmup"] > 0 and runtime["compiles"]["timed"] == 0
-    assert runtime["xla_cpu_fallbacks_per_decode_step"] >= 0
+    assert runtime.attention == "torch_xla.ragged_paged_attention (reference)" and runtime.use_kernel is False
+    assert runtime.attention_numerics == "xla-reference"
+    assert runtime.compiles.warmup > 0 and runtime.compiles.timed == 0
+    assert runtime.xla_cpu_fallbacks_per_decode_step >= 0
 
 
 def test_the_bundled_model_calibrated_by_fp8kv_verifies_on_its_held_out_split(tmp_path):

@@ -21,8 +21,8 @@ from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import WeightsMismatch
 from fp8kv.checkpoint.writer import check_writable_location
 from fp8kv.errors import Fp8kvError
-from fp8kv.json_fields import to_json_value
 from fp8kv.engine_models import RELEASED
+from fp8kv.inspection import scale_rows
 from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
 from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime import xla_cost
@@ -107,8 +107,8 @@ def build_report(static: StaticResult, device: str, thresholds: Thresholds, reas
         checkpoint=str(readout.source.path),
         # Exactly what was judged: card and push refuse this report once the folder differs.
         digest=checkpoint_digest(readout.source.path),
-        device=device, convention=static.convention, kv_dtype=readout.kv_dtype, thresholds=thresholds.as_dict(),
-        static=static.summary(), scales=readout.scales.rows() if readout.scales else [], held_out=held_out,
+        device=device, convention=static.convention, kv_dtype=readout.kv_dtype, thresholds=thresholds,
+        static=static.summary(), scales=scale_rows(readout.scales), held_out=held_out,
         verdict=outcome, exit_code=EXIT_CODES[outcome], timings_s=timings, reasons=tuple(reasons),
     )
 
@@ -211,7 +211,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     reasons += tpu_kernel_reasons(device, source.geometry, runners.fp8.calls, request.engines)
     measured_all = replace(
         text, accuracy=measured, generation=matched, readback=readback, layers=layers,
-        runtime=to_json_value(xla_cost.summarize(runners.fp8, prompts[0], compiles_before)),
+        runtime=xla_cost.summarize(runners.fp8, prompts[0], compiles_before),
         engines=tuple(engine_results),
         query=query, fidelity=reference, generation_details=details,
     )
