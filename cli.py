@@ -257,14 +257,13 @@ def inspect_command(
     """Show which KV-scale conventions a checkpoint uses, its per-layer K/V scales, and what looks wrong."""
     import json
 
-    from fp8kv.console import print_inspect_report
     from fp8kv.inspection import inspect_checkpoint
 
     report = inspect_checkpoint(model)
     if as_json:
-        typer.echo(json.dumps(report, indent=2))
+        typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        print_inspect_report(report)
+        report.show()
 
 
 @app.command("convert", cls=_Command)

@@ -1,8 +1,9 @@
-"""Display: markdown tables for reports and cards, and the text `fp8kv inspect` prints."""
+"""Display: the one number format, the per-layer table, markdown and console tables for reports and cards."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 # The per-layer columns any table may show, in this order, with their headers; a table shows those its rows have.
@@ -37,12 +38,17 @@ def _percent(share: float) -> str:
     return f"{shown:.2f} %" if shown == 0 or abs(shown) >= 1 else f"{shown:.3g} %"
 
 
-def layer_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+def layer_table(rows: Sequence[Any]) -> tuple[list[str], list[list[str]]]:
     """The per-layer table every report shows (calibrate, inspect, verify's report, the card): the headers of
-    the `LAYER_COLUMNS` the rows have, and each row's cells through `fmt_number`."""
-    keys = [key for key in LAYER_COLUMNS if any(row.get(key) is not None for row in rows)]
-    cells = [[fmt_number(row.get(key), percent=key.endswith("saturation")) for key in keys] for row in rows]
+    the `LAYER_COLUMNS` the rows have (mappings, or frozen row types read by attribute), and each row's cells
+    through `fmt_number`."""
+    keys = [key for key in LAYER_COLUMNS if any(_cell(row, key) is not None for row in rows)]
+    cells = [[fmt_number(_cell(row, key), percent=key.endswith("saturation")) for key in keys] for row in rows]
     return [LAYER_COLUMNS[key] for key in keys], cells
+
+
+def _cell(row: Any, key: str) -> Any:
+    return row.get(key) if isinstance(row, Mapping) else getattr(row, key, None)
 
 
 def markdown_table(head: list[str], rows: list[list[str]]) -> str:
@@ -59,22 +65,6 @@ def text_console(stderr: bool = False):
     from rich.console import Console
 
     return Console(stderr=stderr, soft_wrap=True)
-
-
-def print_inspect_report(report: dict[str, Any]) -> None:
-    """Render an `inspect_checkpoint` report as text tables on stdout."""
-    console = text_console()
-    console.print(f"[bold]{report['path']}[/bold] ({report['model_type']})")
-    console.print(f"convention: {', '.join(report['conventions']) or 'none'}   kv dtype: {report['kv_dtype']}   "
-                  f"strategy: {report['strategy'] or '-'}   kv heads: {report['num_kv_heads']}")
-    if report.get("latent"):
-        latent = report["latent"]
-        console.print(f"MLA latent cache: kv_lora_rank {latent['kv_lora_rank']} + rope key "
-                      f"{latent['qk_rope_head_dim']} values per token, one scale per layer (k_scale; v_scale repeats it)")
-    if report["layers"]:
-        console.print(rich_table(*layer_table(report["layers"])))
-    for note in report["warnings"]:
-        console.print(f"[yellow]warning:[/yellow] {note}")
 
 
 def rich_table(head: list[str], rows: list[list[str]], title: str | None = None):

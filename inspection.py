@@ -1,48 +1,120 @@
-"""`fp8kv inspect`: what a checkpoint's KV scales are, where they came from, and what the checks find."""
+"""`fp8kv inspect`: what a checkpoint's KV scales are, where they came from, and what the checks find.
+
+The types here need no torch: verify's report holds `ScaleRow`s, and the card reads that report.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.checkpoint.provenance import LayerRecord, read_provenance
-from fp8kv.checkpoint.reader import ScaleReadout, read_kv_scales
 from fp8kv.checks import check_readout
+from fp8kv.console import layer_table, rich_table, text_console
+from fp8kv.json_fields import to_json_value
+
+if TYPE_CHECKING:
+    from fp8kv.checkpoint.kvscales import KVScales
+    from fp8kv.geometry import LatentCache
+
+Scale = float | tuple[float, ...]  # one per tensor, or one per KV head (--per-head)
 
 
+@dataclass(frozen=True)
+class ScaleRow:
+    """One layer's K and V scales as the checkpoint holds them."""
 
-def inspect_checkpoint(model_dir: str | Path) -> dict[str, Any]:
-    """A JSON-ready report: conventions, kv dtype, per-layer scales (and amax/saturation), warnings."""
+    layer: int
+    k_scale: Scale
+    v_scale: Scale
+
+
+@dataclass(frozen=True)
+class InspectLayer(ScaleRow):
+    """A layer of `fp8kv inspect`: the file's scales, its q_scale, and the amax and saturation fp8kv recorded
+    when it wrote them (None: not in the file, or not written by fp8kv calibrate)."""
+
+    q_scale: float | None = None
+    k_amax: float | None = None
+    v_amax: float | None = None
+    k_saturation: float | None = None
+    v_saturation: float | None = None
+
+
+@dataclass(frozen=True)
+class InspectReport:
+    """What `fp8kv inspect` found: conventions, kv dtype, per-layer scales, and the checks' warnings."""
+
+    path: str
+    model_type: str
+    conventions: tuple[str, ...]
+    declared: dict[str, bool]  # convention -> whether the config files declare it
+    kv_dtype: str | None
+    strategy: str | None
+    num_kv_heads: int
+    kv_layers: tuple[int, ...]
+    latent: LatentCache | None
+    layers: tuple[InspectLayer, ...]
+    warnings: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `--json` object; a layer leaves out what the checkpoint does not record (q_scale, amax, saturation)."""
+        always = {f.name for f in fields(ScaleRow)}
+        out = to_json_value(self)
+        out["layers"] = [{key: value for key, value in to_json_value(row).items()
+                          if key in always or getattr(row, key) is not None} for row in self.layers]
+        return out
+
+    def show(self) -> None:
+        """Print the report as text tables on stdout."""
+        console = text_console()
+        console.print(f"[bold]{self.path}[/bold] ({self.model_type})")
+        console.print(f"convention: {', '.join(self.conventions) or 'none'}   kv dtype: {self.kv_dtype}   "
+                      f"strategy: {self.strategy or '-'}   kv heads: {self.num_kv_heads}")
+        if self.latent is not None:
+            console.print(f"MLA latent cache: kv_lora_rank {self.latent.kv_lora_rank} + rope key "
+                          f"{self.latent.qk_rope_head_dim} values per token, one scale per layer (k_scale; v_scale "
+                          "repeats it)")
+        if self.layers:
+            console.print(rich_table(*layer_table(self.layers)))
+        for note in self.warnings:
+            console.print(f"[yellow]warning:[/yellow] {note}")
+
+
+def inspect_checkpoint(model_dir: str | Path) -> InspectReport:
+    """The checkpoint's conventions, kv dtype, per-layer scales (and amax/saturation), and warnings."""
+    from fp8kv.checkpoint.reader import read_kv_scales  # torch: only when a checkpoint is read
+
     readout = read_kv_scales(resolve_model(str(model_dir)))
-    source = readout.source
+    source, scales = readout.source, readout.scales
     provenance = read_provenance(source.path)
-    return {
-        "path": str(source.path),
-        "model_type": source.geometry.model_type,
-        "conventions": list(readout.conventions),
-        "declared": readout.declared,
-        "kv_dtype": readout.kv_dtype,
-        "strategy": readout.scales.strategy if readout.scales else None,
-        "num_kv_heads": source.geometry.num_kv_heads,
-        "kv_layers": list(source.geometry.kv_layers),
-        "latent": None if source.geometry.latent is None else asdict(source.geometry.latent),
-        "layers": _layer_rows(readout, provenance.layer_map() if provenance else {}),
-        "warnings": [finding.message for finding in check_readout(readout, provenance)],
-    }
+    recorded = provenance.layer_map() if provenance else {}
+    return InspectReport(
+        path=str(source.path), model_type=source.geometry.model_type, conventions=readout.conventions,
+        declared=readout.declared, kv_dtype=readout.kv_dtype, strategy=scales.strategy if scales else None,
+        num_kv_heads=source.geometry.num_kv_heads, kv_layers=tuple(source.geometry.kv_layers),
+        latent=source.geometry.latent,
+        layers=tuple(_layer_row(scales, layer, recorded.get(layer)) for layer in scales.layers) if scales else (),
+        warnings=tuple(finding.message for finding in check_readout(readout, provenance)),
+    )
 
 
-def _layer_rows(readout: ScaleReadout, provenance: dict[int, LayerRecord]) -> list[dict[str, Any]]:
-    """The file's scales per layer, with the amax and saturation fp8kv recorded when it wrote them."""
-    if readout.scales is None:
-        return []
-    rows = readout.scales.rows()
-    for row in rows:
-        if readout.scales.q is not None:
-            row["q_scale"] = readout.scales.q_value(row["layer"])
-        recorded = provenance.get(row["layer"])
-        if recorded is not None:
-            row.update(k_amax=recorded.k.amax, v_amax=recorded.v.amax, k_saturation=recorded.k.saturation,
-                       v_saturation=recorded.v.saturation)
-    return rows
+def scale_rows(scales: KVScales | None) -> tuple[ScaleRow, ...]:
+    """The file's K and V scales, one row per layer; none without scales."""
+    return tuple(ScaleRow(layer, *layer_scales(scales, layer)) for layer in scales.layers) if scales else ()
+
+
+def layer_scales(scales: KVScales, layer: int) -> tuple[Scale, Scale]:
+    """`layer`'s K and V scales: a float per tensor, a tuple per head."""
+    k, v = scales.values(layer)
+    return (k[0] if len(k) == 1 else tuple(k)), (v[0] if len(v) == 1 else tuple(v))
+
+
+def _layer_row(scales: KVScales, layer: int, recorded: LayerRecord | None) -> InspectLayer:
+    k, v = layer_scales(scales, layer)
+    if recorded is None:
+        return InspectLayer(layer, k, v, scales.q_value(layer))
+    return InspectLayer(layer, k, v, scales.q_value(layer), recorded.k.amax, recorded.v.amax,
+                        recorded.k.saturation, recorded.v.saturation)

@@ -62,8 +62,7 @@ def calibrated(source: Path, out: Path, attention: str = "kv") -> Path:
 def file_scales(folder: Path) -> dict[str, dict[str, float | None]]:
     """The scales `fp8kv inspect` reads from `folder`, per layer (per-tensor: one value each)."""
     report = inspect_checkpoint(folder)
-    return {str(row["layer"]): {"k": row["k_scale"], "v": row["v_scale"], "q": row.get("q_scale")}
-            for row in report["layers"]}
+    return {str(row.layer): {"k": row.k_scale, "v": row.v_scale, "q": row.q_scale} for row in report.layers}
 
 
 def cases(archs: list[str], root: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

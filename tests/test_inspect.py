@@ -17,6 +17,7 @@ from fp8kv.checkpoint.provenance import CacheRecord, LayerRecord, Provenance
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.cli import app
+from fp8kv.inspection import InspectReport
 from fp8kv.tools.factory import make_checkpoint
 from fp8kv.verify.static import static_checks
 from tests.test_interop_conventions import golden
@@ -147,10 +148,8 @@ def test_inspect_and_verify_show_each_finding_once(llama, tmp_path):
 
 def test_inspect_text_piped_to_a_file_keeps_each_line_whole(capsys) -> None:
     """Piped, rich would wrap at 80 columns mid-sentence; a log reader greps whole warnings."""
-    from fp8kv.console import print_inspect_report
-
     warning = "transformer.h.0.attn.k_scale (and 3 more): vLLM loads gpt2 scales as " + "x" * 120
-    print_inspect_report({"path": "/tmp/model", "model_type": "gpt2", "conventions": ["compressed-tensors"],
-                          "kv_dtype": "fp8_e4m3", "strategy": "tensor", "num_kv_heads": 4, "layers": [],
-                          "warnings": [warning]})
+    InspectReport(path="/tmp/model", model_type="gpt2", conventions=("compressed-tensors",), declared={},
+                  kv_dtype="fp8_e4m3", strategy="tensor", num_kv_heads=4, kv_layers=(), latent=None, layers=(),
+                  warnings=(warning,)).show()
     assert f"warning: {warning}" in capsys.readouterr().out.splitlines()

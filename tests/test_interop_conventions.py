@@ -284,7 +284,7 @@ def test_inspect_and_verify_read_a_kv_cache_scheme_under_either_key(base, tmp_pa
     readout = read_kv_scales(src)
     assert readout.declared["compressed-tensors"] and readout.has_kv_cache_scheme
     assert not [f for f in check_readout(readout) if "kv_cache_scheme" in f.message]
-    assert inspect_checkpoint(src)["declared"]["compressed-tensors"] is True
+    assert inspect_checkpoint(src).declared["compressed-tensors"] is True
     assert static_checks(src).summary()["has_kv_cache_scheme"] is True
 
 

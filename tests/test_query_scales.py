@@ -81,8 +81,8 @@ def test_q_scale_is_written_as_compressed_tensors_attention_scheme(calibrated) -
     assert qc["kv_cache_scheme"]["strategy"] == "tensor"
     names = sorted(SourceCheckpoint.open(out).weight_map)
     assert "model.layers.0.self_attn.q_scale" in names and "model.layers.1.self_attn.q_scale" in names
-    rows = inspect_checkpoint(out)["layers"]
-    assert all(row["q_scale"] > 0 for row in rows)
+    rows = inspect_checkpoint(out).layers
+    assert all(row.q_scale > 0 for row in rows)
 
 
 def test_convert_keeps_q_scale_in_compressed_tensors_and_drops_it_elsewhere(calibrated, tmp_path: Path) -> None:
