@@ -119,7 +119,8 @@ def test_attention_fp8_needs_compressed_tensors(factory_checkpoint, corpus: str,
 
 
 def test_verify_reports_the_cost_of_quantizing_q(calibrated, corpus: str, tmp_path: Path) -> None:
-    from fp8kv.verify.run import VerifyRequest, verify
+    from fp8kv.verify.request import VerifyRequest
+    from fp8kv.verify.run import verify
 
     _, out, _ = calibrated
     common = dict(data=DataRequest(corpus, num_samples=4, seq_len=48), batch_size=4, num_prompts=2, prompt_len=8,

@@ -23,7 +23,8 @@ from fp8kv.tools.factory import MOE_ARCHITECTURES, make_checkpoint  # noqa: E402
 from fp8kv.verify.results import Readback
 from fp8kv.verify.fidelity import MIN_BOUND  # noqa: E402
 from fp8kv.verify.report import VerifyReport  # noqa: E402
-from fp8kv.verify.run import VerifyRequest, verify  # noqa: E402
+from fp8kv.verify.request import VerifyRequest  # noqa: E402
+from fp8kv.verify.run import verify  # noqa: E402
 
 SCALES_FILE = "kv_scales.safetensors"
 SEQ_LEN = 48
