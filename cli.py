@@ -14,20 +14,22 @@ from typer.core import TyperCommand, TyperGroup
 from fp8kv import __version__
 from fp8kv.cli_conformance import conformance_app
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError, UsageError
-from fp8kv.evaluation.bundled_tasks import BUNDLED_TASKS
+from fp8kv.evaluation.request import EvalRequest
 from fp8kv.kvdtypes import FP8_MAX
 from fp8kv.calibrate.request import CalibrationRequest
 from fp8kv.data import DataRequest
-from fp8kv.engine_models import EVAL_ENGINES, parse_engines
+from fp8kv.engine_models import ALL, BUGS, RELEASED, parse_engines
 from fp8kv.options import (
     DEFAULT_HEADROOM, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
     TorchDeviceChoice, WriteMode, check_headroom, kv_dtype_name,
 )
+from fp8kv.verify.request import VerifyRequest
 
 DEBUG_ENV = "FP8KV_DEBUG"
-# calibrate's defaults are its request's (both import without torch): one home for each.
+# Each command's defaults are its request's (the requests import without torch): one home for each.
 _CAL = CalibrationRequest(model="")
-_DATA = _CAL.data
+_VERIFY = VerifyRequest(model_dir="")
+_EVAL = EvalRequest(model_dir=Path())
 
 
 BASE_MODEL_HELP = ("Hub id org/name of the model the scales are for (the card's base_model). Default: MODEL when it "
@@ -298,10 +300,10 @@ def _headroom(value: str) -> float:
 
 
 @app.command(cls=_Command)
-@reads_text(num_samples=_DATA.num_samples, seq_len=_DATA.seq_len, seed=_DATA.seed)
+@reads_text(num_samples=_CAL.data.num_samples, seq_len=_CAL.data.seq_len, seed=_CAL.data.seed)
 def calibrate(
     model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint folder, a Hub id org/name[@revision] (from the local cache when offline), or 'bundled' / 'bundled-outliers' for a bundled model."),
-    out: Path | None = typer.Option(None, "--out", help="Output folder (created atomically). Omit to only report scales."),
+    out: Path | None = typer.Option(_CAL.out, "--out", help="Output folder (created atomically). Omit to only report scales."),
     data: DataRequest = None,  # the text options, made one by @reads_text
     batch_size: int = typer.Option(_CAL.batch_size, "--batch-size", min=1, help="Samples per forward pass (right-padded; padding is never observed)."),
     kv_dtype: KvDtypeSpelling = typer.Option(
@@ -327,7 +329,7 @@ def calibrate(
     mode: ModeOpt = _CAL.mode,
     convention: Convention = typer.Option(_CAL.convention, "--format", help="Scale convention."),
     overwrite: OverwriteOpt = _CAL.overwrite,
-    base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
+    base_model: str | None = typer.Option(_CAL.base_model, "--base-model", help=BASE_MODEL_HELP),
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     device: TorchDeviceChoice = typer.Option(_CAL.device, "--device", help="Where calibration runs (auto: CUDA when available)."),
@@ -375,23 +377,23 @@ def calibrate(
 @app.command("verify", cls=_Command, help="Check a checkpoint's KV scales: present, read back exactly, safe and cheap in "
              "accuracy. The held-out text defaults to the bundled held-out split, never the calibration data."
              f"\n\n{EXIT_CODE_TABLE}")
-@reads_text(num_samples=16, seq_len=256)
+@reads_text(num_samples=_VERIFY.data.num_samples, seq_len=_VERIFY.data.seq_len, seed=_VERIFY.data.seed)
 def verify_command(
     model_dir: str = typer.Argument(
         ..., metavar="MODEL", help="Checkpoint with KV scales (any convention): a folder, a Hub id org/name[@revision], "
         "or 'bundled'.",
     ),
     data: DataRequest = None,  # the text options, made one by @reads_text
-    batch_size: int = typer.Option(4, "--batch-size", min=1, help="Samples per step."),
-    device: RuntimeDeviceOpt = "auto",
+    batch_size: int = typer.Option(_VERIFY.batch_size, "--batch-size", min=1, help="Samples per step."),
+    device: RuntimeDeviceOpt = _VERIFY.device,
     prompts: Path | None = typer.Option(
-        None, "--prompts", help="Text file, one prompt per line, for the greedy generations (default: held-out prefixes)."
+        _VERIFY.prompts, "--prompts", help="Text file, one prompt per line, for the greedy generations (default: held-out prefixes)."
     ),
-    num_prompts: int = typer.Option(4, "--num-prompts", min=1, help="Held-out prefixes used as prompts without --prompts."),
-    prompt_len: int = typer.Option(32, "--prompt-len", min=1, help="Tokens per held-out prefix prompt."),
-    new_tokens: int = typer.Option(8, "--new-tokens", min=1, help="Greedy decode steps per prompt."),
+    num_prompts: int = typer.Option(_VERIFY.num_prompts, "--num-prompts", min=1, help="Held-out prefixes used as prompts without --prompts."),
+    prompt_len: int = typer.Option(_VERIFY.prompt_len, "--prompt-len", min=1, help="Tokens per held-out prefix prompt."),
+    new_tokens: int = typer.Option(_VERIFY.new_tokens, "--new-tokens", min=1, help="Greedy decode steps per prompt."),
     report_dir: Path | None = typer.Option(
-        None, "--report", help="Report folder. Default: MODEL/verify when fp8kv wrote MODEL (its fp8kv.json is there), "
+        _VERIFY.report_dir, "--report", help="Report folder. Default: MODEL/verify when fp8kv wrote MODEL (its fp8kv.json is there), "
         "else ./fp8kv-verify/NAME: verify never writes into a folder fp8kv did not write.",
     ),
     thresholds_file: Path | None = typer.Option(
@@ -402,10 +404,9 @@ def verify_command(
         None, "--max-saturation", help="WARN when a layer clamps a larger share of K or V [file: 1e-4]."
     ),
     engine: str = typer.Option(
-        "", "--engine", show_default="every released engine", callback=_checked(parse_engines),
-        help="Engine models to run, comma-separated: vllm-cuda, vllm-tpu, vllm-triton, tpu-inference, "
-        "tpu-inference-v6e, sglang, tensorrt-llm; bugs: no-clamp, inverted-scale, scales-ignored, kv-swapped, "
-        "e5m2-read; 'all' is every one. A released engine whose logits go NaN/inf is a FAIL (docs/engines.md).",
+        ",".join(_VERIFY.engines), "--engine", show_default="every released engine", callback=_checked(parse_engines),
+        help=f"Engine models to run, comma-separated: {', '.join(RELEASED)}; bugs: {', '.join(BUGS)}; '{ALL}' is every "
+        "one. A released engine whose logits go NaN/inf is a FAIL (docs/engines.md).",
     ),
     unit_kl_ratio: float | None = typer.Option(
         None, "--unit-kl-ratio", help="WARN when mean KL exceeds this x the unit-scale KL [file: 1.25]."
@@ -416,13 +417,13 @@ def verify_command(
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     quantize_query: bool = typer.Option(
-        False, "--quantize-query", help="Also quantize Q with the checkpoint's q_scale (fp8 attention) and report the cost."
+        _VERIFY.quantize_query, "--quantize-query", help="Also quantize Q with the checkpoint's q_scale (fp8 attention) and report the cost."
     ),
 ) -> None:
     _leave_out_xla(device)
     from fp8kv.progress import StageProgress
     from fp8kv.verify.report import show
-    from fp8kv.verify.run import VerifyRequest, verify
+    from fp8kv.verify.run import verify
     from fp8kv.verify.verdict import load_thresholds
 
     thresholds = load_thresholds(
@@ -445,20 +446,20 @@ def verify_command(
 def eval_command(
     model_dir: Path = typer.Argument(..., metavar="DIR", help="Checkpoint folder (KV scales in any convention), or 'bundled'."),
     tasks: str = typer.Option(
-        ",".join(BUNDLED_TASKS), "--tasks",
+        ",".join(_EVAL.tasks), "--tasks",
         help="Comma-separated lm_eval tasks (default: the bundled model's offline tasks).",
     ),
-    limit: int | None = typer.Option(None, "--limit", min=1, help="At most N items per task."),
+    limit: int | None = typer.Option(_EVAL.limit, "--limit", min=1, help="At most N items per task."),
     engines: str = typer.Option(
-        ",".join(EVAL_ENGINES), "--engines", callback=_checked(parse_engines),
+        ",".join(_EVAL.engines), "--engines", callback=_checked(parse_engines),
         help="Engine models to compare, comma-separated (fp8kv verify --help lists them).",
     ),
-    device: RuntimeDeviceOpt = "auto",
-    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Sequences per runner step."),
-    max_length: int | None = typer.Option(None, "--max-length", min=1, help="Longest sequence (default: the model's, at most 2048)."),
-    include_path: Path | None = typer.Option(None, "--include-path", help="Folder of extra lm_eval task YAMLs."),
+    device: RuntimeDeviceOpt = _EVAL.device,
+    batch_size: int = typer.Option(_EVAL.batch_size, "--batch-size", min=1, help="Sequences per runner step."),
+    max_length: int | None = typer.Option(_EVAL.max_length, "--max-length", min=1, help="Longest sequence (default: the model's, at most 2048)."),
+    include_path: Path | None = typer.Option(_EVAL.include_path, "--include-path", help="Folder of extra lm_eval task YAMLs."),
     report_dir: Path | None = typer.Option(
-        None, "--report", help="Results folder (default: DIR/eval, only when fp8kv wrote DIR)."
+        _EVAL.report_dir, "--report", help="Results folder (default: DIR/eval, only when fp8kv wrote DIR)."
     ),
 ) -> None:
     """Task scores (lm-evaluation-harness) on bf16, fp8 unit-scale and fp8 checkpoint-scale caches, per engine."""
@@ -468,7 +469,7 @@ def eval_command(
         typer.echo(f"fp8kv: error: fp8kv eval needs lm-evaluation-harness: {EVAL_EXTRA_HINT}", err=True)
         raise typer.Exit(ExitCode.USAGE)
     _leave_out_xla(device)
-    from fp8kv.evaluation.compare import EvalRequest, evaluate
+    from fp8kv.evaluation.compare import evaluate
     from fp8kv.progress import StageProgress
 
     request = EvalRequest(

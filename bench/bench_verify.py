@@ -26,7 +26,8 @@ from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.data import pad_id
 from fp8kv.models import BUNDLED_HELDOUT_TEXT, BUNDLED_MODEL_DIR
 from fp8kv.verify.report import VerifyReport
-from fp8kv.verify.run import VerifyRequest, verify
+from fp8kv.verify.request import VerifyRequest
+from fp8kv.verify.run import verify
 
 import common  # bench/common.py
 

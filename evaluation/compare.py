@@ -1,5 +1,6 @@
 """`fp8kv eval`: the same lm_eval tasks on a bf16 cache and on fp8 caches (unit and checkpoint scales, per engine).
 
+    from fp8kv.evaluation.request import EvalRequest
     result, folder = evaluate(EvalRequest(Path("ckpt"), tasks=("fp8kv_pydoc_mc",), limit=20))
 
 One copy of the weights serves every configuration; only the cache differs between runs.
@@ -7,7 +8,6 @@ One copy of the weights serves every configuration; only the cache differs betwe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -17,24 +17,9 @@ from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.artifacts import write_file_atomic
 from fp8kv.checkpoint.provenance import record_written
 from fp8kv.errors import Fp8kvError
+from fp8kv.evaluation.request import EvalRequest
 from fp8kv.evaluation.results import RESULTS_JSON, RESULTS_MD, ConfigScores, EvalResults, metric_values
 from fp8kv.evaluation.spec import CacheSpec
-from fp8kv.engine_models import EVAL_ENGINES
-
-
-@dataclass(frozen=True)
-class EvalRequest:
-    """What `fp8kv eval` runs: tasks (lm_eval names; the bundled ones need no include path) on every cache."""
-
-    model_dir: Path
-    tasks: tuple[str, ...]
-    limit: int | None = None
-    engines: tuple[str, ...] = EVAL_ENGINES
-    device: str = "auto"
-    batch_size: int = 8
-    max_length: int | None = None
-    include_path: Path | None = None
-    report_dir: Path | None = None  # None: DIR/eval when fp8kv wrote DIR
 
 
 def cache_specs(model_dir: Path, engines: tuple[str, ...]) -> list[CacheSpec]:

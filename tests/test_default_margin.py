@@ -23,7 +23,8 @@ from fp8kv.cli import app
 from fp8kv.errors import Fp8kvError
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT
 from fp8kv.tools.factory import ARCHITECTURES
-from fp8kv.verify.run import VerifyRequest, verify
+from fp8kv.verify.request import VerifyRequest
+from fp8kv.verify.run import verify
 
 SCALES_FILE = "kv_scales.safetensors"
 

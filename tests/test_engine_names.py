@@ -26,7 +26,8 @@ from fp8kv.data import DataRequest  # noqa: E402
 from fp8kv.inspection import ScaleRow, scale_rows  # noqa: E402
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT  # noqa: E402
 from fp8kv.tools.zoo import make_zoo_checkpoint  # noqa: E402
-from fp8kv.verify.run import VerifyRequest, verify  # noqa: E402
+from fp8kv.verify.request import VerifyRequest  # noqa: E402
+from fp8kv.verify.run import verify  # noqa: E402
 
 # Powers of two: exact in every dtype a scale passes through.
 K = {0: 0.015625, 1: 0.03125}

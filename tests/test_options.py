@@ -144,6 +144,14 @@ def test_reading_commands_import_no_torch(command, quickstart_output):
     assert proc.stdout.splitlines()[-2:] == ["exit 0", "False False"], (proc.stdout, proc.stderr)
 
 
+def test_the_requests_import_without_torch_or_lm_eval():
+    """The command line reads its defaults from the requests before it knows whether torch is needed."""
+    probe = ("import sys\nimport fp8kv.calibrate.request, fp8kv.verify.request, fp8kv.evaluation.request\n"
+             "print(sorted(m for m in ('torch', 'transformers', 'lm_eval', 'datasets') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "[]", (proc.stdout, proc.stderr)
+
+
 def test_help_shows_the_arguments_by_name():
     for command, argument in (("calibrate", "MODEL"), ("verify", "MODEL"), ("inspect", "MODEL"), ("eval", "DIR"),
                               ("card", "DIR"), ("push", "DIR")):
@@ -179,38 +187,59 @@ def test_third_party_notes_are_quiet_unless_verbose(tmp_path):
     assert _probe(["-v", "card", str(tmp_path)])[1] == "None 0 False"
 
 
-def _cli_defaults(command: str) -> dict[str, object]:
-    """Each option of `command` (its parameter name) -> the default the command line gives it."""
+# Each command's driver, as the command imports it, and the options that are not fields of its request: how
+# the output is shown, and verify's threshold overrides (folded into one `Thresholds` before the request).
+DRIVERS = {"calibrate": "fp8kv.calibrate.pipeline.calibrate", "verify": "fp8kv.verify.run.verify",
+           "eval": "fp8kv.evaluation.compare.evaluate"}
+NOT_REQUEST_FIELDS = {
+    "calibrate": {"json_output", "quiet"},
+    "verify": {"json_output", "quiet", "thresholds_file", "max_kl_mean", "max_saturation", "unit_kl_ratio",
+               "unit_ppl_ratio", "engine"},
+    "eval": set(),
+}
+
+
+def _request_from_bare_command_line(command: str, monkeypatch) -> object:
+    """The request `fp8kv COMMAND m` hands its driver, every option omitted (the driver is not run)."""
+    import typer
+
+    handed = []
+
+    def driver(request, progress=None):
+        handed.append(request)
+        raise typer.Exit(0)
+
+    monkeypatch.setattr(DRIVERS[command], driver)
+    result = CliRunner().invoke(app, [command, "m"])
+    assert result.exit_code == 0 and len(handed) == 1, result.output
+    return handed[0]
+
+
+@pytest.mark.parametrize("command", sorted(DRIVERS))
+def test_command_line_defaults_are_the_requests(command, monkeypatch):
+    """What a user gets by omitting every option is the request built with its own defaults, field by field
+    (conversions included: `--headroom auto`, `--engine` and `--tasks` as text)."""
+    from dataclasses import fields, replace
+    from pathlib import Path
+
     import typer.main
 
-    click_command = typer.main.get_command(app).commands[command]
-    return {param.name: param.default for param in click_command.params if not param.required}
-
-
-@pytest.mark.parametrize("command", ["calibrate", "verify", "eval"])
-def test_command_line_defaults_are_the_requests(command):
-    """What a user gets by omitting an option is what the library does by default."""
-    from dataclasses import MISSING, fields
-
     from fp8kv.calibrate.request import CalibrationRequest
-    from fp8kv.evaluation.compare import EvalRequest
-    from fp8kv.options import DEFAULT_HEADROOM
-    from fp8kv.verify.run import VerifyRequest
+    from fp8kv.evaluation.request import EvalRequest
+    from fp8kv.verify.request import VerifyRequest
+    from fp8kv.verify.verdict import load_thresholds
 
-    request = {"calibrate": CalibrationRequest(model="m"), "verify": VerifyRequest(model_dir="m"),
-               "eval": EvalRequest(model_dir="m", tasks=())}[command]
-    cli = _cli_defaults(command)
-    shared = {f.name for f in fields(request) if f.default is not MISSING or f.default_factory is not MISSING} & set(cli)
-    assert len(shared) >= 4, shared
-    as_cli = {"engines": ",".join(getattr(request, "engines", ())), "kv_dtype": getattr(request, "kv_dtype", None)}
-    for name in shared - {"headroom"}:  # "auto" on the command line; checked below
-        expected = as_cli.get(name, getattr(request, name))
-        if name == "engines" and command == "verify":
-            expected = "all"
-        assert cli[name] == expected, (command, name, cli[name], expected)
-    data = getattr(request, "data", None)
-    if data is not None:
-        assert {k: cli[k] for k in ("num_samples", "seq_len", "seed")} == \
-            {"num_samples": data.num_samples, "seq_len": data.seq_len, "seed": data.seed}
+    handed = _request_from_bare_command_line(command, monkeypatch)
     if command == "calibrate":
-        assert cli["headroom"] == "auto" and request.headroom == DEFAULT_HEADROOM
+        assert isinstance(handed, CalibrationRequest) and handed.command
+        assert replace(handed, command=None) == CalibrationRequest(model="m")
+    elif command == "verify":
+        assert isinstance(handed, VerifyRequest) and handed.thresholds == load_thresholds()
+        assert replace(handed, thresholds=None) == VerifyRequest(model_dir="m")
+    else:
+        assert handed == EvalRequest(model_dir=Path("m"))
+    # Every option is a field of the request (so the comparison above covers its default) or named as not one.
+    options = {param.name for param in typer.main.get_command(app).commands[command].params if not param.required}
+    data = getattr(handed, "data", None)
+    covered = {f.name for f in fields(handed)} | ({f.name for f in fields(data)} if data is not None else set())
+    assert options - covered == NOT_REQUEST_FIELDS[command]

@@ -24,7 +24,8 @@ from fp8kv.runtime.runner import PagedModelRunner  # noqa: E402
 from fp8kv.runtime.xla_cost import summarize  # noqa: E402
 from fp8kv.verify import accuracy as verify_accuracy  # noqa: E402
 from fp8kv.verify import run as verify_run  # noqa: E402
-from fp8kv.verify.run import VerifyRequest, verify  # noqa: E402
+from fp8kv.verify.request import VerifyRequest  # noqa: E402
+from fp8kv.verify.run import verify  # noqa: E402
 from fp8kv.verify.tpu import tpu_kernel_reasons  # noqa: E402
 
 PROMPT = [(7 * i + 11) % 500 + 4 for i in range(9)]

@@ -249,7 +249,8 @@ def verify_outcome(out_dir: Path, folder: Path) -> VerifyOutcome:
     from pydoc_data.topics import topics
 
     from fp8kv.data import DataRequest
-    from fp8kv.verify.run import VerifyRequest, verify
+    from fp8kv.verify.request import VerifyRequest
+    from fp8kv.verify.run import verify
 
     heldout = folder / "zoo-heldout.jsonl"
     heldout.write_text("".join(json.dumps({"text": topics[key][:600]}) + "\n"

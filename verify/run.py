@@ -1,6 +1,7 @@
 """The verify driver: static checks, held-out statistics, runtime checks, verdict, report.
 
-    from fp8kv.verify.run import VerifyRequest, verify
+    from fp8kv.verify.request import VerifyRequest
+    from fp8kv.verify.run import verify
     result = verify(VerifyRequest(Path("ckpt"), data=DataRequest("heldout.jsonl", num_samples=16)))
     result.verdict, result.exit_code, result.report_dir
 """
@@ -8,11 +9,11 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fp8kv.data import CalibrationData, DataRequest
+from fp8kv.data import CalibrationData
 from fp8kv.data import load_tokenizer
 from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.checkpoint.artifacts import VERIFY_DIR, is_fp8kv_output
@@ -21,13 +22,13 @@ from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import WeightsMismatch
 from fp8kv.checkpoint.writer import check_writable_location
 from fp8kv.errors import Fp8kvError
-from fp8kv.engine_models import RELEASED
 from fp8kv.inspection import scale_rows
 from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
 from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime import xla_cost
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, engines, fidelity, generation, heldout
+from fp8kv.verify.request import VerifyRequest
 from fp8kv.verify.report import REPORT_JSON, HeldOut, VerifyReport, write_report
 from fp8kv.verify.results import LayerCheck, QueryCost
 from fp8kv.verify.static import StaticResult, static_checks
@@ -38,25 +39,6 @@ from fp8kv.verify.verdict import (
 )
 
 DEFAULT_REPORT_ROOT = "fp8kv-verify"
-
-
-@dataclass(frozen=True)
-class VerifyRequest:
-    """Everything `verify` needs; defaults match the CLI's. `data.dataset=None` is the bundled held-out split."""
-
-    model_dir: Path | str  # a folder, a Hub id org/name[@revision], or "bundled"
-    data: DataRequest = field(default_factory=lambda: DataRequest(num_samples=16, seq_len=256))
-    batch_size: int = 4
-    prompts: Path | None = None  # one prompt per line; None: the first held-out samples' prefixes
-    num_prompts: int = 4
-    prompt_len: int = 32
-    new_tokens: int = 8
-    device: str = "auto"
-    page_size: int = 16
-    report_dir: Path | None = None  # None: see `report_location`
-    thresholds: Thresholds | None = None  # None: configs/verify.toml
-    engines: tuple[str, ...] = RELEASED  # engine models run through the runtime (verify.engines)
-    quantize_query: bool = False  # also run attention with Q quantized by the checkpoint's q_scale
 
 
 @dataclass(frozen=True)
