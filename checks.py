@@ -78,7 +78,7 @@ def _scale_findings(readout: ScaleReadout) -> list[Finding]:
     findings += [Finding(FAIL, line) for line in readout.scales.problems()]
     heads = readout.source.geometry.num_kv_heads
     if readout.scales.strategy == "attn_head":
-        sizes = {layer: readout.scales.k[layer].shape[0] for layer in readout.scales.layers}
+        sizes = {layer: len(readout.scales.k[layer]) for layer in readout.scales.layers}
         wrong = sorted(layer for layer, n in sizes.items() if n != heads)
         if wrong:
             findings.append(Finding(FAIL, f"layers {wrong}: per-head scales have {sizes[wrong[0]]} values but the "

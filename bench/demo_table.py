@@ -21,8 +21,6 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-import torch
-
 from fp8kv.data import DataRequest
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.checkpoint.locate import resolve_model
@@ -56,7 +54,7 @@ def rows_for(model_name: str, heldout_samples: int) -> list[Row]:
     model = kvcompare.Model.open(resolve_model(model_name))
     samples = model.data(BUNDLED_HELDOUT_TEXT, heldout_samples, CALIBRATION.seq_len).samples
     reference = model.run(samples, None)
-    unit = KVScales(k={i: torch.ones(1) for i in model.kv_layers}, v={i: torch.ones(1) for i in model.kv_layers})
+    unit = KVScales.from_floats(dict.fromkeys(model.kv_layers, 1.0), dict.fromkeys(model.kv_layers, 1.0))
     default = calibrated(model_name)
     tight = calibrated(model_name, headroom=1.0)
     mimic = calibrated(model_name, strategy="last-batch", batch_size=1, headroom=1.0)

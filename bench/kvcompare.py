@@ -61,7 +61,7 @@ class Model:
                last_batch: KVStatistics | None = None) -> tuple[ScaleTable, KVScales]:
         table = compute_scales(statistics, self.kv_layers, strategy=Strategy.parse(strategy), headroom=headroom,
                                last_batch=last_batch)
-        return table, KVScales(k=table.tensors(0), v=table.tensors(1))
+        return table, KVScales.from_tensors(k=table.tensors(0), v=table.tensors(1))
 
     def run(self, samples: list[list[int]], scales: KVScales | None, engine: str = "vllm-tpu") -> Run:
         """Prefill `samples` on a bf16 cache (`scales=None`) or an fp8 cache with `scales` and `engine`."""

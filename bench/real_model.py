@@ -72,7 +72,7 @@ def scales_of(model: kvcompare.Model, data: CalibrationData, headroom: float, st
 
 
 def seed_table(model: kvcompare.Model, calib: CalibrationData, held: list[list[int]], items: list[dict]) -> list[dict]:
-    unit = KVScales(k={i: torch.ones(1) for i in model.kv_layers}, v={i: torch.ones(1) for i in model.kv_layers})
+    unit = KVScales.from_floats(dict.fromkeys(model.kv_layers, 1.0), dict.fromkeys(model.kv_layers, 1.0))
     default, tight = scales_of(model, calib, DEFAULT_HEADROOM), scales_of(model, calib, 1.0)
     mimic = scales_of(model, calib, 1.0, "last-batch", batch_size=1)
     plan = [("bf16", "-", None, "-"), ("fp8", "unit (1.0)", unit, DEFAULT_ENGINE)]
@@ -95,8 +95,8 @@ def seed_table(model: kvcompare.Model, calib: CalibrationData, held: list[list[i
 def text_table(model: kvcompare.Model, texts: dict[str, CalibrationData], held: dict[str, list[list[int]]]) -> list[dict]:
     scales = {name: scales_of(model, data, DEFAULT_HEADROOM) for name, data in texts.items()}
     (real, real_scales), (_, generated_scales) = scales.items()
-    ratios = torch.tensor([float(generated_scales.k[i] / real_scales.k[i]) for i in model.kv_layers]
-                          + [float(generated_scales.v[i] / real_scales.v[i]) for i in model.kv_layers])
+    ratios = torch.tensor([generated_scales.k[i][0] / real_scales.k[i][0] for i in model.kv_layers]
+                          + [generated_scales.v[i][0] / real_scales.v[i][0] for i in model.kv_layers])
     rows = [{"table": "ratio", "min": float(ratios.min()), "median": float(ratios.median()),
              "max": float(ratios.max())}]
     for held_name, samples in held.items():

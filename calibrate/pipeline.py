@@ -108,8 +108,8 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
         allow_unobserved=request.allow_unobserved,
         last_batch=last_batch,
     )
-    scales = KVScales(k=table.tensors(0), v=table.tensors(1), kv_dtype=request.kv_dtype,
-                      q=None if query is None else query_scales(query, source.geometry.kv_layers, request))
+    scales = KVScales.from_tensors(k=table.tensors(0), v=table.tensors(1), kv_dtype=request.kv_dtype,
+                                   q=None if query is None else query_scales(query, source.geometry.kv_layers, request))
     warnings = [
         f"layer {layer}: nothing was observed (zero or no K/V); wrote scale 1.0 (--allow-unobserved)"
         for layer in table.defaulted
@@ -118,7 +118,7 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
                            source.geometry.kv_layers[0])
     warnings += [gap] if gap and request.out is not None else []
     query_rows = None if query is None else tuple(
-        QueryScaleRecord(i, float(query[i]), float(scales.q[i])) for i in source.geometry.kv_layers)
+        QueryScaleRecord(i, float(query[i]), scales.q[i]) for i in source.geometry.kv_layers)
     record = provenance(request, source, data, table, strategy, execution, query_rows)
     if request.out is not None and distributed.is_writer():
         announce(progress, f"writing {request.out}")

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import safe_open
-
 from fp8kv.checkpoint.conventions import HF_QUANT_CONFIG, is_vllm_json, parse_scale_name, quantization_block
-from fp8kv.checkpoint.kvscales import KVScales
-from fp8kv.checkpoint.source import SourceCheckpoint
+from fp8kv.checkpoint.kvscales import KVScales, Shaped, float32
+from fp8kv.checkpoint.source import FLOAT_FORMATS, SourceCheckpoint, read_float_values
 from fp8kv.geometry import read_json
 from fp8kv.errors import Fp8kvError
 from fp8kv.kvdtypes import TORCH_DTYPE_NAME, kv_dtype_from_file
@@ -19,7 +17,12 @@ from fp8kv.options import DEFAULT_KV_DTYPE
 
 # Reading order: exact per-K/V conventions first, the one-value-per-layer ones last.
 _ORDER = ("compressed-tensors", "modelopt", "quark", "kv_scale", "vllm-json")
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# A per-head scale has one value per KV head; a longer vector is not a scale, and is never read.
+_MAX_HEADS = 2**16
+# Error messages name a dtype as torch spells it, which is how users write their checkpoints.
+_TORCH_SPELLING = {"BOOL": "torch.bool", "U8": "torch.uint8", "I8": "torch.int8", "I16": "torch.int16",
+                   "U16": "torch.uint16", "I32": "torch.int32", "U32": "torch.uint32", "I64": "torch.int64",
+                   "U64": "torch.uint64", "F8_E4M3": "torch.float8_e4m3fn", "F8_E5M2": "torch.float8_e5m2"}
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,9 @@ def read_kv_scales(model_dir: str | Path) -> ScaleReadout:
     scales = None
     if complete:
         with_query = all("q" in kv for kv in complete.values())
-        scales = KVScales(k={i: kv["k"] for i, kv in complete.items()},
-                          v={i: kv["v"] for i, kv in complete.items()}, kv_dtype=kv_dtype,
-                          q={i: kv["q"] for i, kv in complete.items()} if with_query else None)
+        scales = KVScales.from_shaped(k={i: kv["k"] for i, kv in complete.items()},
+                                      v={i: kv["v"] for i, kv in complete.items()}, kv_dtype=kv_dtype,
+                                      q={i: kv["q"] for i, kv in complete.items()} if with_query else None)
     kv_layers = source.geometry.kv_layers
     conventions = tuple(c for c in _ORDER if c in found)
     return ScaleReadout(
@@ -77,37 +80,38 @@ def read_kv_scales(model_dir: str | Path) -> ScaleReadout:
     )
 
 
-def _tensor_scales(source: SourceCheckpoint) -> dict[str, dict[int, dict[str, torch.Tensor]]]:
-    """convention -> layer -> {"k"|"v": float32 tensor}, reading only the scale tensors."""
-    found: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+def _tensor_scales(source: SourceCheckpoint) -> dict[str, dict[int, dict[str, Shaped]]]:
+    """convention -> layer -> {"k"|"v"|"q": (shape, values)}, reading only the scale tensors' bytes."""
+    found: dict[str, dict[int, dict[str, Shaped]]] = {}
     for file in source.weight_files:
-        wanted = [(t, parse_scale_name(t)) for t in source.headers[file]]
-        wanted = [(t, parsed) for t, parsed in wanted if parsed is not None]
-        if not wanted:
-            continue
-        with safe_open(str(source.path / file), framework="pt") as handle:
-            for tensor_name, (layer, kind, convention) in wanted:
-                tensor = _checked(handle.get_tensor(tensor_name), tensor_name, file)
-                for part in ("k", "v") if kind == "kv" else (kind,):
-                    found.setdefault(convention, {}).setdefault(layer, {})[part] = tensor
+        header = source.headers[file]
+        wanted = {t: parsed for t in header if (parsed := parse_scale_name(t)) is not None}
+        shapes = {t: _checked(header[t], t, file) for t in wanted}
+        values = read_float_values(source.path / file, {t: header[t] for t in wanted})
+        for tensor_name, (layer, kind, convention) in wanted.items():
+            for part in ("k", "v") if kind == "kv" else (kind,):
+                found.setdefault(convention, {}).setdefault(layer, {})[part] = shapes[tensor_name], values[tensor_name]
     return found
 
 
-def _checked(tensor: torch.Tensor, name: str, file: str) -> torch.Tensor:
-    """A scale as float32 of shape [1] or [H, 1, 1]; anything else is an error naming the tensor."""
-    if tensor.dtype not in _FLOAT_DTYPES:
-        raise Fp8kvError(f"{file}: scale tensor {name} has dtype {tensor.dtype}; a KV scale must be a float")
-    if tensor.numel() == 1 and tensor.dim() <= 1:
-        return tensor.reshape(1).to(torch.float32)
-    if tensor.dim() == 3 and tensor.shape[1:] == (1, 1) or tensor.dim() == 1:
-        return tensor.reshape(-1, 1, 1).to(torch.float32)
+def _checked(entry: dict[str, Any], name: str, file: str) -> tuple[int, ...]:
+    """The shape a scale of header `entry` reads as, [1] or [H, 1, 1]; anything else is an error naming it."""
+    dtype, shape = entry["dtype"], entry["shape"]
+    if dtype not in FLOAT_FORMATS:
+        raise Fp8kvError(f"{file}: scale tensor {name} has dtype {_TORCH_SPELLING.get(dtype, dtype)}; "
+                         "a KV scale must be a float")
+    count = math.prod(shape) if all(isinstance(n, int) and not isinstance(n, bool) for n in shape) else -1
+    if count == 1 and len(shape) <= 1:
+        return (1,)
+    if 1 <= count <= _MAX_HEADS and (len(shape) == 3 and shape[1:] == [1, 1] or len(shape) == 1):
+        return count, 1, 1
     raise Fp8kvError(
-        f"{file}: scale tensor {name} has shape {list(tensor.shape)}; expected [] or [1] (per tensor) "
+        f"{file}: scale tensor {name} has shape {shape}; expected [] or [1] (per tensor) "
         "or [num_kv_heads, 1, 1] (per head)"
     )
 
 
-def _vllm_json_scales(path: Path) -> tuple[dict[int, dict[str, torch.Tensor]], str]:
+def _vllm_json_scales(path: Path) -> tuple[dict[int, dict[str, Shaped]], str]:
     data = read_json(path)
     cache = data["kv_cache"]  # a dict: is_vllm_json checked it
     dtype = kv_dtype_from_file(str(cache.get("dtype", TORCH_DTYPE_NAME[DEFAULT_KV_DTYPE])))
@@ -123,7 +127,7 @@ def _vllm_json_scales(path: Path) -> tuple[dict[int, dict[str, torch.Tensor]], s
         raise Fp8kvError(f"{path}: kv_cache.scaling_factor must map rank -> {{layer number: scale}}")
     exact = data.get("fp8kv") if isinstance(data.get("fp8kv"), dict) else {}
     exact_k, exact_v = (exact.get(key) if isinstance(exact.get(key), dict) else {} for key in ("k_scale", "v_scale"))
-    table: dict[int, dict[str, torch.Tensor]] = {}
+    table: dict[int, dict[str, Shaped]] = {}
     for layer, value in first.items():
         shared = _scalar(value, path, layer)
         k, v = exact_k.get(layer), exact_v.get(layer)
@@ -138,15 +142,15 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _scalar(value: Any, path: Path, layer: str) -> torch.Tensor:
+def _scalar(value: Any, path: Path, layer: str) -> Shaped:
     if not _number(value):
         raise Fp8kvError(f"{path}: layer {layer} scale {value!r} is not a number")
-    return torch.tensor([float(value)], dtype=torch.float32)
+    return (1,), (float32(float(value)),)
 
 
-def _merge(found: dict[str, dict[int, dict[str, torch.Tensor]]]) -> dict[int, dict[str, torch.Tensor]]:
+def _merge(found: dict[str, dict[int, dict[str, Shaped]]]) -> dict[int, dict[str, Shaped]]:
     """The union over conventions; where two hold a layer, they must agree."""
-    merged: dict[int, dict[str, torch.Tensor]] = {}
+    merged: dict[int, dict[str, Shaped]] = {}
     origin: dict[tuple[int, str], str] = {}
     for convention in _ORDER:
         for layer, table in sorted(found.get(convention, {}).items()):
@@ -164,23 +168,25 @@ def _merge(found: dict[str, dict[int, dict[str, torch.Tensor]]]) -> dict[int, di
     return merged
 
 
-def _agree(a: torch.Tensor, b: torch.Tensor, layer: int, kind: str, first: str, second: str) -> None:
-    if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-6, atol=0.0):
+def _agree(a: Shaped, b: Shaped, layer: int, kind: str, first: str, second: str) -> None:
+    close = all(x == y or abs(x - y) <= 1e-6 * abs(y) for x, y in zip(a[1], b[1]))
+    if a[0] != b[0] or not close:
         raise Fp8kvError(
             f"layer {layer}: {first} {kind}_scale {_show(a)} disagrees with {second} {kind}_scale {_show(b)}; "
             "remove one of them (fp8kv convert writes a single convention)"
         )
 
 
-def _agree_shared(known: dict[str, torch.Tensor] | None, shared: torch.Tensor, layer: int, convention: str,
+def _agree_shared(known: dict[str, Shaped] | None, shared: Shaped, layer: int, convention: str,
                   origin: dict[tuple[int, str], str]) -> None:
     if known and "k" in known and "v" in known:
-        larger = torch.maximum(known["k"].max(), known["v"].max()).reshape(1)
-        _agree(larger, shared, layer, "kv", origin[(layer, "k")] + " max(k,v)", convention)
+        values = known["k"][1] + known["v"][1]
+        larger = math.nan if any(map(math.isnan, values)) else max(values)  # a NaN never agrees
+        _agree(((1,), (larger,)), shared, layer, "kv", origin[(layer, "k")] + " max(k,v)", convention)
 
 
-def _show(t: torch.Tensor) -> str:
-    values = t.flatten().tolist()
+def _show(scale: Shaped) -> str:
+    values = list(scale[1])
     return repr(values[0]) if len(values) == 1 else repr(values)
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,6 +135,31 @@ def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
     for name, entry in header.items():
         _check_entry(path, name, entry, data_size)
     return header
+
+
+# safetensors' float dtypes -> (struct code, bytes per value); a bf16 value is the high half of a float32's bytes.
+FLOAT_FORMATS = {"F64": ("d", 8), "F32": ("f", 4), "F16": ("e", 2), "BF16": ("f", 2)}
+
+
+def read_float_values(path: Path, entries: dict[str, dict[str, Any]]) -> dict[str, tuple[float, ...]]:
+    """The values of the float tensors `entries` (name -> header entry) of the safetensors file `path`, read
+    by their offsets without torch; for scales and other small tensors (the caller checks each shape first)."""
+    values = {}
+    with open(path, "rb") as handle:
+        start = 8 + int.from_bytes(handle.read(8), "little")
+        for name, entry in entries.items():
+            dtype, count = entry["dtype"], math.prod(entry["shape"])
+            code, size = FLOAT_FORMATS[dtype]
+            begin, end = entry["data_offsets"]
+            if end - begin != count * size:
+                raise Fp8kvError(f"{path}: tensor {name!r} holds {end - begin} bytes, but {count} {dtype} values "
+                                 f"take {count * size}; the file is corrupt")
+            handle.seek(start + begin)
+            raw = handle.read(end - begin)
+            if dtype == "BF16":  # little-endian: two zero low bytes, then the stored high half
+                raw = b"".join(b"\0\0" + raw[i:i + 2] for i in range(0, len(raw), 2))
+            values[name] = struct.unpack(f"<{count}{code}", raw)
+    return values
 
 
 def _check_entry(path: Path, name: str, entry: Any, data_size: int) -> None:

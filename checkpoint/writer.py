@@ -93,7 +93,7 @@ def check_scales_fit(source: SourceCheckpoint, scales: KVScales) -> None:
             f"{source.path}: scales do not match the layers that own a KV cache {list(geometry.kv_layers)}"
             f" (missing {missing}, unexpected {extra})"
         )
-    shape = tuple(scales.k[scales.layers[0]].shape)
+    shape = scales.shape
     if scales.strategy == "attn_head" and shape != (geometry.num_kv_heads, 1, 1):
         raise Fp8kvError(
             f"{source.path}: per-head scales have shape {list(shape)}, expected [{geometry.num_kv_heads}, 1, 1]"
@@ -207,12 +207,12 @@ def _write_scales(path: Path, source: SourceCheckpoint, scales: KVScales, conven
     tensors: dict[str, torch.Tensor] = {}
     for layer in scales.layers:
         k_name, v_name = scale_names(convention, modules[layer], model_type)
-        k, v = scales.k[layer], scales.v[layer]
+        k, v = scales.tensor("k", layer), scales.tensor("v", layer)
         if convention != "compressed-tensors":  # ModelOpt and Quark store 0-dim scalars
             k, v = k.reshape(()), v.reshape(())
         tensors[k_name], tensors[v_name] = k.contiguous(), v.contiguous()
         if scales.q is not None:
-            tensors[query_scale_name(modules[layer], model_type)] = scales.q[layer].contiguous()
+            tensors[query_scale_name(modules[layer], model_type)] = scales.tensor("q", layer)
     # Serialized in memory and written like every other file (safetensors' save_file creates it 0600).
     _write_bytes(path, save(tensors, metadata={"format": "pt"}))
     return dict.fromkeys(tensors, SCALES_FILE)

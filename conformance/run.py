@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.checkpoint.kvscales import KVScales, float32
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.conformance.pack import MODEL_DIR, ConformancePack, Prompt, read_answers, read_pack, \
@@ -140,5 +140,7 @@ def _floored(values: torch.Tensor) -> torch.Tensor:
 
 
 def _scaled(scales: KVScales, factor: float) -> KVScales:
-    return dataclasses.replace(scales, k={i: t * factor for i, t in scales.k.items()},
-                               v={i: t * factor for i, t in scales.v.items()})
+    # float32 arithmetic, as a float32 scale tensor times `factor`: the exact product of two float32 values rounded once
+    f = float32(factor)
+    return dataclasses.replace(scales, k={i: tuple(float32(x * f) for x in t) for i, t in scales.k.items()},
+                               v={i: tuple(float32(x * f) for x in t) for i, t in scales.v.items()})

@@ -54,7 +54,7 @@ def test_scales_match_transformers_cache(arch, tmp_path, corpus):
     samples = load_calibration_data(request.data, AutoTokenizer.from_pretrained(src)).samples
     reference = cache_amax(src, samples)  # [layers, 2, kv_heads]
     expected = (reference.amax(-1) / E4M3_MAX).float()  # [layers, 2]
-    got = torch.stack([torch.cat([result.scales.k[i], result.scales.v[i]]) for i in range(2)])
+    got = torch.tensor([[*result.scales.k[i], *result.scales.v[i]] for i in range(2)])
     torch.testing.assert_close(got, expected, rtol=3e-7, atol=0)
     assert (expected * E4M3_MAX).double().le(got.double() * E4M3_MAX + 0).all()
     # batches of 4 right-padded samples against one sample at a time: float32 matmuls may round differently
@@ -80,8 +80,8 @@ def test_all_zero_layer_refused_and_nothing_written(tmp_path, corpus):
         calibrate(CalibrationRequest(model=str(src), out=out, data=data_request(corpus, 2)))
     assert not out.exists()
     result = calibrate(CalibrationRequest(model=str(src), out=out, data=data_request(corpus, 2), allow_unobserved=True))
-    assert result.scales.k[1].item() == 1.0 and result.scales.v[1].item() == 1.0
-    assert result.scales.k[0].item() < 1.0 and result.table.defaulted == (1,)
+    assert result.scales.k[1] == (1.0,) and result.scales.v[1] == (1.0,)
+    assert result.scales.k[0][0] < 1.0 and result.table.defaulted == (1,)
     assert "layer 1" in result.warnings[0]
 
 
@@ -99,7 +99,7 @@ def test_sharded_overlay_links_weights_and_per_head_shapes(tmp_path, corpus):
     with safe_open(out / scale_file, "pt") as f:
         k1 = f.get_tensor("model.layers.1.self_attn.k_scale")
     assert k1.shape == (2, 1, 1) and k1.dtype == torch.float32
-    assert torch.equal(k1, result.scales.k[1])
+    assert torch.equal(k1, result.scales.tensor("k", 1))
     amax_heads = result.table.amax[1, 0]  # [kv_heads]
     assert torch.equal(k1, scale_from_amax(amax_heads).reshape(2, 1, 1))  # the one formula, bit for bit
     torch.testing.assert_close(k1.flatten(), amax_heads / E4M3_MAX, rtol=3e-7, atol=0)  # nextafter: a step at most
@@ -119,5 +119,5 @@ def test_headroom_and_e5m2(tmp_path, corpus):
     base = calibrate(CalibrationRequest(model=str(src), data=data_request(corpus, 2)))
     other = calibrate(CalibrationRequest(model=str(src), data=data_request(corpus, 2), kv_dtype="fp8_e5m2", headroom=2.0))
     amax = base.table.amax.amax(-1)  # [layers, 2]
-    got = torch.stack([torch.cat([other.scales.k[i], other.scales.v[i]]) for i in range(2)])
+    got = torch.tensor([[*other.scales.k[i], *other.scales.v[i]] for i in range(2)])
     torch.testing.assert_close(got, amax / 57344.0 * 2.0, rtol=3e-7, atol=0)

@@ -110,7 +110,8 @@ def quarter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bundled model with K/V scales a quarter of its calibrated ones: many values pass the fp8 range."""
     data = DataRequest(str(BUNDLED_CALIBRATION_TEXT), num_samples=8, seq_len=128)
     scales = calibrate(CalibrationRequest(model=str(BUNDLED_MODEL_DIR), data=data, device="cpu")).scales
-    quarter = KVScales(k={i: t / 4 for i, t in scales.k.items()}, v={i: t / 4 for i, t in scales.v.items()})
+    quarter = KVScales({i: tuple(x / 4 for x in t) for i, t in scales.k.items()},
+                       {i: tuple(x / 4 for x in t) for i, t in scales.v.items()})
     return write_checkpoint(BUNDLED_MODEL_DIR, tmp_path_factory.mktemp("quarter") / "ckpt", quarter)
 
 

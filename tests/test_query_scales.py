@@ -62,7 +62,7 @@ def test_q_scale_is_the_amax_of_q_after_q_norm_and_rope(calibrated) -> None:
     scales = read_kv_scales(out).scales
     assert scales is not None and scales.q is not None
     expected = query_amax(src, samples) / E4M3_MAX  # headroom 1.0: amax / 448
-    got = torch.cat([scales.q[i] for i in scales.layers])
+    got = torch.tensor([scales.q[i] for i in scales.layers])
     torch.testing.assert_close(got, expected, rtol=2e-6, atol=0)
     recorded = json.loads((out / "fp8kv.json").read_text())["query_scales"]
     assert [row["q_scale"] for row in recorded] == got.tolist()
@@ -89,7 +89,7 @@ def test_convert_keeps_q_scale_in_compressed_tensors_and_drops_it_elsewhere(cali
     _, out, _ = calibrated
     same = read_kv_scales(convert_checkpoint(out, tmp_path / "ct", "compressed-tensors")).scales
     assert same is not None and same.q is not None
-    assert all(torch.equal(same.q[i], read_kv_scales(out).scales.q[i]) for i in same.layers)
+    assert same.q == read_kv_scales(out).scales.q
     modelopt = read_kv_scales(convert_checkpoint(out, tmp_path / "mo", "modelopt")).scales
     assert modelopt is not None and modelopt.q is None
 

@@ -252,9 +252,9 @@ def test_readback_catches_a_scale_one_float32_step_off(calibrated):
     k, v = runtime_scales(scales, (0, 1))
     exact = PagedModelRunner(calibrated, device="cpu", cache_dtype="fp8_e4m3", k_scales=k, v_scales=v, max_model_len=16)
     assert readback(exact, scales) == Readback(equal=True, layers=2, mismatches=())
-    off = float(torch.nextafter(scales.v[1], torch.tensor([1.0]))[0])
+    off = float(torch.nextafter(scales.tensor("v", 1), torch.tensor([1.0]))[0])
     shifted = PagedModelRunner(calibrated, device="cpu", cache_dtype="fp8_e4m3", k_scales=k, v_scales={**v, 1: off},
                                max_model_len=16)
     mismatches = readback(shifted, scales).mismatches
     assert len(mismatches) == 2 and all(m.startswith("layer 1: v_scale in the ") for m in mismatches)
-    assert f"is [{off!r}], the file has [{scales.v[1].item()!r}]" in mismatches[0]
+    assert f"is [{off!r}], the file has [{scales.v[1][0]!r}]" in mismatches[0]

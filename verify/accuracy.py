@@ -90,9 +90,8 @@ def _reads(key: tuple) -> tuple:
 def runtime_scales(scales: KVScales, kv_layers: tuple[int, ...]) -> tuple[dict[int, Scale], dict[int, Scale]]:
     """The runner's scale arguments: a float per layer, or a list per KV head."""
 
-    def one(tensor: torch.Tensor) -> Scale:
-        values = tensor.flatten().tolist()
-        return values[0] if tensor.shape == (1,) else values
+    def one(values: tuple[float, ...]) -> Scale:
+        return values[0] if scales.strategy == "tensor" else list(values)
 
     return {i: one(scales.k[i]) for i in kv_layers}, {i: one(scales.v[i]) for i in kv_layers}
 
@@ -107,8 +106,8 @@ def readback(runner: PagedModelRunner, scales: KVScales) -> Readback:
     for row, layer in enumerate(cache.kv_layers):
         attn_k, attn_v = cache.scale_args(layer)
         heads = cache.layer_kv_heads(layer)  # the table's row is as wide as the layer with most KV heads
-        for name, held, attn, stored in (("k_scale", cache.scales[row, 0, :heads], attn_k, scales.k[layer]),
-                                         ("v_scale", cache.scales[row, 1, :heads], attn_v, scales.v[layer])):
+        for name, held, attn, stored in (("k_scale", cache.scales[row, 0, :heads], attn_k, scales.tensor("k", layer)),
+                                         ("v_scale", cache.scales[row, 1, :heads], attn_v, scales.tensor("v", layer))):
             for what, value in (("cache", held), ("attention", attn)):
                 if not _same_bits(value, stored):
                     mismatches.append(f"layer {layer}: {name} in the {what} is {_shown(value, stored)}, "

@@ -66,7 +66,7 @@ def max_ratio_rows(statistics: KVStatistics, scales: KVScales, kv_layers: tuple[
 
     def ratio(layer: int, kind: int) -> float:
         amax = statistics.amax[layer, kind].double()  # [kv_heads]
-        scale = (scales.k if kind == 0 else scales.v)[layer].flatten().double().expand_as(amax)
+        scale = scales.tensor("kv"[kind], layer).flatten().double().expand_as(amax)
         return float((amax / scale).max())
 
     return [LayerRatio(layer, ratio(layer, 0), ratio(layer, 1)) for layer in kv_layers]
