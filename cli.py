@@ -3,16 +3,16 @@
 import functools
 import inspect
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from typer.core import TyperCommand, TyperGroup
+from typer.core import TyperGroup
 
 from fp8kv import __version__
 from fp8kv.cli_conformance import conformance_app
+from fp8kv.cli_parse import Command, checked
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError, UsageError
 from fp8kv.evaluation.request import EvalRequest
 from fp8kv.kvdtypes import FP8_MAX
@@ -24,12 +24,14 @@ from fp8kv.options import (
     TorchDeviceChoice, WriteMode, check_headroom, kv_dtype_name,
 )
 from fp8kv.verify.request import VerifyRequest
+from fp8kv.verify.verdict import check_bound, load_thresholds
 
 DEBUG_ENV = "FP8KV_DEBUG"
 # Each command's defaults are its request's (the requests import without torch): one home for each.
 _CAL = CalibrationRequest(model="")
 _VERIFY = VerifyRequest(model_dir="")
 _EVAL = EvalRequest(model_dir=Path())
+_FILE_THRESHOLDS = load_thresholds()  # configs/verify.toml, which --help quotes
 
 
 BASE_MODEL_HELP = ("Hub id org/name of the model the scales are for (the card's base_model). Default: MODEL when it "
@@ -122,27 +124,6 @@ class _Group(TyperGroup):
             raise typer.Exit(ExitCode.CRASH) from None
 
 
-class _Command(TyperCommand):
-    """A command whose usage line names its arguments as their help does (MODEL, DIR), without typer's braces."""
-
-    def collect_usage_pieces(self, ctx) -> list[str]:
-        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)]
-
-
-def _checked(parse: Callable[[str], object]) -> Callable[[str | None], str | None]:
-    """A typer callback running fp8kv's own parser on an option's text: a bad value is a usage error (exit 2)
-    before anything heavy is imported."""
-    def callback(value: str | None) -> str | None:
-        if value is not None:
-            try:
-                parse(value)
-            except Fp8kvError as exc:
-                raise typer.BadParameter(re.sub(r"^--[\w-]+ ", "", str(exc))) from None
-        return value
-
-    return callback
-
-
 def _leave_out_xla(device: str) -> None:
     """transformers and accelerate import torch_xla whenever it is installed (8 s of a bundled-model verify);
     a run that cannot use it tells them not to, before they load (once loaded, the flag is moot)."""
@@ -199,7 +180,7 @@ def _root(
         quiet_libraries()
 
 
-@app.command(cls=_Command)
+@app.command(cls=Command)
 def card(
     out_dir: Path = typer.Argument(..., metavar="DIR", help="Folder written by `fp8kv calibrate`."),
     repo_id: str | None = typer.Option(
@@ -219,7 +200,7 @@ def card(
     typer.echo(f"Wrote {path}")
 
 
-@app.command(cls=_Command)
+@app.command(cls=Command)
 def push(
     out_dir: Path = typer.Argument(..., metavar="DIR", help="Folder written by `fp8kv calibrate`."),
     repo_id: str = typer.Option(..., "--repo-id", help="Hub model repository, e.g. org/name-fp8kv."),
@@ -249,7 +230,7 @@ def push(
     typer.echo(f"Uploaded {len(plan.files)} files ({human_size(plan.total_bytes)}) in one commit: {url}")
 
 
-@app.command("inspect", cls=_Command)
+@app.command("inspect", cls=Command)
 def inspect_command(
     model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint to inspect: a folder, a Hub id org/name (from the local cache), or 'bundled'."),
     as_json: JsonOpt = False,
@@ -266,9 +247,9 @@ def inspect_command(
         report.show()
 
 
-@app.command("convert", cls=_Command)
+@app.command("convert", cls=Command)
 def convert_command(
-    model: Path = typer.Argument(..., help="Checkpoint folder holding KV scales in any convention."),
+    model: Path = typer.Argument(..., metavar="DIR", help="Checkpoint folder holding KV scales in any convention."),
     convention: Convention = typer.Option(..., "--to", help="Target convention."),
     out: Path = typer.Option(..., "--out", help="Output folder (written atomically)."),
     overwrite: OverwriteOpt = False,
@@ -299,7 +280,7 @@ def _headroom(value: str) -> float:
         raise Fp8kvError(f"--headroom {value!r} is neither auto nor a number") from None
 
 
-@app.command(cls=_Command)
+@app.command(cls=Command)
 @reads_text(num_samples=_CAL.data.num_samples, seq_len=_CAL.data.seq_len, seed=_CAL.data.seed)
 def calibrate(
     model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint folder, a Hub id org/name[@revision] (from the local cache when offline), or 'bundled' / 'bundled-outliers' for a bundled model."),
@@ -311,14 +292,14 @@ def calibrate(
         f"(MAX {FP8_MAX['fp8_e5m2']:g}).",
     ),
     strategy: str = typer.Option(
-        _CAL.strategy, "--strategy", callback=_checked(Strategy.parse),
+        _CAL.strategy, "--strategy", callback=checked(Strategy.parse),
         help="Clip value mapped to MAX: amax (nothing saturates; amax/scale <= MAX guaranteed), "
         "percentile:P (P-th percentile of |x|), mse (least squared fp8 error), or last-batch (the amax of the "
         "last batch alone: llm-compressor's default observer, for comparison; use --batch-size 1 --headroom 1.0). "
         "percentile, mse and last-batch give scales below amax/MAX, so some values saturate.",
     ),
     headroom: str = typer.Option(
-        "auto", "--headroom", callback=_checked(_headroom),
+        "auto", "--headroom", callback=checked(_headroom),
         help="auto (the margin measured to keep unseen text inside fp8's range; docs/margin.md) or a factor "
         "F >= 1 multiplying every scale; 1.0 writes amax/MAX exactly.",
     ),
@@ -374,7 +355,7 @@ def calibrate(
         report.show(result, json_output=json_output)
 
 
-@app.command("verify", cls=_Command, help="Check a checkpoint's KV scales: present, read back exactly, safe and cheap in "
+@app.command("verify", cls=Command, help="Check a checkpoint's KV scales: present, read back exactly, safe and cheap in "
              "accuracy. The held-out text defaults to the bundled held-out split, never the calibration data."
              f"\n\n{EXIT_CODE_TABLE}")
 @reads_text(num_samples=_VERIFY.data.num_samples, seq_len=_VERIFY.data.seq_len, seed=_VERIFY.data.seed)
@@ -399,20 +380,20 @@ def verify_command(
     thresholds_file: Path | None = typer.Option(
         None, "--thresholds", help="TOML file overriding configs/verify.toml ([fail] kl_mean, [warn] saturation, ...)."
     ),
-    max_kl_mean: float | None = typer.Option(None, "--max-kl-mean", help="FAIL above this mean KL (nats) [file: 0.05]."),
+    max_kl_mean: float | None = typer.Option(None, "--max-kl-mean", callback=checked(check_bound), help=f"FAIL above this mean KL (nats) [file: {_FILE_THRESHOLDS.kl_mean:g}]."),
     max_saturation: float | None = typer.Option(
-        None, "--max-saturation", help="WARN when a layer clamps a larger share of K or V [file: 1e-4]."
+        None, "--max-saturation", callback=checked(check_bound), help=f"WARN when a layer clamps a larger share of K or V [file: {_FILE_THRESHOLDS.saturation:g}]."
     ),
     engine: str = typer.Option(
-        ",".join(_VERIFY.engines), "--engine", show_default="every released engine", callback=_checked(parse_engines),
+        ",".join(_VERIFY.engines), "--engine", show_default="every released engine", callback=checked(parse_engines),
         help=f"Engine models to run, comma-separated: {', '.join(RELEASED)}; bugs: {', '.join(BUGS)}; '{ALL}' is every "
         "one. A released engine whose logits go NaN/inf is a FAIL (docs/engines.md).",
     ),
     unit_kl_ratio: float | None = typer.Option(
-        None, "--unit-kl-ratio", help="WARN when mean KL exceeds this x the unit-scale KL [file: 1.25]."
+        None, "--unit-kl-ratio", callback=checked(check_bound), help=f"WARN when mean KL exceeds this x the unit-scale KL [file: {_FILE_THRESHOLDS.unit_kl_ratio:g}]."
     ),
     unit_ppl_ratio: float | None = typer.Option(
-        None, "--unit-ppl-ratio", help="WARN when perplexity exceeds this x the unit-scale one [file: 1.01]."
+        None, "--unit-ppl-ratio", callback=checked(check_bound), help=f"WARN when perplexity exceeds this x the unit-scale one [file: {_FILE_THRESHOLDS.unit_ppl_ratio:g}]."
     ),
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -420,15 +401,15 @@ def verify_command(
         _VERIFY.quantize_query, "--quantize-query", help="Also quantize Q with the checkpoint's q_scale (fp8 attention) and report the cost."
     ),
 ) -> None:
+    # A bad thresholds file is refused before torch loads.
+    thresholds = load_thresholds(
+        thresholds_file, kl_mean=max_kl_mean, saturation=max_saturation, unit_kl_ratio=unit_kl_ratio, unit_ppl_ratio=unit_ppl_ratio,
+    )
     _leave_out_xla(device)
     from fp8kv.progress import StageProgress
     from fp8kv.verify.report import show
     from fp8kv.verify.run import verify
-    from fp8kv.verify.verdict import load_thresholds
 
-    thresholds = load_thresholds(
-        thresholds_file, kl_mean=max_kl_mean, saturation=max_saturation, unit_kl_ratio=unit_kl_ratio, unit_ppl_ratio=unit_ppl_ratio,
-    )
     request = VerifyRequest(
         model_dir=model_dir, data=data,
         batch_size=batch_size, prompts=prompts, num_prompts=num_prompts, prompt_len=prompt_len,
@@ -442,7 +423,7 @@ def verify_command(
     raise typer.Exit(result.exit_code)
 
 
-@app.command("eval", cls=_Command)
+@app.command("eval", cls=Command)
 def eval_command(
     model_dir: Path = typer.Argument(..., metavar="DIR", help="Checkpoint folder (KV scales in any convention), or 'bundled'."),
     tasks: str = typer.Option(
@@ -451,7 +432,7 @@ def eval_command(
     ),
     limit: int | None = typer.Option(_EVAL.limit, "--limit", min=1, help="At most N items per task."),
     engines: str = typer.Option(
-        ",".join(_EVAL.engines), "--engines", callback=_checked(parse_engines),
+        ",".join(_EVAL.engines), "--engines", callback=checked(parse_engines),
         help="Engine models to compare, comma-separated (fp8kv verify --help lists them).",
     ),
     device: RuntimeDeviceOpt = _EVAL.device,

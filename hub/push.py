@@ -16,11 +16,12 @@ from fp8kv.checkpoint.locate import verify_command
 from fp8kv.checkpoint.artifacts import EVAL_DIR, PROVENANCE_FILE, VERIFY_DIR, write_file_atomic
 from fp8kv.checkpoint.provenance import record_written
 from fp8kv.errors import Fp8kvError
+from fp8kv.options import Verdict
 from fp8kv.hub.card import (
     CARD_FILE, REPORT_FILE, card_repo_id, check_replaceable, public_text, read_provenance, read_report, render_card,
 )
 
-PUSHABLE_VERDICTS = ("PASS", "WARN")
+PUSHABLE_VERDICTS: tuple[Verdict, ...] = ("PASS", "WARN")
 
 
 @dataclass(frozen=True)
