@@ -74,7 +74,7 @@ def write_checkpoint(
         if record is not None:
             files = tuple((name, file_digest(tmp / name)) for name in folder_files(tmp))
             (tmp / PROVENANCE_FILE).unlink(missing_ok=True)  # never write through a hard link into the source
-            _write_bytes(tmp / PROVENANCE_FILE, replace(record, files=files).to_json().encode())
+            _write_bytes(tmp / PROVENANCE_FILE, replace(record, files=files, geometry=source.geometry).to_json().encode())
         _fsync_dir(tmp)
         _swap_in(tmp, out)
     except BaseException:

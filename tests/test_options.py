@@ -177,9 +177,11 @@ def quickstart_output(tmp_path_factory):
 @pytest.mark.parametrize("command", [["--help"], ["--version"], *([name, "--help"] for name in (
     "calibrate", "verify", "eval", "inspect", "convert", "card", "push", "conformance")),
     *(["conformance", name, "--help"] for name in ("reference", "check", "simulate")), ["card", "{out}"],
-    ["push", "{out}", "--repo-id", "me/x", "--dry-run", "--force"]], ids=lambda c: " ".join(c[:1] + c[2:]))
+    ["push", "{out}", "--repo-id", "me/x", "--dry-run", "--force"], ["inspect", "{out}"], ["inspect", "{out}", "--json"]],
+    ids=lambda c: " ".join(c[:1] + c[2:]))
 def test_reading_commands_import_no_torch(command, quickstart_output):
-    """--help, card and push --dry-run read a few JSON files: they answer without importing torch."""
+    """--help, card, push --dry-run and inspect of fp8kv's output read a few JSON files and the scale tensors'
+    bytes (the attention geometry as fp8kv.json records it): they answer without importing torch."""
     probe = ("import sys\nfrom fp8kv.cli import main\nsys.argv = ['fp8kv', *sys.argv[1:]]\n"
              "try:\n    main()\nexcept SystemExit as exc:\n    print('exit', exc.code or 0)\n"
              "print('torch' in sys.modules, 'transformers' in sys.modules)\n")
