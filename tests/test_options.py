@@ -115,12 +115,13 @@ def nothing_loads(monkeypatch):
     (["--kv-dtype", "fp8_e5m2"], "compressed-tensors stores fp8_e4m3 KV caches only"),
     (["--per-head", "--format", "modelopt"], "per-head (attn_head) scales can only be written as compressed-tensors"),
     (["--per-head", "--format", "vllm-json"], "per-head (attn_head) scales can only be written as compressed-tensors"),
+    (["--attention", "fp8", "--format", "quark"], "--attention fp8 writes q_scale, which only the compressed-tensors"),
 ])
-def test_impossible_combinations_fail_before_anything_loads(nothing_loads, factory_checkpoint, tmp_path, extra, message):
-    result = CliRunner().invoke(app, ["calibrate", str(factory_checkpoint("llama")), "--out", str(tmp_path / "o"),
-                                      *extra])
-    assert result.exit_code == ExitCode.ERROR, result.output
-    assert message in result.stderr
+def test_impossible_combinations_fail_before_torch_loads(factory_checkpoint, tmp_path, extra, message):
+    state, stderr = _exit_and_torch(["calibrate", str(factory_checkpoint("llama")), "--out", str(tmp_path / "o"),
+                                     *extra])
+    assert state == [str(int(ExitCode.ERROR)), "False"], (state, stderr)
+    assert stderr.startswith("fp8kv: error: ") and message in stderr
     assert not (tmp_path / "o").exists()
 
 
