@@ -17,6 +17,7 @@ from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError, UsageError
 from fp8kv.evaluation.request import EvalRequest
 from fp8kv.kvdtypes import FP8_MAX
 from fp8kv.calibrate.request import CalibrationRequest
+from fp8kv.checkpoint.hub_cache import check_base_model
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import ALL, BUGS, RELEASED, parse_engines
 from fp8kv.options import (
@@ -91,6 +92,8 @@ RuntimeDeviceOpt = Annotated[RuntimeChoice, typer.Option(
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of text.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)]
+BaseModelOpt = Annotated[str | None, typer.Option("--base-model", callback=checked(check_base_model),
+                                                  help=BASE_MODEL_HELP)]
 ModeOpt = Annotated[WriteMode, typer.Option(
     "--mode", help="overlay: hard-link the source weights; copy: a self-contained copy.")]
 
@@ -187,7 +190,7 @@ def card(
         None, "--repo-id", help="Hub id to name in the serve commands (default: the folder path; `push` "
         "rewrites a card that names another target)."
     ),
-    base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
+    base_model: BaseModelOpt = None,
     license: str | None = typer.Option(None, "--license", help=LICENSE_HELP),
     force: bool = typer.Option(False, "--force", help="Replace a README.md that fp8kv did not write or that was edited."),
 ) -> None:
@@ -200,17 +203,25 @@ def card(
     typer.echo(f"Wrote {path}")
 
 
+def _push_repo_id(value: str) -> str:
+    """push's --repo-id, checked by huggingface_hub, which only push imports."""
+    from fp8kv.hub.push import check_repo_id
+
+    return check_repo_id(value)
+
+
 @app.command(cls=Command)
 def push(
     out_dir: Path = typer.Argument(..., metavar="DIR", help="Folder written by `fp8kv calibrate`."),
-    repo_id: str = typer.Option(..., "--repo-id", help="Hub model repository, e.g. org/name-fp8kv."),
+    repo_id: str = typer.Option(..., "--repo-id", callback=checked(_push_repo_id),
+                                help="Hub model repository, e.g. org/name-fp8kv."),
     private: bool = typer.Option(False, "--private", help="Create the repository private if it is missing."),
     revision: str | None = typer.Option(None, "--revision", help="Branch to commit to (created if missing)."),
     commit_message: str | None = typer.Option(None, "--commit-message", help="Commit message."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the files and sizes; upload nothing."),
     force: bool = typer.Option(
         False, "--force", help="Upload even when verify failed or never ran; replace a README.md fp8kv did not write."),
-    base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
+    base_model: BaseModelOpt = None,
     license: str | None = typer.Option(None, "--license", help=LICENSE_HELP),
 ) -> None:
     """Upload DIR to the Hub in one commit (token from huggingface_hub: HF_TOKEN or `hf auth login`)."""
@@ -310,7 +321,7 @@ def calibrate(
     mode: ModeOpt = _CAL.mode,
     convention: Convention = typer.Option(_CAL.convention, "--format", help="Scale convention."),
     overwrite: OverwriteOpt = _CAL.overwrite,
-    base_model: str | None = typer.Option(_CAL.base_model, "--base-model", help=BASE_MODEL_HELP),
+    base_model: BaseModelOpt = _CAL.base_model,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     device: TorchDeviceChoice = typer.Option(_CAL.device, "--device", help="Where calibration runs (auto: CUDA when available)."),

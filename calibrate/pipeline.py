@@ -36,7 +36,7 @@ from fp8kv.checkpoint.writer import (
 from fp8kv.errors import Fp8kvError
 from fp8kv.options import LAST_BATCH, Strategy, check_headroom
 from fp8kv.geometry import AttentionGeometry
-from fp8kv.checkpoint.hub_cache import is_repo_id
+from fp8kv.checkpoint.hub_cache import check_base_model
 from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime.device import resolve_device
 
@@ -268,8 +268,8 @@ def _validate(request: CalibrationRequest) -> Strategy:
         raise Fp8kvError(f"--mode {request.mode!r}: choose one of {', '.join(MODES)}")
     if request.attention == "fp8" and request.convention != "compressed-tensors":
         raise Fp8kvError("--attention fp8 writes q_scale, which only the compressed-tensors format carries")
-    if request.base_model is not None and not is_repo_id(request.base_model):
-        raise Fp8kvError(f"--base-model {request.base_model!r}: not a Hub model id org/name")
+    if request.base_model is not None:
+        check_base_model(request.base_model)
     if request.out is not None:  # without --out nothing is written, so any format goes
         check_representable(request.convention, "attn_head" if request.per_head else "tensor", request.kv_dtype)
         check_writable_location(Path(request.out).absolute())

@@ -17,7 +17,7 @@ from fp8kv.checkpoint.load import MODEL_DTYPES
 from fp8kv.kvdtypes import FP8_MAX, VLLM_KV_CACHE_DTYPE
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode
-from fp8kv.options import KvDtype, ModelDtype
+from fp8kv.options import KV_DTYPE_SPELLINGS, KvDtype, KvDtypeSpelling, ModelDtype, RuntimeChoice, TorchDeviceChoice
 
 TYPOS = [
     ["calibrate", "bundled", "--kv-dtype", "fp8_e4m33"],
@@ -42,6 +42,9 @@ TYPOS = [
     ["conformance", "reference", "DIR", "--out", "PACK", "--scale-factor", "2"],
     ["conformance", "reference", "DIR", "--out", "PACK", "--mode", "hardlink"],
     ["conformance", "simulate", "PACK", "--bug", "correct", "--out", "x", "--device", "gpu"],
+    ["push", "DIR", "--dry-run", "--repo-id", "not a/valid/id"],
+    ["card", "DIR", "--base-model", "/local/path"],
+    ["calibrate", "bundled", "--base-model", "tiny"],
 ]
 # Command lines typer itself refuses: an argument or a required option missing, an option unknown.
 MALFORMED = [["inspect"], ["inspect", "bundled", "--jsn"], ["card"], ["card", "DIR", "--forse"], ["push", "DIR"],
@@ -94,6 +97,8 @@ def test_help_lists_the_choices():
 def test_choice_lists_match_the_library():
     assert set(get_args(KvDtype)) == set(FP8_MAX)
     assert set(get_args(ModelDtype)) == {"auto", *MODEL_DTYPES}
+    assert set(get_args(KvDtypeSpelling)) == set(get_args(KvDtype)) | set(KV_DTYPE_SPELLINGS)  # --kv-dtype
+    assert set(get_args(TorchDeviceChoice)) < set(get_args(RuntimeChoice))  # calibrate's --device, verify's
     assert VLLM_KV_CACHE_DTYPE == {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}  # vLLM's --kv-cache-dtype
 
 
