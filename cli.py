@@ -22,7 +22,7 @@ from fp8kv.checkpoint.hub_cache import check_base_model
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import ALL, BUGS, RELEASED, parse_engines
 from fp8kv.options import (
-    DEFAULT_HEADROOM, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
+    DEFAULT_HEADROOM, DEFAULT_MODE, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
     TorchDeviceChoice, WriteMode, check_headroom, kv_dtype_name,
 )
 from fp8kv.verify.request import VerifyRequest
@@ -265,7 +265,7 @@ def convert_command(
     convention: Convention = typer.Option(..., "--to", help="Target convention."),
     out: Path = typer.Option(..., "--out", help="Output folder (written atomically)."),
     overwrite: OverwriteOpt = False,
-    mode: ModeOpt = "overlay",
+    mode: ModeOpt = DEFAULT_MODE,
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
     from fp8kv.calibrate.report import command_line

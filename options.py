@@ -13,6 +13,8 @@ from fp8kv.errors import Fp8kvError
 
 Convention = Literal["compressed-tensors", "modelopt", "quark", "vllm-json"]
 WriteMode = Literal["overlay", "copy"]
+# overlay hard-links the source's weights (no second copy on disk); copy makes a self-contained folder.
+DEFAULT_MODE: WriteMode = "overlay"
 KvDtype = Literal["fp8_e4m3", "fp8_e5m2"]
 DEFAULT_KV_DTYPE: KvDtype = "fp8_e4m3"
 KvDtypeSpelling = Literal["fp8_e4m3", "fp8_e5m2", "fp8"]

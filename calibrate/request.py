@@ -8,7 +8,7 @@ from pathlib import Path
 from fp8kv.checkpoint.conventions import check_representable
 from fp8kv.data import DataRequest
 from fp8kv.errors import Fp8kvError
-from fp8kv.options import DEFAULT_HEADROOM, DEFAULT_KV_DTYPE
+from fp8kv.options import DEFAULT_HEADROOM, DEFAULT_KV_DTYPE, DEFAULT_MODE
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class CalibrationRequest:
     headroom: float = DEFAULT_HEADROOM
     per_head: bool = False
     allow_unobserved: bool = False
-    mode: str = "overlay"
+    mode: str = DEFAULT_MODE
     convention: str = "compressed-tensors"
     overwrite: bool = False
     device: str = "auto"

@@ -303,3 +303,17 @@ def test_command_line_defaults_are_the_requests(command, monkeypatch):
     data = getattr(handed, "data", None)
     covered = {f.name for f in fields(handed)} | ({f.name for f in fields(data)} if data is not None else set())
     assert options - covered == BARE_COMMANDS[command][2]
+
+
+def test_convert_defaults_are_the_library_function_s():
+    """convert has no request: its options' defaults are `convert_checkpoint`'s keyword defaults."""
+    import inspect
+
+    import typer.main
+
+    from fp8kv.checkpoint.convert import convert_checkpoint
+
+    keywords = {name: p.default for name, p in inspect.signature(convert_checkpoint).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "command"}
+    options = {p.name: p.default for p in typer.main.get_command(app).commands["convert"].params if not p.required}
+    assert options == keywords == {"overwrite": False, "mode": "overlay"}
