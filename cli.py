@@ -25,7 +25,7 @@ from fp8kv.options import (
     DEFAULT_HEADROOM, DEFAULT_MODE, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
     TorchDeviceChoice, WriteMode, check_headroom, kv_dtype_name,
 )
-from fp8kv.verify.request import VerifyRequest
+from fp8kv.verify.request import VerifyRequest, check_request
 from fp8kv.verify.verdict import check_bound, load_thresholds
 
 DEBUG_ENV = "FP8KV_DEBUG"
@@ -414,15 +414,10 @@ def verify_command(
         _VERIFY.quantize_query, "--quantize-query", help="Also quantize Q with the checkpoint's q_scale (fp8 attention) and report the cost."
     ),
 ) -> None:
-    # A bad thresholds file is refused before torch loads.
+    # A bad thresholds file or --prompts is refused before torch loads.
     thresholds = load_thresholds(
         thresholds_file, kl_mean=max_kl_mean, saturation=max_saturation, unit_kl_ratio=unit_kl_ratio, unit_ppl_ratio=unit_ppl_ratio,
     )
-    _leave_out_xla(device)
-    from fp8kv.progress import StageProgress
-    from fp8kv.verify.report import show
-    from fp8kv.verify.run import verify
-
     request = VerifyRequest(
         model_dir=model_dir, data=data,
         batch_size=batch_size, prompts=prompts, num_prompts=num_prompts, prompt_len=prompt_len,
@@ -430,6 +425,12 @@ def verify_command(
         engines=parse_engines(engine),
         quantize_query=quantize_query,
     )
+    check_request(request)
+    _leave_out_xla(device)
+    from fp8kv.progress import StageProgress
+    from fp8kv.verify.report import show
+    from fp8kv.verify.run import verify
+
     with StageProgress(quiet=quiet or json_output) as progress:
         result = verify(request, progress=progress)
     show(result, json_output=json_output)

@@ -80,12 +80,18 @@ def test_a_malformed_command_line_is_a_usage_error_before_torch_loads(args):
     assert stderr.startswith("Usage: ") and "Error: " in stderr, stderr
 
 
-def test_a_bad_thresholds_file_is_refused_before_torch_loads(tmp_path):
-    bad = tmp_path / "t.toml"
-    bad.write_text("[fail]\nkl_mean = -1\n")
-    state, stderr = _exit_and_torch(["verify", "bundled", "--thresholds", str(bad)])
+@pytest.mark.parametrize(("option", "name", "message"), [
+    ("--thresholds", "t.toml", "{path}: [fail] kl_mean = -1 must be a number >= 0"),
+    ("--prompts", "folder", "{path}: is a folder; --prompts takes a text file, one prompt per line"),
+    ("--prompts", "missing.txt", "{path}: no such prompts file (one prompt per line)"),
+])
+def test_verify_refuses_a_bad_file_option_before_torch_loads(tmp_path, option, name, message):
+    (tmp_path / "t.toml").write_text("[fail]\nkl_mean = -1\n")
+    (tmp_path / "folder").mkdir()
+    path = tmp_path / name
+    state, stderr = _exit_and_torch(["verify", "bundled", option, str(path)])
     assert state == [str(int(ExitCode.ERROR)), "False"], (state, stderr)
-    assert stderr == f"fp8kv: error: {bad}: [fail] kl_mean = -1 must be a number >= 0\n"
+    assert stderr == f"fp8kv: error: {message.format(path=path)}\n"
 
 
 def test_help_lists_the_choices():
