@@ -24,6 +24,10 @@ RuntimeChoice = Literal["auto", "tpu", "xla-cpu", "cuda", "cpu"]
 TorchDeviceChoice = Literal["auto", "cuda", "cpu"]
 # kv: K/V cache scales only; fp8: also query scales for fp8 attention kernels.
 AttentionChoice = Literal["kv", "fp8"]
+# The caches `fp8kv eval` and the lm_eval model `fp8kv` run on (--model_args kv_cache=..., scales=...): bf16, or
+# fp8 with the checkpoint's scales or unit scales.
+EvalCache = Literal["bf16", "fp8"]
+ScaleSource = Literal["checkpoint", "unit"]
 # What verify concludes; the exit code of each is in errors.ExitCode.
 Verdict = Literal["PASS", "WARN", "FAIL"]
 VERDICTS: tuple[str, ...] = get_args(Verdict)
