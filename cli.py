@@ -3,33 +3,37 @@
 import functools
 import inspect
 import os
-import re
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from typer.core import TyperCommand, TyperGroup
+from typer.core import TyperGroup
 
 from fp8kv import __version__
 from fp8kv.cli_conformance import conformance_app
+from fp8kv.cli_parse import Command, checked
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError, UsageError
 from fp8kv.evaluation.request import EvalRequest
 from fp8kv.kvdtypes import FP8_MAX
-from fp8kv.calibrate.request import CalibrationRequest
+from fp8kv.calibrate.request import CalibrationRequest, check_combinations
+from fp8kv.checkpoint.hub_cache import check_base_model
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import ALL, BUGS, RELEASED, parse_engines
 from fp8kv.options import (
-    DEFAULT_HEADROOM, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
+    DEFAULT_HEADROOM, DEFAULT_MODE, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
     TorchDeviceChoice, WriteMode, check_headroom, kv_dtype_name,
 )
-from fp8kv.verify.request import VerifyRequest
+from fp8kv.verify.request import VerifyRequest, check_request
+from fp8kv.verify.verdict import check_bound, load_thresholds
 
 DEBUG_ENV = "FP8KV_DEBUG"
 # Each command's defaults are its request's (the requests import without torch): one home for each.
 _CAL = CalibrationRequest(model="")
 _VERIFY = VerifyRequest(model_dir="")
 _EVAL = EvalRequest(model_dir=Path())
+_FILE_THRESHOLDS = load_thresholds()  # configs/verify.toml, which --help quotes
 
 
 BASE_MODEL_HELP = ("Hub id org/name of the model the scales are for (the card's base_model). Default: MODEL when it "
@@ -89,6 +93,8 @@ RuntimeDeviceOpt = Annotated[RuntimeChoice, typer.Option(
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of text.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)]
+BaseModelOpt = Annotated[str | None, typer.Option("--base-model", callback=checked(check_base_model),
+                                                  help=BASE_MODEL_HELP)]
 ModeOpt = Annotated[WriteMode, typer.Option(
     "--mode", help="overlay: hard-link the source weights; copy: a self-contained copy.")]
 
@@ -120,27 +126,6 @@ class _Group(TyperGroup):
             typer.echo(f"fp8kv: internal error: {type(exc).__name__}: {_one_line(exc)} "
                        f"(a bug in fp8kv; rerun with {DEBUG_ENV}=1 for the traceback)", err=True)
             raise typer.Exit(ExitCode.CRASH) from None
-
-
-class _Command(TyperCommand):
-    """A command whose usage line names its arguments as their help does (MODEL, DIR), without typer's braces."""
-
-    def collect_usage_pieces(self, ctx) -> list[str]:
-        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)]
-
-
-def _checked(parse: Callable[[str], object]) -> Callable[[str | None], str | None]:
-    """A typer callback running fp8kv's own parser on an option's text: a bad value is a usage error (exit 2)
-    before anything heavy is imported."""
-    def callback(value: str | None) -> str | None:
-        if value is not None:
-            try:
-                parse(value)
-            except Fp8kvError as exc:
-                raise typer.BadParameter(re.sub(r"^--[\w-]+ ", "", str(exc))) from None
-        return value
-
-    return callback
 
 
 def _leave_out_xla(device: str) -> None:
@@ -199,14 +184,14 @@ def _root(
         quiet_libraries()
 
 
-@app.command(cls=_Command)
+@app.command(cls=Command)
 def card(
     out_dir: Path = typer.Argument(..., metavar="DIR", help="Folder written by `fp8kv calibrate`."),
     repo_id: str | None = typer.Option(
         None, "--repo-id", help="Hub id to name in the serve commands (default: the folder path; `push` "
         "rewrites a card that names another target)."
     ),
-    base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
+    base_model: BaseModelOpt = None,
     license: str | None = typer.Option(None, "--license", help=LICENSE_HELP),
     force: bool = typer.Option(False, "--force", help="Replace a README.md that fp8kv did not write or that was edited."),
 ) -> None:
@@ -219,17 +204,25 @@ def card(
     typer.echo(f"Wrote {path}")
 
 
-@app.command(cls=_Command)
+def _push_repo_id(value: str) -> str:
+    """push's --repo-id, checked by huggingface_hub, which only push imports."""
+    from fp8kv.hub.push import check_repo_id
+
+    return check_repo_id(value)
+
+
+@app.command(cls=Command)
 def push(
     out_dir: Path = typer.Argument(..., metavar="DIR", help="Folder written by `fp8kv calibrate`."),
-    repo_id: str = typer.Option(..., "--repo-id", help="Hub model repository, e.g. org/name-fp8kv."),
+    repo_id: str = typer.Option(..., "--repo-id", callback=checked(_push_repo_id),
+                                help="Hub model repository, e.g. org/name-fp8kv."),
     private: bool = typer.Option(False, "--private", help="Create the repository private if it is missing."),
     revision: str | None = typer.Option(None, "--revision", help="Branch to commit to (created if missing)."),
     commit_message: str | None = typer.Option(None, "--commit-message", help="Commit message."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the files and sizes; upload nothing."),
     force: bool = typer.Option(
         False, "--force", help="Upload even when verify failed or never ran; replace a README.md fp8kv did not write."),
-    base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
+    base_model: BaseModelOpt = None,
     license: str | None = typer.Option(None, "--license", help=LICENSE_HELP),
 ) -> None:
     """Upload DIR to the Hub in one commit (token from huggingface_hub: HF_TOKEN or `hf auth login`)."""
@@ -249,7 +242,7 @@ def push(
     typer.echo(f"Uploaded {len(plan.files)} files ({human_size(plan.total_bytes)}) in one commit: {url}")
 
 
-@app.command("inspect", cls=_Command)
+@app.command("inspect", cls=Command)
 def inspect_command(
     model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint to inspect: a folder, a Hub id org/name (from the local cache), or 'bundled'."),
     as_json: JsonOpt = False,
@@ -266,13 +259,13 @@ def inspect_command(
         report.show()
 
 
-@app.command("convert", cls=_Command)
+@app.command("convert", cls=Command)
 def convert_command(
-    model: Path = typer.Argument(..., help="Checkpoint folder holding KV scales in any convention."),
+    model: Path = typer.Argument(..., metavar="DIR", help="Checkpoint folder holding KV scales in any convention."),
     convention: Convention = typer.Option(..., "--to", help="Target convention."),
     out: Path = typer.Option(..., "--out", help="Output folder (written atomically)."),
     overwrite: OverwriteOpt = False,
-    mode: ModeOpt = "overlay",
+    mode: ModeOpt = DEFAULT_MODE,
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
     from fp8kv.calibrate.report import command_line
@@ -299,7 +292,7 @@ def _headroom(value: str) -> float:
         raise Fp8kvError(f"--headroom {value!r} is neither auto nor a number") from None
 
 
-@app.command(cls=_Command)
+@app.command(cls=Command)
 @reads_text(num_samples=_CAL.data.num_samples, seq_len=_CAL.data.seq_len, seed=_CAL.data.seed)
 def calibrate(
     model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint folder, a Hub id org/name[@revision] (from the local cache when offline), or 'bundled' / 'bundled-outliers' for a bundled model."),
@@ -311,14 +304,14 @@ def calibrate(
         f"(MAX {FP8_MAX['fp8_e5m2']:g}).",
     ),
     strategy: str = typer.Option(
-        _CAL.strategy, "--strategy", callback=_checked(Strategy.parse),
+        _CAL.strategy, "--strategy", callback=checked(Strategy.parse),
         help="Clip value mapped to MAX: amax (nothing saturates; amax/scale <= MAX guaranteed), "
         "percentile:P (P-th percentile of |x|), mse (least squared fp8 error), or last-batch (the amax of the "
         "last batch alone: llm-compressor's default observer, for comparison; use --batch-size 1 --headroom 1.0). "
         "percentile, mse and last-batch give scales below amax/MAX, so some values saturate.",
     ),
     headroom: str = typer.Option(
-        "auto", "--headroom", callback=_checked(_headroom),
+        "auto", "--headroom", callback=checked(_headroom),
         help="auto (the margin measured to keep unseen text inside fp8's range; docs/margin.md) or a factor "
         "F >= 1 multiplying every scale; 1.0 writes amax/MAX exactly.",
     ),
@@ -329,7 +322,7 @@ def calibrate(
     mode: ModeOpt = _CAL.mode,
     convention: Convention = typer.Option(_CAL.convention, "--format", help="Scale convention."),
     overwrite: OverwriteOpt = _CAL.overwrite,
-    base_model: str | None = typer.Option(_CAL.base_model, "--base-model", help=BASE_MODEL_HELP),
+    base_model: BaseModelOpt = _CAL.base_model,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     device: TorchDeviceChoice = typer.Option(_CAL.device, "--device", help="Where calibration runs (auto: CUDA when available)."),
@@ -354,27 +347,28 @@ def calibrate(
     The text defaults to HuggingFaceH4/ultrachat_200k (split train_sft); when that cannot be loaded, the
     bundled calibration split, announced before the work.
     """
-    _leave_out_xla(device)  # calibration runs transformers' forward on CUDA or the CPU
-    from fp8kv.calibrate import report
-    from fp8kv.calibrate.distributed import is_writer
-    from fp8kv.calibrate.pipeline import CalibrationRequest
-    from fp8kv.calibrate.pipeline import calibrate as run_calibration
-    from fp8kv.progress import StageProgress
-
     request = CalibrationRequest(
         model=model, out=out,
         data=data, batch_size=batch_size, kv_dtype=kv_dtype_name(kv_dtype), strategy=strategy, headroom=_headroom(headroom), per_head=per_head,
         allow_unobserved=allow_unobserved, mode=mode, convention=convention, overwrite=overwrite,
         device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
-        base_model=base_model, attention=attention, command=report.command_line(),
+        base_model=base_model, attention=attention,
     )
+    check_combinations(request)  # before torch loads
+    _leave_out_xla(device)  # calibration runs transformers' forward on CUDA or the CPU
+    from fp8kv.calibrate import report
+    from fp8kv.calibrate.distributed import is_writer
+    from fp8kv.calibrate.pipeline import calibrate as run_calibration
+    from fp8kv.progress import StageProgress
+
+    request = replace(request, command=report.command_line())
     with StageProgress(quiet=quiet or json_output) as progress:
         result = run_calibration(request, progress=progress if is_writer() else None)
     if is_writer():  # under torchrun, rank 0 speaks for all
         report.show(result, json_output=json_output)
 
 
-@app.command("verify", cls=_Command, help="Check a checkpoint's KV scales: present, read back exactly, safe and cheap in "
+@app.command("verify", cls=Command, help="Check a checkpoint's KV scales: present, read back exactly, safe and cheap in "
              "accuracy. The held-out text defaults to the bundled held-out split, never the calibration data."
              f"\n\n{EXIT_CODE_TABLE}")
 @reads_text(num_samples=_VERIFY.data.num_samples, seq_len=_VERIFY.data.seq_len, seed=_VERIFY.data.seed)
@@ -399,20 +393,20 @@ def verify_command(
     thresholds_file: Path | None = typer.Option(
         None, "--thresholds", help="TOML file overriding configs/verify.toml ([fail] kl_mean, [warn] saturation, ...)."
     ),
-    max_kl_mean: float | None = typer.Option(None, "--max-kl-mean", help="FAIL above this mean KL (nats) [file: 0.05]."),
+    max_kl_mean: float | None = typer.Option(None, "--max-kl-mean", callback=checked(check_bound), help=f"FAIL above this mean KL (nats) [file: {_FILE_THRESHOLDS.kl_mean:g}]."),
     max_saturation: float | None = typer.Option(
-        None, "--max-saturation", help="WARN when a layer clamps a larger share of K or V [file: 1e-4]."
+        None, "--max-saturation", callback=checked(check_bound), help=f"WARN when a layer clamps a larger share of K or V [file: {_FILE_THRESHOLDS.saturation:g}]."
     ),
     engine: str = typer.Option(
-        ",".join(_VERIFY.engines), "--engine", show_default="every released engine", callback=_checked(parse_engines),
+        ",".join(_VERIFY.engines), "--engine", show_default="every released engine", callback=checked(parse_engines),
         help=f"Engine models to run, comma-separated: {', '.join(RELEASED)}; bugs: {', '.join(BUGS)}; '{ALL}' is every "
         "one. A released engine whose logits go NaN/inf is a FAIL (docs/engines.md).",
     ),
     unit_kl_ratio: float | None = typer.Option(
-        None, "--unit-kl-ratio", help="WARN when mean KL exceeds this x the unit-scale KL [file: 1.25]."
+        None, "--unit-kl-ratio", callback=checked(check_bound), help=f"WARN when mean KL exceeds this x the unit-scale KL [file: {_FILE_THRESHOLDS.unit_kl_ratio:g}]."
     ),
     unit_ppl_ratio: float | None = typer.Option(
-        None, "--unit-ppl-ratio", help="WARN when perplexity exceeds this x the unit-scale one [file: 1.01]."
+        None, "--unit-ppl-ratio", callback=checked(check_bound), help=f"WARN when perplexity exceeds this x the unit-scale one [file: {_FILE_THRESHOLDS.unit_ppl_ratio:g}]."
     ),
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -420,12 +414,7 @@ def verify_command(
         _VERIFY.quantize_query, "--quantize-query", help="Also quantize Q with the checkpoint's q_scale (fp8 attention) and report the cost."
     ),
 ) -> None:
-    _leave_out_xla(device)
-    from fp8kv.progress import StageProgress
-    from fp8kv.verify.report import show
-    from fp8kv.verify.run import verify
-    from fp8kv.verify.verdict import load_thresholds
-
+    # A bad thresholds file or --prompts is refused before torch loads.
     thresholds = load_thresholds(
         thresholds_file, kl_mean=max_kl_mean, saturation=max_saturation, unit_kl_ratio=unit_kl_ratio, unit_ppl_ratio=unit_ppl_ratio,
     )
@@ -436,13 +425,19 @@ def verify_command(
         engines=parse_engines(engine),
         quantize_query=quantize_query,
     )
+    check_request(request)
+    _leave_out_xla(device)
+    from fp8kv.progress import StageProgress
+    from fp8kv.verify.report import show
+    from fp8kv.verify.run import verify
+
     with StageProgress(quiet=quiet or json_output) as progress:
         result = verify(request, progress=progress)
     show(result, json_output=json_output)
     raise typer.Exit(result.exit_code)
 
 
-@app.command("eval", cls=_Command)
+@app.command("eval", cls=Command)
 def eval_command(
     model_dir: Path = typer.Argument(..., metavar="DIR", help="Checkpoint folder (KV scales in any convention), or 'bundled'."),
     tasks: str = typer.Option(
@@ -451,7 +446,7 @@ def eval_command(
     ),
     limit: int | None = typer.Option(_EVAL.limit, "--limit", min=1, help="At most N items per task."),
     engines: str = typer.Option(
-        ",".join(_EVAL.engines), "--engines", callback=_checked(parse_engines),
+        ",".join(_EVAL.engines), "--engines", callback=checked(parse_engines),
         help="Engine models to compare, comma-separated (fp8kv verify --help lists them).",
     ),
     device: RuntimeDeviceOpt = _EVAL.device,

@@ -6,8 +6,16 @@ from pathlib import Path
 
 import typer
 
+from fp8kv.cli_parse import Command, checked
+from fp8kv.conformance.request import (
+    BEHAVIOURS, CORRECT, SCALE_FACTORS, ReferenceRequest, SimulateRequest, behaviour_engine, check_scale_factor,
+)
 from fp8kv.errors import ExitCode
 from fp8kv.options import RuntimeChoice, WriteMode
+
+# Each command's defaults are its request's: one home for each.
+_REFERENCE = ReferenceRequest(model_dir=Path(), out=Path())
+_SIMULATE = SimulateRequest(pack_dir=Path(), behaviour=CORRECT, out=Path())
 
 conformance_app = typer.Typer(
     no_args_is_help=True, rich_markup_mode=None,
@@ -16,20 +24,24 @@ conformance_app = typer.Typer(
 )
 
 
-@conformance_app.command("reference")
+@conformance_app.command("reference", cls=Command)
 def reference_command(
     model_dir: Path = typer.Argument(..., metavar="DIR", help="A checkpoint with KV scales (fp8kv calibrate's output)."),
     out: Path = typer.Option(..., "--out", help="The pack folder to write (replaced if it is a pack)."),
     scale_factor: float | None = typer.Option(
-        None, "--scale-factor", help="Multiply the scales in PACK/model by this (below 1 exercises the clamp). "
-        "Default: the factor of 0.25, 0.5, 0.75, 0.9, 1 under which the behaviours lie furthest apart."),
-    device: RuntimeChoice = typer.Option("cpu", "--device", help="Where fp8kv's runtime computes the references."),
-    mode: WriteMode = typer.Option("overlay", "--mode", help="PACK/model: overlay links the weights; copy copies them."),
+        _REFERENCE.scale_factor, "--scale-factor", callback=checked(check_scale_factor),
+        help="Multiply the scales in PACK/model by this, in (0, 1] (below 1 exercises the clamp). "
+        f"Default: the factor of {', '.join(f'{f:g}' for f in SCALE_FACTORS)} under which the behaviours lie "
+        "furthest apart."),
+    device: RuntimeChoice = typer.Option(
+        _REFERENCE.device, "--device", help="Where fp8kv's runtime computes the references."),
+    mode: WriteMode = typer.Option(
+        _REFERENCE.mode, "--mode", help="PACK/model: overlay links the weights; copy copies them."),
 ) -> None:
     """Write PACK: fixed prompts, token ids, PACK/model (the engine loads it) and fp8kv's log-probabilities."""
     from fp8kv.conformance.run import reference
 
-    pack = reference(model_dir, out, scale_factor=scale_factor, device=device, mode=mode)
+    pack = reference(ReferenceRequest(model_dir, out, scale_factor=scale_factor, device=device, mode=mode))
     typer.echo(f"Wrote {out}: {len(pack.prompts)} prompts, scales x{pack.scale_factor:g}, behaviours "
                f"{', '.join(pack.behaviours)} (at least {pack.separation:.3g} apart)")
     if pack.same_as_correct:
@@ -39,14 +51,14 @@ def reference_command(
                f"for vLLM), then: fp8kv conformance check {out} ENGINE.jsonl")
 
 
-@conformance_app.command("check")
+@conformance_app.command("check", cls=Command)
 def check_command(
     pack: Path = typer.Argument(..., metavar="PACK"),
     answers: Path = typer.Argument(..., metavar="ENGINE.jsonl", help='One line per prompt: {"id", "logprobs"}.'),
     json_output: bool = typer.Option(False, "--json", help='Print {"match": NAME, "distances": {NAME: float}}.'),
 ) -> None:
     """Name the behaviour the engine's log-probabilities match. Exit 0 for correct, 3 otherwise."""
-    from fp8kv.conformance.run import CORRECT, check
+    from fp8kv.conformance.run import check
 
     result = check(pack, answers)
     if json_output:
@@ -61,16 +73,16 @@ def check_command(
     raise typer.Exit(ExitCode.PASS if result.match == CORRECT else ExitCode.FAIL)
 
 
-@conformance_app.command("simulate")
+@conformance_app.command("simulate", cls=Command)
 def simulate_command(
     pack: Path = typer.Argument(..., metavar="PACK"),
-    bug: str = typer.Option(..., "--bug", help="correct, or a bug: no-clamp, inverted-scale, scales-ignored, "
-                            "kv-swapped, e5m2-read."),
+    bug: str = typer.Option(..., "--bug", callback=checked(behaviour_engine),
+                            help=f"{CORRECT}, or a bug: {', '.join(BEHAVIOURS[1:])}."),
     out: Path = typer.Option(..., "--out", help="The JSONL answer file to write."),
-    device: RuntimeChoice = typer.Option("cpu", "--device", help="Where fp8kv's runtime runs."),
+    device: RuntimeChoice = typer.Option(_SIMULATE.device, "--device", help="Where fp8kv's runtime runs."),
 ) -> None:
     """Answer the pack's prompts with fp8kv's runtime with BUG injected (what a buggy engine would write)."""
     from fp8kv.conformance.run import simulate
 
-    simulate(pack, bug, out, device=device)
+    simulate(SimulateRequest(pack, bug, out, device=device))
     typer.echo(f"Wrote {out}")

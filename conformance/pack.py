@@ -31,7 +31,6 @@ from fp8kv.errors import Fp8kvError
 
 PACK_JSON, REFERENCE, MODEL_DIR = "pack.json", "reference.safetensors", "model"
 FORMAT = 1
-CORRECT = "correct"
 
 
 @dataclass(frozen=True)

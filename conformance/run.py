@@ -1,8 +1,8 @@
 """Engine conformance: which fp8 KV behaviour does an engine have, the correct one or a known bug?
 
-    reference(model_dir, out)        fp8kv's log-probabilities on fixed prompts, per behaviour (a pack)
-    simulate(pack, "no-clamp", out)  an answer file from fp8kv's runtime with that behaviour
-    check(pack, answers)             the behaviour the answers are closest to, and every distance
+    reference(ReferenceRequest(model_dir, out))        fp8kv's log-probabilities on fixed prompts, per behaviour
+    simulate(SimulateRequest(pack, "no-clamp", out))   an answer file from fp8kv's runtime with that behaviour
+    check(pack, answers)                               the behaviour the answers are closest to, and every distance
 
 Each behaviour is an engine model (`fp8kv.engine_models`): "correct" is the write every engine should
 do (float32 divide, saturate: vLLM's CUDA and TPU paths), the others are the bug models.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +20,13 @@ import torch
 from fp8kv.checkpoint.kvscales import KVScales, float32
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
-from fp8kv.conformance.pack import CORRECT, MODEL_DIR, ConformancePack, Prompt, read_answers, read_pack, \
+from fp8kv.conformance.pack import MODEL_DIR, ConformancePack, Prompt, read_answers, read_pack, \
     write_answers, write_pack
 from fp8kv.data import load_tokenizer
-from fp8kv.engine_models import BUGS, DEFAULT_ENGINE, engine_model
+from fp8kv.conformance.request import (
+    BEHAVIOURS, CORRECT, SCALE_FACTORS, ReferenceRequest, SimulateRequest, behaviour_engine, check_scale_factor,
+)
+from fp8kv.engine_models import BUGS
 from fp8kv.errors import Fp8kvError
 from fp8kv.runtime.runner import PagedModelRunner, load_model
 from fp8kv.runtime.device import resolve_device
@@ -43,9 +45,6 @@ PROMPT_TEXTS = (
 # A log-probability is at least this (NaN and -inf count as this value): a lost token weighs as much
 # as a very unlikely one, and distances stay finite.
 FLOOR = -100.0
-# The factors the source's scales are tried with: below 1, K/V values above factor x the calibration amax
-# cross the fp8 maximum, which exercises the clamp; too low, and several bugs all end in NaN everywhere.
-SCALE_FACTORS = (0.25, 0.5, 0.75, 0.9, 1.0)
 
 
 @dataclass(frozen=True)
@@ -60,42 +59,31 @@ class ConformanceResult:
         return json.dumps({"match": self.match, "distances": self.distances}) + "\n"
 
 
-def behaviour_engine(name: str) -> str:
-    """The engine model a behaviour runs: the default engine for "correct", else the bug model itself."""
-    if name == CORRECT:
-        return DEFAULT_ENGINE
-    if name not in BUGS:
-        raise Fp8kvError(f"unknown behaviour {name!r}; choose {CORRECT} or one of {', '.join(BUGS)}")
-    return engine_model(name).name
-
-
-def reference(model_dir: Path, out: Path, *, scale_factor: float | None = None, device: str = "cpu",
-              mode: str = "overlay") -> ConformancePack:
-    """Write the pack for the checkpoint at `model_dir` to `out`.
+def reference(request: ReferenceRequest) -> ConformancePack:
+    """Write the pack for the checkpoint at `request.model_dir` to `request.out`.
 
     PACK/model holds the source's scales x `scale_factor`; None tries `SCALE_FACTORS` and keeps the one
     under which the behaviours lie furthest apart (the smallest distance between two of them is largest).
     """
-    factors = SCALE_FACTORS if scale_factor is None else (scale_factor,)
-    if not all(0 < f <= 1 and math.isfinite(f) for f in factors):
-        raise Fp8kvError(f"--scale-factor {scale_factor} must be in (0, 1]")
+    model_dir, out, device = request.model_dir, request.out, request.device
+    factors = SCALE_FACTORS if request.scale_factor is None else (check_scale_factor(request.scale_factor),)
     readout = read_kv_scales(model_dir)
     if readout.scales is None:
         raise Fp8kvError(f"{model_dir}: no KV scales; calibrate it first (fp8kv calibrate)")
     tokenizer = load_tokenizer(readout.source.path, False)
     prompts = tuple(Prompt(f"p{i}", text, tuple(tokenizer(text)["input_ids"])) for i, text in enumerate(PROMPT_TEXTS))
     model = load_model(readout.source.path, resolve_device(device).device)
-    behaviours = (CORRECT, *BUGS)
     tried = []
     for factor in factors:
         scales = _scaled(readout.scales, factor)
         logprobs = {name: prompt_logprobs(readout.source.path, scales, prompts, behaviour_engine(name), device, model)
-                    for name in behaviours}
+                    for name in BEHAVIOURS}
         tried.append((separation(logprobs), factor, scales, logprobs))
     gap, factor, scales, logprobs = max(tried, key=lambda t: t[0])
     same = tuple(name for name in BUGS if distance(logprobs[name], logprobs[CORRECT]) == 0.0)
-    pack = ConformancePack(str(model_dir), scales.kv_dtype, factor, prompts, behaviours, same, gap)
-    write_pack(out, pack, logprobs, lambda folder: write_checkpoint(readout.source.path, folder, scales, mode=mode))
+    pack = ConformancePack(str(model_dir), scales.kv_dtype, factor, prompts, BEHAVIOURS, same, gap)
+    write_pack(out, pack, logprobs,
+               lambda folder: write_checkpoint(readout.source.path, folder, scales, mode=request.mode))
     return pack
 
 
@@ -105,15 +93,16 @@ def separation(logprobs: dict[str, dict[str, torch.Tensor]]) -> float:
     return min(distance(logprobs[a], logprobs[b]) for i, a in enumerate(names) for b in names[i + 1:])
 
 
-def simulate(pack_dir: Path, behaviour: str, out: Path, *, device: str = "cpu") -> None:
-    """Write `out`: the pack's prompts answered by fp8kv's runtime with `behaviour` ("correct" or a bug)."""
-    pack, _ = read_pack(pack_dir)
-    engine = behaviour_engine(behaviour)
-    model_dir = Path(pack_dir) / MODEL_DIR
+def simulate(request: SimulateRequest) -> None:
+    """Write `request.out`: the pack's prompts answered by fp8kv's runtime with `request.behaviour` ("correct" or
+    a bug)."""
+    engine = behaviour_engine(request.behaviour)
+    pack, _ = read_pack(request.pack_dir)
+    model_dir = Path(request.pack_dir) / MODEL_DIR
     scales = read_kv_scales(model_dir).scales
     assert scales is not None  # the pack's model was written with scales
-    answers = prompt_logprobs(model_dir, scales, pack.prompts, engine, device)
-    write_answers(out, {pid: values.tolist() for pid, values in answers.items()})
+    answers = prompt_logprobs(model_dir, scales, pack.prompts, engine, request.device)
+    write_answers(request.out, {pid: values.tolist() for pid, values in answers.items()})
 
 
 def check(pack_dir: Path, answers_path: Path) -> ConformanceResult:

@@ -16,11 +16,12 @@ from fp8kv.checkpoint.locate import verify_command
 from fp8kv.checkpoint.artifacts import EVAL_DIR, PROVENANCE_FILE, VERIFY_DIR, write_file_atomic
 from fp8kv.checkpoint.provenance import record_written
 from fp8kv.errors import Fp8kvError
+from fp8kv.options import Verdict
 from fp8kv.hub.card import (
     CARD_FILE, REPORT_FILE, card_repo_id, check_replaceable, public_text, read_provenance, read_report, render_card,
 )
 
-PUSHABLE_VERDICTS = ("PASS", "WARN")
+PUSHABLE_VERDICTS: tuple[Verdict, ...] = ("PASS", "WARN")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,17 @@ class UploadFile:
     content: bytes | None = None
 
 
+def check_repo_id(repo_id: str) -> str:
+    """`--repo-id`: a Hub repository id huggingface_hub accepts."""
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except Exception as exc:  # noqa: BLE001 - HFValidationError, one line
+        raise Fp8kvError(f"--repo-id {repo_id!r}: not a valid Hub repository id ({exc})") from exc
+    return repo_id
+
+
 def plan_push(
     out_dir: str | Path,
     repo_id: str,
@@ -74,13 +86,8 @@ def plan_push(
     """
     from fp8kv.hub.card import card_warnings
 
-    from huggingface_hub.utils import validate_repo_id
-
     out = Path(out_dir)
-    try:
-        validate_repo_id(repo_id)
-    except Exception as exc:  # noqa: BLE001 - HFValidationError, one line
-        raise Fp8kvError(f"--repo-id {repo_id!r}: not a valid Hub repository id ({exc})") from exc
+    check_repo_id(repo_id)
     read_provenance(out)  # DIR must be an fp8kv calibrate output
     files = collect_files(out)
     verdict = _check_verify(out, force)

@@ -30,7 +30,7 @@ LAYERS: list[set[str]] = [
     {"conformance"},
     {"evaluation"},
     {"hub"},
-    {"cli", "cli_conformance", "__main__", "tools"},
+    {"cli", "cli_conformance", "cli_parse", "__main__", "tools"},
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 PACKAGE = "fp8kv"

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.cli import app
-from fp8kv.conformance.pack import CORRECT, PACK_JSON, ConformancePack, read_pack
+from fp8kv.conformance.pack import PACK_JSON, ConformancePack, read_pack
+from fp8kv.conformance.request import CORRECT, ReferenceRequest, SimulateRequest
 from fp8kv.conformance.run import check, reference, simulate
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import BUGS
@@ -25,14 +26,14 @@ def pack(tmp_path_factory, corpus) -> Path:
     src = make_checkpoint("llama", root / "src")
     calibrate(CalibrationRequest(model=str(src), out=root / "calibrated", batch_size=3,
                                  data=DataRequest(corpus, num_samples=6, seq_len=48)))
-    written = reference(root / "calibrated", root / "pack")
+    written = reference(ReferenceRequest(root / "calibrated", root / "pack"))
     assert written.behaviours == (CORRECT, *BUGS) and written.same_as_correct == () and written.separation > 0
     return root / "pack"
 
 
 @pytest.mark.parametrize("behaviour", [CORRECT, *BUGS])
 def test_check_names_every_simulated_behaviour(pack, behaviour, tmp_path):
-    simulate(pack, behaviour, tmp_path / "engine.jsonl")
+    simulate(SimulateRequest(pack, behaviour, tmp_path / "engine.jsonl"))
     result = check(pack, tmp_path / "engine.jsonl")
     assert result.match == behaviour and result.distances[behaviour] == 0.0
     assert all(d > 0 for name, d in result.distances.items() if name != behaviour), result.distances
@@ -70,4 +71,4 @@ def test_the_pack_round_trips_and_answers_are_checked(pack, tmp_path):
                                          f"{len(first.token_ids) - 1}"):
         check(pack, answers)
     with pytest.raises(Fp8kvError, match="unknown behaviour 'raw'"):
-        simulate(pack, "raw", tmp_path / "b.jsonl")
+        simulate(SimulateRequest(pack, "raw", tmp_path / "b.jsonl"))

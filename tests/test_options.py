@@ -17,7 +17,7 @@ from fp8kv.checkpoint.load import MODEL_DTYPES
 from fp8kv.kvdtypes import FP8_MAX, VLLM_KV_CACHE_DTYPE
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode
-from fp8kv.options import KvDtype, ModelDtype
+from fp8kv.options import KV_DTYPE_SPELLINGS, KvDtype, KvDtypeSpelling, ModelDtype, RuntimeChoice, TorchDeviceChoice
 
 TYPOS = [
     ["calibrate", "bundled", "--kv-dtype", "fp8_e4m33"],
@@ -28,23 +28,70 @@ TYPOS = [
     ["calibrate", "bundled", "--headroom", "0.5"],
     ["verify", "bundled", "--device", "tpuu"],
     ["verify", "bundled", "--num-samples", "0"],
-    ["convert", "bundled", "--to", "awq", "--out", "x"],
+    ["convert", "bundled", "--out", "x", "--to", "awq"],
     ["calibrate", "bundled", "--strategy", "minmax"],
     ["calibrate", "bundled", "--strategy", "percentile:0"],
     ["calibrate", "bundled", "--headroom", "lots"],
     ["eval", "bundled", "--engines", "fast"],
     ["eval", "bundled", "--limit", "-3"],
     ["eval", "bundled", "--max-length", "0"],
+    ["verify", "bundled", "--engine", "vllm-cuda,fast"],
+    ["verify", "bundled", "--max-kl-mean", "nan"],
+    ["verify", "bundled", "--unit-ppl-ratio", "-1"],
+    ["conformance", "simulate", "PACK", "--out", "x", "--bug", "raw"],
+    ["conformance", "reference", "DIR", "--out", "PACK", "--scale-factor", "2"],
+    ["conformance", "reference", "DIR", "--out", "PACK", "--mode", "hardlink"],
+    ["conformance", "simulate", "PACK", "--bug", "correct", "--out", "x", "--device", "gpu"],
+    ["push", "DIR", "--dry-run", "--repo-id", "not a/valid/id"],
+    ["card", "DIR", "--base-model", "/local/path"],
+    ["calibrate", "bundled", "--base-model", "tiny"],
 ]
+# Command lines typer itself refuses: an argument or a required option missing, an option unknown.
+MALFORMED = [["inspect"], ["inspect", "bundled", "--jsn"], ["card"], ["card", "DIR", "--forse"], ["push", "DIR"],
+             ["push", "DIR", "--repo-id", "me/x", "--dryrun"], ["convert", "DIR", "--out", "x"],
+             ["conformance", "check", "PACK"], ["eval"], ["verify"], ["calibrate"]]
 
 
-@pytest.mark.parametrize("args", TYPOS, ids=lambda a: " ".join(a[2:4]))
-def test_a_typo_is_a_usage_error_before_torch_loads(args):
+def _exit_and_torch(args: list[str]) -> tuple[list[str], str]:
+    """Run the console entry point on `args` in a fresh interpreter: its exit code and whether torch was imported
+    (as printed), and its stderr."""
     probe = ("import sys\nfrom fp8kv.cli import main\nsys.argv = ['fp8kv', *sys.argv[1:]]\n"
              "try:\n    main()\nexcept SystemExit as exc:\n    print(exc.code, 'torch' in sys.modules)\n")
     proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60)
-    assert proc.stdout.split() == [str(int(ExitCode.USAGE)), "False"], (proc.stdout, proc.stderr)
-    assert f"Invalid value for '{args[2]}'" in proc.stderr
+    return proc.stdout.split(), proc.stderr
+
+
+def _option(args: list[str]) -> str:
+    """The option a typo's command line gets wrong: its last."""
+    return [a for a in args if a.startswith("--")][-1]
+
+
+@pytest.mark.parametrize("args", TYPOS, ids=lambda a: " ".join([a[0], _option(a)]))
+def test_a_typo_is_a_usage_error_before_torch_loads(args):
+    state, stderr = _exit_and_torch(args)
+    assert state == [str(int(ExitCode.USAGE)), "False"], (state, stderr)
+    assert f"Invalid value for '{_option(args)}'" in stderr
+
+
+@pytest.mark.parametrize("args", MALFORMED, ids=" ".join)
+def test_a_malformed_command_line_is_a_usage_error_before_torch_loads(args):
+    state, stderr = _exit_and_torch(args)
+    assert state == [str(int(ExitCode.USAGE)), "False"], (state, stderr)
+    assert stderr.startswith("Usage: ") and "Error: " in stderr, stderr
+
+
+@pytest.mark.parametrize(("option", "name", "message"), [
+    ("--thresholds", "t.toml", "{path}: [fail] kl_mean = -1 must be a number >= 0"),
+    ("--prompts", "folder", "{path}: is a folder; --prompts takes a text file, one prompt per line"),
+    ("--prompts", "missing.txt", "{path}: no such prompts file (one prompt per line)"),
+])
+def test_verify_refuses_a_bad_file_option_before_torch_loads(tmp_path, option, name, message):
+    (tmp_path / "t.toml").write_text("[fail]\nkl_mean = -1\n")
+    (tmp_path / "folder").mkdir()
+    path = tmp_path / name
+    state, stderr = _exit_and_torch(["verify", "bundled", option, str(path)])
+    assert state == [str(int(ExitCode.ERROR)), "False"], (state, stderr)
+    assert stderr == f"fp8kv: error: {message.format(path=path)}\n"
 
 
 def test_help_lists_the_choices():
@@ -56,6 +103,8 @@ def test_help_lists_the_choices():
 def test_choice_lists_match_the_library():
     assert set(get_args(KvDtype)) == set(FP8_MAX)
     assert set(get_args(ModelDtype)) == {"auto", *MODEL_DTYPES}
+    assert set(get_args(KvDtypeSpelling)) == set(get_args(KvDtype)) | set(KV_DTYPE_SPELLINGS)  # --kv-dtype
+    assert set(get_args(TorchDeviceChoice)) < set(get_args(RuntimeChoice))  # calibrate's --device, verify's
     assert VLLM_KV_CACHE_DTYPE == {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}  # vLLM's --kv-cache-dtype
 
 
@@ -72,12 +121,13 @@ def nothing_loads(monkeypatch):
     (["--kv-dtype", "fp8_e5m2"], "compressed-tensors stores fp8_e4m3 KV caches only"),
     (["--per-head", "--format", "modelopt"], "per-head (attn_head) scales can only be written as compressed-tensors"),
     (["--per-head", "--format", "vllm-json"], "per-head (attn_head) scales can only be written as compressed-tensors"),
+    (["--attention", "fp8", "--format", "quark"], "--attention fp8 writes q_scale, which only the compressed-tensors"),
 ])
-def test_impossible_combinations_fail_before_anything_loads(nothing_loads, factory_checkpoint, tmp_path, extra, message):
-    result = CliRunner().invoke(app, ["calibrate", str(factory_checkpoint("llama")), "--out", str(tmp_path / "o"),
-                                      *extra])
-    assert result.exit_code == ExitCode.ERROR, result.output
-    assert message in result.stderr
+def test_impossible_combinations_fail_before_torch_loads(factory_checkpoint, tmp_path, extra, message):
+    state, stderr = _exit_and_torch(["calibrate", str(factory_checkpoint("llama")), "--out", str(tmp_path / "o"),
+                                     *extra])
+    assert state == [str(int(ExitCode.ERROR)), "False"], (state, stderr)
+    assert stderr.startswith("fp8kv: error: ") and message in stderr
     assert not (tmp_path / "o").exists()
 
 
@@ -131,11 +181,14 @@ def quickstart_output(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("command", [["--help"], ["verify", "--help"], ["eval", "--help"], ["card", "{out}"],
-                                     ["push", "{out}", "--repo-id", "me/x", "--dry-run", "--force"]],
-                         ids=lambda c: " ".join(c[:1] + c[2:]))
+@pytest.mark.parametrize("command", [["--help"], ["--version"], *([name, "--help"] for name in (
+    "calibrate", "verify", "eval", "inspect", "convert", "card", "push", "conformance")),
+    *(["conformance", name, "--help"] for name in ("reference", "check", "simulate")), ["card", "{out}"],
+    ["push", "{out}", "--repo-id", "me/x", "--dry-run", "--force"], ["inspect", "{out}"], ["inspect", "{out}", "--json"]],
+    ids=lambda c: " ".join(c[:1] + c[2:]))
 def test_reading_commands_import_no_torch(command, quickstart_output):
-    """--help, card and push --dry-run read a few JSON files: they answer without importing torch."""
+    """--help, card, push --dry-run and inspect of fp8kv's output read a few JSON files and the scale tensors'
+    bytes (the attention geometry as fp8kv.json records it): they answer without importing torch."""
     probe = ("import sys\nfrom fp8kv.cli import main\nsys.argv = ['fp8kv', *sys.argv[1:]]\n"
              "try:\n    main()\nexcept SystemExit as exc:\n    print('exit', exc.code or 0)\n"
              "print('torch' in sys.modules, 'transformers' in sys.modules)\n")
@@ -154,8 +207,10 @@ def test_the_requests_import_without_torch_or_lm_eval():
 
 def test_help_shows_the_arguments_by_name():
     for command, argument in (("calibrate", "MODEL"), ("verify", "MODEL"), ("inspect", "MODEL"), ("eval", "DIR"),
-                              ("card", "DIR"), ("push", "DIR")):
-        usage = CliRunner().invoke(app, [command, "--help"], prog_name="fp8kv").stdout.splitlines()[0]
+                              ("card", "DIR"), ("push", "DIR"), ("convert", "DIR"),
+                              ("conformance reference", "DIR"), ("conformance simulate", "PACK"),
+                              ("conformance check", "PACK ENGINE.jsonl")):
+        usage = CliRunner().invoke(app, [*command.split(), "--help"], prog_name="fp8kv").stdout.splitlines()[0]
         assert usage == f"Usage: fp8kv {command} [OPTIONS] {argument}", usage
 
 
@@ -187,59 +242,84 @@ def test_third_party_notes_are_quiet_unless_verbose(tmp_path):
     assert _probe(["-v", "card", str(tmp_path)])[1] == "None 0 False"
 
 
-# Each command's driver, as the command imports it, and the options that are not fields of its request: how
-# the output is shown, and verify's threshold overrides (folded into one `Thresholds` before the request).
-DRIVERS = {"calibrate": "fp8kv.calibrate.pipeline.calibrate", "verify": "fp8kv.verify.run.verify",
-           "eval": "fp8kv.evaluation.compare.evaluate"}
-NOT_REQUEST_FIELDS = {
-    "calibrate": {"json_output", "quiet"},
-    "verify": {"json_output", "quiet", "thresholds_file", "max_kl_mean", "max_saturation", "unit_kl_ratio",
-               "unit_ppl_ratio", "engine"},
-    "eval": set(),
+# Each command that hands a request to its driver: the shortest command line it accepts, the driver as the command
+# imports it, and the options that are no field of the request: how the output is shown, verify's threshold
+# overrides (folded into one `Thresholds`) and its --engine text (parsed into `engines`).
+BARE_COMMANDS = {
+    "calibrate": (["calibrate", "m"], "fp8kv.calibrate.pipeline.calibrate", {"json_output", "quiet"}),
+    "verify": (["verify", "m"], "fp8kv.verify.run.verify",
+               {"json_output", "quiet", "thresholds_file", "max_kl_mean", "max_saturation", "unit_kl_ratio",
+                "unit_ppl_ratio", "engine"}),
+    "eval": (["eval", "m"], "fp8kv.evaluation.compare.evaluate", set()),
+    "conformance reference": (["conformance", "reference", "m", "--out", "p"], "fp8kv.conformance.run.reference",
+                              set()),
+    "conformance simulate": (["conformance", "simulate", "p", "--bug", "correct", "--out", "x"],
+                             "fp8kv.conformance.run.simulate", set()),
 }
 
 
-def _request_from_bare_command_line(command: str, monkeypatch) -> object:
-    """The request `fp8kv COMMAND m` hands its driver, every option omitted (the driver is not run)."""
+def _handed_request(command: str, monkeypatch) -> object:
+    """The request `command`'s shortest command line hands its driver (the driver is not run)."""
     import typer
 
+    args, driver_path, _ = BARE_COMMANDS[command]
     handed = []
 
     def driver(request, progress=None):
         handed.append(request)
         raise typer.Exit(0)
 
-    monkeypatch.setattr(DRIVERS[command], driver)
-    result = CliRunner().invoke(app, [command, "m"])
+    monkeypatch.setattr(driver_path, driver)
+    result = CliRunner().invoke(app, args)
     assert result.exit_code == 0 and len(handed) == 1, result.output
     return handed[0]
 
 
-@pytest.mark.parametrize("command", sorted(DRIVERS))
+@pytest.mark.parametrize("command", list(BARE_COMMANDS))
 def test_command_line_defaults_are_the_requests(command, monkeypatch):
     """What a user gets by omitting every option is the request built with its own defaults, field by field
     (conversions included: `--headroom auto`, `--engine` and `--tasks` as text)."""
-    from dataclasses import fields, replace
+    from dataclasses import fields
     from pathlib import Path
 
     import typer.main
 
     from fp8kv.calibrate.request import CalibrationRequest
+    from fp8kv.conformance.request import ReferenceRequest, SimulateRequest
     from fp8kv.evaluation.request import EvalRequest
     from fp8kv.verify.request import VerifyRequest
     from fp8kv.verify.verdict import load_thresholds
 
-    handed = _request_from_bare_command_line(command, monkeypatch)
-    if command == "calibrate":
-        assert isinstance(handed, CalibrationRequest) and handed.command
-        assert replace(handed, command=None) == CalibrationRequest(model="m")
-    elif command == "verify":
-        assert isinstance(handed, VerifyRequest) and handed.thresholds == load_thresholds()
-        assert replace(handed, thresholds=None) == VerifyRequest(model_dir="m")
-    else:
-        assert handed == EvalRequest(model_dir=Path("m"))
+    handed = _handed_request(command, monkeypatch)
+    if isinstance(handed, CalibrationRequest):
+        assert handed.command  # the command line, recorded in fp8kv.json
+    expected = {
+        "calibrate": lambda: CalibrationRequest(model="m", command=getattr(handed, "command", None)),
+        "verify": lambda: VerifyRequest(model_dir="m", thresholds=load_thresholds()),  # configs/verify.toml
+        "eval": lambda: EvalRequest(model_dir=Path("m")),
+        "conformance reference": lambda: ReferenceRequest(Path("m"), Path("p")),
+        "conformance simulate": lambda: SimulateRequest(Path("p"), "correct", Path("x")),
+    }[command]()
+    assert handed == expected
     # Every option is a field of the request (so the comparison above covers its default) or named as not one.
-    options = {param.name for param in typer.main.get_command(app).commands[command].params if not param.required}
+    click_command = typer.main.get_command(app)
+    for word in command.split():
+        click_command = click_command.commands[word]
+    options = {param.name for param in click_command.params if not param.required}
     data = getattr(handed, "data", None)
     covered = {f.name for f in fields(handed)} | ({f.name for f in fields(data)} if data is not None else set())
-    assert options - covered == NOT_REQUEST_FIELDS[command]
+    assert options - covered == BARE_COMMANDS[command][2]
+
+
+def test_convert_defaults_are_the_library_function_s():
+    """convert has no request: its options' defaults are `convert_checkpoint`'s keyword defaults."""
+    import inspect
+
+    import typer.main
+
+    from fp8kv.checkpoint.convert import convert_checkpoint
+
+    keywords = {name: p.default for name, p in inspect.signature(convert_checkpoint).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "command"}
+    options = {p.name: p.default for p in typer.main.get_command(app).commands["convert"].params if not p.required}
+    assert options == keywords == {"overwrite": False, "mode": "overlay"}

@@ -10,6 +10,7 @@ from typing import Any
 
 from fp8kv.checks import FAIL, WARN, Finding
 from fp8kv.errors import ExitCode, Fp8kvError
+from fp8kv.options import VERDICTS, Verdict
 from fp8kv.verify.results import Accuracy, LayerCheck
 
 try:
@@ -17,7 +18,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-EXIT_CODES = {name: int(ExitCode[name]) for name in ("PASS", "WARN", "FAIL")}
+EXIT_CODES = {name: int(ExitCode[name]) for name in VERDICTS}
 # Below this many nats the calibrated and unit-scale KLs differ by fp8 rounding noise alone: on the
 # bundled model, scales that differ only in their margin moved mean KL by up to 8e-5 either way, and
 # random-weight models (KL near 1e-6) flip the ratio from one held-out draw to the next.
@@ -50,7 +51,14 @@ def load_thresholds(path: Path | None = None, **overrides: float | None) -> Thre
     unknown = sorted(set(overrides) - {f.name for f in fields(Thresholds)})
     if unknown:
         raise Fp8kvError(f"unknown thresholds {unknown}")
-    return replace(thresholds, **{k: float(v) for k, v in overrides.items() if v is not None})
+    return replace(thresholds, **{k: check_bound(v, f"{k} = ") for k, v in overrides.items() if v is not None})
+
+
+def check_bound(value: object, where: str = "") -> float:
+    """A threshold is a number >= 0: NaN compares false with every result, so it would let anything pass."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise Fp8kvError(f"{where}{value!r} must be a number >= 0")
+    return float(value)
 
 
 def _flatten(data: dict[str, Any], source: str) -> dict[str, float]:
@@ -62,13 +70,11 @@ def _flatten(data: dict[str, Any], source: str) -> dict[str, float]:
             if _SECTIONS.get(key) != section:
                 raise Fp8kvError(f"{source}: unknown threshold [{section}] {key}; known: "
                                  + ", ".join(f"[{s}] {k}" for k, s in _SECTIONS.items()))
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise Fp8kvError(f"{source}: [{section}] {key} = {value!r} must be a number >= 0")
-            values[key] = float(value)
+            values[key] = check_bound(value, f"{source}: [{section}] {key} = ")
     return values
 
 
-def verdict(reasons: list[Finding]) -> str:
+def verdict(reasons: list[Finding]) -> Verdict:
     """FAIL if any reason fails, else WARN if any warns, else PASS."""
     levels = {r.level for r in reasons}
     return "FAIL" if FAIL in levels else "WARN" if WARN in levels else "PASS"
