@@ -4,7 +4,9 @@ Three runners hold the same model: a bf16 cache (the reference), an fp8 cache wi
 checkpoint's scales (clamped writes, as engines should do) and an fp8 cache with unit scales;
 one more per engine model (`verify.engines`) that writes other bytes than these (engines whose
 writes are the same arithmetic share a runner, and a non-saturating engine reuses its saturating
-twin's logits for every batch in which no value passed the fp8 maximum).
+twin's logits for every batch in which no value passed the fp8 maximum). By default every engine
+attends with fp8kv's float32 attention, so engines are told apart by the bytes they write alone;
+`engine_attention` also reproduces each engine's attention arithmetic (one more runner per arithmetic).
 Every held-out sample is prefilled on each; the logits give perplexity, KL(bf16 || fp8) of every
 next-token distribution and top-1 agreement. The fp8 cache's counters give the exact share of
 values clamped at ±MAX and any NaN/inf stored.
@@ -50,14 +52,15 @@ class Runners:
     @classmethod
     def open(cls, model_dir: Path, scales: KVScales, kv_layers: tuple[int, ...], *, device: str,
              max_model_len: int, max_num_seqs: int, page_size: int = 16,
-             engines: tuple[str, ...] = (DEFAULT_ENGINE,)) -> Runners:
+             engines: tuple[str, ...] = (DEFAULT_ENGINE,), engine_attention: bool = False) -> Runners:
         # One copy of the weights serves every cache: only the caches differ.
         model = load_model(model_dir, resolve_device(device).device)
         common = dict(device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size,
                       model=model)
         k, v = runtime_scales(scales, kv_layers)
-        # the torch attention reproduces an engine's attention arithmetic; torch_xla's runs its own
-        numerics = (lambda m: None) if resolve_device(device).is_xla else (lambda m: m.attention)
+        # the torch attention reproduces an engine's attention arithmetic on request; torch_xla's runs its own
+        own = engine_attention and not resolve_device(device).is_xla
+        numerics = (lambda m: m.attention) if own else (lambda m: None)
         key = {name: _write_key(engine_model(name), numerics(engine_model(name))) for name in engines}
         reference = _write_key(engine_model(DEFAULT_ENGINE), None)  # fp8kv's own float32 attention
         shadows = tuple(name for name in engines if key[name] != reference and _reads(key[name]) == _reads(reference))
@@ -217,7 +220,7 @@ class EngineTotals:
         model = engine_model(engine)
         verdict = (FAIL if self.nan_rows else PASS) if model.released else BUG
         return EngineResult(engine, self.loss.perplexity(), self.nan_rows, self.rows, self.lost, self.sequences,
-                            first_nonfinite_layer(runner), model.source, verdict)
+                            first_nonfinite_layer(runner), model.source, verdict, runner.numerics)
 
 
 def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:

@@ -158,6 +158,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     runners = accuracy.Runners.open(
         source.path, scales, kv_layers, device=request.device, page_size=request.page_size,
         max_model_len=longest, max_num_seqs=max(request.batch_size, 2 * len(prompts)), engines=request.engines,
+        engine_attention=request.engine_attention,
     )
     timings["load_runners"] = time.perf_counter() - clock
     readback = accuracy.readback(runners.fp8, scales)
