@@ -4,6 +4,7 @@ import functools
 import inspect
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -16,14 +17,15 @@ from fp8kv.cli_parse import Command, checked
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError, UsageError
 from fp8kv.evaluation.request import EvalRequest
 from fp8kv.kvdtypes import FP8_MAX
-from fp8kv.calibrate.request import CalibrationRequest
+from fp8kv.calibrate.request import CalibrationRequest, check_combinations
+from fp8kv.checkpoint.hub_cache import check_base_model
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import ALL, BUGS, RELEASED, parse_engines
 from fp8kv.options import (
-    DEFAULT_HEADROOM, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
+    DEFAULT_HEADROOM, DEFAULT_MODE, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
     TorchDeviceChoice, WriteMode, check_headroom, kv_dtype_name,
 )
-from fp8kv.verify.request import VerifyRequest
+from fp8kv.verify.request import VerifyRequest, check_request
 from fp8kv.verify.verdict import check_bound, load_thresholds
 
 DEBUG_ENV = "FP8KV_DEBUG"
@@ -91,6 +93,8 @@ RuntimeDeviceOpt = Annotated[RuntimeChoice, typer.Option(
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of text.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help=OVERWRITE_HELP)]
+BaseModelOpt = Annotated[str | None, typer.Option("--base-model", callback=checked(check_base_model),
+                                                  help=BASE_MODEL_HELP)]
 ModeOpt = Annotated[WriteMode, typer.Option(
     "--mode", help="overlay: hard-link the source weights; copy: a self-contained copy.")]
 
@@ -187,7 +191,7 @@ def card(
         None, "--repo-id", help="Hub id to name in the serve commands (default: the folder path; `push` "
         "rewrites a card that names another target)."
     ),
-    base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
+    base_model: BaseModelOpt = None,
     license: str | None = typer.Option(None, "--license", help=LICENSE_HELP),
     force: bool = typer.Option(False, "--force", help="Replace a README.md that fp8kv did not write or that was edited."),
 ) -> None:
@@ -200,17 +204,25 @@ def card(
     typer.echo(f"Wrote {path}")
 
 
+def _push_repo_id(value: str) -> str:
+    """push's --repo-id, checked by huggingface_hub, which only push imports."""
+    from fp8kv.hub.push import check_repo_id
+
+    return check_repo_id(value)
+
+
 @app.command(cls=Command)
 def push(
     out_dir: Path = typer.Argument(..., metavar="DIR", help="Folder written by `fp8kv calibrate`."),
-    repo_id: str = typer.Option(..., "--repo-id", help="Hub model repository, e.g. org/name-fp8kv."),
+    repo_id: str = typer.Option(..., "--repo-id", callback=checked(_push_repo_id),
+                                help="Hub model repository, e.g. org/name-fp8kv."),
     private: bool = typer.Option(False, "--private", help="Create the repository private if it is missing."),
     revision: str | None = typer.Option(None, "--revision", help="Branch to commit to (created if missing)."),
     commit_message: str | None = typer.Option(None, "--commit-message", help="Commit message."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the files and sizes; upload nothing."),
     force: bool = typer.Option(
         False, "--force", help="Upload even when verify failed or never ran; replace a README.md fp8kv did not write."),
-    base_model: str | None = typer.Option(None, "--base-model", help=BASE_MODEL_HELP),
+    base_model: BaseModelOpt = None,
     license: str | None = typer.Option(None, "--license", help=LICENSE_HELP),
 ) -> None:
     """Upload DIR to the Hub in one commit (token from huggingface_hub: HF_TOKEN or `hf auth login`)."""
@@ -253,7 +265,7 @@ def convert_command(
     convention: Convention = typer.Option(..., "--to", help="Target convention."),
     out: Path = typer.Option(..., "--out", help="Output folder (written atomically)."),
     overwrite: OverwriteOpt = False,
-    mode: ModeOpt = "overlay",
+    mode: ModeOpt = DEFAULT_MODE,
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
     from fp8kv.calibrate.report import command_line
@@ -310,7 +322,7 @@ def calibrate(
     mode: ModeOpt = _CAL.mode,
     convention: Convention = typer.Option(_CAL.convention, "--format", help="Scale convention."),
     overwrite: OverwriteOpt = _CAL.overwrite,
-    base_model: str | None = typer.Option(_CAL.base_model, "--base-model", help=BASE_MODEL_HELP),
+    base_model: BaseModelOpt = _CAL.base_model,
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
     device: TorchDeviceChoice = typer.Option(_CAL.device, "--device", help="Where calibration runs (auto: CUDA when available)."),
@@ -335,20 +347,21 @@ def calibrate(
     The text defaults to HuggingFaceH4/ultrachat_200k (split train_sft); when that cannot be loaded, the
     bundled calibration split, announced before the work.
     """
-    _leave_out_xla(device)  # calibration runs transformers' forward on CUDA or the CPU
-    from fp8kv.calibrate import report
-    from fp8kv.calibrate.distributed import is_writer
-    from fp8kv.calibrate.pipeline import CalibrationRequest
-    from fp8kv.calibrate.pipeline import calibrate as run_calibration
-    from fp8kv.progress import StageProgress
-
     request = CalibrationRequest(
         model=model, out=out,
         data=data, batch_size=batch_size, kv_dtype=kv_dtype_name(kv_dtype), strategy=strategy, headroom=_headroom(headroom), per_head=per_head,
         allow_unobserved=allow_unobserved, mode=mode, convention=convention, overwrite=overwrite,
         device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
-        base_model=base_model, attention=attention, command=report.command_line(),
+        base_model=base_model, attention=attention,
     )
+    check_combinations(request)  # before torch loads
+    _leave_out_xla(device)  # calibration runs transformers' forward on CUDA or the CPU
+    from fp8kv.calibrate import report
+    from fp8kv.calibrate.distributed import is_writer
+    from fp8kv.calibrate.pipeline import calibrate as run_calibration
+    from fp8kv.progress import StageProgress
+
+    request = replace(request, command=report.command_line())
     with StageProgress(quiet=quiet or json_output) as progress:
         result = run_calibration(request, progress=progress if is_writer() else None)
     if is_writer():  # under torchrun, rank 0 speaks for all
@@ -406,15 +419,10 @@ def verify_command(
         "closer to that engine's; the NaN check is the same either way (it is decided by the write).",
     ),
 ) -> None:
-    # A bad thresholds file is refused before torch loads.
+    # A bad thresholds file or --prompts is refused before torch loads.
     thresholds = load_thresholds(
         thresholds_file, kl_mean=max_kl_mean, saturation=max_saturation, unit_kl_ratio=unit_kl_ratio, unit_ppl_ratio=unit_ppl_ratio,
     )
-    _leave_out_xla(device)
-    from fp8kv.progress import StageProgress
-    from fp8kv.verify.report import show
-    from fp8kv.verify.run import verify
-
     request = VerifyRequest(
         model_dir=model_dir, data=data,
         batch_size=batch_size, prompts=prompts, num_prompts=num_prompts, prompt_len=prompt_len,
@@ -422,6 +430,12 @@ def verify_command(
         engines=parse_engines(engine),
         quantize_query=quantize_query, engine_attention=engine_attention,
     )
+    check_request(request)
+    _leave_out_xla(device)
+    from fp8kv.progress import StageProgress
+    from fp8kv.verify.report import show
+    from fp8kv.verify.run import verify
+
     with StageProgress(quiet=quiet or json_output) as progress:
         result = verify(request, progress=progress)
     show(result, json_output=json_output)

@@ -36,6 +36,13 @@ def is_repo_id(value: str) -> bool:
     return looks_like_hub_id(value) and "@" not in value
 
 
+def check_base_model(value: str) -> str:
+    """`--base-model`: the Hub id of the source model, `org/name` (the card's base_model links to it)."""
+    if not is_repo_id(value):
+        raise Fp8kvError(f"--base-model {value!r}: not a Hub model id org/name")
+    return value
+
+
 def looks_like_hub_id(model: str) -> bool:
     """True for `org/name` or `org/name@revision` strings that are not an existing local path."""
     return bool(_HUB_ID.match(model)) and not Path(model).exists()

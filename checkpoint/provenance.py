@@ -15,7 +15,8 @@ from typing import Any
 
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, is_fp8kv_output, read_artifact, write_file_atomic
 from fp8kv.errors import Fp8kvError
-from fp8kv.json_fields import checked, json_object, typed
+from fp8kv.geometry import AttentionGeometry
+from fp8kv.json_fields import checked, dataclass_from_json, json_object, typed
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,9 @@ class Provenance:
     defaulted_layers: tuple[int, ...] | None = None
     query_scales: tuple[QueryScaleRecord, ...] | None = None
     converted_from: ConvertedFrom | None = None
+    # The attention geometry fp8kv read from config.json when it wrote the folder: while config.json is still
+    # the file it wrote (its digest in `files`), readers take it from here instead of through transformers.
+    geometry: AttentionGeometry | None = None
     # Every file fp8kv wrote in the folder, relative POSIX name -> "sha256:<hex>", sorted; this file excluded.
     files: tuple[tuple[str, str], ...] | None = None
 
@@ -228,7 +232,7 @@ _HASH_CHUNK = 2**24
 # The file's key order: calibration settings first, per-layer results, then what convert adds.
 _KEY_ORDER = ("tool", "version", "command", "source", "dataset", "strategy", "headroom", "scale_formula", "kv_dtype",
               "fp8_max", "per_head", "format", "execution", "skipped_layers", "defaulted_layers", "layers",
-              "query_scales", "converted_from", "files")
+              "query_scales", "converted_from", "geometry", "files")
 
 
 def _plain(value: Any) -> Any:
@@ -277,6 +281,8 @@ def _provenance_from_dict(data: Any) -> Provenance:
         values["query_scales"] = tuple(QueryScaleRecord(_integer(q, "layer"), _number(q, "q_amax"),
                                                         _number(q, "q_scale"))
                                        for q in map(json_object, typed(data, "query_scales", list)))
+    if data.get("geometry") is not None:
+        values["geometry"] = _geometry(data["geometry"])
     if data.get("files") is not None:
         values["files"] = tuple(sorted((name, checked(digest, str, f"the digest of {name!r}"))
                                        for name, digest in json_object(data["files"], "files").items()))
@@ -297,6 +303,18 @@ def _layer_from_dict(row: dict[str, Any]) -> LayerRecord:
         return LayerRecord(layer, _number(row, "headroom"), cache("k"), cache("v"))
     except KeyError as exc:
         raise ValueError(f"missing {exc.args[0]!r} in layer {layer}") from None
+
+
+def _geometry(data: Any) -> AttentionGeometry:
+    """The recorded geometry, refused (ValueError) when its per-layer facts contradict its layer count."""
+    geometry = dataclass_from_json(AttentionGeometry, data, "geometry")
+    n = geometry.num_layers
+    per_layer = (geometry.layer_types, geometry.kv_heads_per_layer or (1,) * n, geometry.head_dim_per_layer or (1,) * n)
+    sizes = (n, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim, *per_layer[1], *per_layer[2])
+    if (min(sizes, default=0) < 1 or any(len(column) != n for column in per_layer) or not geometry.kv_layers
+            or not set(geometry.kv_layers) <= set(range(n))):
+        raise ValueError("its geometry contradicts its layer count")
+    return geometry
 
 
 def _each(data: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> tuple[Any, ...]:

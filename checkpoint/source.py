@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.conventions import is_other_tower
+from fp8kv.checkpoint.provenance import file_digest, read_provenance
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry, read_config, read_json
 
@@ -80,7 +82,8 @@ class SourceCheckpoint:
         """Validate `path` and read its config and safetensors headers (never the weights)."""
         layout = CheckpointLayout.read(path)
         root = layout.path
-        geometry = AttentionGeometry.from_config(layout.config, source=str(root / "config.json"))
+        geometry = _recorded_geometry(layout) or AttentionGeometry.from_config(layout.config,
+                                                                              source=str(root / "config.json"))
         _check_projections(root, geometry, layout.headers)
         return cls(root, layout.config, geometry, layout.files, layout.weight_files, layout.headers)
 
@@ -103,6 +106,21 @@ class SourceCheckpoint:
             digest.update(path.stat().st_size.to_bytes(8, "little"))
             digest.update(file_sha256(path))
         return "sha256:" + digest.hexdigest()
+
+
+def _recorded_geometry(layout: CheckpointLayout) -> AttentionGeometry | None:
+    """The geometry fp8kv recorded in the fp8kv.json of a folder it wrote, while config.json is the file it wrote
+    then; None for a foreign folder, an older record without it, or an edited config (transformers reads those)."""
+    if PROVENANCE_FILE not in layout.files:
+        return None
+    try:
+        record = read_provenance(layout.path)
+    except Fp8kvError:  # a damaged record is reported by the commands that read it; the config still reads
+        return None
+    if record is None or record.geometry is None:
+        return None
+    written = dict(record.files or ()).get("config.json")
+    return record.geometry if written == file_digest(layout.path / "config.json") else None
 
 
 def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:

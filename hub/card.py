@@ -16,7 +16,7 @@ from fp8kv.checkpoint.artifacts import (
 )
 from fp8kv.checkpoint.conventions import COMPRESSION_CONFIG
 from fp8kv.checkpoint.digest import check_unchanged
-from fp8kv.checkpoint.hub_cache import is_repo_id
+from fp8kv.checkpoint.hub_cache import check_base_model, is_repo_id
 from fp8kv.checkpoint.locate import bundled_name, infer_base_model, infer_license, verify_command
 from fp8kv.checkpoint.provenance import Provenance, read_provenance as read_record, record_written, unrecorded_files
 from fp8kv.console import fmt_number, layer_table, markdown_table
@@ -175,8 +175,8 @@ def public_text(text: str) -> str:
 
 def _identity(out: Path, prov: Provenance, base_model: str | None, license: str | None) -> tuple[str | None, str | None]:
     """(base model, license): the options when given, else what the source tells (its Hub id, its README)."""
-    if base_model is not None and not is_repo_id(base_model):
-        raise Fp8kvError(f"--base-model {base_model!r}: not a Hub model id org/name")
+    if base_model is not None:
+        check_base_model(base_model)
     source = Path(prov.source.path) if prov.source is not None else None
     if base_model is None and prov.source is not None:
         base_model = prov.source.base_model or infer_base_model(prov.source.path, source)

@@ -54,6 +54,17 @@ class UploadFile:
     content: bytes | None = None
 
 
+def check_repo_id(repo_id: str) -> str:
+    """`--repo-id`: a Hub repository id huggingface_hub accepts."""
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except Exception as exc:  # noqa: BLE001 - HFValidationError, one line
+        raise Fp8kvError(f"--repo-id {repo_id!r}: not a valid Hub repository id ({exc})") from exc
+    return repo_id
+
+
 def plan_push(
     out_dir: str | Path,
     repo_id: str,
@@ -75,13 +86,8 @@ def plan_push(
     """
     from fp8kv.hub.card import card_warnings
 
-    from huggingface_hub.utils import validate_repo_id
-
     out = Path(out_dir)
-    try:
-        validate_repo_id(repo_id)
-    except Exception as exc:  # noqa: BLE001 - HFValidationError, one line
-        raise Fp8kvError(f"--repo-id {repo_id!r}: not a valid Hub repository id ({exc})") from exc
+    check_repo_id(repo_id)
     read_provenance(out)  # DIR must be an fp8kv calibrate output
     files = collect_files(out)
     verdict = _check_verify(out, force)

@@ -592,11 +592,6 @@ def verify_model_is_a_file(env):
 
 # ---- push and card ----------------------------------------------------------------------------
 
-def push_invalid_repo_id(env):
-    return ["push", str(env.copy("calibrated")), "--repo-id", "not a/valid/id", "--dry-run"], \
-        "'not a/valid/id'", "not a valid Hub repository id"
-
-
 def push_missing_dir(env):
     return ["push", str(env.root / "gone"), "--repo-id", "org/name", "--dry-run"], str(env.root / "gone"), \
         "no fp8kv.json"
@@ -670,7 +665,7 @@ CASES = [Case(f.__name__, f) for f in (
     scales_conflicting, scales_wrong_shape, scales_wrong_dtype, scales_vllm_json_not_a_number,
     verify_missing_dir, verify_bad_thresholds_toml, verify_unknown_threshold, verify_missing_thresholds,
     verify_missing_prompts, verify_report_unwritable, verify_model_is_a_file,
-    push_invalid_repo_id, push_missing_dir, push_not_verified, push_corrupt_report, push_failed_verdict, push_stale_report,
+    push_missing_dir, push_not_verified, push_corrupt_report, push_failed_verdict, push_stale_report,
     card_report_without_digest,
     card_not_calibrated, card_given_a_file, verify_prompts_is_a_folder,
 )]

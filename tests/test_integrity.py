@@ -168,7 +168,8 @@ def test_base_model_is_recorded_kept_and_overridable(judged, tmp_path, corpus):
     assert run("card", second, "--base-model", "org/other").exit_code == 0
     assert ModelCard.load(second / CARD_FILE).data.base_model == "org/other"
     bad = run("card", second, "--base-model", "/local/path")
-    assert bad.exit_code == ExitCode.ERROR and "--base-model '/local/path': not a Hub model id" in bad.stderr
+    assert bad.exit_code == ExitCode.USAGE
+    assert "Invalid value for '--base-model': '/local/path': not a Hub model id" in bad.stderr
 
 
 def test_verify_takes_a_hub_id_and_never_writes_into_the_hub_cache(judged, tmp_path, corpus, monkeypatch):

@@ -17,7 +17,7 @@ from fp8kv.checkpoint.load import MODEL_DTYPES
 from fp8kv.kvdtypes import FP8_MAX, VLLM_KV_CACHE_DTYPE
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode
-from fp8kv.options import KvDtype, ModelDtype
+from fp8kv.options import KV_DTYPE_SPELLINGS, KvDtype, KvDtypeSpelling, ModelDtype, RuntimeChoice, TorchDeviceChoice
 
 TYPOS = [
     ["calibrate", "bundled", "--kv-dtype", "fp8_e4m33"],
@@ -42,6 +42,9 @@ TYPOS = [
     ["conformance", "reference", "DIR", "--out", "PACK", "--scale-factor", "2"],
     ["conformance", "reference", "DIR", "--out", "PACK", "--mode", "hardlink"],
     ["conformance", "simulate", "PACK", "--bug", "correct", "--out", "x", "--device", "gpu"],
+    ["push", "DIR", "--dry-run", "--repo-id", "not a/valid/id"],
+    ["card", "DIR", "--base-model", "/local/path"],
+    ["calibrate", "bundled", "--base-model", "tiny"],
 ]
 # Command lines typer itself refuses: an argument or a required option missing, an option unknown.
 MALFORMED = [["inspect"], ["inspect", "bundled", "--jsn"], ["card"], ["card", "DIR", "--forse"], ["push", "DIR"],
@@ -77,12 +80,18 @@ def test_a_malformed_command_line_is_a_usage_error_before_torch_loads(args):
     assert stderr.startswith("Usage: ") and "Error: " in stderr, stderr
 
 
-def test_a_bad_thresholds_file_is_refused_before_torch_loads(tmp_path):
-    bad = tmp_path / "t.toml"
-    bad.write_text("[fail]\nkl_mean = -1\n")
-    state, stderr = _exit_and_torch(["verify", "bundled", "--thresholds", str(bad)])
+@pytest.mark.parametrize(("option", "name", "message"), [
+    ("--thresholds", "t.toml", "{path}: [fail] kl_mean = -1 must be a number >= 0"),
+    ("--prompts", "folder", "{path}: is a folder; --prompts takes a text file, one prompt per line"),
+    ("--prompts", "missing.txt", "{path}: no such prompts file (one prompt per line)"),
+])
+def test_verify_refuses_a_bad_file_option_before_torch_loads(tmp_path, option, name, message):
+    (tmp_path / "t.toml").write_text("[fail]\nkl_mean = -1\n")
+    (tmp_path / "folder").mkdir()
+    path = tmp_path / name
+    state, stderr = _exit_and_torch(["verify", "bundled", option, str(path)])
     assert state == [str(int(ExitCode.ERROR)), "False"], (state, stderr)
-    assert stderr == f"fp8kv: error: {bad}: [fail] kl_mean = -1 must be a number >= 0\n"
+    assert stderr == f"fp8kv: error: {message.format(path=path)}\n"
 
 
 def test_help_lists_the_choices():
@@ -94,6 +103,8 @@ def test_help_lists_the_choices():
 def test_choice_lists_match_the_library():
     assert set(get_args(KvDtype)) == set(FP8_MAX)
     assert set(get_args(ModelDtype)) == {"auto", *MODEL_DTYPES}
+    assert set(get_args(KvDtypeSpelling)) == set(get_args(KvDtype)) | set(KV_DTYPE_SPELLINGS)  # --kv-dtype
+    assert set(get_args(TorchDeviceChoice)) < set(get_args(RuntimeChoice))  # calibrate's --device, verify's
     assert VLLM_KV_CACHE_DTYPE == {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}  # vLLM's --kv-cache-dtype
 
 
@@ -110,12 +121,13 @@ def nothing_loads(monkeypatch):
     (["--kv-dtype", "fp8_e5m2"], "compressed-tensors stores fp8_e4m3 KV caches only"),
     (["--per-head", "--format", "modelopt"], "per-head (attn_head) scales can only be written as compressed-tensors"),
     (["--per-head", "--format", "vllm-json"], "per-head (attn_head) scales can only be written as compressed-tensors"),
+    (["--attention", "fp8", "--format", "quark"], "--attention fp8 writes q_scale, which only the compressed-tensors"),
 ])
-def test_impossible_combinations_fail_before_anything_loads(nothing_loads, factory_checkpoint, tmp_path, extra, message):
-    result = CliRunner().invoke(app, ["calibrate", str(factory_checkpoint("llama")), "--out", str(tmp_path / "o"),
-                                      *extra])
-    assert result.exit_code == ExitCode.ERROR, result.output
-    assert message in result.stderr
+def test_impossible_combinations_fail_before_torch_loads(factory_checkpoint, tmp_path, extra, message):
+    state, stderr = _exit_and_torch(["calibrate", str(factory_checkpoint("llama")), "--out", str(tmp_path / "o"),
+                                     *extra])
+    assert state == [str(int(ExitCode.ERROR)), "False"], (state, stderr)
+    assert stderr.startswith("fp8kv: error: ") and message in stderr
     assert not (tmp_path / "o").exists()
 
 
@@ -172,9 +184,11 @@ def quickstart_output(tmp_path_factory):
 @pytest.mark.parametrize("command", [["--help"], ["--version"], *([name, "--help"] for name in (
     "calibrate", "verify", "eval", "inspect", "convert", "card", "push", "conformance")),
     *(["conformance", name, "--help"] for name in ("reference", "check", "simulate")), ["card", "{out}"],
-    ["push", "{out}", "--repo-id", "me/x", "--dry-run", "--force"]], ids=lambda c: " ".join(c[:1] + c[2:]))
+    ["push", "{out}", "--repo-id", "me/x", "--dry-run", "--force"], ["inspect", "{out}"], ["inspect", "{out}", "--json"]],
+    ids=lambda c: " ".join(c[:1] + c[2:]))
 def test_reading_commands_import_no_torch(command, quickstart_output):
-    """--help, card and push --dry-run read a few JSON files: they answer without importing torch."""
+    """--help, card, push --dry-run and inspect of fp8kv's output read a few JSON files and the scale tensors'
+    bytes (the attention geometry as fp8kv.json records it): they answer without importing torch."""
     probe = ("import sys\nfrom fp8kv.cli import main\nsys.argv = ['fp8kv', *sys.argv[1:]]\n"
              "try:\n    main()\nexcept SystemExit as exc:\n    print('exit', exc.code or 0)\n"
              "print('torch' in sys.modules, 'transformers' in sys.modules)\n")
@@ -295,3 +309,17 @@ def test_command_line_defaults_are_the_requests(command, monkeypatch):
     data = getattr(handed, "data", None)
     covered = {f.name for f in fields(handed)} | ({f.name for f in fields(data)} if data is not None else set())
     assert options - covered == BARE_COMMANDS[command][2]
+
+
+def test_convert_defaults_are_the_library_function_s():
+    """convert has no request: its options' defaults are `convert_checkpoint`'s keyword defaults."""
+    import inspect
+
+    import typer.main
+
+    from fp8kv.checkpoint.convert import convert_checkpoint
+
+    keywords = {name: p.default for name, p in inspect.signature(convert_checkpoint).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "command"}
+    options = {p.name: p.default for p in typer.main.get_command(app).commands["convert"].params if not p.required}
+    assert options == keywords == {"overwrite": False, "mode": "overlay"}

@@ -1,6 +1,6 @@
 """The verify driver: static checks, held-out statistics, runtime checks, verdict, report.
 
-    from fp8kv.verify.request import VerifyRequest
+    from fp8kv.verify.request import VerifyRequest, check_request
     from fp8kv.verify.run import verify
     result = verify(VerifyRequest(Path("ckpt"), data=DataRequest("heldout.jsonl", num_samples=16)))
     result.verdict, result.exit_code, result.report_dir
@@ -21,14 +21,13 @@ from fp8kv.checkpoint.digest import checkpoint_digest
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import WeightsMismatch
 from fp8kv.checkpoint.writer import check_writable_location
-from fp8kv.errors import Fp8kvError
 from fp8kv.json_fields import to_json_value
 from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
 from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime import xla_cost
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, engines, fidelity, generation, heldout
-from fp8kv.verify.request import VerifyRequest
+from fp8kv.verify.request import VerifyRequest, check_request
 from fp8kv.verify.report import REPORT_JSON, HeldOut, VerifyReport, write_report
 from fp8kv.verify.results import LayerCheck, QueryCost
 from fp8kv.verify.static import StaticResult, static_checks
@@ -53,7 +52,7 @@ class VerifyResult:
 
 def verify(request: VerifyRequest, progress: StageProgress | None = None) -> VerifyResult:
     """Check the checkpoint's KV scales statically and on held-out text; write report.md/json and scales.png."""
-    _validate(request)
+    check_request(request)
     thresholds = request.thresholds or load_thresholds()
     runtime = resolve_device(request.device)
     model_dir = resolve_model(str(request.model_dir))
@@ -104,18 +103,6 @@ def report_location(model: str, model_dir: Path, requested: Path | None) -> Path
         return model_dir / VERIFY_DIR
     name = split_hub_id(model)[0].replace("/", "--") if looks_like_hub_id(model) else Path(model).resolve().name
     return Path.cwd() / DEFAULT_REPORT_ROOT / (name or "model")
-
-
-def _validate(request: VerifyRequest) -> None:
-    for name, value in (("--batch-size", request.batch_size), ("--new-tokens", request.new_tokens),
-                        ("--num-prompts", request.num_prompts), ("--prompt-len", request.prompt_len),
-                        ("--num-samples", request.data.num_samples), ("--seq-len", request.data.seq_len)):
-        if value < 1:
-            raise Fp8kvError(f"{name} must be at least 1, got {value}")
-    if request.prompts is not None and Path(request.prompts).is_dir():
-        raise Fp8kvError(f"{request.prompts}: is a folder; --prompts takes a text file, one prompt per line")
-    if request.prompts is not None and not Path(request.prompts).is_file():
-        raise Fp8kvError(f"{request.prompts}: no such prompts file (one prompt per line)")
 
 
 def _heldout_text(request: VerifyRequest, static: StaticResult, device: str,
