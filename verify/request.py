@@ -32,7 +32,7 @@ class VerifyRequest:
     quantize_query: bool = False  # also run attention with Q quantized by the checkpoint's q_scale
 
 
-def check_request(request: VerifyRequest) -> None:
+def check_verify_request(request: VerifyRequest) -> None:
     """Refuse numbers below 1 and a --prompts that is no file; the command line checks this before torch is
     imported."""
     for name, value in (("--batch-size", request.batch_size), ("--new-tokens", request.new_tokens),
