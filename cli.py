@@ -15,7 +15,7 @@ from fp8kv import __version__
 from fp8kv.cli_conformance import conformance_app
 from fp8kv.cli_parse import Command, checked
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError, UsageError
-from fp8kv.evaluation.request import EvalRequest
+from fp8kv.evaluation.request import EvalRequest, check_eval_request
 from fp8kv.kvdtypes import FP8_MAX
 from fp8kv.calibrate.request import CalibrationRequest, check_combinations
 from fp8kv.checkpoint.hub_cache import check_base_model
@@ -25,7 +25,7 @@ from fp8kv.options import (
     DEFAULT_HEADROOM, DEFAULT_MODE, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
     TorchDeviceChoice, WriteMode, check_headroom, kv_dtype_name,
 )
-from fp8kv.verify.request import VerifyRequest, check_request
+from fp8kv.verify.request import VerifyRequest, check_verify_request
 from fp8kv.verify.verdict import check_bound, load_thresholds
 
 DEBUG_ENV = "FP8KV_DEBUG"
@@ -430,7 +430,7 @@ def verify_command(
         engines=parse_engines(engine),
         quantize_query=quantize_query, engine_attention=engine_attention,
     )
-    check_request(request)
+    check_verify_request(request)
     _leave_out_xla(device)
     from fp8kv.progress import StageProgress
     from fp8kv.verify.report import show
@@ -468,15 +468,16 @@ def eval_command(
     if importlib.util.find_spec("lm_eval") is None:  # the `eval` extra: a usage error, before torch loads
         typer.echo(f"fp8kv: error: fp8kv eval needs lm-evaluation-harness: {EVAL_EXTRA_HINT}", err=True)
         raise typer.Exit(ExitCode.USAGE)
-    _leave_out_xla(device)
-    from fp8kv.evaluation.compare import evaluate
-    from fp8kv.progress import StageProgress
-
     request = EvalRequest(
         model_dir=model_dir, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit,
         engines=parse_engines(engines), device=device, batch_size=batch_size,
         max_length=max_length, include_path=include_path, report_dir=report_dir,
     )
+    check_eval_request(request)  # before torch and lm_eval load
+    _leave_out_xla(device)
+    from fp8kv.evaluation.compare import evaluate
+    from fp8kv.progress import StageProgress
+
     with StageProgress() as progress:
         result, folder = evaluate(request, progress=progress)
     typer.echo(result.markdown())

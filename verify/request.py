@@ -35,7 +35,7 @@ class VerifyRequest:
     engine_attention: bool = False
 
 
-def check_request(request: VerifyRequest) -> None:
+def check_verify_request(request: VerifyRequest) -> None:
     """Refuse numbers below 1 and a --prompts that is no file; the command line checks this before torch is
     imported."""
     for name, value in (("--batch-size", request.batch_size), ("--new-tokens", request.new_tokens),
