@@ -15,7 +15,7 @@ from fp8kv import __version__
 from fp8kv.cli_conformance import conformance_app
 from fp8kv.cli_parse import Command, checked
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError, UsageError
-from fp8kv.evaluation.request import EvalRequest
+from fp8kv.evaluation.request import EvalRequest, check_eval_request
 from fp8kv.kvdtypes import FP8_MAX
 from fp8kv.calibrate.request import CalibrationRequest, check_combinations
 from fp8kv.checkpoint.hub_cache import check_base_model
@@ -25,7 +25,7 @@ from fp8kv.options import (
     DEFAULT_HEADROOM, DEFAULT_MODE, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
     TorchDeviceChoice, WriteMode, check_headroom, kv_dtype_name,
 )
-from fp8kv.verify.request import VerifyRequest, check_request
+from fp8kv.verify.request import VerifyRequest, check_verify_request
 from fp8kv.verify.verdict import check_bound, load_thresholds
 
 DEBUG_ENV = "FP8KV_DEBUG"
@@ -413,6 +413,11 @@ def verify_command(
     quantize_query: bool = typer.Option(
         _VERIFY.quantize_query, "--quantize-query", help="Also quantize Q with the checkpoint's q_scale (fp8 attention) and report the cost."
     ),
+    engine_attention: bool = typer.Option(
+        _VERIFY.engine_attention, "--engine-attention", help="Run each engine model with its own attention arithmetic "
+        "(TPU: the Pallas kernel's roundings), not one shared float32 attention: a few more forwards, perplexities "
+        "closer to that engine's; the NaN check is the same either way (it is decided by the write).",
+    ),
 ) -> None:
     # A bad thresholds file or --prompts is refused before torch loads.
     thresholds = load_thresholds(
@@ -423,9 +428,9 @@ def verify_command(
         batch_size=batch_size, prompts=prompts, num_prompts=num_prompts, prompt_len=prompt_len,
         new_tokens=new_tokens, device=device, report_dir=report_dir, thresholds=thresholds,
         engines=parse_engines(engine),
-        quantize_query=quantize_query,
+        quantize_query=quantize_query, engine_attention=engine_attention,
     )
-    check_request(request)
+    check_verify_request(request)
     _leave_out_xla(device)
     from fp8kv.progress import StageProgress
     from fp8kv.verify.report import show
@@ -463,15 +468,16 @@ def eval_command(
     if importlib.util.find_spec("lm_eval") is None:  # the `eval` extra: a usage error, before torch loads
         typer.echo(f"fp8kv: error: fp8kv eval needs lm-evaluation-harness: {EVAL_EXTRA_HINT}", err=True)
         raise typer.Exit(ExitCode.USAGE)
-    _leave_out_xla(device)
-    from fp8kv.evaluation.compare import evaluate
-    from fp8kv.progress import StageProgress
-
     request = EvalRequest(
         model_dir=model_dir, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit,
         engines=parse_engines(engines), device=device, batch_size=batch_size,
         max_length=max_length, include_path=include_path, report_dir=report_dir,
     )
+    check_eval_request(request)  # before torch and lm_eval load
+    _leave_out_xla(device)
+    from fp8kv.evaluation.compare import evaluate
+    from fp8kv.progress import StageProgress
+
     with StageProgress() as progress:
         result, folder = evaluate(request, progress=progress)
     typer.echo(result.markdown())

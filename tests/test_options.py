@@ -80,6 +80,12 @@ def test_a_malformed_command_line_is_a_usage_error_before_torch_loads(args):
     assert stderr.startswith("Usage: ") and "Error: " in stderr, stderr
 
 
+def test_eval_refuses_to_write_into_a_foreign_folder_before_torch_loads(tmp_path):
+    state, stderr = _exit_and_torch(["eval", str(tmp_path)])
+    assert state == [str(int(ExitCode.ERROR)), "False"], (state, stderr)
+    assert stderr.startswith(f"fp8kv: error: {tmp_path}: not written by fp8kv (no fp8kv.json); pass --report FOLDER")
+
+
 @pytest.mark.parametrize(("option", "name", "message"), [
     ("--thresholds", "t.toml", "{path}: [fail] kl_mean = -1 must be a number >= 0"),
     ("--prompts", "folder", "{path}: is a folder; --prompts takes a text file, one prompt per line"),
@@ -258,9 +264,14 @@ BARE_COMMANDS = {
 }
 
 
-def _handed_request(command: str, monkeypatch) -> object:
-    """The request `command`'s shortest command line hands its driver (the driver is not run)."""
+def _handed_request(command: str, monkeypatch, tmp_path) -> object:
+    """The request `command`'s shortest command line hands its driver (the driver is not run), run where `m` is a
+    folder fp8kv wrote (eval writes its results into such a folder by default)."""
     import typer
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "fp8kv.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
 
     args, driver_path, _ = BARE_COMMANDS[command]
     handed = []
@@ -276,7 +287,7 @@ def _handed_request(command: str, monkeypatch) -> object:
 
 
 @pytest.mark.parametrize("command", list(BARE_COMMANDS))
-def test_command_line_defaults_are_the_requests(command, monkeypatch):
+def test_command_line_defaults_are_the_requests(command, monkeypatch, tmp_path):
     """What a user gets by omitting every option is the request built with its own defaults, field by field
     (conversions included: `--headroom auto`, `--engine` and `--tasks` as text)."""
     from dataclasses import fields
@@ -290,7 +301,7 @@ def test_command_line_defaults_are_the_requests(command, monkeypatch):
     from fp8kv.verify.request import VerifyRequest
     from fp8kv.verify.verdict import load_thresholds
 
-    handed = _handed_request(command, monkeypatch)
+    handed = _handed_request(command, monkeypatch, tmp_path)
     if isinstance(handed, CalibrationRequest):
         assert handed.command  # the command line, recorded in fp8kv.json
     expected = {

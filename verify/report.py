@@ -189,9 +189,10 @@ def _layer_table(report: VerifyReport) -> str:
 
 
 def _engine_table(engines: tuple[EngineResult, ...]) -> str:
-    head = ["engine", "verdict", "perplexity", "NaN/inf logit rows", "sequences lost", "first non-finite layer"]
+    head = ["engine", "verdict", "perplexity", "NaN/inf logit rows", "sequences lost", "first non-finite layer",
+            "attention"]
     rows = [[e.engine, e.verdict, fmt_number(e.ppl), f"{e.nan_rows} of {e.rows}",
-             f"{e.sequences_lost} of {e.sequences}", fmt_number(e.first_nonfinite_layer)] for e in engines]
+             f"{e.sequences_lost} of {e.sequences}", fmt_number(e.first_nonfinite_layer), e.attention] for e in engines]
     return markdown_table(head, rows)
 
 

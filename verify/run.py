@@ -1,6 +1,6 @@
 """The verify driver: static checks, held-out statistics, runtime checks, verdict, report.
 
-    from fp8kv.verify.request import VerifyRequest, check_request
+    from fp8kv.verify.request import VerifyRequest
     from fp8kv.verify.run import verify
     result = verify(VerifyRequest(Path("ckpt"), data=DataRequest("heldout.jsonl", num_samples=16)))
     result.verdict, result.exit_code, result.report_dir
@@ -27,7 +27,7 @@ from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime import xla_cost
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, engines, fidelity, generation, heldout
-from fp8kv.verify.request import VerifyRequest, check_request
+from fp8kv.verify.request import VerifyRequest, check_verify_request
 from fp8kv.verify.report import REPORT_JSON, HeldOut, VerifyReport, write_report
 from fp8kv.verify.results import LayerCheck, QueryCost
 from fp8kv.verify.static import StaticResult, static_checks
@@ -52,7 +52,7 @@ class VerifyResult:
 
 def verify(request: VerifyRequest, progress: StageProgress | None = None) -> VerifyResult:
     """Check the checkpoint's KV scales statically and on held-out text; write report.md/json and scales.png."""
-    check_request(request)
+    check_verify_request(request)
     thresholds = request.thresholds or load_thresholds()
     runtime = resolve_device(request.device)
     model_dir = resolve_model(str(request.model_dir))
@@ -145,6 +145,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     runners = accuracy.Runners.open(
         source.path, scales, kv_layers, device=request.device, page_size=request.page_size,
         max_model_len=longest, max_num_seqs=max(request.batch_size, 2 * len(prompts)), engines=request.engines,
+        engine_attention=request.engine_attention,
     )
     timings["load_runners"] = time.perf_counter() - clock
     readback = accuracy.readback(runners.fp8, scales)
