@@ -4,6 +4,7 @@ import functools
 import inspect
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -14,17 +15,17 @@ from fp8kv import __version__
 from fp8kv.cli_conformance import conformance_app
 from fp8kv.cli_parse import Command, checked
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError, UsageError
-from fp8kv.evaluation.request import EvalRequest
+from fp8kv.evaluation.request import EvalRequest, check_eval_request
 from fp8kv.kvdtypes import FP8_MAX
-from fp8kv.calibrate.request import CalibrationRequest
+from fp8kv.calibrate.request import CalibrationRequest, check_combinations
 from fp8kv.checkpoint.hub_cache import check_base_model
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import ALL, BUGS, RELEASED, parse_engines
 from fp8kv.options import (
-    DEFAULT_HEADROOM, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
+    DEFAULT_HEADROOM, DEFAULT_MODE, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
     TorchDeviceChoice, WriteMode, check_headroom, kv_dtype_name,
 )
-from fp8kv.verify.request import VerifyRequest
+from fp8kv.verify.request import VerifyRequest, check_verify_request
 from fp8kv.verify.verdict import check_bound, load_thresholds
 
 DEBUG_ENV = "FP8KV_DEBUG"
@@ -264,7 +265,7 @@ def convert_command(
     convention: Convention = typer.Option(..., "--to", help="Target convention."),
     out: Path = typer.Option(..., "--out", help="Output folder (written atomically)."),
     overwrite: OverwriteOpt = False,
-    mode: ModeOpt = "overlay",
+    mode: ModeOpt = DEFAULT_MODE,
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
     from fp8kv.calibrate.report import command_line
@@ -346,20 +347,21 @@ def calibrate(
     The text defaults to HuggingFaceH4/ultrachat_200k (split train_sft); when that cannot be loaded, the
     bundled calibration split, announced before the work.
     """
-    _leave_out_xla(device)  # calibration runs transformers' forward on CUDA or the CPU
-    from fp8kv.calibrate import report
-    from fp8kv.calibrate.distributed import is_writer
-    from fp8kv.calibrate.pipeline import CalibrationRequest
-    from fp8kv.calibrate.pipeline import calibrate as run_calibration
-    from fp8kv.progress import StageProgress
-
     request = CalibrationRequest(
         model=model, out=out,
         data=data, batch_size=batch_size, kv_dtype=kv_dtype_name(kv_dtype), strategy=strategy, headroom=_headroom(headroom), per_head=per_head,
         allow_unobserved=allow_unobserved, mode=mode, convention=convention, overwrite=overwrite,
         device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
-        base_model=base_model, attention=attention, command=report.command_line(),
+        base_model=base_model, attention=attention,
     )
+    check_combinations(request)  # before torch loads
+    _leave_out_xla(device)  # calibration runs transformers' forward on CUDA or the CPU
+    from fp8kv.calibrate import report
+    from fp8kv.calibrate.distributed import is_writer
+    from fp8kv.calibrate.pipeline import calibrate as run_calibration
+    from fp8kv.progress import StageProgress
+
+    request = replace(request, command=report.command_line())
     with StageProgress(quiet=quiet or json_output) as progress:
         result = run_calibration(request, progress=progress if is_writer() else None)
     if is_writer():  # under torchrun, rank 0 speaks for all
@@ -411,23 +413,29 @@ def verify_command(
     quantize_query: bool = typer.Option(
         _VERIFY.quantize_query, "--quantize-query", help="Also quantize Q with the checkpoint's q_scale (fp8 attention) and report the cost."
     ),
+    engine_attention: bool = typer.Option(
+        _VERIFY.engine_attention, "--engine-attention", help="Run each engine model with its own attention arithmetic "
+        "(TPU: the Pallas kernel's roundings), not one shared float32 attention: a few more forwards, perplexities "
+        "closer to that engine's; the NaN check is the same either way (it is decided by the write).",
+    ),
 ) -> None:
-    # A bad thresholds file is refused before torch loads.
+    # A bad thresholds file or --prompts is refused before torch loads.
     thresholds = load_thresholds(
         thresholds_file, kl_mean=max_kl_mean, saturation=max_saturation, unit_kl_ratio=unit_kl_ratio, unit_ppl_ratio=unit_ppl_ratio,
     )
-    _leave_out_xla(device)
-    from fp8kv.progress import StageProgress
-    from fp8kv.verify.report import show
-    from fp8kv.verify.run import verify
-
     request = VerifyRequest(
         model_dir=model_dir, data=data,
         batch_size=batch_size, prompts=prompts, num_prompts=num_prompts, prompt_len=prompt_len,
         new_tokens=new_tokens, device=device, report_dir=report_dir, thresholds=thresholds,
         engines=parse_engines(engine),
-        quantize_query=quantize_query,
+        quantize_query=quantize_query, engine_attention=engine_attention,
     )
+    check_verify_request(request)
+    _leave_out_xla(device)
+    from fp8kv.progress import StageProgress
+    from fp8kv.verify.report import show
+    from fp8kv.verify.run import verify
+
     with StageProgress(quiet=quiet or json_output) as progress:
         result = verify(request, progress=progress)
     show(result, json_output=json_output)
@@ -460,15 +468,16 @@ def eval_command(
     if importlib.util.find_spec("lm_eval") is None:  # the `eval` extra: a usage error, before torch loads
         typer.echo(f"fp8kv: error: fp8kv eval needs lm-evaluation-harness: {EVAL_EXTRA_HINT}", err=True)
         raise typer.Exit(ExitCode.USAGE)
-    _leave_out_xla(device)
-    from fp8kv.evaluation.compare import evaluate
-    from fp8kv.progress import StageProgress
-
     request = EvalRequest(
         model_dir=model_dir, tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), limit=limit,
         engines=parse_engines(engines), device=device, batch_size=batch_size,
         max_length=max_length, include_path=include_path, report_dir=report_dir,
     )
+    check_eval_request(request)  # before torch and lm_eval load
+    _leave_out_xla(device)
+    from fp8kv.evaluation.compare import evaluate
+    from fp8kv.progress import StageProgress
+
     with StageProgress() as progress:
         result, folder = evaluate(request, progress=progress)
     typer.echo(result.markdown())

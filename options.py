@@ -13,6 +13,8 @@ from fp8kv.errors import Fp8kvError
 
 Convention = Literal["compressed-tensors", "modelopt", "quark", "vllm-json"]
 WriteMode = Literal["overlay", "copy"]
+# overlay hard-links the source's weights (no second copy on disk); copy makes a self-contained folder.
+DEFAULT_MODE: WriteMode = "overlay"
 KvDtype = Literal["fp8_e4m3", "fp8_e5m2"]
 DEFAULT_KV_DTYPE: KvDtype = "fp8_e4m3"
 KvDtypeSpelling = Literal["fp8_e4m3", "fp8_e5m2", "fp8"]
@@ -22,6 +24,10 @@ RuntimeChoice = Literal["auto", "tpu", "xla-cpu", "cuda", "cpu"]
 TorchDeviceChoice = Literal["auto", "cuda", "cpu"]
 # kv: K/V cache scales only; fp8: also query scales for fp8 attention kernels.
 AttentionChoice = Literal["kv", "fp8"]
+# The caches `fp8kv eval` and the lm_eval model `fp8kv` run on (--model_args kv_cache=..., scales=...): bf16, or
+# fp8 with the checkpoint's scales or unit scales.
+EvalCache = Literal["bf16", "fp8"]
+ScaleSource = Literal["checkpoint", "unit"]
 # What verify concludes; the exit code of each is in errors.ExitCode.
 Verdict = Literal["PASS", "WARN", "FAIL"]
 VERDICTS: tuple[str, ...] = get_args(Verdict)

@@ -15,7 +15,7 @@ import torch
 
 from fp8kv import __version__
 from fp8kv.calibrate import distributed, layerwise
-from fp8kv.calibrate.request import CalibrationRequest
+from fp8kv.calibrate.request import CalibrationRequest, check_combinations
 from fp8kv.data import GENERATED_DATASET, CalibrationData, load_calibration_data, load_tokenizer, make_batches, pad_id
 from fp8kv.observe import KVStatistics, Progress, observe, query_observer_for
 from fp8kv.checkpoint.locate import infer_base_model, is_bundled_model, resolve_model
@@ -25,7 +25,7 @@ from fp8kv.calibrate.scales import (
 from fp8kv.checkpoint.provenance import (
     CacheRecord, DatasetRecord, Execution, LayerRecord, Provenance, QueryScaleRecord, SourceRecord,
 )
-from fp8kv.checkpoint.conventions import CONVENTIONS, check_representable, vllm_format_gaps
+from fp8kv.checkpoint.conventions import CONVENTIONS, vllm_format_gaps
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.latent import check_latent_attention, check_latent_convention
 from fp8kv.checkpoint.load import load_language_model
@@ -266,12 +266,10 @@ def _validate(request: CalibrationRequest) -> Strategy:
         raise Fp8kvError(f"--format {request.convention!r}: choose one of {', '.join(CONVENTIONS)}")
     if request.mode not in MODES:
         raise Fp8kvError(f"--mode {request.mode!r}: choose one of {', '.join(MODES)}")
-    if request.attention == "fp8" and request.convention != "compressed-tensors":
-        raise Fp8kvError("--attention fp8 writes q_scale, which only the compressed-tensors format carries")
+    check_combinations(request)
     if request.base_model is not None:
         check_base_model(request.base_model)
-    if request.out is not None:  # without --out nothing is written, so any format goes
-        check_representable(request.convention, "attn_head" if request.per_head else "tensor", request.kv_dtype)
+    if request.out is not None:
         check_writable_location(Path(request.out).absolute())
     resolve_device(request.device, torch_only=True)
     return strategy

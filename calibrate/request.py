@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fp8kv.options import DEFAULT_HEADROOM, DEFAULT_KV_DTYPE
+from fp8kv.checkpoint.conventions import check_representable
 from fp8kv.data import DataRequest
+from fp8kv.errors import Fp8kvError
+from fp8kv.options import DEFAULT_HEADROOM, DEFAULT_KV_DTYPE, DEFAULT_MODE
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,7 @@ class CalibrationRequest:
     headroom: float = DEFAULT_HEADROOM
     per_head: bool = False
     allow_unobserved: bool = False
-    mode: str = "overlay"
+    mode: str = DEFAULT_MODE
     convention: str = "compressed-tensors"
     overwrite: bool = False
     device: str = "auto"
@@ -32,3 +34,12 @@ class CalibrationRequest:
     base_model: str | None = None  # Hub id of the source; None: inferred (`infer_base_model`)
     attention: str = "kv"  # "fp8": also calibrate query scales (q_scale) for fp8 attention
     command: str | None = None  # the command line, recorded in fp8kv.json
+
+
+def check_combinations(request: CalibrationRequest) -> None:
+    """Refuse options that cannot go together; they need no checkpoint, so the command line checks them before
+    torch is imported."""
+    if request.attention == "fp8" and request.convention != "compressed-tensors":
+        raise Fp8kvError("--attention fp8 writes q_scale, which only the compressed-tensors format carries")
+    if request.out is not None:  # without --out nothing is written, so any format goes
+        check_representable(request.convention, "attn_head" if request.per_head else "tensor", request.kv_dtype)

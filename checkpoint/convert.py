@@ -12,10 +12,11 @@ from fp8kv.checkpoint.provenance import ConvertedFrom, Provenance, read_provenan
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.errors import Fp8kvError
+from fp8kv.options import DEFAULT_MODE
 
 
 def convert_checkpoint(
-    model_dir: str | Path, out_dir: str | Path, convention: str, *, overwrite: bool = False, mode: str = "overlay",
+    model_dir: str | Path, out_dir: str | Path, convention: str, *, overwrite: bool = False, mode: str = DEFAULT_MODE,
     command: str | None = None,
 ) -> Path:
     """Read the scales of `model_dir` (any convention) and write them to `out_dir` in `convention`.

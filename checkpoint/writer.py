@@ -30,7 +30,7 @@ from fp8kv.checkpoint.source import INDEX_NAME, SourceCheckpoint, read_safetenso
 from fp8kv.checkpoint.latent import check_latent_convention
 from fp8kv.geometry import read_json
 from fp8kv.errors import Fp8kvError
-from fp8kv.options import WriteMode
+from fp8kv.options import DEFAULT_MODE, WriteMode
 
 MODES = get_args(WriteMode)
 # Files at most this big are copied even in overlay mode, so editing the output never edits the source.
@@ -45,7 +45,7 @@ def write_checkpoint(
     scales: KVScales,
     *,
     convention: str = "compressed-tensors",
-    mode: str = "overlay",
+    mode: str = DEFAULT_MODE,
     overwrite: bool = False,
     record: Provenance | None = None,
 ) -> Path:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from fp8kv.engine_models import BUGS, DEFAULT_ENGINE, engine_model
 from fp8kv.errors import Fp8kvError
+from fp8kv.options import DEFAULT_MODE
 
 CORRECT = "correct"
 # Every behaviour a pack tells apart: the correct write, then each bug model.
@@ -44,7 +45,7 @@ class ReferenceRequest:
     out: Path  # the pack folder
     scale_factor: float | None = None  # None: the one of SCALE_FACTORS under which the behaviours lie furthest apart
     device: str = "cpu"
-    mode: str = "overlay"  # how PACK/model holds the weights
+    mode: str = DEFAULT_MODE  # how PACK/model holds the weights
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from fp8kv.checkpoint.artifacts import EVAL_DIR, PROVENANCE_FILE, is_fp8kv_output
 from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.artifacts import write_file_atomic
 from fp8kv.checkpoint.provenance import record_written
 from fp8kv.errors import Fp8kvError
-from fp8kv.evaluation.request import EvalRequest
+from fp8kv.evaluation.request import EvalRequest, check_eval_request
 from fp8kv.evaluation.results import RESULTS_JSON, RESULTS_MD, ConfigScores, EvalResults, metric_values
 from fp8kv.evaluation.spec import CacheSpec
 
@@ -36,16 +35,6 @@ def cache_specs(model_dir: Path, engines: tuple[str, ...]) -> list[CacheSpec]:
     return specs
 
 
-def report_folder(model_dir: Path, report_dir: Path | None) -> Path:
-    """--report, else DIR/eval; writing inside DIR only when fp8kv wrote DIR (its fp8kv.json is there)."""
-    if report_dir is not None:
-        return Path(report_dir)
-    if not is_fp8kv_output(model_dir):
-        raise Fp8kvError(f"{model_dir}: not written by fp8kv (no {PROVENANCE_FILE}); pass --report FOLDER "
-                         "so nothing is added to a checkpoint fp8kv does not own")
-    return Path(model_dir) / EVAL_DIR
-
-
 def evaluate(request: EvalRequest, progress: Callable[[str, int, int], None] | None = None) -> tuple[EvalResults, Path]:
     """Run the tasks on every cache configuration; write results.json and results.md; return them and the folder.
 
@@ -62,10 +51,8 @@ def evaluate(request: EvalRequest, progress: Callable[[str, int, int], None] | N
     from fp8kv.runtime.device import resolve_device
     from fp8kv.runtime.runner import load_model
 
+    folder = check_eval_request(request)
     model_dir = resolve_model(str(request.model_dir))
-    folder = report_folder(request.model_dir, request.report_dir)
-    if request.limit is not None and request.limit < 1:
-        raise Fp8kvError(f"--limit must be at least 1, got {request.limit}")
     specs = cache_specs(model_dir, request.engines)
     include = [str(TASKS_DIR)] + ([str(request.include_path)] if request.include_path else [])
     manager = TaskManager(include_path=include)

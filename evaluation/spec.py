@@ -8,18 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.errors import Fp8kvError
 from fp8kv.engine_models import DEFAULT_ENGINE, ENGINE_MODELS
+from fp8kv.options import EvalCache, ScaleSource
 from fp8kv.runtime.runner import PagedModelRunner
 from fp8kv.verify.accuracy import runtime_scales
 
-KV_CACHES = ("bf16", "fp8")
-SCALE_SOURCES = ("checkpoint", "unit")
+KV_CACHES: tuple[str, ...] = get_args(EvalCache)
+SCALE_SOURCES: tuple[str, ...] = get_args(ScaleSource)
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """One cache configuration: `kv_cache` bf16 or fp8; for fp8, the scale source and the engine's cast.

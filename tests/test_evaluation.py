@@ -25,7 +25,7 @@ from fp8kv.checkpoint.provenance import Provenance  # noqa: E402
 from fp8kv.checkpoint.writer import write_checkpoint  # noqa: E402
 from fp8kv.errors import Fp8kvError  # noqa: E402
 from fp8kv.evaluation.bundled_tasks import QUESTIONS  # noqa: E402
-from fp8kv.evaluation.compare import report_folder  # noqa: E402
+from fp8kv.evaluation.request import report_folder  # noqa: E402
 from fp8kv.evaluation.harness import Fp8kvLM  # noqa: E402
 from fp8kv.evaluation.results import ConfigScores, EvalResults, read_results  # noqa: E402
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_MODEL_DIR  # noqa: E402

@@ -80,12 +80,24 @@ def test_a_malformed_command_line_is_a_usage_error_before_torch_loads(args):
     assert stderr.startswith("Usage: ") and "Error: " in stderr, stderr
 
 
-def test_a_bad_thresholds_file_is_refused_before_torch_loads(tmp_path):
-    bad = tmp_path / "t.toml"
-    bad.write_text("[fail]\nkl_mean = -1\n")
-    state, stderr = _exit_and_torch(["verify", "bundled", "--thresholds", str(bad)])
+def test_eval_refuses_to_write_into_a_foreign_folder_before_torch_loads(tmp_path):
+    state, stderr = _exit_and_torch(["eval", str(tmp_path)])
     assert state == [str(int(ExitCode.ERROR)), "False"], (state, stderr)
-    assert stderr == f"fp8kv: error: {bad}: [fail] kl_mean = -1 must be a number >= 0\n"
+    assert stderr.startswith(f"fp8kv: error: {tmp_path}: not written by fp8kv (no fp8kv.json); pass --report FOLDER")
+
+
+@pytest.mark.parametrize(("option", "name", "message"), [
+    ("--thresholds", "t.toml", "{path}: [fail] kl_mean = -1 must be a number >= 0"),
+    ("--prompts", "folder", "{path}: is a folder; --prompts takes a text file, one prompt per line"),
+    ("--prompts", "missing.txt", "{path}: no such prompts file (one prompt per line)"),
+])
+def test_verify_refuses_a_bad_file_option_before_torch_loads(tmp_path, option, name, message):
+    (tmp_path / "t.toml").write_text("[fail]\nkl_mean = -1\n")
+    (tmp_path / "folder").mkdir()
+    path = tmp_path / name
+    state, stderr = _exit_and_torch(["verify", "bundled", option, str(path)])
+    assert state == [str(int(ExitCode.ERROR)), "False"], (state, stderr)
+    assert stderr == f"fp8kv: error: {message.format(path=path)}\n"
 
 
 def test_help_lists_the_choices():
@@ -115,12 +127,13 @@ def nothing_loads(monkeypatch):
     (["--kv-dtype", "fp8_e5m2"], "compressed-tensors stores fp8_e4m3 KV caches only"),
     (["--per-head", "--format", "modelopt"], "per-head (attn_head) scales can only be written as compressed-tensors"),
     (["--per-head", "--format", "vllm-json"], "per-head (attn_head) scales can only be written as compressed-tensors"),
+    (["--attention", "fp8", "--format", "quark"], "--attention fp8 writes q_scale, which only the compressed-tensors"),
 ])
-def test_impossible_combinations_fail_before_anything_loads(nothing_loads, factory_checkpoint, tmp_path, extra, message):
-    result = CliRunner().invoke(app, ["calibrate", str(factory_checkpoint("llama")), "--out", str(tmp_path / "o"),
-                                      *extra])
-    assert result.exit_code == ExitCode.ERROR, result.output
-    assert message in result.stderr
+def test_impossible_combinations_fail_before_torch_loads(factory_checkpoint, tmp_path, extra, message):
+    state, stderr = _exit_and_torch(["calibrate", str(factory_checkpoint("llama")), "--out", str(tmp_path / "o"),
+                                     *extra])
+    assert state == [str(int(ExitCode.ERROR)), "False"], (state, stderr)
+    assert stderr.startswith("fp8kv: error: ") and message in stderr
     assert not (tmp_path / "o").exists()
 
 
@@ -251,9 +264,14 @@ BARE_COMMANDS = {
 }
 
 
-def _handed_request(command: str, monkeypatch) -> object:
-    """The request `command`'s shortest command line hands its driver (the driver is not run)."""
+def _handed_request(command: str, monkeypatch, tmp_path) -> object:
+    """The request `command`'s shortest command line hands its driver (the driver is not run), run where `m` is a
+    folder fp8kv wrote (eval writes its results into such a folder by default)."""
     import typer
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "fp8kv.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
 
     args, driver_path, _ = BARE_COMMANDS[command]
     handed = []
@@ -269,7 +287,7 @@ def _handed_request(command: str, monkeypatch) -> object:
 
 
 @pytest.mark.parametrize("command", list(BARE_COMMANDS))
-def test_command_line_defaults_are_the_requests(command, monkeypatch):
+def test_command_line_defaults_are_the_requests(command, monkeypatch, tmp_path):
     """What a user gets by omitting every option is the request built with its own defaults, field by field
     (conversions included: `--headroom auto`, `--engine` and `--tasks` as text)."""
     from dataclasses import fields
@@ -283,7 +301,7 @@ def test_command_line_defaults_are_the_requests(command, monkeypatch):
     from fp8kv.verify.request import VerifyRequest
     from fp8kv.verify.verdict import load_thresholds
 
-    handed = _handed_request(command, monkeypatch)
+    handed = _handed_request(command, monkeypatch, tmp_path)
     if isinstance(handed, CalibrationRequest):
         assert handed.command  # the command line, recorded in fp8kv.json
     expected = {
@@ -302,3 +320,17 @@ def test_command_line_defaults_are_the_requests(command, monkeypatch):
     data = getattr(handed, "data", None)
     covered = {f.name for f in fields(handed)} | ({f.name for f in fields(data)} if data is not None else set())
     assert options - covered == BARE_COMMANDS[command][2]
+
+
+def test_convert_defaults_are_the_library_function_s():
+    """convert has no request: its options' defaults are `convert_checkpoint`'s keyword defaults."""
+    import inspect
+
+    import typer.main
+
+    from fp8kv.checkpoint.convert import convert_checkpoint
+
+    keywords = {name: p.default for name, p in inspect.signature(convert_checkpoint).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "command"}
+    options = {p.name: p.default for p in typer.main.get_command(app).commands["convert"].params if not p.required}
+    assert options == keywords == {"overwrite": False, "mode": "overlay"}

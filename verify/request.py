@@ -8,6 +8,7 @@ from pathlib import Path
 
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import RELEASED
+from fp8kv.errors import Fp8kvError
 from fp8kv.verify.verdict import Thresholds
 
 
@@ -29,3 +30,20 @@ class VerifyRequest:
     thresholds: Thresholds | None = None  # None: configs/verify.toml
     engines: tuple[str, ...] = RELEASED  # engine models run through the runtime (verify.engines)
     quantize_query: bool = False  # also run attention with Q quantized by the checkpoint's q_scale
+    # Engines that write the same bytes share one run on fp8kv's float32 attention; True also reproduces each
+    # engine's own attention arithmetic (TPU: the Pallas kernel's), one more run per arithmetic.
+    engine_attention: bool = False
+
+
+def check_verify_request(request: VerifyRequest) -> None:
+    """Refuse numbers below 1 and a --prompts that is no file; the command line checks this before torch is
+    imported."""
+    for name, value in (("--batch-size", request.batch_size), ("--new-tokens", request.new_tokens),
+                        ("--num-prompts", request.num_prompts), ("--prompt-len", request.prompt_len),
+                        ("--num-samples", request.data.num_samples), ("--seq-len", request.data.seq_len)):
+        if value < 1:
+            raise Fp8kvError(f"{name} must be at least 1, got {value}")
+    if request.prompts is not None and Path(request.prompts).is_dir():
+        raise Fp8kvError(f"{request.prompts}: is a folder; --prompts takes a text file, one prompt per line")
+    if request.prompts is not None and not Path(request.prompts).is_file():
+        raise Fp8kvError(f"{request.prompts}: no such prompts file (one prompt per line)")

@@ -21,14 +21,13 @@ from fp8kv.checkpoint.digest import checkpoint_digest
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import WeightsMismatch
 from fp8kv.checkpoint.writer import check_writable_location
-from fp8kv.errors import Fp8kvError
-from fp8kv.json_fields import to_json_value
+from fp8kv.inspection import scale_rows
 from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
 from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime import xla_cost
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, engines, fidelity, generation, heldout
-from fp8kv.verify.request import VerifyRequest
+from fp8kv.verify.request import VerifyRequest, check_verify_request
 from fp8kv.verify.report import REPORT_JSON, HeldOut, VerifyReport, write_report
 from fp8kv.verify.results import LayerCheck, QueryCost
 from fp8kv.verify.static import StaticResult, static_checks
@@ -53,7 +52,7 @@ class VerifyResult:
 
 def verify(request: VerifyRequest, progress: StageProgress | None = None) -> VerifyResult:
     """Check the checkpoint's KV scales statically and on held-out text; write report.md/json and scales.png."""
-    _validate(request)
+    check_verify_request(request)
     thresholds = request.thresholds or load_thresholds()
     runtime = resolve_device(request.device)
     model_dir = resolve_model(str(request.model_dir))
@@ -89,8 +88,8 @@ def build_report(static: StaticResult, device: str, thresholds: Thresholds, reas
         checkpoint=str(readout.source.path),
         # Exactly what was judged: card and push refuse this report once the folder differs.
         digest=checkpoint_digest(readout.source.path),
-        device=device, convention=static.convention, kv_dtype=readout.kv_dtype, thresholds=thresholds.as_dict(),
-        static=static.summary(), scales=readout.scales.rows() if readout.scales else [], held_out=held_out,
+        device=device, convention=static.convention, kv_dtype=readout.kv_dtype, thresholds=thresholds,
+        static=static.summary(), scales=scale_rows(readout.scales), held_out=held_out,
         verdict=outcome, exit_code=EXIT_CODES[outcome], timings_s=timings, reasons=tuple(reasons),
     )
 
@@ -104,18 +103,6 @@ def report_location(model: str, model_dir: Path, requested: Path | None) -> Path
         return model_dir / VERIFY_DIR
     name = split_hub_id(model)[0].replace("/", "--") if looks_like_hub_id(model) else Path(model).resolve().name
     return Path.cwd() / DEFAULT_REPORT_ROOT / (name or "model")
-
-
-def _validate(request: VerifyRequest) -> None:
-    for name, value in (("--batch-size", request.batch_size), ("--new-tokens", request.new_tokens),
-                        ("--num-prompts", request.num_prompts), ("--prompt-len", request.prompt_len),
-                        ("--num-samples", request.data.num_samples), ("--seq-len", request.data.seq_len)):
-        if value < 1:
-            raise Fp8kvError(f"{name} must be at least 1, got {value}")
-    if request.prompts is not None and Path(request.prompts).is_dir():
-        raise Fp8kvError(f"{request.prompts}: is a folder; --prompts takes a text file, one prompt per line")
-    if request.prompts is not None and not Path(request.prompts).is_file():
-        raise Fp8kvError(f"{request.prompts}: no such prompts file (one prompt per line)")
 
 
 def _heldout_text(request: VerifyRequest, static: StaticResult, device: str,
@@ -158,6 +145,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     runners = accuracy.Runners.open(
         source.path, scales, kv_layers, device=request.device, page_size=request.page_size,
         max_model_len=longest, max_num_seqs=max(request.batch_size, 2 * len(prompts)), engines=request.engines,
+        engine_attention=request.engine_attention,
     )
     timings["load_runners"] = time.perf_counter() - clock
     readback = accuracy.readback(runners.fp8, scales)
@@ -193,7 +181,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     reasons += tpu_kernel_reasons(device, source.geometry, runners.fp8.calls, request.engines)
     measured_all = replace(
         text, accuracy=measured, generation=matched, readback=readback, layers=layers,
-        runtime=to_json_value(xla_cost.summarize(runners.fp8, prompts[0], compiles_before)),
+        runtime=xla_cost.summarize(runners.fp8, prompts[0], compiles_before),
         engines=tuple(engine_results),
         query=query, fidelity=reference, generation_details=details,
     )
