@@ -355,3 +355,26 @@ def test_the_tools_own_kv_only_folders_are_flagged_and_fp8kvs_are_not(base, tmp_
     assert [f.message for f in check_readout(read_kv_scales(tools)) if "vLLM (0.32)" in f.message] == [said]
     ours = convert_checkpoint(tools, tmp_path / "ours", convention)
     assert not [f for f in check_readout(read_kv_scales(ours)) if "vLLM (0.32)" in f.message]
+
+
+def test_every_row_of_the_convention_table_names_its_tensors():
+    from fp8kv.checkpoint.conventions import SCALE_CONVENTIONS, parse_scale_name
+
+    for row in SCALE_CONVENTIONS:
+        for suffix, kind in row.tensors:
+            assert parse_scale_name(f"model.layers.3.self_attn.{suffix}") == (3, kind, row.name)
+    assert [row.name for row in SCALE_CONVENTIONS if not row.tensors] == ["vllm-json"]
+
+
+@pytest.mark.parametrize("convention", ["compressed-tensors", "modelopt", "quark"])
+def test_each_golden_is_declared_by_its_own_row_alone(base, tmp_path, convention):
+    readout = read_kv_scales(golden(base, tmp_path / "g", convention))
+    assert readout.declared == {key: key == convention for key in ("compressed-tensors", "modelopt", "quark", "fp8")}
+
+
+def test_a_declaration_of_the_wrong_shape_declares_nothing(base, tmp_path):
+    out = golden(base, tmp_path / "g", "modelopt")
+    (out / "hf_quant_config.json").write_text(json.dumps({"quantization": ["kv_cache_quant_algo"]}))
+    readout = read_kv_scales(out)
+    assert readout.conventions == ("modelopt",) and readout.declared["modelopt"] is False
+    assert any("without kv_cache_quant_algo" in f.message for f in check_readout(readout))
