@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from fp8kv.checkpoint.conventions import (
     COMPRESSION_CONFIG, HF_QUANT_CONFIG, QUANTIZATION_CONFIG, VLLM_JSON_FILE, attention_modules, parse_scale_name,
-    scale_names, vllm_format_gaps, vllm_json_readers, vllm_loading_gap,
+    scale_convention, scale_names, vllm_format_gaps, vllm_json_readers, vllm_loading_gap,
 )
 from fp8kv.checkpoint.provenance import Provenance
 from fp8kv.geometry import read_json
@@ -26,8 +26,6 @@ if TYPE_CHECKING:  # a Finding (what reports hold) needs no torch
 
 FAIL, WARN, INFO = "FAIL", "WARN", "INFO"
 _QK_NORM = re.compile(r"self_attn\.(k_norm|k_layernorm|key_layernorm)\.weight$")
-# Conventions whose tools observed k_proj's output: before k_norm and before RoPE.
-_PRE_ROPE = ("quark", "kv_scale")
 
 
 @dataclass(frozen=True)
@@ -97,7 +95,7 @@ def _advice(readout: ScaleReadout, provenance: Provenance | None) -> list[Findin
         values = [x for layer in scales.layers for part in scales.values(layer) for x in part]
         if values and all(x == 1.0 for x in values):
             findings.append(Finding(INFO, "every scale is 1.0: the checkpoint is likely uncalibrated"))
-    pre_rope = [c for c in readout.conventions if c in _PRE_ROPE]
+    pre_rope = [c for c in readout.conventions if scale_convention(c).pre_rope]
     if pre_rope and provenance is None and any(_QK_NORM.search(t) for t in readout.source.weight_map):
         findings.append(Finding(INFO, f"{pre_rope[0]} scales observe k_proj's output, but this model has a k norm: "
                                       "the statistics were taken before k_norm and RoPE, not where the cache "

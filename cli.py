@@ -410,6 +410,11 @@ def verify_command(
     quantize_query: bool = typer.Option(
         _VERIFY.quantize_query, "--quantize-query", help="Also quantize Q with the checkpoint's q_scale (fp8 attention) and report the cost."
     ),
+    engine_attention: bool = typer.Option(
+        _VERIFY.engine_attention, "--engine-attention", help="Run each engine model with its own attention arithmetic "
+        "(TPU: the Pallas kernel's roundings), not one shared float32 attention: a few more forwards, perplexities "
+        "closer to that engine's; the NaN check is the same either way (it is decided by the write).",
+    ),
 ) -> None:
     # A bad thresholds file or --prompts is refused before torch loads.
     thresholds = load_thresholds(
@@ -420,7 +425,7 @@ def verify_command(
         batch_size=batch_size, prompts=prompts, num_prompts=num_prompts, prompt_len=prompt_len,
         new_tokens=new_tokens, device=device, report_dir=report_dir, thresholds=thresholds,
         engines=parse_engines(engine),
-        quantize_query=quantize_query,
+        quantize_query=quantize_query, engine_attention=engine_attention,
     )
     check_verify_request(request)
     _leave_out_xla(device)

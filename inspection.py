@@ -1,23 +1,22 @@
 """`fp8kv inspect`: what a checkpoint's KV scales are, where they came from, and what the checks find.
 
-The types here need no torch: verify's report holds `ScaleRow`s, and the card reads that report.
+No torch: verify's report holds `ScaleRow`s, and the card reads that report without it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.checkpoint.provenance import LayerRecord, read_provenance
+from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checks import check_readout
 from fp8kv.console import layer_table, rich_table, text_console
+from fp8kv.geometry import LatentCache
 from fp8kv.json_fields import to_json_value
-
-if TYPE_CHECKING:
-    from fp8kv.checkpoint.kvscales import KVScales
-    from fp8kv.geometry import LatentCache
 
 Scale = float | tuple[float, ...]  # one per tensor, or one per KV head (--per-head)
 
@@ -85,8 +84,6 @@ class InspectReport:
 
 def inspect_checkpoint(model_dir: str | Path) -> InspectReport:
     """The checkpoint's conventions, kv dtype, per-layer scales (and amax/saturation), and warnings."""
-    from fp8kv.checkpoint.reader import read_kv_scales  # torch: only when a checkpoint is read
-
     readout = read_kv_scales(resolve_model(str(model_dir)))
     source, scales = readout.source, readout.scales
     provenance = read_provenance(source.path)

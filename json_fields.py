@@ -57,13 +57,17 @@ def to_json_value(value: Any) -> Any:
 
 def from_json_value(kind: Any, value: Any, what: str) -> Any:
     """`value` read as the type hint `kind`: str, int, bool, float (null, written for NaN/inf, reads as NaN),
-    `X | None`, tuple[X, ...], list[X], dict[str, X], a dataclass (see `dataclass_from_json`) or Any."""
+    `X | None`, `X | tuple[X, ...]` (by whether the value is a list), tuple[X, ...], list[X], dict[str, X], a
+    dataclass (see `dataclass_from_json`) or Any."""
     origin, args = get_origin(kind), get_args(kind)
     if origin in (Union, UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return from_json_value(inner, value, what)
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) > 1:  # a number or a list of them: the JSON value says which
+            inner = [a for a in inner if (get_origin(a) in (tuple, list)) == isinstance(value, list)]
+        (chosen,) = inner
+        return from_json_value(chosen, value, what)
     if kind is float:
         return math.nan if value is None else float(checked(value, (int, float), what))
     if kind in (str, int, bool):

@@ -32,17 +32,79 @@ QUANTIZATION_CONFIG = "quantization_config"
 # a quantizer that fails on KV-only configs (compressed-tensors) or needs a library installed (Quark).
 COMPRESSION_CONFIG = "compression_config"
 
-# Suffix after the attention module's path -> (convention, which cache it scales).
-_SUFFIXES = {
-    "k_scale": ("compressed-tensors", "k"),
-    "v_scale": ("compressed-tensors", "v"),
-    "k_proj.k_scale": ("modelopt", "k"),
-    "v_proj.v_scale": ("modelopt", "v"),
-    "k_proj.output_scale": ("quark", "k"),
-    "v_proj.output_scale": ("quark", "v"),
-    "kv_scale": ("kv_scale", "kv"),
-    "q_scale": ("compressed-tensors", "q"),  # the query of fp8 attention (llm-compressor's attention scheme)
-}
+CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """A field that tells engines to create KV-scale parameters: `path` inside `file` (config.json: its
+    quantization block, under quant_method `method` when one is named), set to any value (null, false and
+    empty ones aside) or to `value`."""
+
+    file: str
+    method: str | None
+    path: tuple[str, ...]
+    value: str | None = None
+
+    def holds(self, config: dict[str, Any], hf_quant: dict[str, Any] | None) -> bool:
+        """Whether the checkpoint's config (`config.json`, `hf_quant_config.json`) sets this field."""
+        field: Any = quantization_block(config)[1] if self.file == CONFIG_FILE else hf_quant
+        if not isinstance(field, dict) or self.method not in (None, field.get("quant_method")):
+            return False
+        for key in self.path:
+            field = field.get(key) if isinstance(field, dict) else None
+        return field == self.value if self.value is not None else field not in (None, False, "", [])
+
+
+@dataclass(frozen=True)
+class ScaleConvention:
+    """One way tools store KV scales, as data.
+
+    `tensors`: (name suffix after the attention module, the cache it scales: "k", "v", "q" or "kv" for one
+    value of both); `declarations`: (the readout's `declared` key, the field that declares it); `pre_rope`:
+    its tools observe k_proj's output, before k_norm and RoPE, not the K the cache stores; `zero_dim`: a
+    per-tensor scale is stored as a 0-dim scalar, not `[1]`; `in_json`: the scales are in a top-level JSON
+    file (vLLM's legacy `--quantization-param-path` format), not in tensors.
+    """
+
+    name: str
+    tensors: tuple[tuple[str, str], ...] = ()
+    declarations: tuple[tuple[str, Declaration], ...] = ()
+    pre_rope: bool = False
+    zero_dim: bool = False
+    in_json: bool = False
+
+    def suffix(self, kind: str) -> str:
+        """The tensor name suffix of cache `kind` ("k", "v" or "q")."""
+        return next(suffix for suffix, of in self.tensors if of == kind)
+
+
+# AutoFP8's declaration of k_proj.output_scale tensors beside fp8 weights; vLLM's Fp8Config then loads them.
+AUTOFP8_KV_SCHEME = Declaration(CONFIG_FILE, "fp8", ("kv_cache_scheme",), "static")
+# Every convention fp8kv reads, in reading order: exact per-K/V conventions first, one value per layer last.
+SCALE_CONVENTIONS = (
+    ScaleConvention("compressed-tensors", (("k_scale", "k"), ("v_scale", "v"),
+                                           ("q_scale", "q")),  # the query of fp8 attention (llm-compressor)
+                    (("compressed-tensors", Declaration(CONFIG_FILE, "compressed-tensors", ("kv_cache_scheme",))),)),
+    ScaleConvention("modelopt", (("k_proj.k_scale", "k"), ("v_proj.v_scale", "v")),
+                    (("modelopt", Declaration(HF_QUANT_CONFIG, None, ("quantization", "kv_cache_quant_algo"))),),
+                    zero_dim=True),
+    ScaleConvention("quark", (("k_proj.output_scale", "k"), ("v_proj.output_scale", "v")),
+                    (("quark", Declaration(CONFIG_FILE, "quark", ("export", "kv_cache_group"))), ("fp8", AUTOFP8_KV_SCHEME)),
+                    pre_rope=True, zero_dim=True),
+    ScaleConvention("kv_scale", (("kv_scale", "kv"),), pre_rope=True),  # one legacy scale for K and V, read only
+    ScaleConvention("vllm-json", in_json=True),
+)
+_BY_NAME = {row.name: row for row in SCALE_CONVENTIONS}
+# Name suffix after the attention module -> (convention, which cache it scales).
+_SUFFIXES = {suffix: (row.name, kind) for row in SCALE_CONVENTIONS for suffix, kind in row.tensors}
+
+
+def scale_convention(name: str) -> ScaleConvention:
+    """The row of convention `name`."""
+    return _BY_NAME[name]
+
+
 # `<prefix>.<N>.<attention module>.<suffix>`: the first integer in the name is the layer; the module part is
 # as short as possible, so "self_attn.k_proj.k_scale" reads as ModelOpt's suffix, not a module named k_proj.
 _NAME = re.compile(r"^(?P<prefix>(?:[^.]+\.)*?)(?P<layer>\d+)\.(?P<module>(?:[A-Za-z_]\w*\.)+?)(?P<suffix>"
@@ -122,19 +184,15 @@ def layer_prefix(tensor_names: list[str]) -> str:
 
 def scale_names(convention: str, module: str, model_type: str) -> tuple[str, str]:
     """The K and V tensor names `convention` uses for the attention module at path `module` of a `model_type`."""
+    row = scale_convention(convention)
     if convention == "compressed-tensors":
         module = vllm_scale_module(model_type, module)
-    k_suffix, v_suffix = {
-        "compressed-tensors": ("k_scale", "v_scale"),
-        "modelopt": ("k_proj.k_scale", "v_proj.v_scale"),
-        "quark": ("k_proj.output_scale", "v_proj.output_scale"),
-    }[convention]
-    return f"{module}.{k_suffix}", f"{module}.{v_suffix}"
+    return f"{module}.{row.suffix('k')}", f"{module}.{row.suffix('v')}"
 
 
 def query_scale_name(module: str, model_type: str) -> str:
     """The query-scale tensor name of the attention module at path `module` of a `model_type`, in compressed-tensors."""
-    return f"{vllm_scale_module(model_type, module)}.q_scale"
+    return f"{vllm_scale_module(model_type, module)}.{scale_convention('compressed-tensors').suffix('q')}"
 
 
 def attention_scheme(config: dict[str, Any]) -> dict[str, Any]:
@@ -192,7 +250,7 @@ def weight_method(config: dict[str, Any], hf_quant: dict[str, Any] | None) -> st
     """How the weights are quantized, or None when only the KV cache is (or nothing)."""
     qc = quantization_block(config)[1]
     if hf_quant is not None or (isinstance(qc, dict) and qc.get("quant_method") == "modelopt"):
-        fields = (hf_quant or {}).get("quantization") or _modelopt_fields(qc or {})
+        fields = _hf_quantization(hf_quant) or _modelopt_fields(qc or {})
         excludes_all = fields.get("exclude_modules") == MODELOPT_KV_ONLY["exclude_modules"]
         return "modelopt" if fields.get("quant_algo") and not excludes_all else None
     if not isinstance(qc, dict):
@@ -239,7 +297,7 @@ def quant_configs(
     if convention == "modelopt":
         return QuantConfigs(key, *_modelopt_configs(qc, hf_quant if method else None, version))
     if method == "fp8":
-        qc["kv_cache_scheme"] = "static"  # AutoFP8's field; vLLM's Fp8Config then loads output_scale
+        qc[AUTOFP8_KV_SCHEME.path[0]] = AUTOFP8_KV_SCHEME.value
         return QuantConfigs(key, qc, None)
     return QuantConfigs(COMPRESSION_CONFIG if qc is None else key, _quark_config(qc, scales), None)
 
@@ -274,6 +332,12 @@ def check_representable(convention: str, strategy: str, kv_dtype: str) -> None:
                          "drop --per-head or use --format compressed-tensors")
     if kv_dtype != "fp8_e4m3" and convention in ("compressed-tensors", "modelopt"):
         raise Fp8kvError(f"{convention} stores fp8_e4m3 KV caches only; {kv_dtype} needs --format quark or vllm-json")
+
+
+def _hf_quantization(hf_quant: dict[str, Any] | None) -> dict[str, Any]:
+    """hf_quant_config.json's `quantization` object ({} when absent or not an object)."""
+    fields = (hf_quant or {}).get("quantization")
+    return fields if isinstance(fields, dict) else {}
 
 
 def _modelopt_fields(qc: dict[str, Any]) -> dict[str, Any]:
@@ -318,7 +382,7 @@ def vllm_loading_gap(convention: str, config: dict[str, Any], hf_quant: dict[str
     """
     if weight_method(config, hf_quant) is not None:
         return None
-    if convention == "modelopt" and hf_quant is not None and not (hf_quant.get("quantization") or {}).get("quant_algo"):
+    if convention == "modelopt" and hf_quant is not None and not _hf_quantization(hf_quant).get("quant_algo"):
         return ("hf_quant_config.json names no quant_algo: vLLM (0.32) loads ModelOpt KV scales only beside one "
                 "(\"'QKVParallelLinear' object has no attribute 'data'\")")
     block = quantization_block(config)[1] or {}

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp8kv.checkpoint.conventions import HF_QUANT_CONFIG, is_vllm_json, parse_scale_name, quantization_block
+from fp8kv.checkpoint.conventions import (
+    HF_QUANT_CONFIG, SCALE_CONVENTIONS, is_vllm_json, parse_scale_name, quantization_block,
+)
 from fp8kv.checkpoint.kvscales import KVScales, Shaped, float32
 from fp8kv.checkpoint.source import FLOAT_FORMATS, SourceCheckpoint, read_float_values
 from fp8kv.geometry import read_json
@@ -15,8 +17,6 @@ from fp8kv.errors import Fp8kvError
 from fp8kv.kvdtypes import TORCH_DTYPE_NAME, kv_dtype_from_file
 from fp8kv.options import DEFAULT_KV_DTYPE
 
-# Reading order: exact per-K/V conventions first, the one-value-per-layer ones last.
-_ORDER = ("compressed-tensors", "modelopt", "quark", "kv_scale", "vllm-json")
 # A per-head scale has one value per KV head; a longer vector is not a scale, and is never read.
 _MAX_HEADS = 2**16
 # Error messages name a dtype as torch spells it, which is how users write their checkpoints.
@@ -51,14 +51,22 @@ class ScaleReadout:
 
 
 def read_kv_scales(model_dir: str | Path) -> ScaleReadout:
-    """Read every KV-scale convention in `model_dir`; conventions that disagree are an error."""
+    """Read every KV-scale convention in `model_dir`, one pass over the table of conventions; conventions that
+    disagree are an error."""
     source = SourceCheckpoint.open(model_dir)
     hf_quant = read_json(source.path / HF_QUANT_CONFIG) if HF_QUANT_CONFIG in source.files else None
     kv_dtype = _kv_dtype(source.config)
-    found = _tensor_scales(source)
-    for name in source.files:
-        if name.endswith(".json") and "/" not in name and is_vllm_json(source.path / name):
-            found["vllm-json"], kv_dtype = _vllm_json_scales(source.path / name)
+    tensors = _tensor_scales(source)
+    found: dict[str, dict[int, dict[str, Shaped]]] = {}
+    declared: dict[str, bool] = {}
+    for convention in SCALE_CONVENTIONS:
+        if convention.in_json:
+            for name in source.files:
+                if name.endswith(".json") and "/" not in name and is_vllm_json(source.path / name):
+                    found[convention.name], kv_dtype = _vllm_json_scales(source.path / name)
+        elif convention.name in tensors:
+            found[convention.name] = tensors[convention.name]
+        declared |= {key: field.holds(source.config, hf_quant) for key, field in convention.declarations}
     merged = _merge(found)
     complete = {i: kv for i, kv in merged.items() if "k" in kv and "v" in kv}
     scales = None
@@ -68,14 +76,13 @@ def read_kv_scales(model_dir: str | Path) -> ScaleReadout:
                                       v={i: kv["v"] for i, kv in complete.items()}, kv_dtype=kv_dtype,
                                       q={i: kv["q"] for i, kv in complete.items()} if with_query else None)
     kv_layers = source.geometry.kv_layers
-    conventions = tuple(c for c in _ORDER if c in found)
     return ScaleReadout(
         source=source,
-        conventions=conventions,
+        conventions=tuple(found),
         scales=scales,
         kv_dtype=kv_dtype,
-        declared=_declared(source.config, hf_quant),
-        missing_layers=tuple(i for i in kv_layers if i not in complete) if conventions else (),
+        declared=declared,
+        missing_layers=tuple(i for i in kv_layers if i not in complete) if found else (),
         unexpected_layers=tuple(sorted(i for i in merged if i not in kv_layers)),
     )
 
@@ -149,11 +156,11 @@ def _scalar(value: Any, path: Path, layer: str) -> Shaped:
 
 
 def _merge(found: dict[str, dict[int, dict[str, Shaped]]]) -> dict[int, dict[str, Shaped]]:
-    """The union over conventions; where two hold a layer, they must agree."""
+    """The union over conventions (in reading order); where two hold a layer, they must agree."""
     merged: dict[int, dict[str, Shaped]] = {}
     origin: dict[tuple[int, str], str] = {}
-    for convention in _ORDER:
-        for layer, table in sorted(found.get(convention, {}).items()):
+    for convention, layers in found.items():
+        for layer, table in sorted(layers.items()):
             if "shared" in table:  # one value for K and V: compare with the larger of the two
                 _agree_shared(merged.get(layer), table["shared"], layer, convention, origin)
             for kind in ("k", "v", "q"):
@@ -196,15 +203,3 @@ def _kv_dtype(config: dict[str, Any]) -> str:
         spec = ((qc.get("layer_quant_config") or {}).get("*k_proj") or {}).get("output_tensors") or {}
         return kv_dtype_from_file(str(spec.get("dtype"))) or DEFAULT_KV_DTYPE
     return DEFAULT_KV_DTYPE
-
-
-def _declared(config: dict[str, Any], hf_quant: dict[str, Any] | None) -> dict[str, bool]:
-    qc = quantization_block(config)[1] or {}
-    method = qc.get("quant_method")
-    modelopt = (hf_quant or {}).get("quantization") or {}
-    return {
-        "compressed-tensors": method == "compressed-tensors" and qc.get("kv_cache_scheme") is not None,
-        "modelopt": bool(modelopt.get("kv_cache_quant_algo")),
-        "quark": method == "quark" and bool((qc.get("export") or {}).get("kv_cache_group")),
-        "fp8": method == "fp8" and qc.get("kv_cache_scheme") == "static",
-    }

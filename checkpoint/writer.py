@@ -22,8 +22,8 @@ from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, describes_source_only
 from fp8kv.checkpoint.provenance import Provenance, file_digest, folder_files, unrecorded_files
 from fp8kv.checkpoint.conventions import (
     COMPRESSION_CONFIG, CONVENTIONS, HF_QUANT_CONFIG, QUANTIZATION_CONFIG, SCALES_FILE, VLLM_JSON_FILE, QuantConfigs,
-    attention_modules, check_method, is_vllm_json, parse_scale_name, quant_configs, query_scale_name, scale_names,
-    vllm_json,
+    attention_modules, check_method, is_vllm_json, parse_scale_name, quant_configs, query_scale_name, scale_convention,
+    scale_names, vllm_json,
 )
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.source import INDEX_NAME, SourceCheckpoint, read_safetensors_header
@@ -208,7 +208,7 @@ def _write_scales(path: Path, source: SourceCheckpoint, scales: KVScales, conven
     for layer in scales.layers:
         k_name, v_name = scale_names(convention, modules[layer], model_type)
         k, v = scales.tensor("k", layer), scales.tensor("v", layer)
-        if convention != "compressed-tensors":  # ModelOpt and Quark store 0-dim scalars
+        if scale_convention(convention).zero_dim:
             k, v = k.reshape(()), v.reshape(())
         tensors[k_name], tensors[v_name] = k.contiguous(), v.contiguous()
         if scales.q is not None:

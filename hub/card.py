@@ -281,10 +281,8 @@ def _verify(out: Path, report: VerifyReport | None) -> str:
              for key, value in (to_json_value(held.generation) or {}).items()]
     if rows:
         parts.append(markdown_table(["Check", "Result"], rows))
-    columns = ("layer", "k_saturation", "v_saturation", "k_max_ratio", "v_max_ratio")
-    layers = [{c: getattr(layer, c) for c in columns} for layer in held.layers]
-    if layers:
-        parts.append(markdown_table(*layer_table(layers)))
+    if held.layers:
+        parts.append(markdown_table(*layer_table(held.layers)))
     return "\n\n".join(parts)
 
 

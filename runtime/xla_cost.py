@@ -1,12 +1,16 @@
-"""What one step costs on an XLA device: CPU fallbacks, device-to-host transfers, compiles (torch_xla metrics)."""
+"""What one step costs on an XLA device: CPU fallbacks, device-to-host transfers, compiles (torch_xla metrics).
+
+No torch at import: `RuntimeSummary` is what verify's report holds, and the card reads that report.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from fp8kv.runtime.attention import XLA_KERNEL
-from fp8kv.runtime.runner import PagedModelRunner
+if TYPE_CHECKING:
+    from fp8kv.runtime.runner import PagedModelRunner
 
 
 @dataclass(frozen=True)
@@ -48,14 +52,21 @@ def warm_decode_step(runner: PagedModelRunner, prompt: Sequence[int]) -> StepCos
 
 
 @dataclass(frozen=True)
+class Compiles:
+    """Graphs torch_xla compiled: while verify ran its checks, and in a warm decode step (0 with bounded shapes)."""
+
+    warmup: int
+    timed: int
+
+
+@dataclass(frozen=True)
 class RuntimeSummary:
     """Which attention ran (counted calls) and, on XLA, what a warm fp8 decode step costs and how many graphs
     were compiled.
 
     `attention_calls` counts calls by the function that ran; `use_kernel` is whether torch_xla's Pallas kernel
     was among them; `attention_numerics` is the arithmetic of the ragged paged attention (`runtime.attention`).
-    `compiles["warmup"]` counts graphs compiled while verify ran its checks; `compiles["timed"]` the
-    graphs a warm decode step still compiled (0 when shapes are bounded). Both None off XLA.
+    The fallbacks and compiles are None off XLA.
     """
 
     attention: str
@@ -63,13 +74,7 @@ class RuntimeSummary:
     attention_calls: dict[str, int]
     attention_numerics: str
     xla_cpu_fallbacks_per_decode_step: int | None
-    compiles: dict[str, int] | None
-
-    def as_dict(self) -> dict:
-        return {"attention": self.attention, "use_kernel": self.use_kernel, "attention_calls": self.attention_calls,
-                "attention_numerics": self.attention_numerics,
-                "xla_cpu_fallbacks_per_decode_step": self.xla_cpu_fallbacks_per_decode_step,
-                "compiles": self.compiles}
+    compiles: Compiles | None
 
 
 def summarize(runner: PagedModelRunner, prompt: Sequence[int], compiles_before: int | None) -> RuntimeSummary:
@@ -78,9 +83,11 @@ def summarize(runner: PagedModelRunner, prompt: Sequence[int], compiles_before: 
         return _summary(runner, None, None)
     warmup = compiles() - (compiles_before or 0)
     cost = warm_decode_step(runner, prompt)
-    return _summary(runner, cost.cpu_fallbacks, {"warmup": warmup, "timed": cost.compiles})
+    return _summary(runner, cost.cpu_fallbacks, Compiles(warmup=warmup, timed=cost.compiles))
 
 
-def _summary(runner: PagedModelRunner, fallbacks: int | None, compiled: dict[str, int] | None) -> RuntimeSummary:
+def _summary(runner: PagedModelRunner, fallbacks: int | None, compiled: Compiles | None) -> RuntimeSummary:
+    from fp8kv.runtime.attention import XLA_KERNEL
+
     calls = dict(sorted(runner.calls.items()))
     return RuntimeSummary(runner.attention, calls.get(XLA_KERNEL, 0) > 0, calls, runner.numerics, fallbacks, compiled)

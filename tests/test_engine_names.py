@@ -23,6 +23,7 @@ from fp8kv.checkpoint.reader import read_kv_scales  # noqa: E402
 from fp8kv.checkpoint.writer import write_checkpoint  # noqa: E402
 from fp8kv.cli import app  # noqa: E402
 from fp8kv.data import DataRequest  # noqa: E402
+from fp8kv.inspection import ScaleRow, scale_rows  # noqa: E402
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT  # noqa: E402
 from fp8kv.tools.zoo import make_zoo_checkpoint  # noqa: E402
 from fp8kv.verify.request import VerifyRequest  # noqa: E402
@@ -86,7 +87,7 @@ def test_convert_round_trips_through_every_convention_back_to_the_vllm_names(out
     for convention in ("modelopt", "quark", "vllm-json", "compressed-tensors"):
         path = convert_checkpoint(path, tmp_path / convention, convention)
         readout = read_kv_scales(path)
-        assert (readout.conventions, readout.scales.rows()) == ((convention,), ROWS)
+        assert (readout.conventions, scale_rows(readout.scales)) == ((convention,), tuple(ScaleRow(**r) for r in ROWS))
     assert _scale_names(path) == EXPECTED[model_type]
 
 
@@ -116,7 +117,7 @@ def test_verify_reads_the_gpt2_full_path_names(outputs, tmp_path):
     held.write_text("".join(json.dumps({"text": topics[k][:300]}) + "\n" for k in sorted(topics)[40:42]))
     request = VerifyRequest(outputs["gpt2"], data=DataRequest(str(held), num_samples=2, seq_len=32), batch_size=2,
                             num_prompts=1, prompt_len=16, new_tokens=1, device="cpu", report_dir=tmp_path / "report")
-    assert verify(request).report.scales == ROWS
+    assert verify(request).report.scales == tuple(ScaleRow(**row) for row in ROWS)
 
 
 @pytest.mark.parametrize("model_type, convention, note", [

@@ -13,18 +13,24 @@ from fp8kv.checkpoint.digest import CheckpointDigest
 from fp8kv.checkpoint.provenance import ConvertedFrom, Provenance
 from fp8kv.checks import FAIL, Finding
 from fp8kv.errors import Fp8kvError
+from fp8kv.inspection import ScaleRow
+from fp8kv.runtime.xla_cost import Compiles, RuntimeSummary
 from fp8kv.verify.report import PLOT, REPORT_JSON, REPORT_MD, HeldOut, VerifyReport, write_report
 from fp8kv.verify.results import (
     Accuracy, EngineResult, Fidelity, GenerationDetails, GenerationMatch, LayerCheck, QueryCost, Readback,
+    StaticSummary,
 )
+from fp8kv.verify.verdict import Thresholds
 
 DIGEST = CheckpointDigest({"model.layers.0.self_attn.k_scale": "sha256:" + "0" * 64}, "sha256:" + "1" * 64,
                           {"model.safetensors": 1234})
 
 
 def _report(**changes) -> VerifyReport:
+    static = StaticSummary(("compressed-tensors",), {"compressed-tensors": True}, True, "tensor", (0, 1), (), ())
     fields = dict(checkpoint="/ckpt", digest=DIGEST, device="cpu", convention="compressed-tensors",
-                  kv_dtype="fp8_e4m3", thresholds={"kl_mean": 0.01}, static={}, scales=[], verdict="FAIL",
+                  kv_dtype="fp8_e4m3", thresholds=Thresholds(0.01, 1e-4, 1.25, 1.01), static=static,
+                  scales=(ScaleRow(0, 0.5, 0.25), ScaleRow(1, (0.5, 0.75), (0.25, 0.125))), verdict="FAIL",
                   exit_code=3, timings_s={"total": 0.5}, reasons=(Finding(FAIL, "held-out checks skipped"),))
     return VerifyReport(**{**fields, **changes})
 
@@ -71,8 +77,9 @@ def test_a_report_with_every_held_out_section_round_trips() -> None:
         accuracy=Accuracy(3.5, 3.6, 3.7, 0.01, 0.2, 0.9, 0.02, 0.3, 0.8),
         generation=GenerationMatch(1.0, 0.75, None), readback=Readback(False, 2, ("layer 0: k_scale differs",)),
         layers=(LayerCheck(0, 300.0, 200.0, 0.0, 0.0, 0), LayerCheck(1, 470.5, 100.0, 1e-3, 0.0, 2)),
-        runtime={"attention": "torch", "use_kernel": False, "xla_cpu_fallbacks_per_decode_step": None,
-                 "compiles": None},
+        runtime=RuntimeSummary("torch_xla.ragged_paged_attention (Pallas kernel)", True,
+                               {"torch_xla.ragged_paged_attention (Pallas kernel)": 4}, "pallas-kernel", 0,
+                               Compiles(warmup=12, timed=0)),
         engines=(EngineResult("vllm-tpu", 3.6, 0, 64, 0, 2, None, "vllm 0.32 tpu", "PASS"),
                  EngineResult("sglang", math.inf, 3, 64, 1, 2, 1, "sglang 0.5", "FAIL")),
         query=QueryCost(0.02, 0.4, 0.85, 3.9, 0.05, 0.01),
@@ -81,8 +88,8 @@ def test_a_report_with_every_held_out_section_round_trips() -> None:
     )
     report = _report(held_out=held_out)
     back = VerifyReport.from_json(report.to_json())
-    assert back.to_json() == report.to_json()
-    assert back.held_out.layers == held_out.layers and back.held_out.generation_details == held_out.generation_details
+    assert back.to_json() == report.to_json()  # not ==: the inf perplexity reads back as NaN
+    assert back.held_out.runtime == held_out.runtime and back.held_out.layers == held_out.layers and back.held_out.generation_details == held_out.generation_details
     assert back.held_out.fidelity == held_out.fidelity and back.held_out.readback == held_out.readback
 
 

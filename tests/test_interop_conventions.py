@@ -19,6 +19,7 @@ from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.checks import check_readout
 from fp8kv.errors import Fp8kvError
+from fp8kv.inspection import scale_rows
 from fp8kv.tools.factory import make_checkpoint
 
 # Powers of two: exact in bfloat16, so a bf16 golden reads back bit-exactly.
@@ -284,7 +285,7 @@ def test_inspect_and_verify_read_a_kv_cache_scheme_under_either_key(base, tmp_pa
     assert readout.declared["compressed-tensors"] and readout.has_kv_cache_scheme
     assert not [f for f in check_readout(readout) if "kv_cache_scheme" in f.message]
     assert inspect_checkpoint(src).declared["compressed-tensors"] is True
-    assert static_checks(src).summary()["has_kv_cache_scheme"] is True
+    assert static_checks(src).summary().has_kv_cache_scheme is True
 
 
 @pytest.mark.parametrize("key", ["quantization_config", "compression_config"])
@@ -324,7 +325,7 @@ def test_kv_only_modelopt_names_a_weight_algo_that_excludes_every_module(base, t
     # read back as unquantized weights: every format can be written from it again
     assert weight_method(config, json.loads((out / "hf_quant_config.json").read_text())) is None
     again = convert_checkpoint(out, tmp_path / "ct", "compressed-tensors")
-    assert read_kv_scales(again).scales.rows() == read_kv_scales(out).scales.rows()
+    assert scale_rows(read_kv_scales(again).scales) == scale_rows(read_kv_scales(out).scales)
 
 
 def test_kv_only_quark_excludes_every_module_but_vllms_attention_layers(base, tmp_path):
@@ -354,3 +355,26 @@ def test_the_tools_own_kv_only_folders_are_flagged_and_fp8kvs_are_not(base, tmp_
     assert [f.message for f in check_readout(read_kv_scales(tools)) if "vLLM (0.32)" in f.message] == [said]
     ours = convert_checkpoint(tools, tmp_path / "ours", convention)
     assert not [f for f in check_readout(read_kv_scales(ours)) if "vLLM (0.32)" in f.message]
+
+
+def test_every_row_of_the_convention_table_names_its_tensors():
+    from fp8kv.checkpoint.conventions import SCALE_CONVENTIONS, parse_scale_name
+
+    for row in SCALE_CONVENTIONS:
+        for suffix, kind in row.tensors:
+            assert parse_scale_name(f"model.layers.3.self_attn.{suffix}") == (3, kind, row.name)
+    assert [row.name for row in SCALE_CONVENTIONS if not row.tensors] == ["vllm-json"]
+
+
+@pytest.mark.parametrize("convention", ["compressed-tensors", "modelopt", "quark"])
+def test_each_golden_is_declared_by_its_own_row_alone(base, tmp_path, convention):
+    readout = read_kv_scales(golden(base, tmp_path / "g", convention))
+    assert readout.declared == {key: key == convention for key in ("compressed-tensors", "modelopt", "quark", "fp8")}
+
+
+def test_a_declaration_of_the_wrong_shape_declares_nothing(base, tmp_path):
+    out = golden(base, tmp_path / "g", "modelopt")
+    (out / "hf_quant_config.json").write_text(json.dumps({"quantization": ["kv_cache_quant_algo"]}))
+    readout = read_kv_scales(out)
+    assert readout.conventions == ("modelopt",) and readout.declared["modelopt"] is False
+    assert any("without kv_cache_quant_algo" in f.message for f in check_readout(readout))

@@ -55,7 +55,7 @@ def test_the_paged_function_reports_torch_or_torch_xla_by_calls(tmp_path):
     assert dict(_run(model_dir, device="cpu").calls) == {TORCH: 2}  # one call per layer
     xla = _run(model_dir, device="xla-cpu")
     assert dict(xla.calls) == {XLA_REFERENCE: 2} and xla.attention == XLA_REFERENCE
-    assert json.loads(json.dumps(summarize(xla, PROMPT[:4], 0).as_dict()))["attention_calls"] == {XLA_REFERENCE: 10}
+    assert summarize(xla, PROMPT[:4], 0).attention_calls == {XLA_REFERENCE: 10}
 
 
 def _fake_tpu(monkeypatch):
@@ -109,4 +109,4 @@ def test_verify_on_a_tpu_fails_vllm_tpu_for_heads_that_do_not_tile(monkeypatch, 
     failed = [r.message for r in result.report.reasons if r.level == "FAIL"]
     assert len(failed) == 1 and failed[0].startswith("engine vllm-tpu: num_key_value_heads=3: ")
     runtime = result.report.held_out.runtime
-    assert runtime["attention"] == XLA_REFERENCE and runtime["use_kernel"] is False
+    assert runtime.attention == XLA_REFERENCE and runtime.use_kernel is False

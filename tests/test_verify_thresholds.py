@@ -13,7 +13,7 @@ from fp8kv.verify.engines import engine_reasons
 from fp8kv.verify.results import Accuracy, EngineResult, LayerCheck
 from fp8kv.json_fields import to_json_value
 from fp8kv.checks import FAIL, INFO, WARN, Finding
-from fp8kv.verify.verdict import accuracy_reasons, heldout_reasons, load_thresholds, verdict
+from fp8kv.verify.verdict import Thresholds, accuracy_reasons, heldout_reasons, load_thresholds, verdict
 
 ACCURACY = Accuracy(ppl_bf16=9.9, ppl_fp8=10.0, ppl_fp8_unit=10.0, kl_mean=0.001, kl_max=0.01, top1_agreement=0.99,
                     kl_mean_unit=0.001, kl_max_unit=0.01, top1_agreement_unit=0.99)
@@ -21,8 +21,7 @@ ACCURACY = Accuracy(ppl_bf16=9.9, ppl_fp8=10.0, ppl_fp8_unit=10.0, kl_mean=0.001
 
 def test_packaged_defaults_then_file_then_flags(tmp_path):
     defaults = load_thresholds()
-    assert defaults.as_dict() == {"kl_mean": 0.05, "saturation": 1e-4,
-                                  "unit_kl_ratio": 1.25, "unit_ppl_ratio": 1.01}
+    assert defaults == Thresholds(kl_mean=0.05, saturation=1e-4, unit_kl_ratio=1.25, unit_ppl_ratio=1.01)
     path = tmp_path / "t.toml"
     path.write_text("[fail]\nkl_mean = 0.2\n[warn]\nsaturation = 0.01\n")
     from_file = load_thresholds(path)

@@ -4,7 +4,9 @@ Three runners hold the same model: a bf16 cache (the reference), an fp8 cache wi
 checkpoint's scales (clamped writes, as engines should do) and an fp8 cache with unit scales;
 one more per engine model (`verify.engines`) that writes other bytes than these (engines whose
 writes are the same arithmetic share a runner, and a non-saturating engine reuses its saturating
-twin's logits for every batch in which no value passed the fp8 maximum).
+twin's logits for every batch in which no value passed the fp8 maximum). By default every engine
+attends with fp8kv's float32 attention, so engines are told apart by the bytes they write alone;
+`engine_attention` also reproduces each engine's attention arithmetic (one more runner per arithmetic).
 Every held-out sample is prefilled on each; the logits give perplexity, KL(bf16 || fp8) of every
 next-token distribution and top-1 agreement. The fp8 cache's counters give the exact share of
 values clamped at ±MAX and any NaN/inf stored.
@@ -50,14 +52,15 @@ class Runners:
     @classmethod
     def open(cls, model_dir: Path, scales: KVScales, kv_layers: tuple[int, ...], *, device: str,
              max_model_len: int, max_num_seqs: int, page_size: int = 16,
-             engines: tuple[str, ...] = (DEFAULT_ENGINE,)) -> Runners:
+             engines: tuple[str, ...] = (DEFAULT_ENGINE,), engine_attention: bool = False) -> Runners:
         # One copy of the weights serves every cache: only the caches differ.
         model = load_model(model_dir, resolve_device(device).device)
         common = dict(device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size,
                       model=model)
         k, v = runtime_scales(scales, kv_layers)
-        # the torch attention reproduces an engine's attention arithmetic; torch_xla's runs its own
-        numerics = (lambda m: None) if resolve_device(device).is_xla else (lambda m: m.attention)
+        # the torch attention reproduces an engine's attention arithmetic on request; torch_xla's runs its own
+        own = engine_attention and not resolve_device(device).is_xla
+        numerics = (lambda m: m.attention) if own else (lambda m: None)
         key = {name: _write_key(engine_model(name), numerics(engine_model(name))) for name in engines}
         reference = _write_key(engine_model(DEFAULT_ENGINE), None)  # fp8kv's own float32 attention
         shadows = tuple(name for name in engines if key[name] != reference and _reads(key[name]) == _reads(reference))
@@ -167,18 +170,14 @@ class _Totals:
     top1: dict[str, int] = field(default_factory=lambda: {"fp8": 0, "unit": 0})
     compared: int = 0  # distributions compared (every token)
 
-    def add(self, ids: list[int], logits: dict[str, torch.Tensor]) -> None:
-        """Fold one sample: `ids` [L] and float32 logits [L, vocab] per runner.
-
-        float32 log-softmax: KL agrees with float64 to ~3e-5 relative on 32k vocabularies at a third of the time.
-        """
-        logp = {name: torch.log_softmax(x.float(), dim=-1) for name, x in logits.items()}
+    def add(self, ids: list[int], logp: dict[str, torch.Tensor]) -> None:
+        """Fold one sample: `ids` [L] and float32 log-probabilities [L, vocab] per runner."""
         for name, lp in logp.items():
             self.loss[name].add(ids, lp)
         ref = logp["bf16"]
-        top_ref = ref.argmax(-1)
+        top_ref, ref_probs = ref.argmax(-1), ref.exp()
         for name in ("fp8", "unit"):
-            kl = token_kl(ref, logp[name])  # [L]; NaN logits give NaN
+            kl = token_kl(ref, logp[name], ref_probs)  # [L]; NaN logits give NaN
             self.kl[name] += float(kl.sum())
             self.kl_max[name] = max(self.kl_max[name], float(kl.max())) if not kl.isnan().any() else math.nan
             self.top1[name] += int((logp[name].argmax(-1) == top_ref).sum())
@@ -194,6 +193,22 @@ class _Totals:
         )
 
 
+@dataclass(frozen=True)
+class ScoredSample:
+    """One sample's logits as the totals read them: log-probabilities [L, vocab] and rows with a NaN/inf logit.
+
+    float32 log-softmax: KL agrees with float64 to ~3e-5 relative on 32k vocabularies at a third of the time.
+    """
+
+    logp: torch.Tensor
+    bad_rows: int
+
+    @classmethod
+    def of(cls, logits: torch.Tensor) -> ScoredSample:
+        logits = logits.float()
+        return cls(torch.log_softmax(logits, dim=-1), int((~torch.isfinite(logits)).any(-1).sum()))
+
+
 @dataclass
 class EngineTotals:
     """Running sums of one engine model over samples."""
@@ -204,25 +219,25 @@ class EngineTotals:
     lost: int = 0
     sequences: int = 0
 
-    def add(self, ids: list[int], logits: torch.Tensor) -> None:
-        """Fold one sample: `ids` [L] and float32 logits [L, vocab]."""
-        bad_rows = int((~torch.isfinite(logits)).any(-1).sum())
-        self.loss.add(ids, torch.log_softmax(logits.float(), dim=-1))
-        self.nan_rows += bad_rows
+    def add(self, ids: list[int], sample: ScoredSample) -> None:
+        """Fold one sample: `ids` [L] and what its logits scored."""
+        self.loss.add(ids, sample.logp)
+        self.nan_rows += sample.bad_rows
         self.rows += len(ids)
-        self.lost += bad_rows > 0
+        self.lost += sample.bad_rows > 0
         self.sequences += 1
 
     def result(self, engine: str, runner: PagedModelRunner) -> EngineResult:
         model = engine_model(engine)
         verdict = (FAIL if self.nan_rows else PASS) if model.released else BUG
         return EngineResult(engine, self.loss.perplexity(), self.nan_rows, self.rows, self.lost, self.sequences,
-                            first_nonfinite_layer(runner), model.source, verdict)
+                            first_nonfinite_layer(runner), model.source, verdict, runner.numerics)
 
 
-def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-    """KL(ref || other) of each row, float64 `[L]`, from log-probabilities `[L, vocab]`."""
-    return (ref_logp.exp() * (ref_logp - logp)).sum(-1).double()
+def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor, ref_probs: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(ref || other) of each row, float64 `[L]`, from log-probabilities `[L, vocab]` (`ref_probs`: ref's
+    probabilities, when the caller already has them)."""
+    return ((ref_logp.exp() if ref_probs is None else ref_probs) * (ref_logp - logp)).sum(-1).double()
 
 
 def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int,
@@ -252,10 +267,12 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
             if id(runner) not in ran:
                 ran[id(runner)] = counted_prefill(runner, batch)
             engine_outputs[engine] = ran[id(runner)][0]
+        distinct = {id(out): out for out in (*outputs.values(), *engine_outputs.values())}
         for i, ids in enumerate(batch):
-            totals.add(ids, {name: out[i] for name, out in outputs.items()})
+            scored = {key: ScoredSample.of(out[i]) for key, out in distinct.items()}  # shared runs scored once
+            totals.add(ids, {name: scored[id(out)].logp for name, out in outputs.items()})
             for engine, out in engine_outputs.items():
-                engine_totals[engine].add(ids, out[i])
+                engine_totals[engine].add(ids, scored[id(out)])
         if progress is not None:
             progress(start + len(batch), len(samples))
     results = [engine_totals[e].result(e, runners.engines[e]) for e in runners.engines]

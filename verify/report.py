@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -20,13 +20,16 @@ from fp8kv.checkpoint.provenance import record_written
 from fp8kv.checks import Finding
 from fp8kv.errors import Fp8kvError
 from fp8kv.console import fmt_number, layer_table, markdown_table
+from fp8kv.inspection import ScaleRow
 from fp8kv.kvdtypes import FP8_MAX, RAW_CAST_FINITE_LIMIT
 from fp8kv.json_fields import dataclass_from_json, from_json_value, to_json_value
 from fp8kv.options import DEFAULT_KV_DTYPE
+from fp8kv.runtime.xla_cost import RuntimeSummary
 from fp8kv.verify.results import (
     Accuracy, EngineResult, Fidelity, GenerationDetails, GenerationMatch, LayerCheck, QueryCost, Readback,
+    StaticSummary,
 )
-from fp8kv.verify.verdict import unit_scale_note
+from fp8kv.verify.verdict import Thresholds, unit_scale_note
 
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "scales.png"
 # (label, key, is a share) of the accuracy rows.
@@ -48,7 +51,7 @@ class HeldOut:
     generation: GenerationMatch | None = None
     readback: Readback | None = None
     layers: tuple[LayerCheck, ...] = ()
-    runtime: dict[str, Any] | None = None  # runtime.xla_cost.RuntimeSummary
+    runtime: RuntimeSummary | None = None
     engines: tuple[EngineResult, ...] = ()
     query: QueryCost | None = None  # --quantize-query on a checkpoint with q_scale
     generation_details: GenerationDetails | None = None
@@ -65,13 +68,13 @@ class VerifyReport:
     device: str
     convention: str | None
     kv_dtype: str | None
-    thresholds: dict[str, float]
-    static: dict[str, Any]
-    scales: list[dict[str, Any]]
+    thresholds: Thresholds
+    static: StaticSummary
+    scales: tuple[ScaleRow, ...]
     held_out: HeldOut = HeldOut()
     verdict: str
     exit_code: int
-    timings_s: dict[str, float]
+    timings_s: dict[str, float]  # phase -> seconds, the phases that ran
     reasons: tuple[Finding, ...]
 
     def to_dict(self) -> dict[str, Any]:
@@ -138,14 +141,15 @@ def render_markdown(report: VerifyReport) -> str:
         setup.append(("Runtime scales equal the file's (float32 bits)", "yes" if held.readback.equal else "NO"))
     fid = held.fidelity
     if fid:
-        setup.append(("bf16 runtime vs transformers: mean KL (bound)", f"{fid.kl_mean:.2e} ({fid.bound:.1e})"))
+        setup.append(("bf16 runtime vs transformers: mean KL (bound)",
+                      f"{fmt_number(fid.kl_mean)} ({fmt_number(fid.bound)})"))
     parts.append(markdown_table(["Setting", "Value"], [[k, fmt_number(v)] for k, v in setup]))
     if held.accuracy:
         rows = [[label, fmt_number(getattr(held.accuracy, key), share)] for label, key, share in _ACCURACY]
         parts.append("## Accuracy\n\n" + markdown_table(["Metric", "Value"], rows))
     if held.query:
-        rows = [[key.replace("_", " "), fmt_number(value)] for key, value in to_json_value(held.query).items()]
-        parts.append("## Query quantized with q_scale (fp8 attention)\n\n" + markdown_table(["Metric", "Value"], rows))
+        parts.append("## Query quantized with q_scale (fp8 attention)\n\n"
+                     + markdown_table(["Metric", "Value"], _field_rows(held.query)))
     if held.generation:
         rows = [[phase, fmt_number(getattr(held.generation, f"{phase}_match"), percent=True)]
                 for phase in ("prefill", "decode", "prefix")]
@@ -157,28 +161,38 @@ def render_markdown(report: VerifyReport) -> str:
                      "shows what that bug would do to this checkpoint.\n\n"
                      + "\n".join(f"- {e.engine}: {e.source}" for e in held.engines))
     if held.runtime:
-        rows = [[key.replace("_", " "), fmt_number(value)] for key, value in held.runtime.items()]
-        parts.append("## Runtime\n\n" + markdown_table(["Setting", "Value"], rows))
+        parts.append("## Runtime\n\n" + markdown_table(["Setting", "Value"], _field_rows(held.runtime)))
     if held.layers:
         parts.append("## Per layer\n\n" + _layer_table(report) + "\n\nSaturation: exact share of values the fp8 "
                      "cache clamped at ±MAX. Max |x|/scale: from K/V observed on the same text.")
-    parts.append("## Thresholds\n\n" + markdown_table(["Threshold", "Value"],
-                                               [[k, fmt_number(v)] for k, v in report.thresholds.items()]))
+    parts.append("## Thresholds\n\n" + markdown_table(["Threshold", "Value"], _field_rows(report.thresholds, spaced=False)))
     return "\n\n".join(parts) + "\n"
 
 
+def _field_rows(section: Any, spaced: bool = True) -> list[list[str]]:
+    """One row per field of a result type: its name (`spaced`: with spaces for underscores) and its value through
+    `fmt_number`; a mapping or nested type (calls per attention function, compiles) as `name value` pairs."""
+    def shown(value: Any) -> str:
+        if is_dataclass(value) and not isinstance(value, type):
+            value = asdict(value)
+        if isinstance(value, dict):
+            return ", ".join(f"{key} {fmt_number(item)}" for key, item in value.items()) or "-"
+        return fmt_number(value)
+
+    return [[f.name.replace("_", " ") if spaced else f.name, shown(getattr(section, f.name))] for f in fields(section)]
+
+
 def _layer_table(report: VerifyReport) -> str:
-    scales = {row["layer"]: row for row in report.scales}
-    columns = ("layer", "k_saturation", "k_max_ratio", "v_saturation", "v_max_ratio")
-    rows = [{"k_scale": scales.get(row.layer, {}).get("k_scale"), "v_scale": scales.get(row.layer, {}).get("v_scale"),
-             **{c: getattr(row, c) for c in columns}} for row in report.held_out.layers]
-    return markdown_table(*layer_table(rows))
+    """The file's scales next to what each cache layer did on the held-out text."""
+    scales = {row.layer: asdict(row) for row in report.scales}
+    return markdown_table(*layer_table([{**scales.get(row.layer, {}), **asdict(row)} for row in report.held_out.layers]))
 
 
 def _engine_table(engines: tuple[EngineResult, ...]) -> str:
-    head = ["engine", "verdict", "perplexity", "NaN/inf logit rows", "sequences lost", "first non-finite layer"]
+    head = ["engine", "verdict", "perplexity", "NaN/inf logit rows", "sequences lost", "first non-finite layer",
+            "attention"]
     rows = [[e.engine, e.verdict, fmt_number(e.ppl), f"{e.nan_rows} of {e.rows}",
-             f"{e.sequences_lost} of {e.sequences}", fmt_number(e.first_nonfinite_layer)] for e in engines]
+             f"{e.sequences_lost} of {e.sequences}", fmt_number(e.first_nonfinite_layer), e.attention] for e in engines]
     return markdown_table(head, rows)
 
 
@@ -215,7 +229,7 @@ def plot_png(report: VerifyReport) -> bytes | None:
     top.set_ylabel("max |x| / scale (held-out)")
     top.set_title(f"fp8kv verify: {report.verdict}" + ("" if rows else " (no held-out statistics)"))
     top.legend(fontsize="small")
-    width, bound = 0.4, 100 * report.thresholds["saturation"]
+    width, bound = 0.4, 100 * report.thresholds.saturation
     highest = 3 * bound
     for offset, kind in ((-width / 2, "k"), (width / 2, "v")):
         shares = [100 * getattr(row, f"{kind}_saturation") for row in rows]
@@ -245,7 +259,7 @@ def show(result: Any, json_output: bool = False) -> None:
     accuracy = held.accuracy
     if accuracy:
         print("  " + ", ".join(f"{key} {fmt_number(getattr(accuracy, key), share)}" for _, key, share in _ACCURACY[:6]))
-    note = unit_scale_note(accuracy, report.thresholds["unit_ppl_ratio"]) if accuracy else None
+    note = unit_scale_note(accuracy, report.thresholds.unit_ppl_ratio) if accuracy else None
     if note:
         print(f"  note: {note}")
     for e in held.engines:

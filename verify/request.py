@@ -30,6 +30,9 @@ class VerifyRequest:
     thresholds: Thresholds | None = None  # None: configs/verify.toml
     engines: tuple[str, ...] = RELEASED  # engine models run through the runtime (verify.engines)
     quantize_query: bool = False  # also run attention with Q quantized by the checkpoint's q_scale
+    # Engines that write the same bytes share one run on fp8kv's float32 attention; True also reproduces each
+    # engine's own attention arithmetic (TPU: the Pallas kernel's), one more run per arithmetic.
+    engine_attention: bool = False
 
 
 def check_verify_request(request: VerifyRequest) -> None:

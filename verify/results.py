@@ -12,6 +12,20 @@ from fp8kv.checks import FAIL, WARN, Finding
 
 
 @dataclass(frozen=True)
+class StaticSummary:
+    """What the checkpoint files say, before any model runs: the conventions holding scales, which ones the
+    config declares, whether it has a kv_cache_scheme, the strategy, and KV layers without or beyond scales."""
+
+    conventions: tuple[str, ...]
+    declared: dict[str, bool]  # convention -> whether the config files declare it
+    has_kv_cache_scheme: bool
+    strategy: str | None
+    kv_layers: tuple[int, ...]
+    missing_layers: tuple[int, ...]
+    unexpected_layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Accuracy:
     """The held-out logits of the fp8 caches against the bf16 cache: perplexities, mean and max KL(bf16 || fp8)
     per next-token distribution (nats), top-1 agreement; `_unit`: the same fp8 cache with unit scales."""
@@ -118,6 +132,7 @@ class EngineResult:
     first_nonfinite_layer: int | None  # first KV layer whose cache holds a NaN/inf value
     source: str  # the engine, version and file the model reproduces
     verdict: str  # PASS or FAIL for a released engine, "bug model" for a bug
+    attention: str = "float32"  # the attention arithmetic its logits come from (runtime.attention's numerics)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from fp8kv.checkpoint.digest import checkpoint_digest
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import WeightsMismatch
 from fp8kv.checkpoint.writer import check_writable_location
-from fp8kv.json_fields import to_json_value
+from fp8kv.inspection import scale_rows
 from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
 from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime import xla_cost
@@ -88,8 +88,8 @@ def build_report(static: StaticResult, device: str, thresholds: Thresholds, reas
         checkpoint=str(readout.source.path),
         # Exactly what was judged: card and push refuse this report once the folder differs.
         digest=checkpoint_digest(readout.source.path),
-        device=device, convention=static.convention, kv_dtype=readout.kv_dtype, thresholds=thresholds.as_dict(),
-        static=static.summary(), scales=readout.scales.rows() if readout.scales else [], held_out=held_out,
+        device=device, convention=static.convention, kv_dtype=readout.kv_dtype, thresholds=thresholds,
+        static=static.summary(), scales=scale_rows(readout.scales), held_out=held_out,
         verdict=outcome, exit_code=EXIT_CODES[outcome], timings_s=timings, reasons=tuple(reasons),
     )
 
@@ -145,6 +145,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     runners = accuracy.Runners.open(
         source.path, scales, kv_layers, device=request.device, page_size=request.page_size,
         max_model_len=longest, max_num_seqs=max(request.batch_size, 2 * len(prompts)), engines=request.engines,
+        engine_attention=request.engine_attention,
     )
     timings["load_runners"] = time.perf_counter() - clock
     readback = accuracy.readback(runners.fp8, scales)
@@ -180,7 +181,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     reasons += tpu_kernel_reasons(device, source.geometry, runners.fp8.calls, request.engines)
     measured_all = replace(
         text, accuracy=measured, generation=matched, readback=readback, layers=layers,
-        runtime=to_json_value(xla_cost.summarize(runners.fp8, prompts[0], compiles_before)),
+        runtime=xla_cost.summarize(runners.fp8, prompts[0], compiles_before),
         engines=tuple(engine_results),
         query=query, fidelity=reference, generation_details=details,
     )

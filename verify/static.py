@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from fp8kv.checkpoint.provenance import read_provenance
 from fp8kv.checkpoint.reader import ScaleReadout, read_kv_scales
 from fp8kv.checks import Finding, check_readout, scales_usable, tpu_layout_findings
+from fp8kv.verify.results import StaticSummary
 
 
 @dataclass(frozen=True)
@@ -24,18 +24,16 @@ class StaticResult:
         """The convention(s) holding the scales, e.g. "compressed-tensors"; None when there are none."""
         return ", ".join(self.readout.conventions) or None
 
-    def summary(self) -> dict[str, Any]:
-        """JSON-ready: conventions, declarations, missing/unexpected layers, strategy."""
+    def summary(self) -> StaticSummary:
+        """The report's static section: conventions, declarations, strategy, missing/unexpected layers."""
         readout = self.readout
-        return {
-            "conventions": list(readout.conventions),
-            "declared": readout.declared,
-            "has_kv_cache_scheme": readout.has_kv_cache_scheme,
-            "strategy": readout.scales.strategy if readout.scales else None,
-            "kv_layers": list(readout.source.geometry.kv_layers),
-            "missing_layers": list(readout.missing_layers),
-            "unexpected_layers": list(readout.unexpected_layers),
-        }
+        return StaticSummary(
+            conventions=readout.conventions, declared=readout.declared,
+            has_kv_cache_scheme=readout.has_kv_cache_scheme,
+            strategy=readout.scales.strategy if readout.scales else None,
+            kv_layers=readout.source.geometry.kv_layers, missing_layers=readout.missing_layers,
+            unexpected_layers=readout.unexpected_layers,
+        )
 
 
 def static_checks(model_dir: str | Path) -> StaticResult:

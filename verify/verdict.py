@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -36,9 +36,6 @@ class Thresholds:
     saturation: float
     unit_kl_ratio: float
     unit_ppl_ratio: float
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 def load_thresholds(path: Path | None = None, **overrides: float | None) -> Thresholds:
