@@ -4,7 +4,6 @@ import functools
 import inspect
 import os
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -17,7 +16,7 @@ from fp8kv.cli_parse import Command, checked
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError, UsageError
 from fp8kv.evaluation.request import EvalRequest, check_eval_request
 from fp8kv.kvdtypes import FP8_MAX
-from fp8kv.calibrate.request import CalibrationRequest, check_combinations
+from fp8kv.calibrate.request import CalibrationRequest, check_combinations, command_line
 from fp8kv.checkpoint.hub_cache import check_base_model
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import ALL, BUGS, RELEASED, parse_engines
@@ -268,7 +267,6 @@ def convert_command(
     mode: ModeOpt = DEFAULT_MODE,
 ) -> None:
     """Rewrite a checkpoint's KV scales in another convention (the weights are linked, not rewritten)."""
-    from fp8kv.calibrate.report import command_line
     from fp8kv.checkpoint.convert import convert_checkpoint, format_gap, serve_hint
     from fp8kv.checkpoint.reader import read_kv_scales
 
@@ -352,7 +350,7 @@ def calibrate(
         data=data, batch_size=batch_size, kv_dtype=kv_dtype_name(kv_dtype), strategy=strategy, headroom=_headroom(headroom), per_head=per_head,
         allow_unobserved=allow_unobserved, mode=mode, convention=convention, overwrite=overwrite,
         device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
-        base_model=base_model, attention=attention,
+        base_model=base_model, attention=attention, command=command_line(),
     )
     check_combinations(request)  # before torch loads
     _leave_out_xla(device)  # calibration runs transformers' forward on CUDA or the CPU
@@ -361,7 +359,6 @@ def calibrate(
     from fp8kv.calibrate.pipeline import calibrate as run_calibration
     from fp8kv.progress import StageProgress
 
-    request = replace(request, command=report.command_line())
     with StageProgress(quiet=quiet or json_output) as progress:
         result = run_calibration(request, progress=progress if is_writer() else None)
     if is_writer():  # under torchrun, rank 0 speaks for all

@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 
 from fp8kv.calibrate.pipeline import CalibrationResult
 from fp8kv.checkpoint.locate import verify_command
 from fp8kv.console import fmt_number, layer_table, rich_table, text_console
-
-
-def command_line() -> str:
-    """The command as typed, for the provenance record."""
-    return shlex.join(["fp8kv", *sys.argv[1:]])
 
 
 def show(result: CalibrationResult, json_output: bool = False) -> None:

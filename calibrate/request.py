@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +36,11 @@ class CalibrationRequest:
     base_model: str | None = None  # Hub id of the source; None: inferred (`infer_base_model`)
     attention: str = "kv"  # "fp8": also calibrate query scales (q_scale) for fp8 attention
     command: str | None = None  # the command line, recorded in fp8kv.json
+
+
+def command_line() -> str:
+    """The command as typed, for the provenance record (`CalibrationRequest.command`, convert's too)."""
+    return shlex.join(["fp8kv", *sys.argv[1:]])
 
 
 def check_combinations(request: CalibrationRequest) -> None:
