@@ -5,16 +5,19 @@ The plain process loads the causal LM with `AutoModelForCausalLM.from_pretrained
 with fp8kv's data stage (the same records, shuffle and truncation) and runs `model(input_ids,
 attention_mask)` over the same right-padded batches. calibrate's goal is 0.9x its plain forward, verify's
 3x its own (verify reads its held-out samples: one forward over them is its plain reference). Each
-command runs `--repeats` times, interleaved; medians are reported with the load average (`uptime`)
-before and after. Writes bench/results/real_process.json.
+command runs `--repeats` times, interleaved; medians of wall time and of CPU time (user + system, from
+the child's resource usage) are reported with the load average (`uptime`) before and after. On a
+machine others load, the CPU-time ratio is the steadier one; `--threads 1` makes it steadier still.
+Writes bench/results/real_process.json.
 
-    .venv/bin/python bench/real_process.py [--model smollm2] [--samples 32] [--seq-len 256] [--repeats 3]
+    .venv/bin/python bench/real_process.py [--model smollm2] [--samples 32] [--seq-len 256] [--repeats 3] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,13 +44,16 @@ with torch.no_grad():
 """
 
 
-def timed(command: list[str]) -> float:
-    """Wall seconds of one command, which must exit 0 (verify: 0 or 1)."""
+def timed(command: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """Wall and CPU seconds of one command, which must exit 0 (verify: with any verdict, 0, 1 or 3)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    if proc.returncode not in (0, 1):
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    if proc.returncode not in (0, 1, 3):
         sys.exit(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    return time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - used.ru_utime) + (after.ru_stime - used.ru_stime)
 
 
 def load() -> str:
@@ -62,6 +68,7 @@ def main() -> int:
     options.add_argument("--seq-len", type=int, default=256)
     options.add_argument("--batch-size", type=int, default=8)
     options.add_argument("--repeats", type=int, default=3)
+    options.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of every process (default: unset)")
     options.add_argument("--device", default="cpu", help="recorded only: every process runs on the CPU")
     args = options.parse_args()
     folder = resolve_model(args.model)  # a GGUF is converted once, before anything is timed
@@ -78,26 +85,38 @@ def main() -> int:
         "fp8kv verify": [*python, "-m", "fp8kv", "verify", str(out), "--dataset", str(BUNDLED_HELDOUT_TEXT),
                          "--num-samples", str(args.heldout_samples), *shape],
     }
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     before = load()
-    times: dict[str, list[float]] = {name: [] for name in commands}
+    wall: dict[str, list[float]] = {name: [] for name in commands}
+    cpu: dict[str, list[float]] = {name: [] for name in commands}
     for _ in range(args.repeats):
         for name, command in commands.items():
-            times[name].append(timed(command))
-            print(f"  {name}: {times[name][-1]:.1f} s", file=sys.stderr)
+            seconds, cpu_seconds = timed(command, env)
+            wall[name].append(seconds)
+            cpu[name].append(cpu_seconds)
+            print(f"  {name}: {seconds:.1f} s wall, {cpu_seconds:.1f} s CPU", file=sys.stderr)
     after = load()
-    median = {name: statistics.median(values) for name, values in times.items()}
-    ratios = {"fp8kv calibrate": median["fp8kv calibrate"] / median["plain forward (calibration tokens)"],
-              "fp8kv verify": median["fp8kv verify"] / median["plain forward (held-out tokens)"]}
+    reference = {"fp8kv calibrate": "plain forward (calibration tokens)", "fp8kv verify": "plain forward (held-out tokens)"}
     goals = {"fp8kv calibrate": 0.9, "fp8kv verify": 3.0}
+
+    def ratios(times: dict[str, list[float]]) -> dict[str, float]:
+        median = {name: statistics.median(values) for name, values in times.items()}
+        return {name: median[name] / median[plain] for name, plain in reference.items()}
+
+    wall_ratio, cpu_ratio = ratios(wall), ratios(cpu)
     print(f"\n{args.model}: {args.samples} calibration / {args.heldout_samples} held-out samples x {args.seq_len} tokens, "
-          f"batch {args.batch_size}, median of {args.repeats}\nload before: {before}\nload after:  {after}\n")
-    print("| process | median s | runs s | x plain forward | goal |\n|---|---|---|---|---|")
-    for name, values in times.items():
-        ratio = f"{ratios[name]:.2f}" if name in ratios else "-"
+          f"batch {args.batch_size}, threads {args.threads or 'default'}, median of {args.repeats}\n"
+          f"load before: {before}\nload after:  {after}\n")
+    print("| process | wall s (median) | CPU s (median) | x plain, wall | x plain, CPU | goal |\n|---|---|---|---|---|---|")
+    for name in commands:
+        shown = [f"{wall_ratio[name]:.2f}", f"{cpu_ratio[name]:.2f}"] if name in goals else ["-", "-"]
         goal = f"<= {goals[name]:g}" if name in goals else "-"
-        print(f"| {name} | {median[name]:.1f} | {', '.join(f'{v:.1f}' for v in values)} | {ratio} | {goal} |")
-    rows = [{"process": name, "median_s": median[name], "runs_s": values, "ratio": ratios.get(name),
-             "goal": goals.get(name)} for name, values in times.items()]
+        print(f"| {name} | {statistics.median(wall[name]):.1f} | {statistics.median(cpu[name]):.1f} | {shown[0]} | "
+              f"{shown[1]} | {goal} |")
+    rows = [{"process": name, "wall_s": wall[name], "cpu_s": cpu[name], "wall_ratio": wall_ratio.get(name),
+             "cpu_ratio": cpu_ratio.get(name), "goal": goals.get(name)} for name in commands]
     common.write_results("real_process", rows, args, load_before=before, load_after=after)
     return 0
 

@@ -91,14 +91,6 @@ class KVScales:
         values = (self.q_value(layer),) if part == "q" else {"k": self.k, "v": self.v}[part][layer]
         return torch.tensor(values, dtype=torch.float32).reshape((1,) if part == "q" else self.shape)
 
-    def rows(self) -> list[dict[str, object]]:
-        """One JSON-ready row per layer: k_scale and v_scale, each a float or a list (one per head)."""
-        rows = []
-        for layer in self.layers:
-            k, v = self.values(layer)
-            rows.append({"layer": layer, "k_scale": k[0] if len(k) == 1 else k, "v_scale": v[0] if len(v) == 1 else v})
-        return rows
-
     def problems(self) -> list[str]:
         """Layers whose scales are zero, negative or not finite, one line each."""
         lines = []

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import contextvars
 import math
+from contextlib import contextmanager
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -437,6 +438,19 @@ def _resolve_numerics(requested: AttentionNumerics | None, backend: str, use_ker
         raise Fp8kvError(f"attention numerics {requested!r}: torch_xla's function runs {runs!r} here; "
                          "choose the torch attention backend to reproduce another arithmetic")
     return runs
+
+
+@contextmanager
+def transformers_attention(model: torch.nn.Module, attention: str | None = None) -> Iterator[torch.nn.Module]:
+    """`model` running transformers' attention `attention` (None: the one transformers picks for it) inside the
+    block and the paged attention again after, so the runners' one copy of the weights also serves a plain
+    transformers forward."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(attention or model._check_and_adjust_attn_implementation(None))
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:

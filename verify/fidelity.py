@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8kv.runtime.runner import PagedModelRunner
+from fp8kv.runtime.runner import PagedModelRunner, transformers_attention
 from fp8kv.verify.accuracy import prefill, token_kl
 from fp8kv.verify.results import Fidelity
 
@@ -68,10 +68,7 @@ def transformers_logits(model: torch.nn.Module, samples: list[list[int]], attent
 
     The runners' shared model is switched to `attention` for these forwards and back after.
     """
-    device, previous = next(model.parameters()).device, model.config._attn_implementation
-    model.set_attn_implementation(attention)
-    try:
+    device = next(model.parameters()).device
+    with transformers_attention(model, attention):
         return [model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0].float().cpu()
                 for ids in samples]
-    finally:
-        model.set_attn_implementation(previous)

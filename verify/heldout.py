@@ -20,6 +20,7 @@ from fp8kv.errors import Fp8kvError, UsageError
 from fp8kv.models import BUNDLED_HELDOUT_TEXT
 from fp8kv.observe import KVStatistics, Progress, observe
 from fp8kv.runtime.device import resolve_device
+from fp8kv.runtime.runner import transformers_attention
 from fp8kv.verify.results import LayerRatio
 
 
@@ -53,12 +54,19 @@ def calibration_overlap(source: SourceCheckpoint, data: CalibrationData) -> str 
 
 def observe_heldout(
     source: SourceCheckpoint, data: CalibrationData, tokenizer: Any, device: str, batch_size: int,
-    progress: Progress | None = None,
+    progress: Progress | None = None, model: Any = None,
 ) -> KVStatistics:
-    """Per-layer, per-head amax and |x| histograms of the cached K/V over `data` (calibrate's observer)."""
-    model = load_language_model(source.path, resolve_device(device, torch_only=True).device)
+    """Per-layer, per-head amax and |x| histograms of the cached K/V over `data` (calibrate's observer).
+
+    `model`: the runners' model on a torch device, run with transformers' own attention for this pass; None
+    loads one on `device`.
+    """
     batches = make_batches(data.samples, batch_size, pad_id(tokenizer))
-    return observe(model, batches, source.geometry, progress)
+    if model is None:
+        own = load_language_model(source.path, resolve_device(device, torch_only=True).device)
+        return observe(own, batches, source.geometry, progress)
+    with transformers_attention(model):
+        return observe(model, batches, source.geometry, progress)
 
 
 def max_ratio_rows(statistics: KVStatistics, scales: KVScales, kv_layers: tuple[int, ...]) -> list[LayerRatio]:

@@ -129,24 +129,26 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     timings: dict[str, float] = {}
 
     clock = time.perf_counter()
-    stats_device = "cuda" if device == "cuda" else "cpu"  # the observer runs on torch devices
-    announce(progress, "loading the model")
-    statistics = heldout.observe_heldout(source, data, tokenizer, stats_device, request.batch_size,
-                                               stage_callback(progress, "observing K/V (samples)"))
-    rows = heldout.max_ratio_rows(statistics, scales, kv_layers)
-    timings["observe"] = time.perf_counter() - clock
-
-    clock = time.perf_counter()
     prompts = _prompts(request, data, tokenizer)
     longest = max(max(len(s) for s in data.samples), max(len(p) for p in prompts) + request.new_tokens)
-    compiles_before = xla_cost.compiles() if resolve_device(request.device).is_xla else None
-    announce(progress, f"loading the fp8 runtime ({request.device})")
+    xla = resolve_device(request.device).is_xla
+    compiles_before = xla_cost.compiles() if xla else None
+    announce(progress, f"loading the model and the fp8 runtime ({request.device})")
     runners = accuracy.Runners.open(
         source.path, scales, kv_layers, device=request.device, page_size=request.page_size,
         max_model_len=longest, max_num_seqs=max(request.batch_size, 2 * len(prompts)), engines=request.engines,
         engine_attention=request.engine_attention,
     )
     timings["load_runners"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    # the observer runs on torch devices: on CUDA and the CPU it borrows the runners' weights, an XLA run loads a copy
+    statistics = heldout.observe_heldout(source, data, tokenizer, "cuda" if device == "cuda" else "cpu",
+                                         request.batch_size, stage_callback(progress, "observing K/V (samples)"),
+                                         model=None if xla else runners.bf16.model)
+    rows = heldout.max_ratio_rows(statistics, scales, kv_layers)
+    timings["observe"] = time.perf_counter() - clock
+
     readback = accuracy.readback(runners.fp8, scales)
     if not readback.equal:
         reasons.append(Finding(FAIL, "the runtime's scales differ from the file's: "
