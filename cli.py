@@ -16,7 +16,7 @@ from fp8kv.cli_parse import Command, checked
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError, UsageError
 from fp8kv.evaluation.request import EvalRequest, check_eval_request
 from fp8kv.kvdtypes import FP8_MAX
-from fp8kv.calibrate.request import CalibrationRequest, check_combinations, command_line
+from fp8kv.calibrate.request import CalibrationRequest, check_calibration_request, command_line
 from fp8kv.checkpoint.hub_cache import check_base_model
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import ALL, BUGS, RELEASED, parse_engines
@@ -352,7 +352,7 @@ def calibrate(
         device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
         base_model=base_model, attention=attention, command=command_line(),
     )
-    check_combinations(request)  # before torch loads
+    check_calibration_request(request)  # before torch loads
     _leave_out_xla(device)  # calibration runs transformers' forward on CUDA or the CPU
     from fp8kv.calibrate import report
     from fp8kv.calibrate.distributed import is_writer

@@ -15,7 +15,7 @@ import torch
 
 from fp8kv import __version__
 from fp8kv.calibrate import distributed, layerwise
-from fp8kv.calibrate.request import CalibrationRequest, check_combinations
+from fp8kv.calibrate.request import CalibrationRequest, check_calibration_request
 from fp8kv.data import GENERATED_DATASET, CalibrationData, load_calibration_data, load_tokenizer, make_batches, pad_id
 from fp8kv.observe import KVStatistics, Progress, observe, query_observer_for
 from fp8kv.checkpoint.locate import infer_base_model, is_bundled_model, resolve_model
@@ -31,12 +31,11 @@ from fp8kv.checkpoint.latent import check_latent_attention, check_latent_convent
 from fp8kv.checkpoint.load import load_language_model
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.checkpoint.writer import (
-    MODES, check_output, check_weight_method, check_writable_location, write_checkpoint,
+    MODES, check_output, check_weight_method, write_checkpoint,
 )
 from fp8kv.errors import Fp8kvError
 from fp8kv.options import LAST_BATCH, Strategy, check_headroom
 from fp8kv.geometry import AttentionGeometry
-from fp8kv.checkpoint.hub_cache import check_base_model
 from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime.device import resolve_device
 
@@ -266,10 +265,6 @@ def _validate(request: CalibrationRequest) -> Strategy:
         raise Fp8kvError(f"--format {request.convention!r}: choose one of {', '.join(CONVENTIONS)}")
     if request.mode not in MODES:
         raise Fp8kvError(f"--mode {request.mode!r}: choose one of {', '.join(MODES)}")
-    check_combinations(request)
-    if request.base_model is not None:
-        check_base_model(request.base_model)
-    if request.out is not None:
-        check_writable_location(Path(request.out).absolute())
+    check_calibration_request(request)
     resolve_device(request.device, torch_only=True)
     return strategy

@@ -7,7 +7,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fp8kv.checkpoint.artifacts import check_writable_location
 from fp8kv.checkpoint.conventions import check_representable
+from fp8kv.checkpoint.hub_cache import check_base_model
 from fp8kv.data import DataRequest
 from fp8kv.errors import Fp8kvError
 from fp8kv.options import DEFAULT_HEADROOM, DEFAULT_KV_DTYPE, DEFAULT_MODE
@@ -43,10 +45,13 @@ def command_line() -> str:
     return shlex.join(["fp8kv", *sys.argv[1:]])
 
 
-def check_combinations(request: CalibrationRequest) -> None:
-    """Refuse options that cannot go together; they need no checkpoint, so the command line checks them before
-    torch is imported."""
+def check_calibration_request(request: CalibrationRequest) -> None:
+    """Refuse options that cannot go together, a --base-model that is no Hub id and an --out that cannot be
+    created; none needs the checkpoint, so the command line checks them before torch is imported."""
     if request.attention == "fp8" and request.convention != "compressed-tensors":
         raise Fp8kvError("--attention fp8 writes q_scale, which only the compressed-tensors format carries")
+    if request.base_model is not None:
+        check_base_model(request.base_model)
     if request.out is not None:  # without --out nothing is written, so any format goes
         check_representable(request.convention, "attn_head" if request.per_head else "tensor", request.kv_dtype)
+        check_writable_location(Path(request.out).absolute())

@@ -53,6 +53,15 @@ def read_artifact(path: Path, hint: str = "") -> str | None:
         raise Fp8kvError(f"{path}: cannot be read ({exc}){hint}") from None
 
 
+def check_writable_location(path: Path) -> None:
+    """`path` can be created: its nearest existing ancestor is a folder this process may write into."""
+    ancestor = next(parent for parent in path.parents if parent.exists())
+    if not ancestor.is_dir():
+        raise Fp8kvError(f"{path}: cannot create the output folder ({ancestor} is not a folder)")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise Fp8kvError(f"{path}: cannot create the output folder ({ancestor} is not writable)")
+
+
 def write_file_atomic(path: Path, data: bytes) -> None:
     """Replace one file next to a checkpoint (a report, a model card): temp file in the same folder, then rename.
 

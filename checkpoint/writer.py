@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save
 
 from fp8kv import __version__
-from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, describes_source_only
+from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, check_writable_location, describes_source_only
 from fp8kv.checkpoint.provenance import Provenance, file_digest, folder_files, unrecorded_files
 from fp8kv.checkpoint.conventions import (
     COMPRESSION_CONFIG, CONVENTIONS, HF_QUANT_CONFIG, QUANTIZATION_CONFIG, SCALES_FILE, VLLM_JSON_FILE, QuantConfigs,
@@ -141,15 +141,6 @@ def _not_fp8kvs(foreign: list[str], modified: list[str]) -> str:
     parts = ([f"holds files fp8kv did not write ({some(foreign)})"] if foreign else []) + \
         ([f"holds files fp8kv wrote that were changed since ({some(modified)})"] if modified else [])
     return " and ".join(parts)
-
-
-def check_writable_location(path: Path) -> None:
-    """`path` can be created: its nearest existing ancestor is a folder this process may write into."""
-    ancestor = next(parent for parent in path.parents if parent.exists())
-    if not ancestor.is_dir():
-        raise Fp8kvError(f"{path}: cannot create the output folder ({ancestor} is not a folder)")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise Fp8kvError(f"{path}: cannot create the output folder ({ancestor} is not writable)")
 
 
 def _make_parent(out: Path) -> None:

@@ -114,15 +114,6 @@ def test_choice_lists_match_the_library():
     assert VLLM_KV_CACHE_DTYPE == {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}  # vLLM's --kv-cache-dtype
 
 
-@pytest.fixture
-def nothing_loads(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a tokenizer, data or model was loaded before the options were checked")
-
-    for name in ("load_tokenizer", "load_calibration_data", "load_language_model"):
-        monkeypatch.setattr(pipeline, name, refuse)
-
-
 @pytest.mark.parametrize(("extra", "message"), [
     (["--kv-dtype", "fp8_e5m2"], "compressed-tensors stores fp8_e4m3 KV caches only"),
     (["--per-head", "--format", "modelopt"], "per-head (attn_head) scales can only be written as compressed-tensors"),
@@ -137,12 +128,36 @@ def test_impossible_combinations_fail_before_torch_loads(factory_checkpoint, tmp
     assert not (tmp_path / "o").exists()
 
 
-def test_unwritable_out_fails_before_anything_loads(nothing_loads, factory_checkpoint, tmp_path):
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tokenizer, data or model was loaded before the options were checked")
+
+    for name in ("load_tokenizer", "load_calibration_data", "load_language_model"):
+        monkeypatch.setattr(pipeline, name, refuse)
+
+
+@pytest.mark.parametrize("options", [{"kv_dtype": "fp8_e5m2"}, {"per_head": True, "convention": "modelopt"},
+                                     {"attention": "fp8", "convention": "quark"}, {"base_model": "tiny"},
+                                     {"out": "file/o"}], ids=lambda o: ",".join(o))
+def test_the_library_refuses_what_the_command_line_does_before_anything_loads(nothing_loads, factory_checkpoint,
+                                                                               tmp_path, options):
+    """`calibrate()` called directly runs the same checks (the command line runs them before torch loads)."""
+    from fp8kv.calibrate.request import CalibrationRequest
+    from fp8kv.errors import Fp8kvError
+
     (tmp_path / "file").write_text("x")
-    result = CliRunner().invoke(app, ["calibrate", str(factory_checkpoint("llama")), "--out",
-                                      str(tmp_path / "file" / "o")])
-    assert result.exit_code == ExitCode.ERROR
-    assert "file is not a folder" in result.stderr
+    out = tmp_path / options.pop("out", "o")
+    with pytest.raises(Fp8kvError):
+        pipeline.calibrate(CalibrationRequest(model=str(factory_checkpoint("llama")), out=out, **options))
+    assert not (tmp_path / "o").exists()
+
+
+def test_unwritable_out_fails_before_torch_loads(factory_checkpoint, tmp_path):
+    (tmp_path / "file").write_text("x")
+    state, stderr = _exit_and_torch(["calibrate", str(factory_checkpoint("llama")), "--out", str(tmp_path / "file" / "o")])
+    assert state == [str(int(ExitCode.ERROR)), "False"], (state, stderr)
+    assert stderr == f"fp8kv: error: {tmp_path / 'file' / 'o'}: cannot create the output folder ({tmp_path / 'file'} is not a folder)\n"
 
 
 def test_vllm_spelling_fp8_means_e4m3(factory_checkpoint, corpus, tmp_path):

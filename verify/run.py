@@ -16,11 +16,10 @@ from typing import Any
 from fp8kv.data import CalibrationData
 from fp8kv.data import load_tokenizer
 from fp8kv.checkpoint.locate import resolve_model
-from fp8kv.checkpoint.artifacts import VERIFY_DIR, is_fp8kv_output
+from fp8kv.checkpoint.artifacts import VERIFY_DIR, check_writable_location, is_fp8kv_output
 from fp8kv.checkpoint.digest import checkpoint_digest
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import WeightsMismatch
-from fp8kv.checkpoint.writer import check_writable_location
 from fp8kv.inspection import scale_rows
 from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
 from fp8kv.progress import StageProgress, announce, stage_callback
