@@ -115,7 +115,9 @@ def markdown(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['cache']} | {r['scales']} | {r['engine']} | {r['ppl']:.3f} | {r['kl_mean']:.5f} | {r['top1']:.4f} "
               f"| {r['sequences_lost']} of {r['sequences']} | {r['task_accuracy']:.3f} |" for r in seed]
-    ratio = next(r for r in rows if r["table"] == "ratio")
+    ratio = next((r for r in rows if r["table"] == "ratio"), None)
+    if ratio is None:  # --seed-table-only
+        return "\n".join(lines)
     lines += ["", f"generated / documentation scale per layer and K/V: min {ratio['min']:.3f}, median "
               f"{ratio['median']:.3f}, max {ratio['max']:.3f}", "",
               "| calibrated on | held-out text | PPL bf16 | PPL fp8 | KL vs bf16 | top-1 | sequences lost |",
@@ -133,22 +135,26 @@ def main() -> int:
     options.add_argument("--seq-len", type=int, default=256)
     options.add_argument("--task-items", type=int, default=120)
     options.add_argument("--seed", type=int, default=42)
+    options.add_argument("--seed-table-only", action="store_true",
+                         help="skip table 2 (the model writing its own calibration text is the slow part)")
     options.add_argument("--device", default="cpu", help="recorded only: the runs are on the CPU")
     args = options.parse_args()
     clock = time.perf_counter()
     path = resolve_model(args.model)
     model = kvcompare.Model.open(path)
-    writer = load_language_model(path, "cpu")  # plain attention: it writes the generated text
     ask = lambda dataset, n: DataRequest(dataset, num_samples=n, seq_len=args.seq_len, seed=args.seed)  # noqa: E731
-    texts = {"documentation": load_calibration_data(ask(str(BUNDLED_CALIBRATION_TEXT), args.calib_samples), model.tokenizer),
-             "generated": load_calibration_data(ask(GENERATED_DATASET, args.calib_samples), model.tokenizer, model=writer)}
+    texts = {"documentation": load_calibration_data(ask(str(BUNDLED_CALIBRATION_TEXT), args.calib_samples), model.tokenizer)}
     held = {"documentation": load_calibration_data(ask(str(BUNDLED_HELDOUT_TEXT), args.heldout_samples),
-                                                   model.tokenizer).samples,
-            "generated": load_calibration_data(ask(GENERATED_DATASET, args.heldout_samples), model.tokenizer,
-                                               model=writer, held_out=True).samples}
+                                                   model.tokenizer).samples}
     items = arithmetic_items()[: args.task_items]
     rows = seed_table(model, texts["documentation"], held["documentation"], items)
-    rows += text_table(model, texts, held)
+    if not args.seed_table_only:
+        writer = load_language_model(path, "cpu")  # plain attention: it writes the generated text
+        texts["generated"] = load_calibration_data(ask(GENERATED_DATASET, args.calib_samples), model.tokenizer,
+                                                   model=writer)
+        held["generated"] = load_calibration_data(ask(GENERATED_DATASET, args.heldout_samples), model.tokenizer,
+                                                  model=writer, held_out=True).samples
+        rows += text_table(model, texts, held)
     print(f"\n{args.model}: calibrated on {args.calib_samples} x {args.seq_len} tokens, {args.heldout_samples} held-out "
           f"records, {len(items)} fp8kv_arith_mc items ({time.perf_counter() - clock:.0f} s)\n")
     print(markdown(rows))
