@@ -12,7 +12,6 @@ Writes bench/results/cli_startup.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -22,7 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results" / "cli_startup.json"
+import common  # bench/common.py
+
 # The console script's entry point, then one line on stderr saying whether torch was imported.
 PROBE = ("import sys\nfrom fp8kv.cli import main\nsys.argv = ['fp8kv', *sys.argv[1:]]\ntry:\n    main()\n"
          "except SystemExit as exc:\n    code = exc.code or 0\nelse:\n    code = 0\n"
@@ -69,10 +69,7 @@ def main() -> None:
     for row in rows:
         print(f"| `fp8kv {row['command']}` | {row['exit']} | {'yes' if row['torch'] else 'no'} | {row['wall_s']:.2f} "
               f"| {row['cpu_s']:.2f} |")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"meta": {**vars(args), "load_average": load, "cpus": os.cpu_count()},
-                                   "rows": rows}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    common.write_results("cli_startup", rows, args, load_average=load, cpus=os.cpu_count())
 
 
 if __name__ == "__main__":

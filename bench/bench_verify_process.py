@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results" / "verify_process.json"
+import common  # bench/common.py
+
 SETTINGS = {"as shipped": {}, "torch_xla imported by transformers": {"USE_TORCH_XLA": "1"}}
 
 
@@ -70,10 +71,7 @@ def main() -> None:
     for row in rows:
         stages = ", ".join(f"{k} {v:.1f}" for k, v in row["stages_s"].items())
         print(f"| {row['setting']} | {row['wall_s']:.1f} | {row['cpu_s']:.1f} | {row['import_s']:.1f} | {stages} |")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"meta": {**vars(args), "load_average": load, "cpus": os.cpu_count()},
-                                   "rows": rows}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    common.write_results("verify_process", rows, args, load_average=load, cpus=os.cpu_count())
 
 
 if __name__ == "__main__":

@@ -8,8 +8,6 @@ import platform
 from pathlib import Path
 from typing import Any
 
-import torch
-
 RESULTS_DIR = Path(__file__).parent / "results"
 
 
@@ -37,9 +35,11 @@ LARGER_LLAMA_NAME = "factory llama 8x1024, vocab 32k"
 
 def write_results(name: str, rows: list[dict[str, Any]], args: argparse.Namespace, **meta: Any) -> Path:
     """bench/results/NAME.json with the rows and what they were measured on."""
+    import torch  # here, not at the top: the benchmarks of torch-free commands keep their own process torch-free
+
     path = RESULTS_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+    meta = {"device": getattr(args, "device", "cpu"), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.machine(), **meta, **vars(args)}
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {path}")
