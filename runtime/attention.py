@@ -143,9 +143,6 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     qs = qs.unflatten(2, (kv_heads, q_heads // kv_heads))  # [S, Qm, kv_heads, group, D]
     k, v = gather_kv(kv_pages, page_indices, kv_lens, None if late else k_scale, None if late else v_scale)
     k, v = k.to(work), v.to(work)  # [S, L, kv_heads, D]
-    scores = torch.einsum("sqhgd,slhd->shgql", qs, k) * (sm_scale * _head_scale(k_scale, 3) if late else sm_scale)
-    if cap:
-        scores = cap * torch.tanh(scores / cap)
     positions = (kv_lens - q_lens)[:, None] + j  # [S, Qm] absolute position of each query
     keys = torch.arange(k.shape[1], device=device)
     allowed = keys <= positions[..., None]  # [S, Qm, L]
@@ -153,6 +150,43 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
         allowed &= keys > positions[..., None] - window
     if chunk_size:
         allowed &= keys // chunk_size == positions[..., None] // chunk_size
+    # float32 throughout (what "float32" asks for, and what the others compute for float32 queries over a
+    # cache that needs no late scales): torch's fused attention computes it, on finite K/V
+    if work == torch.float32 and not late and not cap and sinks is None and device.type != "xla" and _finite(k, v):
+        out = _fused_float32(qs, k, v, allowed, sm_scale)
+    else:
+        out = _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work)
+    out = out.flatten(2, 3)  # [S, Qm, q_heads, D]
+    flat = torch.zeros(tokens + 1, q_heads, dim, dtype=torch.float32, device=device)
+    flat = flat.index_put((rows.flatten(),), out.float().flatten(0, 1))
+    return flat[:tokens].to(q.dtype)
+
+
+def _finite(k: torch.Tensor, v: torch.Tensor) -> bool:
+    return bool(torch.isfinite(k).all() & torch.isfinite(v).all())
+
+
+def _fused_float32(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                   sm_scale: float) -> torch.Tensor:
+    """The float32 arithmetic through torch's fused attention: `[S, Qm, kv_heads, group, D]` out.
+
+    `allowed` `[S, Qm, L]` masks the keys each query sees. It agrees with the unfused path to float32
+    rounding, but it adds the mask after QK, so a NaN/inf key or value would reach the rows the mask
+    hides: callers take it only for finite K and V.
+    """
+    kv_heads, group = qs.shape[2:4]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qs.flatten(2, 3).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None],
+        scale=sm_scale, enable_gqa=True)  # query head i reads KV head i // group, as the cache's heads are grouped
+    return out.transpose(1, 2).unflatten(2, (kv_heads, group))
+
+
+def _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work) -> torch.Tensor:
+    """Scores, mask, softmax and P·V step by step in `work`'s dtype: `[S, Qm, kv_heads, group, D]` out."""
+    kv_heads = k.shape[2]
+    scores = torch.einsum("sqhgd,slhd->shgql", qs, k) * (sm_scale * _head_scale(k_scale, 3) if late else sm_scale)
+    if cap:
+        scores = cap * torch.tanh(scores / cap)
     scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(work).min)
     if sinks is not None:  # one extra logit per head in the softmax, dropped afterwards
         sink = sinks.to(work).reshape(1, kv_heads, -1, 1, 1).expand(*scores.shape[:-1], 1)
@@ -160,12 +194,7 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     else:
         probs = _softmax(scores)
     out = torch.einsum("shgql,slhd->sqhgd", probs, v)  # [S, Qm, kv_heads, group, D]
-    if late:
-        out = out * _head_scale(v_scale, 2)
-    out = out.flatten(2, 3)  # [S, Qm, q_heads, D]
-    flat = torch.zeros(tokens + 1, q_heads, dim, dtype=torch.float32, device=device)
-    flat = flat.index_put((rows.flatten(),), out.float().flatten(0, 1))
-    return flat[:tokens].to(q.dtype)
+    return out * _head_scale(v_scale, 2) if late else out
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:

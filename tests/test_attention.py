@@ -110,6 +110,19 @@ def test_nan_in_a_stale_slot_past_kv_len_does_not_leak():
     assert poisoned[6, :2].isnan().all() and not poisoned[6, 2:].isnan().any()
 
 
+
+def test_a_nan_key_reaches_only_the_queries_at_or_after_it():
+    """A NaN written by a non-clamping engine poisons exactly the rows causal attention lets see it: the logit
+    rows verify counts as lost."""
+    q, kv_pages, meta, real = _ragged_batch(torch.bfloat16, seed=3)
+    first_page = meta["page_indices"][0, 0]  # sequence 0 prefills 6 tokens: rows 0..5
+    kv_pages[first_page, 3, 0] = float("nan")  # K of KV head 0 at position 3
+    out = ragged_paged_attention(q, kv_pages, **meta, sm_scale=0.3, k_scale=1.0, v_scale=1.0)
+    group = Q_HEADS // KV_HEADS
+    assert not out[:3, :group].isnan().any() and out[3:6, :group].isnan().all()
+    assert out[:6, group:].isfinite().all()  # KV head 1's query heads never read it
+    assert out[6:real].isfinite().all()  # nor do the other sequences
+
 def test_unknown_backend_is_refused():
     q, kv_pages, meta, _ = _ragged_batch(torch.bfloat16)
     with pytest.raises(Fp8kvError, match="unknown attention backend 'cuda'"):
