@@ -86,7 +86,8 @@ class Model:
 
 def max_ratio(model: Model, held: KVStatistics, scales: KVScales) -> float:
     """The largest held-out |x|/scale of any layer under `scales`."""
-    return max(max(r.k_max_ratio, r.v_max_ratio) for r in heldout.max_ratio_rows(held, scales, model.kv_layers))
+    amax = {layer: (held.amax[layer, 0].tolist(), held.amax[layer, 1].tolist()) for layer in model.kv_layers}
+    return max(max(r.k_max_ratio, r.v_max_ratio) for r in heldout.max_ratio_rows(amax, scales, model.kv_layers))
 
 
 @dataclass

@@ -89,25 +89,62 @@ class PageAllocator:
 @dataclass(frozen=True)
 class CacheCounts:
     """A cache's counters per KV layer: `(K, V)` counts of values clamped at ±MAX and of NaN/inf values
-    stored, and how many values were written to K (as many to V)."""
+    stored, how many values were written to K (as many to V), and `(K, V)` max |x| per KV head of the
+    values handed to the cache (before any scale; NaN once one was NaN)."""
 
     clamped: dict[int, tuple[int, int]]
     nonfinite: dict[int, tuple[int, int]]
     written: dict[int, int]
+    amax: dict[int, tuple[tuple[float, ...], tuple[float, ...]]]
+
+
+@dataclass(frozen=True)
+class ForwardCounts:
+    """What the writes of one forward did, per token (int64 on the cache device): `over` `[T]` counts values past
+    the fp8 maximum, `shadow_diffs` `[shadows, T]` the values each shadow engine would have stored differently."""
+
+    over: torch.Tensor
+    shadow_diffs: torch.Tensor
 
 
 class PagedLayers:
     """What the paged K/V cache and the latent cache share: one page tensor per KV layer (`pages`, row `i`
-    for `kv_layers[i]`), the row copy into and out of them, and the overflow counters (int64 on the cache
-    device: `clamped`, `nonfinite` `[num_kv_layers, 2]` for K and V, `written` `[num_kv_layers]`)."""
+    for `kv_layers[i]`), the row copy into and out of them, and the counters on the cache device (int64
+    `clamped`, `nonfinite` `[num_kv_layers, 2]` for K and V, `written` `[num_kv_layers]`; float32 `amax`
+    `[num_kv_layers, 2, kv_heads]`, a layer with fewer heads filling the first slots; `forward`, the
+    per-token counts of the forward `start_forward` began, None before one).
 
-    def __init__(self, kv_layers: Sequence[int], pages: list[torch.Tensor], device: torch.device) -> None:
+    `shadows` are the engine models the cache also computes every write for (`shadow_models`).
+    """
+
+    shadows: tuple[EngineModel, ...]
+
+    def __init__(self, kv_layers: Sequence[int], pages: list[torch.Tensor], device: torch.device,
+                 heads: Sequence[int]) -> None:
         self.kv_layers = tuple(kv_layers)
         self.pages = pages
         self._row = {layer: i for i, layer in enumerate(self.kv_layers)}
+        self._amax_heads = tuple(heads)
+        self._device = device
+        self.forward: ForwardCounts | None = None
         self.clamped = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
         self.nonfinite = torch.zeros(len(self.kv_layers), 2, dtype=torch.int64, device=device)
         self.written = torch.zeros(len(self.kv_layers), dtype=torch.int64, device=device)
+        self.amax = torch.zeros(len(self.kv_layers), 2, max(heads, default=1), dtype=torch.float32, device=device)
+
+    def start_forward(self, tokens: int) -> ForwardCounts:
+        """Zeroed per-token counters for the writes of the next forward (of `tokens` tokens), also `forward`."""
+        self.forward = ForwardCounts(torch.zeros(tokens, dtype=torch.int64, device=self._device),
+                                     torch.zeros(len(self.shadows), tokens, dtype=torch.int64, device=self._device))
+        return self.forward
+
+    def _fold_amax(self, row: int, magnitude: torch.Tensor) -> None:
+        """Fold `magnitude` `[2, heads, ...]` (|K|, |V| per head, padding tokens zeroed) into row `row`'s amax.
+
+        torch's max keeps a NaN, so a NaN handed to the cache shows in its amax.
+        """
+        heads = magnitude.shape[1]
+        self.amax[row, :, :heads] = torch.maximum(self.amax[row, :, :heads], magnitude.flatten(2).amax(-1))
 
     def _store(self, row: int, slots: torch.Tensor, stored: torch.Tensor) -> None:
         """`stored` `[T, ...]` into row `row`'s pages at flat `slots` `[T]`."""
@@ -123,10 +160,13 @@ class PagedLayers:
     def counts(self) -> CacheCounts:
         """The counters, read from the device once."""
         clamped, nonfinite, written = self.clamped.cpu().tolist(), self.nonfinite.cpu().tolist(), self.written.cpu().tolist()
+        amax = self.amax.cpu().tolist()
         return CacheCounts(
             clamped={layer: (clamped[i][0], clamped[i][1]) for i, layer in enumerate(self.kv_layers)},
             nonfinite={layer: (nonfinite[i][0], nonfinite[i][1]) for i, layer in enumerate(self.kv_layers)},
             written={layer: written[i] for i, layer in enumerate(self.kv_layers)},
+            amax={layer: (tuple(amax[i][0][:heads]), tuple(amax[i][1][:heads]))
+                  for i, (layer, heads) in enumerate(zip(self.kv_layers, self._amax_heads))},
         )
 
 
@@ -189,8 +229,7 @@ class PagedKVCache(PagedLayers):
         # One tensor per layer, not views of one [layers, ...] tensor: on XLA an in-place write into a view
         # of the big tensor measured 0.68x fp8 decode (bench/bench_runtime.py, bench/README.md: Runtime).
         super().__init__(kv_layers, [torch.zeros((num_pages, page_size, 2 * heads, padded), dtype=dtype, device=device)
-                                     for heads, padded in zip(self._kv_heads, self._padded)], device)
-        self.shadow_diffs = torch.zeros(len(self.shadows), dtype=torch.int64, device=device)
+                                     for heads, padded in zip(self._kv_heads, self._padded)], device, self._kv_heads)
 
     def owner(self, layer: int) -> int:
         """The cache layer `layer` attends over: itself, or the layer whose cache it shares."""
@@ -224,17 +263,22 @@ class PagedKVCache(PagedLayers):
         stored = self.engine.write(kv, self._write_scales[row, : 2 * heads], self.dtype) if is_fp8(self.dtype) \
             else kv.to(self.dtype)
         self._count(row, kv, stored, valid)
-        if self.shadows and is_fp8(self.dtype):
+        if self.forward is not None and self.shadows and is_fp8(self.dtype):
             scales = self._write_scales[row, : 2 * heads]
-            self.shadow_diffs += shadow_differences(self.shadows, kv, scales, stored, valid[:, None, None])
+            self.forward.shadow_diffs.add_(shadow_differences(self.shadows, kv, scales, stored, valid[:, None, None]))
         self._store(row, slots, stored)
 
     def _count(self, row: int, kv: torch.Tensor, stored: torch.Tensor, valid: torch.Tensor) -> None:
         mask, heads = valid[:, None, None], self._kv_heads[row]
+        magnitude = torch.where(mask, kv.float().abs(), 0.0)  # [T, 2*kv_heads, d]
+        # [T, 2*kv_heads, d] -> [2 (K, V), kv_heads, T, d]
+        self._fold_amax(row, magnitude.unflatten(1, (heads, 2)).permute(2, 1, 0, 3))
         if is_fp8(self.dtype):
-            over = (kv.float().abs() / self._write_scales[row, : 2 * heads] > torch.finfo(self.dtype).max) & mask
+            over = magnitude / self._write_scales[row, : 2 * heads] > torch.finfo(self.dtype).max
             # [T, 2*kv_heads, d] -> [T, kv_heads, 2 (K, V), d]; sum all but the K/V axis
             self.clamped[row] += over.unflatten(1, (heads, 2)).sum(dim=(0, 1, 3))
+            if self.forward is not None:
+                self.forward.over.add_(over.flatten(1).sum(1))
         bad = ~torch.isfinite(stored.float()) & mask
         self.nonfinite[row] += bad.unflatten(1, (heads, 2)).sum(dim=(0, 1, 3))
         self.written[row] += valid.sum() * heads * self._head_dims[row]
@@ -266,7 +310,8 @@ def shadow_models(engine: EngineModel, names: Sequence[str]) -> tuple[EngineMode
 
 def shadow_differences(shadows: tuple[EngineModel, ...], x: torch.Tensor, scale: torch.Tensor, stored: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
-    """Per shadow engine, how many values of `x` it would store differently from `stored` (`[len(shadows)]`).
+    """Per shadow engine and token of `x` `[T, ...]`, how many values it would store differently from `stored`
+    (`[len(shadows), T]`).
 
     Values compare as the attention reads them (a NaN equals a NaN); `mask` (broadcast to `x`) marks real tokens.
     """
@@ -274,7 +319,7 @@ def shadow_differences(shadows: tuple[EngineModel, ...], x: torch.Tensor, scale:
     counts = []
     for shadow in shadows:
         other = shadow.write(x, scale, stored.dtype).float()
-        counts.append(((other != held) & ~(other.isnan() & held.isnan()) & mask).sum())
+        counts.append(((other != held) & ~(other.isnan() & held.isnan()) & mask).flatten(1).sum(1))
     return torch.stack(counts)
 
 

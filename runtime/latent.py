@@ -54,7 +54,7 @@ class LatentPagedCache(PagedLayers):
     ) -> None:
         kv_layers = tuple(kv_layers)
         super().__init__(kv_layers, [torch.zeros(num_pages, page_size, latent.width, dtype=dtype, device=device)
-                                     for _ in kv_layers], device)
+                                     for _ in kv_layers], device, [1] * len(kv_layers))
         self.latent = latent
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
         self.engine = engine_model(engine)
@@ -64,7 +64,6 @@ class LatentPagedCache(PagedLayers):
         v_given = layer_scales(v_scales, kv_layers, [1] * len(kv_layers), "v_scale")
         self.scales = torch.tensor([[k, v] for k, v in zip(k_given, v_given)], dtype=torch.float32).to(device)
         self._k_floats = [k[0] for k in k_given]
-        self.shadow_diffs = torch.zeros(len(self.shadows), dtype=torch.int64, device=device)
 
     def owner(self, layer: int) -> int:
         """MLA layers own their cache (no KV sharing)."""
@@ -80,12 +79,17 @@ class LatentPagedCache(PagedLayers):
         scale = self.scales[row, 0]
         stored = self.engine.write(vectors, scale, self.dtype) if is_fp8(self.dtype) else vectors.to(self.dtype)
         mask = valid[:, None]
+        magnitude = torch.where(mask, vectors.float().abs(), 0.0)  # [T, width]
+        self._fold_amax(row, magnitude[None, None].expand(2, 1, *magnitude.shape))  # one vector, K's and V's
         if is_fp8(self.dtype):
-            self.clamped[row] += ((vectors.float().abs() / scale > torch.finfo(self.dtype).max) & mask).sum()
+            over = magnitude / scale > torch.finfo(self.dtype).max
+            self.clamped[row] += over.sum()
+            if self.forward is not None:
+                self.forward.over.add_(over.sum(1))
         self.nonfinite[row] += (~torch.isfinite(stored.float()) & mask).sum()
         self.written[row] += valid.sum() * self.latent.width
-        if self.shadows and is_fp8(self.dtype):
-            self.shadow_diffs += shadow_differences(self.shadows, vectors, scale, stored, mask)
+        if self.forward is not None and self.shadows and is_fp8(self.dtype):
+            self.forward.shadow_diffs.add_(shadow_differences(self.shadows, vectors, scale, stored, mask))
         self._store(row, slots, stored)
 
     def read(self, layer: int, pages: torch.Tensor, length: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, quantize
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.attention import NUMERICS, AttentionNumerics, kernel_supported, ragged_paged_attention
-from fp8kv.runtime.cache import SCRATCH_PAGE, CacheCounts, PageAllocator, PagedKVCache, Scale
+from fp8kv.runtime.cache import SCRATCH_PAGE, CacheCounts, ForwardCounts, PageAllocator, PagedKVCache, Scale
 from fp8kv.runtime.cache_view import sequence_cache
 from fp8kv.transformers_cache import cache_kwargs, model_cache_class, new_cache, recurrent_layers
 from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
@@ -57,6 +57,15 @@ class StepMetadata:
     cu_q_lens: torch.Tensor  # int32 [S + 1] start of each sequence's tokens in the flat batch
     num_seqs: torch.Tensor  # int32 [1]
     max_q_len: int | None  # static bound on new tokens per sequence (None: exact, non-XLA only)
+
+
+@dataclass(frozen=True)
+class SequenceWrites:
+    """What one step's cache writes held for one sequence: values past the fp8 maximum, and per shadow engine
+    (by name) the values that engine would have stored differently (0: it writes this cache's bytes)."""
+
+    over: int
+    shadow_diffs: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -160,8 +169,8 @@ class PagedModelRunner:
         k_scales, v_scales: {kv layer index: float or per-KV-head list}; None = 1.0 (fp8 only).
         engine: the engine model the cache reproduces (`fp8kv.engine_models`): its fp8 write, the scales it
             runs with and the fp8 format it allocates; the default is vLLM TPU's (divide in float32, clamp).
-        shadow_engines: engine models the cache also computes every write for, counting in `cache.shadow_diffs`
-            the values each would store differently (none: that engine's logits are this runner's).
+        shadow_engines: engine models the cache also computes every write for, counting per token the values
+            each would store differently (`sequence_writes`; none: that engine's logits are this runner's).
         page_size, max_model_len, max_num_seqs: cache geometry; `num_pages` defaults to enough
             pages for `max_num_seqs` sequences of `max_model_len` tokens (plus the scratch page).
         dtype: model weights dtype (default: the checkpoint's).
@@ -255,6 +264,7 @@ class PagedModelRunner:
         self.q_scales = None if q_scales is None else {
             layer: torch.tensor(float(q_scales[layer]), device=self.device) for layer in g.kv_layers}
         self.calls: Counter[str] = Counter()
+        self._forwards: list[tuple[ForwardCounts, list[int]]] = []  # the last step's, with each sequence's token bounds
         self._next_id = 0
         self._sync()  # materialize the zeroed caches, so the first step compiles the same graph as later ones
 
@@ -299,10 +309,12 @@ class PagedModelRunner:
         may be mixed freely. Returns float32 CPU logits `[len(new_token_ids), vocab]` per entry.
         """
         self._check_batch(batch)
+        self._forwards = []
         if self.cache_view:
             return [self._cache_view_step(seq_id, tokens) for seq_id, tokens in batch]
         ids, positions, meta = self._prepare(batch)
         step = PagedStep(self.cache, meta, self.backend, self.use_kernel, self.numerics, self.calls, self.q_scales)
+        counts = self.cache.start_forward(ids.shape[1])
         bound = _ACTIVE_STEP.set(step)
         try:
             logits = self.model(input_ids=ids, position_ids=positions, use_cache=False).logits
@@ -310,8 +322,19 @@ class PagedModelRunner:
             _ACTIVE_STEP.reset(bound)
         self._sync()  # cut the graph here: cache writes and logits of this step, one compile per shape
         logits = logits[0].float().cpu()
-        bounds = meta.cu_q_lens.cpu().tolist()
+        bounds = meta.cu_q_lens.cpu().tolist()[: len(batch) + 1]
+        self._forwards.append((counts, bounds))
         return [logits[bounds[i] : bounds[i + 1]] for i in range(len(batch))]
+
+    def sequence_writes(self) -> list[SequenceWrites]:
+        """What the last step wrote for each of its sequences, in its order (read from the device here)."""
+        writes = []
+        for counts, bounds in self._forwards:
+            over, diffs = counts.over.cpu().tolist(), counts.shadow_diffs.cpu().tolist()
+            for start, end in zip(bounds, bounds[1:]):
+                writes.append(SequenceWrites(sum(over[start:end]), {shadow.name: sum(row[start:end])
+                                                                    for shadow, row in zip(self.cache.shadows, diffs)}))
+        return writes
 
     def _cache_view_step(self, seq_id: int, tokens: Sequence[int]) -> torch.Tensor:
         """One sequence's forward on a cache view of its pages: float32 CPU logits `[len(tokens), vocab]`."""
@@ -323,6 +346,7 @@ class PagedModelRunner:
                                self._states.get(seq_id))
         ids = torch.tensor([list(tokens)]).to(dev)
         positions = torch.arange(past, past + len(tokens))[None].to(dev) + self.position_offset
+        self._forwards.append((self.cache.start_forward(len(tokens)), [0, len(tokens)]))
         logits = self.model(input_ids=ids, position_ids=positions, **cache_kwargs(self.model, cache)).logits
         self._sync()
         return logits[0].float().cpu()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -71,6 +73,19 @@ def test_padding_tokens_are_not_counted():
     _write(cache, 0, k, k, [4, SCRATCH_PAGE], valid=torch.tensor([True, False]))
     assert cache.counts().clamped[0] == (6, 6)
 
+
+
+def test_amax_is_the_largest_magnitude_per_layer_kv_and_head_of_real_tokens():
+    cache = _cache("bf16")
+    k = torch.tensor([[[1.0, -3.0, 2.0], [0.5, 0.0, -0.25]], [[-7.0, 1.0, 1.0], [9.0, 9.0, 9.0]]])
+    v = torch.tensor([[[-4.0, 0.0, 0.0], [1.0, 2.0, 6.0]], [[1e6, 1e6, 1e6], [1e6, 1e6, 1e6]]])
+    _write(cache, 2, k, v, [4, SCRATCH_PAGE], valid=torch.tensor([True, False]))  # the padding token's 1e6 is not seen
+    _write(cache, 2, -k[1:] / 2, v[:1], [5])
+    amax = cache.counts().amax
+    assert amax[2] == ((3.5, 4.5), (4.0, 6.0)) and amax[0] == ((0.0, 0.0), (0.0, 0.0))
+    k[0, 0, 0] = float("nan")
+    _write(cache, 0, k[:1], v[:1], [6])
+    assert math.isnan(cache.counts().amax[0][0][0]) and cache.counts().amax[0][1] == (4.0, 6.0)
 
 def test_per_head_scales_apply_to_their_head():
     cache = _cache(k_scales={0: [1.0, 0.5], 2: 1.0}, v_scales={0: 2.0, 2: 1.0})
@@ -151,7 +166,10 @@ def test_shadow_engines_count_the_values_they_would_store_differently():
     k[0, 1, 0] = 500.0  # past 464 at scale 1: NaN without a clamp, 448 with one
     k[1, 0, 2] = 450.0  # past 448 but not 464: 448 either way
     cache = _cache(k_scales={0: 1.0, 2: 1.0}, v_scales={0: 1.0, 2: 1.0}, shadows=("no-clamp", "vllm-cuda"))
+    counts = cache.start_forward(2)
     _write(cache, 0, k, v, [4, 5])
-    assert cache.shadow_diffs.tolist() == [1, 0]
+    _write(cache, 2, k, v, [4, 5])
+    assert counts.shadow_diffs.tolist() == [[2, 0], [0, 0]]  # per shadow engine and token, over both layers
+    assert counts.over.tolist() == [2, 2]  # past 448: token 0's 500 and token 1's 450, in each layer
     with pytest.raises(Fp8kvError, match="engine kv-swapped runs other scales or another cache format than vllm-tpu"):
         _cache(shadows=("kv-swapped",))

@@ -138,7 +138,7 @@ def test_engines_sharing_a_run_report_what_each_reports_alone(texts, tmp_path):
     # one run per distinct write: vllm-tpu writes vllm-cuda's bytes, sglang tpu-inference's below the fp8 maximum
     assert runners.engines["vllm-tpu"] is runners.engines["vllm-cuda"] is runners.fp8
     assert runners.twins["sglang"] is runners.engines["tpu-inference"] is not runners.fp8
-    # each runs only on batches in which fp8's cache saw its bytes differ
+    # each runs only the sequences in which fp8's cache saw its bytes differ
     assert set(runners.shadows) == {"tpu-inference", "sglang", "tensorrt-llm"}
     for name in RELEASED:
         alone = run((name,))[1][name]
@@ -148,6 +148,56 @@ def test_engines_sharing_a_run_report_what_each_reports_alone(texts, tmp_path):
     assert exact.engines["vllm-tpu"] is not exact.fp8 and exact.engines["vllm-tpu"].numerics == "pallas-kernel"
     assert results["vllm-tpu"].attention == results["tpu-inference"].attention == "pallas-kernel"
 
+
+
+def test_heldout_ratio_is_what_calibrates_observer_sees_over_the_scale(calibrated, texts):
+    """verify reads max |x| off its bf16 reference cache: the K/V calibrate's observer folds from transformers' own
+    forward over the same samples (exactly in layer 0; later layers read a bf16 cache, so to bf16 rounding)."""
+    from fp8kv.checkpoint.load import load_language_model
+    from fp8kv.data import load_calibration_data, load_tokenizer, make_batches, pad_id
+    from fp8kv.geometry import AttentionGeometry
+    from fp8kv.observe import observe
+    from fp8kv.verify.static import static_checks
+
+    rows = verify(_request(calibrated, texts)).report.held_out.layers
+    tokenizer = load_tokenizer(calibrated, False)
+    data = load_calibration_data(DataRequest(str(texts["held"]), num_samples=4, seq_len=SEQ_LEN), tokenizer)
+    model = load_language_model(calibrated, torch.device("cpu"))
+    seen = observe(model, make_batches(data.samples, 4, pad_id(tokenizer)), AttentionGeometry.from_dir(calibrated))
+    scales = static_checks(calibrated).readout.scales
+    for row in rows:
+        for kind, ratio in ((0, row.k_max_ratio), (1, row.v_max_ratio)):
+            expected = float((seen.amax[row.layer, kind].double() / scales.tensor("kv"[kind], row.layer).double()).max())
+            assert ratio == pytest.approx(expected, rel=1e-6 if row.layer == 0 else 1e-2)
+
+
+def test_an_engine_borrows_logits_only_for_sequences_proven_to_hold_the_same_bytes():
+    from fp8kv.runtime.runner import SequenceWrites
+    from fp8kv.verify.accuracy import Runners, _borrowed, _Prefill
+
+    bf16, fp8, unit, tpu, sglang, trt = (object() for _ in range(6))
+    runners = Runners(bf16, fp8, unit, {"tensorrt-llm": trt, "tpu-inference": tpu, "sglang": sglang},  # type: ignore[arg-type]
+                      twins={"sglang": tpu}, shadows=("tensorrt-llm", "tpu-inference"))  # type: ignore[dict-item]
+    a, b, c, d, e, f = (torch.full((1,), float(i)) for i in range(6))
+    ran = {id(fp8): _Prefill([a, b, c], [SequenceWrites(0, {"tensorrt-llm": 0, "tpu-inference": 9}),
+                                         SequenceWrites(2, {"tensorrt-llm": 1, "tpu-inference": 9}),
+                                         SequenceWrites(0, {"tensorrt-llm": 0, "tpu-inference": 0})])}
+    assert _borrowed("tensorrt-llm", runners, ran) == [a, None, c]  # a value of sequence 1 would differ
+    # tpu-inference ran sequences 0 and 1 itself and borrowed 2; sequence 1 passed the fp8 maximum
+    ran[id(tpu)] = _Prefill([d, e, c], [SequenceWrites(0, {}), SequenceWrites(3, {}), None])
+    assert _borrowed("sglang", runners, ran) == [d, None, None]  # what tpu-inference borrowed proves nothing
+
+
+def test_a_logit_row_is_bad_when_any_logit_is_nan_or_inf_and_only_then():
+    from fp8kv.verify.accuracy import ScoredSample
+
+    logits = torch.zeros(6, 5)
+    logits[1, 2] = float("nan")
+    logits[2, 0] = float("inf")
+    logits[3, 4] = float("-inf")
+    logits[4, 0], logits[4, 1] = float("inf"), float("-inf")
+    logits[5] = 3e38  # finite, though their sum is not
+    assert ScoredSample.of(logits).bad_rows == 4
 
 def test_scales_divided_by_four_are_flagged_per_layer(calibrated, texts, tmp_path):
     edited = _edited_copy(calibrated, tmp_path, lambda name, t: t / 4)

@@ -3,8 +3,9 @@
 Three runners hold the same model: a bf16 cache (the reference), an fp8 cache with the
 checkpoint's scales (clamped writes, as engines should do) and an fp8 cache with unit scales;
 one more per engine model (`verify.engines`) that writes other bytes than these (engines whose
-writes are the same arithmetic share a runner, and a non-saturating engine reuses its saturating
-twin's logits for every batch in which no value passed the fp8 maximum). By default every engine
+writes are the same arithmetic share a runner; an engine whose write differs reuses fp8's logits for every
+sequence in which fp8's cache saw it write each value alike, and a non-saturating engine its saturating
+twin's for every sequence in which no value passed the fp8 maximum). By default every engine
 attends with fp8kv's float32 attention, so engines are told apart by the bytes they write alone;
 `engine_attention` also reproduces each engine's attention arithmetic (one more runner per arithmetic).
 Every held-out sample is prefilled on each; the logits give perplexity, KL(bf16 || fp8) of every
@@ -25,7 +26,7 @@ from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, engine_model
 from fp8kv.runtime.cache import Scale
 from fp8kv.runtime.device import resolve_device
-from fp8kv.runtime.runner import PagedModelRunner, load_model
+from fp8kv.runtime.runner import PagedModelRunner, SequenceWrites, load_model
 from fp8kv.checks import FAIL
 from fp8kv.verify.engines import BUG, PASS, first_nonfinite_layer
 from fp8kv.verify.results import Accuracy, CacheShares, EngineResult, QueryCost, Readback
@@ -206,7 +207,9 @@ class ScoredSample:
     @classmethod
     def of(cls, logits: torch.Tensor) -> ScoredSample:
         logits = logits.float()
-        return cls(torch.log_softmax(logits, dim=-1), int((~torch.isfinite(logits)).any(-1).sum()))
+        # only rows whose sum is not finite can hold a NaN/inf (or finite logits summing past float32's range)
+        suspects = logits[~torch.isfinite(logits.sum(-1))]
+        return cls(torch.log_softmax(logits, dim=-1), int((~torch.isfinite(suspects)).any(-1).sum()))
 
 
 @dataclass
@@ -244,39 +247,68 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
                      progress: Callable[[int, int], None] | None = None) -> tuple[Accuracy, list[EngineResult]]:
     """Prefill every sample on every runner (`batch_size` sequences per step) and compare logits.
 
-    Returns the comparison with the bf16 cache and one result per engine model.
+    An engine's runner prefills only the sequences whose bytes it may write differently from a runner that ran
+    already (`_borrowed`). Returns the comparison with the bf16 cache and one result per engine model.
     """
     totals = _Totals()
     engine_totals = {engine: EngineTotals() for engine in runners.engines}
     named = {"bf16": runners.bf16, "fp8": runners.fp8, "unit": runners.unit}
-    # saturating engines first: a non-saturating one may reuse its twin's logits from this batch
+    # saturating engines first: a non-saturating one may reuse its twin's logits
     order = sorted(runners.engines, key=lambda name: name in runners.twins)
     for start in range(0, len(samples), batch_size):
         batch = samples[start : start + batch_size]
-        before = runners.fp8.cache.shadow_diffs.clone()
-        ran = {id(runner): counted_prefill(runner, batch) for runner in named.values()}
-        differs = dict(zip(runners.shadows, (runners.fp8.cache.shadow_diffs - before).tolist()))
-        outputs = {name: ran[id(runner)][0] for name, runner in named.items()}
-        engine_outputs = {}
+        ran = {id(runner): _Prefill.of(runner, batch) for runner in named.values()}
         for engine in order:
-            runner, twin = runners.engines[engine], runners.twins.get(engine)
-            if id(runner) not in ran and differs.get(engine) == 0:
-                ran[id(runner)] = ran[id(runners.fp8)]  # it would have stored every value fp8's cache stored
-            if id(runner) not in ran and twin is not None and ran.get(id(twin), (None, 1))[1] == 0:
-                ran[id(runner)] = ran[id(twin)]  # nothing passed the fp8 maximum: the same bytes were written
+            runner = runners.engines[engine]
             if id(runner) not in ran:
-                ran[id(runner)] = counted_prefill(runner, batch)
-            engine_outputs[engine] = ran[id(runner)][0]
-        distinct = {id(out): out for out in (*outputs.values(), *engine_outputs.values())}
+                ran[id(runner)] = _Prefill.of(runner, batch, _borrowed(engine, runners, ran))
         for i, ids in enumerate(batch):
-            scored = {key: ScoredSample.of(out[i]) for key, out in distinct.items()}  # shared runs scored once
-            totals.add(ids, {name: scored[id(out)].logp for name, out in outputs.items()})
-            for engine, out in engine_outputs.items():
-                engine_totals[engine].add(ids, scored[id(out)])
+            distinct = {id(run.logits[i]): run.logits[i] for run in ran.values()}
+            scored = {key: ScoredSample.of(out) for key, out in distinct.items()}  # logits runners share: scored once
+            by_runner = {key: scored[id(run.logits[i])] for key, run in ran.items()}
+            totals.add(ids, {name: by_runner[id(runner)].logp for name, runner in named.items()})
+            for engine, runner in runners.engines.items():
+                engine_totals[engine].add(ids, by_runner[id(runner)])
         if progress is not None:
             progress(start + len(batch), len(samples))
     results = [engine_totals[e].result(e, runners.engines[e]) for e in runners.engines]
     return totals.summary(), results
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    """One runner's logits for each sequence of a batch and, where it ran the sequence itself, what its cache
+    wrote for it (None where the logits were borrowed from a runner proven to write the same bytes)."""
+
+    logits: list[torch.Tensor]
+    writes: list[SequenceWrites | None]
+
+    @classmethod
+    def of(cls, runner: PagedModelRunner, batch: list[list[int]],
+           borrowed: list[torch.Tensor | None] | None = None) -> _Prefill:
+        """Prefill the sequences of `batch` that `borrowed` has no logits for (all, without it)."""
+        borrowed = borrowed or [None] * len(batch)
+        todo = [ids for ids, lent in zip(batch, borrowed) if lent is None]
+        logits, writes = (prefill(runner, todo), runner.sequence_writes()) if todo else ([], [])
+        computed, written = iter(logits), iter(writes)
+        return cls([lent if lent is not None else next(computed) for lent in borrowed],
+                   [None if lent is not None else next(written) for lent in borrowed])
+
+
+def _borrowed(engine: str, runners: Runners, ran: dict[int, _Prefill]) -> list[torch.Tensor | None]:
+    """Per sequence, logits `engine` would reproduce exactly, from a runner that ran it: fp8's where fp8's cache
+    saw `engine` (a shadow) write every value alike; its saturating twin's where no value passed the fp8
+    maximum, below which saturating or not stores the same bytes. None where `engine` must run itself."""
+    fp8, twin = ran[id(runners.fp8)], runners.twins.get(engine)
+    borrowed: list[torch.Tensor | None] = [None] * len(fp8.logits)
+    if engine in runners.shadows:
+        borrowed = [logits if w is not None and w.shadow_diffs[engine] == 0 else None
+                    for logits, w in zip(fp8.logits, fp8.writes)]
+    if twin is not None and id(twin) in ran:
+        mate = ran[id(twin)]
+        borrowed = [lent if lent is not None else logits if w is not None and w.over == 0 else None
+                    for lent, logits, w in zip(borrowed, mate.logits, mate.writes)]
+    return borrowed
 
 
 def query_cost(model_dir: Path, runners: Runners, scales: KVScales, samples: list[list[int]],
@@ -296,13 +328,6 @@ def query_cost(model_dir: Path, runners: Runners, scales: KVScales, samples: lis
     summary, _ = measure_accuracy(Runners(runners.bf16, with_query, runners.unit, {}), samples, batch_size)
     return QueryCost(summary.kl_mean, summary.kl_max, summary.top1_agreement, summary.ppl_fp8,
                      max(scales.q_value(i) for i in layers), kl_mean_kv_only)
-
-
-def counted_prefill(runner: PagedModelRunner, batch: list[list[int]]) -> tuple[list[torch.Tensor], int]:
-    """`prefill`, and how many K/V values it wrote past the fp8 maximum (clamped or not)."""
-    before = int(runner.cache.clamped.sum())
-    logits = prefill(runner, batch)
-    return logits, int(runner.cache.clamped.sum()) - before
 
 
 def prefill(runner: PagedModelRunner, batch: list[list[int]]) -> list[torch.Tensor]:

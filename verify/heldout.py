@@ -1,26 +1,27 @@
 """Held-out text and what the checkpoint's scales do to its K/V: max |x|/scale per layer.
 
 The text is the bundled model's held-out split or `--dataset`, never silently the calibration data.
-K and V are observed exactly as the cache stores them (calibrate's observer: after k_norm and
-RoPE, before the GQA repeat), folded into per-head amax and |x| histograms.
+K and V are seen exactly as the cache stores them (after k_norm and RoPE, before the GQA repeat) by
+the bf16 reference cache while verify prefills that text: its per-head amax over the scale is the ratio.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import load_language_model
 from fp8kv.checkpoint.locate import is_bundled_model
 from fp8kv.checkpoint.provenance import read_provenance
 from fp8kv.checkpoint.source import SourceCheckpoint
-from fp8kv.data import BUNDLED_DATASET, DATASET_CHOICES, GENERATED_DATASET, CalibrationData, DataRequest, load_calibration_data, make_batches, pad_id
+from fp8kv.data import BUNDLED_DATASET, DATASET_CHOICES, GENERATED_DATASET, CalibrationData, DataRequest, load_calibration_data
 from fp8kv.errors import Fp8kvError, UsageError
 from fp8kv.models import BUNDLED_HELDOUT_TEXT
-from fp8kv.observe import KVStatistics, Progress, observe
 from fp8kv.runtime.device import resolve_device
-from fp8kv.runtime.runner import transformers_attention
 from fp8kv.verify.results import LayerRatio
 
 
@@ -52,30 +53,15 @@ def calibration_overlap(source: SourceCheckpoint, data: CalibrationData) -> str 
     return None
 
 
-def observe_heldout(
-    source: SourceCheckpoint, data: CalibrationData, tokenizer: Any, device: str, batch_size: int,
-    progress: Progress | None = None, model: Any = None,
-) -> KVStatistics:
-    """Per-layer, per-head amax and |x| histograms of the cached K/V over `data` (calibrate's observer).
-
-    `model`: the runners' model on a torch device, run with transformers' own attention for this pass; None
-    loads one on `device`.
-    """
-    batches = make_batches(data.samples, batch_size, pad_id(tokenizer))
-    if model is None:
-        own = load_language_model(source.path, resolve_device(device, torch_only=True).device)
-        return observe(own, batches, source.geometry, progress)
-    with transformers_attention(model):
-        return observe(model, batches, source.geometry, progress)
-
-
-def max_ratio_rows(statistics: KVStatistics, scales: KVScales, kv_layers: tuple[int, ...]) -> list[LayerRatio]:
-    """Per cache-owning layer: the largest |x| / scale of K and of V over the held-out text."""
+def max_ratio_rows(amax: Mapping[int, tuple[Sequence[float], Sequence[float]]], scales: KVScales,
+                   kv_layers: tuple[int, ...]) -> list[LayerRatio]:
+    """Per cache-owning layer: the largest |x| / scale of K and of V over the held-out text, from `amax`
+    (per layer, K's and V's max |x| per KV head)."""
 
     def ratio(layer: int, kind: int) -> float:
-        amax = statistics.amax[layer, kind].double()  # [kv_heads]
-        scale = scales.tensor("kv"[kind], layer).flatten().double().expand_as(amax)
-        return float((amax / scale).max())
+        seen = torch.tensor(amax[layer][kind], dtype=torch.float64)  # [kv_heads]
+        scale = scales.tensor("kv"[kind], layer).flatten().double().expand_as(seen)
+        return float((seen / scale).max())
 
     return [LayerRatio(layer, ratio(layer, 0), ratio(layer, 1)) for layer in kv_layers]
 
