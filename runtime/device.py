@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import get_args
 
 import torch
@@ -15,6 +16,9 @@ from fp8kv.runtime.kernel_rule import TPU_HEAD_DIM_MULTIPLE
 
 DEVICE_CHOICES = get_args(RuntimeChoice)
 TORCH_DEVICE_CHOICES = get_args(TorchDeviceChoice)
+# torch_xla counts TPU chips among the PCI devices of Google's vendor id (some Google virtual NICs share it)
+PCI_DEVICES = Path("/sys/bus/pci/devices")
+GOOGLE_PCI_VENDOR = "0x1ae0"
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,13 @@ def may_use_xla(choice: str) -> bool:
     if choice in ("tpu", "xla-cpu"):
         return True
     return choice == "auto" and os.environ.get("PJRT_DEVICE", "TPU").upper() == "TPU" and \
-        importlib.util.find_spec("libtpu") is not None
+        importlib.util.find_spec("libtpu") is not None and _google_pci_device()
+
+
+def _google_pci_device() -> bool:
+    """Whether a PCI device of Google's vendor id is attached: without one there is no TPU chip, and torch_xla
+    (seconds to import) need not be asked."""
+    return any(vendor.read_text().strip() == GOOGLE_PCI_VENDOR for vendor in PCI_DEVICES.glob("*/vendor"))
 
 
 def tpu_version() -> int:
@@ -80,6 +90,8 @@ def tpu_version() -> int:
 
 def tpu_chips() -> int:
     """TPU chips attached to this host (0 without torch_xla)."""
+    if not _google_pci_device():
+        return 0
     try:
         import torch_xla
     except ImportError:

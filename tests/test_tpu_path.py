@@ -22,7 +22,13 @@ from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version  # n
 from fp8kv.runtime.runner import PagedModelRunner  # noqa: E402
 
 
+def _attach_google_pci_device(monkeypatch) -> None:
+    """What a TPU host shows before torch_xla is asked: a PCI device of Google's vendor id."""
+    monkeypatch.setattr(runtime_device, "_google_pci_device", lambda: True)
+
+
 def test_tpu_version_comes_from_torch_xla_tpu(monkeypatch):
+    _attach_google_pci_device(monkeypatch)
     monkeypatch.setattr(torch_xla.tpu, "num_available_chips", lambda: 4)
     monkeypatch.setattr(torch_xla.tpu, "version", lambda: 6)
     assert tpu_version() == 6
@@ -32,6 +38,7 @@ def test_tpu_version_comes_from_torch_xla_tpu(monkeypatch):
 
 
 def test_device_tpu_says_what_is_missing(monkeypatch):
+    _attach_google_pci_device(monkeypatch)
     monkeypatch.setattr(torch_xla.tpu, "num_available_chips", lambda: 0)
     with pytest.raises(Fp8kvError, match=r"^device 'tpu' requested but no TPU chips are attached to this host"):
         resolve_device("tpu")
@@ -106,3 +113,18 @@ def test_kernel_is_not_used_where_its_heads_do_not_tile(monkeypatch, tmp_path):
     assert not PagedModelRunner(model, device="tpu", cache_dtype="bf16", max_model_len=16, max_num_seqs=1,
                                 model=bf16.model).use_kernel
     assert runtime_device.tpu_chips() == 0  # the real host has none
+
+
+def test_auto_asks_torch_xla_only_where_a_google_pci_device_is_attached(monkeypatch, tmp_path):
+    """On a host without TPU chips, `--device auto` never imports torch_xla (seconds) to find that out."""
+    monkeypatch.setattr(runtime_device, "PCI_DEVICES", tmp_path)
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    monkeypatch.setattr(runtime_device.importlib.util, "find_spec", lambda name: object())  # libtpu installed
+    (tmp_path / "0000:00:04.0").mkdir()
+    (tmp_path / "0000:00:04.0" / "vendor").write_text("0x8086\n")
+    assert not runtime_device.may_use_xla("auto") and runtime_device.tpu_chips() == 0
+    assert runtime_device.may_use_xla("xla-cpu")
+    (tmp_path / "0000:00:05.0").mkdir()
+    (tmp_path / "0000:00:05.0" / "vendor").write_text("0x1ae0\n")
+    assert runtime_device.may_use_xla("auto")
+
