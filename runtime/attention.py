@@ -134,6 +134,11 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     live = torch.arange(num_slots, device=device) < num_seqs.to(device)  # [S]
     q_lens = torch.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0).long()  # [S]
     kv_lens = torch.where(live, kv_lens, 0).long()
+    # float32 throughout (what "float32" asks for, and what the others compute for float32 queries over a
+    # cache that needs no late scales), with nothing but the causal mask: torch's fused attention computes it
+    fused = work == torch.float32 and not late and not cap and sinks is None and device.type != "xla"
+    if fused and not window and not chunk_size and bool((q_lens == kv_lens).all()):
+        return _whole_prompts(q, kv_pages, page_indices, q_lens, cu_q_lens, sm_scale, k_scale, v_scale)
     if max_q_len is None:
         max_q_len = tokens if device.type == "xla" else max(int(q_lens.max()), 1)
     j = torch.arange(max_q_len, device=device)
@@ -150,9 +155,7 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
         allowed &= keys > positions[..., None] - window
     if chunk_size:
         allowed &= keys // chunk_size == positions[..., None] // chunk_size
-    # float32 throughout (what "float32" asks for, and what the others compute for float32 queries over a
-    # cache that needs no late scales): torch's fused attention computes it, on finite K/V
-    if work == torch.float32 and not late and not cap and sinks is None and device.type != "xla" and _finite(k, v):
+    if fused and _finite(k, v):
         out = _fused_float32(qs, k, v, allowed, sm_scale)
     else:
         out = _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work)
@@ -162,23 +165,45 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     return flat[:tokens].to(q.dtype)
 
 
+def _whole_prompts(q, kv_pages, page_indices, q_lens, cu_q_lens, sm_scale, k_scale, v_scale) -> torch.Tensor:
+    """A step of whole prompts (each sequence's keys are its own queries) in float32: one causal attention per
+    sequence over exactly its tokens, rather than every sequence padded to the longest."""
+    tokens, q_heads, dim = q.shape
+    kv_heads = kv_pages.shape[2] // 2
+    flat = torch.zeros(tokens, q_heads, dim, dtype=torch.float32, device=q.device)
+    for s, (start, n) in enumerate(zip(cu_q_lens.tolist(), q_lens.tolist())):
+        if not n:
+            continue
+        k, v = gather_kv(kv_pages, page_indices[s : s + 1], q_lens[s : s + 1], k_scale, v_scale)
+        k, v = k[:, :n], v[:, :n]  # [1, n, kv_heads, D]
+        qs = q[start : start + n].float()[None].unflatten(2, (kv_heads, q_heads // kv_heads))
+        if _finite(k, v):
+            out = _fused_float32(qs, k, v, None, sm_scale)
+        else:
+            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None]
+            out = _unfused(qs, k, v, causal, sm_scale, k_scale, v_scale, None, None, False, torch.float32)
+        flat[start : start + n] = out[0].flatten(1, 2)
+    return flat.to(q.dtype)
+
+
 def _finite(k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether K and V hold no NaN/inf, in one pass each: a NaN or inf makes the sum non-finite. A sum that
     overflows finite values says False too, which only costs the step-by-step path."""
     return bool(torch.isfinite(k.sum() + v.sum()))
 
 
-def _fused_float32(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+def _fused_float32(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
                    sm_scale: float) -> torch.Tensor:
     """The float32 arithmetic through torch's fused attention: `[S, Qm, kv_heads, group, D]` out.
 
-    `allowed` `[S, Qm, L]` masks the keys each query sees. It agrees with the unfused path to float32
-    rounding, but it adds the mask after QK, so a NaN/inf key or value would reach the rows the mask
-    hides: callers take it only for finite K and V.
+    `allowed` `[S, Qm, L]` masks the keys each query sees (None: query j sees keys 0..j). It agrees with the
+    unfused path to float32 rounding, but it adds the mask after QK, so a NaN/inf key or value would reach
+    the rows the mask hides: callers take it only for finite K and V.
     """
     kv_heads, group = qs.shape[2:4]
     out = torch.nn.functional.scaled_dot_product_attention(
-        qs.flatten(2, 3).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None],
+        qs.flatten(2, 3).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=None if allowed is None else allowed[:, None], is_causal=allowed is None,
         scale=sm_scale, enable_gqa=True)  # query head i reads KV head i // group, as the cache's heads are grouped
     return out.transpose(1, 2).unflatten(2, (kv_heads, group))
 

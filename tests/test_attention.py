@@ -16,12 +16,12 @@ PAGE_SIZE, PAGES_PER_SEQ, NUM_PAGES = 4, 4, 18
 KV_HEADS, Q_HEADS, HEAD_DIM = 2, 4, 32
 
 
-def _ragged_batch(dtype: torch.dtype, seed: int = 0):
-    """Three live sequences in four slots: a prefill spanning pages, a decode, a chunk after context."""
+def _ragged_batch(dtype: torch.dtype, seed: int = 0, q_lens=(6, 1, 3), kv_lens=(6, 11, 9)):
+    """Three live sequences in four slots, by default a prefill spanning pages, a decode, a chunk after context."""
     g = torch.Generator().manual_seed(seed)
     kv_pages = (torch.randn(NUM_PAGES, PAGE_SIZE, 2 * KV_HEADS, HEAD_DIM, generator=g) * 3).to(dtype)
-    q_lens, kv_lens = [6, 1, 3], [6, 11, 9]
-    tokens = 12  # 10 real rows + 2 padding rows
+    q_lens, kv_lens = list(q_lens), list(kv_lens)
+    tokens = sum(q_lens) + 2  # 2 padding rows
     q = torch.randn(tokens, Q_HEADS, HEAD_DIM, generator=g)
     page_indices = torch.randperm(NUM_PAGES - 1, generator=g)[: 4 * PAGES_PER_SEQ].add(1).reshape(4, PAGES_PER_SEQ)
     cu = [0]
@@ -111,10 +111,20 @@ def test_nan_in_a_stale_slot_past_kv_len_does_not_leak():
 
 
 
-def test_a_nan_key_reaches_only_the_queries_at_or_after_it():
+@pytest.mark.parametrize("dtype,k_scale,v_scale", [(torch.float8_e4m3fn, 0.5, 2.0), (torch.bfloat16, 1.0, 1.0)])
+def test_a_step_of_whole_prompts_matches_the_dense_definition(dtype, k_scale, v_scale):
+    q, kv_pages, meta, real = _ragged_batch(dtype, seed=4, q_lens=(6, 3, 9), kv_lens=(6, 3, 9))
+    out = ragged_paged_attention(q, kv_pages, **meta, sm_scale=0.3, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out[:real], _dense(q, kv_pages, meta, k_scale, v_scale, 0.3, None, None),
+                               rtol=1e-4, atol=1e-4)
+    assert (out[real:] == 0).all()
+
+
+@pytest.mark.parametrize("lens", [((6, 1, 3), (6, 11, 9)), ((6, 3, 9), (6, 3, 9))], ids=["mixed", "whole-prompts"])
+def test_a_nan_key_reaches_only_the_queries_at_or_after_it(lens):
     """A NaN written by a non-clamping engine poisons exactly the rows causal attention lets see it: the logit
     rows verify counts as lost."""
-    q, kv_pages, meta, real = _ragged_batch(torch.bfloat16, seed=3)
+    q, kv_pages, meta, real = _ragged_batch(torch.bfloat16, 3, *lens)
     first_page = meta["page_indices"][0, 0]  # sequence 0 prefills 6 tokens: rows 0..5
     kv_pages[first_page, 3, 0] = float("nan")  # K of KV head 0 at position 3
     out = ragged_paged_attention(q, kv_pages, **meta, sm_scale=0.3, k_scale=1.0, v_scale=1.0)
