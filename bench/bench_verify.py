@@ -2,8 +2,8 @@
 
 (a) plain: load the causal LM (transformers' default attention) and run `model(input_ids,
 attention_mask)` over the held-out samples in right-padded batches; (b) verify: the whole
-`fp8kv.verify.run.verify` call on a checkpoint calibrated by fp8kv (static checks, K/V
-observation, bf16 / fp8 / unit-scale caches over the same samples, greedy generations, report).
+`fp8kv.verify.run.verify` call on a checkpoint calibrated by fp8kv (static checks, bf16 / fp8 /
+unit-scale caches and every released engine model over the same samples, greedy generations, report).
 Both load their models inside the timed region and run in this process, interleaved, `--repeats`
 times after one warm-up each; the ratio is median(b) / median(a). Prints a table and writes
 bench/results/verify.json, with verify's own per-phase timings.

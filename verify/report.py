@@ -164,7 +164,7 @@ def render_markdown(report: VerifyReport) -> str:
         parts.append("## Runtime\n\n" + markdown_table(["Setting", "Value"], _field_rows(held.runtime)))
     if held.layers:
         parts.append("## Per layer\n\n" + _layer_table(report) + "\n\nSaturation: exact share of values the fp8 "
-                     "cache clamped at ±MAX. Max |x|/scale: from K/V observed on the same text.")
+                     "cache clamped at ±MAX. Max |x|/scale: from K/V the bf16 cache stored on the same text.")
     parts.append("## Thresholds\n\n" + markdown_table(["Threshold", "Value"], _field_rows(report.thresholds, spaced=False)))
     return "\n\n".join(parts) + "\n"
 
