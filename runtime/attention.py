@@ -135,7 +135,7 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     q_lens = torch.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0).long()  # [S]
     kv_lens = torch.where(live, kv_lens, 0).long()
     # float32 throughout (what "float32" asks for, and what the others compute for float32 queries over a
-    # cache that needs no late scales), with nothing but the causal mask: torch's fused attention computes it
+    # cache that needs no late scales) and no soft cap or sinks: torch's fused attention computes it
     fused = work == torch.float32 and not late and not cap and sinks is None and device.type != "xla"
     if fused and not window and not chunk_size and bool((q_lens == kv_lens).all()):
         return _whole_prompts(q, kv_pages, page_indices, q_lens, cu_q_lens, sm_scale, k_scale, v_scale)
