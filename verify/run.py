@@ -134,7 +134,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     longest = max(max(len(s) for s in data.samples), max(len(p) for p in prompts) + request.new_tokens)
     xla = resolve_device(request.device).is_xla
     compiles_before = xla_cost.compiles() if xla else None
-    announce(progress, f"loading the model and the fp8 runtime ({request.device})")
+    announce(progress, f"loading the model and the fp8 runtime ({device})")
     runners = accuracy.Runners.open(
         source.path, scales, kv_layers, device=request.device, page_size=request.page_size,
         max_model_len=longest, max_num_seqs=max(request.batch_size, 2 * len(prompts)), engines=request.engines,
