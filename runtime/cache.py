@@ -138,13 +138,13 @@ class PagedLayers:
                                      torch.zeros(len(self.shadows), tokens, dtype=torch.int64, device=self._device))
         return self.forward
 
-    def _fold_amax(self, row: int, magnitude: torch.Tensor) -> None:
-        """Fold `magnitude` `[2, heads, ...]` (|K|, |V| per head, padding tokens zeroed) into row `row`'s amax.
+    def _fold_amax(self, row: int, amax: torch.Tensor) -> None:
+        """Fold one write's max |K| and |V| per head (`[2, heads]`) into row `row`'s amax.
 
         torch's max keeps a NaN, so a NaN handed to the cache shows in its amax.
         """
-        heads = magnitude.shape[1]
-        self.amax[row, :, :heads] = torch.maximum(self.amax[row, :, :heads], magnitude.flatten(2).amax(-1))
+        heads = amax.shape[1]
+        self.amax[row, :, :heads] = torch.maximum(self.amax[row, :, :heads], amax)
 
     def _store(self, row: int, slots: torch.Tensor, stored: torch.Tensor) -> None:
         """`stored` `[T, ...]` into row `row`'s pages at flat `slots` `[T]`."""
@@ -271,8 +271,8 @@ class PagedKVCache(PagedLayers):
     def _count(self, row: int, kv: torch.Tensor, stored: torch.Tensor, valid: torch.Tensor) -> None:
         mask, heads = valid[:, None, None], self._kv_heads[row]
         magnitude = torch.where(mask, kv.float().abs(), 0.0)  # [T, 2*kv_heads, d]
-        # [T, 2*kv_heads, d] -> [2 (K, V), kv_heads, T, d]
-        self._fold_amax(row, magnitude.unflatten(1, (heads, 2)).permute(2, 1, 0, 3))
+        # combined heads K0, V0, K1, V1, ... -> [2 (K, V), kv_heads]
+        self._fold_amax(row, magnitude.amax(dim=(0, 2)).view(heads, 2).T)
         if is_fp8(self.dtype):
             over = magnitude / self._write_scales[row, : 2 * heads] > torch.finfo(self.dtype).max
             # [T, 2*kv_heads, d] -> [T, kv_heads, 2 (K, V), d]; sum all but the K/V axis
