@@ -80,7 +80,7 @@ class LatentPagedCache(PagedLayers):
         stored = self.engine.write(vectors, scale, self.dtype) if is_fp8(self.dtype) else vectors.to(self.dtype)
         mask = valid[:, None]
         magnitude = torch.where(mask, vectors.float().abs(), 0.0)  # [T, width]
-        self._fold_amax(row, magnitude.amax().expand(2, 1))  # one vector: K's and V's slot alike
+        self._fold_amax(row, magnitude.max().expand(2, 1))  # one vector: K's and V's slot alike
         if is_fp8(self.dtype):
             over = magnitude / scale > torch.finfo(self.dtype).max
             self.clamped[row] += over.sum()
