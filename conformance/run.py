@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from fp8kv.conformance.request import (
 )
 from fp8kv.engine_models import BUGS
 from fp8kv.errors import Fp8kvError
+from fp8kv.kvdtypes import RAW_CAST_FINITE_LIMIT
 from fp8kv.runtime.runner import PagedModelRunner, load_model
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify.accuracy import prefill, runtime_scales
@@ -42,6 +44,9 @@ PROMPT_TEXTS = (
     "Question: A train leaves at 9:15 and arrives at 11:45. How long is the journey? Answer: The "
     "journey takes two hours and thirty minutes.",
 )
+# Two prompts' largest |x| / scale lie apart when one exceeds the other by this ratio: a factor between them
+# then leaves each clearly on its side of the limit.
+STRADDLE_GAP = 1.02
 # A log-probability is at least this (NaN and -inf count as this value): a lost token weighs as much
 # as a very unlikely one, and distances stay finite.
 FLOOR = -100.0
@@ -66,17 +71,21 @@ def reference(request: ReferenceRequest) -> ConformancePack:
     under which the behaviours lie furthest apart (the smallest distance between two of them is largest).
     """
     model_dir, out, device = request.model_dir, request.out, request.device
-    factors = SCALE_FACTORS if request.scale_factor is None else (check_scale_factor(request.scale_factor),)
     readout = read_kv_scales(model_dir)
     if readout.scales is None:
         raise Fp8kvError(f"{model_dir}: no KV scales; calibrate it first (fp8kv calibrate)")
-    tokenizer = load_tokenizer(readout.source.path, False)
+    source = readout.source.path
+    tokenizer = load_tokenizer(source, False)
     prompts = tuple(Prompt(f"p{i}", text, tuple(tokenizer(text)["input_ids"])) for i, text in enumerate(PROMPT_TEXTS))
-    model = load_model(readout.source.path, resolve_device(device).device)
+    model = load_model(source, resolve_device(device).device)
+    if request.scale_factor is None:
+        factors = SCALE_FACTORS + straddling_factors(source, readout.scales, prompts, device, model)
+    else:
+        factors = (check_scale_factor(request.scale_factor),)
     tried = []
     for factor in factors:
         scales = _scaled(readout.scales, factor)
-        logprobs = {name: prompt_logprobs(readout.source.path, scales, prompts, behaviour_engine(name), device, model)
+        logprobs = {name: prompt_logprobs(source, scales, prompts, behaviour_engine(name), device, model)
                     for name in BEHAVIOURS}
         tried.append((separation(logprobs), factor, scales, logprobs))
     gap, factor, scales, logprobs = max(tried, key=lambda t: t[0])
@@ -85,6 +94,34 @@ def reference(request: ReferenceRequest) -> ConformancePack:
     write_pack(out, pack, logprobs,
                lambda folder: write_checkpoint(readout.source.path, folder, scales, mode=request.mode))
     return pack
+
+
+def straddling_factors(model_dir: Path, scales: KVScales, prompts: tuple[Prompt, ...], device: str,
+                       model: torch.nn.Module) -> tuple[float, ...]:
+    """Scale factors under which some prompts pass the plain cast's limit and others stay below it: one between
+    each two prompts' largest |x| / scale (over every K and V tensor) that lie apart.
+
+    A write without a clamp loses a prompt from the first value past the limit on, and in a tiled attention
+    kernel often every token of it (a NaN value reaches earlier queries through P x V's zero weights); an e4m3
+    cache read as e5m2 is wrong on every prompt. Where no prompt crosses, the first looks correct; where every
+    prompt crosses, it looks like the second. A prompt on each side tells all three apart.
+    """
+    limit = RAW_CAST_FINITE_LIMIT[scales.kv_dtype]
+    largest = []
+    for prompt in prompts:
+        runner = PagedModelRunner(model_dir, device=device, cache_dtype="bf16", model=model,
+                                  max_model_len=len(prompt.token_ids), max_num_seqs=1)
+        prefill(runner, [list(prompt.token_ids)])
+        largest.append(max(_over_scale(sides[side], table[layer]) for layer, sides in runner.counts().amax.items()
+                           for side, table in enumerate((scales.k, scales.v)) if layer in table))
+    ordered = sorted(largest)
+    return tuple(float32(math.sqrt(low * high) / limit) for low, high in zip(ordered, ordered[1:])
+                 if high > STRADDLE_GAP * low and 0 < math.sqrt(low * high) / limit <= 1)
+
+
+def _over_scale(amax_per_head: tuple[float, ...], scale: tuple[float, ...]) -> float:
+    """The largest |x| / scale over heads (a per-tensor scale serves every head)."""
+    return max(a / (scale[h] if len(scale) > 1 else scale[0]) for h, a in enumerate(amax_per_head))
 
 
 def separation(logprobs: dict[str, dict[str, torch.Tensor]]) -> float:

@@ -6,16 +6,19 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.cli import app
 from fp8kv.conformance.pack import PACK_JSON, ConformancePack, read_pack
 from fp8kv.conformance.request import CORRECT, ReferenceRequest, SimulateRequest
-from fp8kv.conformance.run import check, reference, simulate
+from fp8kv.checkpoint.reader import read_kv_scales
+from fp8kv.conformance.run import _scaled, check, prompt_logprobs, reference, simulate, straddling_factors
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import BUGS
 from fp8kv.errors import Fp8kvError
+from fp8kv.runtime.runner import load_model
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +40,22 @@ def test_check_names_every_simulated_behaviour(pack, behaviour, tmp_path):
     result = check(pack, tmp_path / "engine.jsonl")
     assert result.match == behaviour and result.distances[behaviour] == 0.0
     assert all(d > 0 for name, d in result.distances.items() if name != behaviour), result.distances
+
+
+def test_a_straddling_factor_loses_some_prompts_and_keeps_others_without_a_clamp(pack):
+    # Scaling every scale alike, a real model's first token (often the largest) makes a write without a clamp
+    # lose every prompt, exactly as an e4m3 cache read as e5m2 does; a factor between two prompts' largest
+    # values keeps them apart.
+    readout = read_kv_scales(pack.parent / "calibrated")
+    assert readout.scales is not None
+    prompts, source = read_pack(pack)[0].prompts, readout.source.path
+    model = load_model(source, torch.device("cpu"))
+    factors = straddling_factors(source, readout.scales, prompts, "cpu", model)
+    assert factors
+    for factor in factors:
+        logprobs = prompt_logprobs(source, _scaled(readout.scales, factor), prompts, "no-clamp", "cpu", model)
+        lost = [bool(values.isnan().any()) for values in logprobs.values()]
+        assert any(lost) and not all(lost), (factor, lost)
 
 
 def test_the_cli_prints_json_and_exits_3_unless_correct(pack, tmp_path):
