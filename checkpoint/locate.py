@@ -11,7 +11,9 @@ from fp8kv.checkpoint.gguf import gguf_checkpoint, is_gguf
 from fp8kv.checkpoint.hub_cache import is_repo_id, looks_like_hub_id, repo_id_from_cache_path, resolve_hub_model, split_hub_id
 from fp8kv.checkpoint.artifacts import is_fp8kv_card
 from fp8kv.checkpoint.provenance import read_provenance
-from fp8kv.models import BUNDLED_MODEL_ALIAS, BUNDLED_MODEL_DIR, BUNDLED_OUTLIERS_ALIAS, BUNDLED_OUTLIERS_DIR
+from fp8kv.models import (
+    BUNDLED_CONTENT_HASHES, BUNDLED_MODEL_ALIAS, BUNDLED_MODEL_DIR, BUNDLED_OUTLIERS_ALIAS, BUNDLED_OUTLIERS_DIR,
+)
 
 BUNDLED_MODELS = {BUNDLED_MODEL_ALIAS: BUNDLED_MODEL_DIR, BUNDLED_OUTLIERS_ALIAS: BUNDLED_OUTLIERS_DIR}
 
@@ -90,23 +92,22 @@ def verify_command(folder: Path) -> str:
 
 
 def is_bundled_model(folder: Path) -> bool:
-    """`folder` is a bundled model, or fp8kv's output from one (its fp8kv.json names one as source or converted folder)."""
+    """`folder` is a bundled model, or fp8kv's output from one: its fp8kv.json names one as source or converted
+    folder, or records a source with a bundled model's content hash (calibrated by another install of fp8kv,
+    whose bundled models live elsewhere)."""
     seen: set[Path] = set()
     current: Path | None = Path(folder).resolve()
     while current is not None and current not in seen:
         if bundled_name(current) is not None:
             return True
         seen.add(current)
-        current = _derived_from(current)
+        record = read_provenance(current) if current.is_dir() else None
+        if record is None:
+            return False
+        if record.source is not None and record.source.content_hash in BUNDLED_CONTENT_HASHES:
+            return True
+        origin = record.source.path if record.source is not None else None
+        if origin is None and record.converted_from is not None:
+            origin = record.converted_from.path
+        current = Path(origin).resolve() if origin else None
     return False
-
-
-def _derived_from(folder: Path) -> Path | None:
-    """The folder fp8kv calibrated or converted `folder` from, per its fp8kv.json; None for any other folder."""
-    record = read_provenance(folder) if folder.is_dir() else None
-    if record is None:
-        return None
-    origin = record.source.path if record.source is not None else None
-    if origin is None and record.converted_from is not None:
-        origin = record.converted_from.path
-    return Path(origin).resolve() if origin else None

@@ -15,3 +15,10 @@ BUNDLED_OUTLIERS_DIR = BUNDLED_DIR / "outliers"
 """The bundled model with a few K/V channels moved beyond fp8's range, same logits (see tools/outliers.py)."""
 BUNDLED_OUTLIERS_ALIAS = "bundled-outliers"
 """The MODEL argument that names the bundled outlier model on the command line."""
+BUNDLED_CONTENT_HASHES = frozenset({
+    "sha256:56990f18145bccc6255b360436510d5330951575c6f80a69252448499dc0b8b6",  # model
+    "sha256:c80bbb319b25b94252f6d11407a86ce83abca51b8542d725f5eab99a36123e85",  # outliers
+})
+"""Each bundled model's content hash (`SourceCheckpoint.content_hash`): how an fp8kv.json written by another
+install, whose bundled models live in another folder, still names one. tests/test_calibration_text.py keeps
+them current."""

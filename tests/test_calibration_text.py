@@ -4,17 +4,19 @@ and `--dataset generated`, text the model writes itself, seeded."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from typer.testing import CliRunner
 
 from fp8kv import data as data_module
-from fp8kv.checkpoint.locate import is_bundled_model
+from fp8kv.checkpoint.locate import BUNDLED_MODELS, is_bundled_model
 from fp8kv.checkpoint.provenance import Provenance, SourceRecord
+from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.cli import app
 from fp8kv.data import GENERATED_DATASET, DataRequest, load_calibration_data
 from fp8kv.errors import ExitCode
-from fp8kv.models import BUNDLED_MODEL_DIR
+from fp8kv.models import BUNDLED_CONTENT_HASHES, BUNDLED_MODEL_DIR
 
 GENERATED = ["--dataset", GENERATED_DATASET, "--num-samples", "3", "--seq-len", "80"]
 
@@ -33,6 +35,21 @@ def test_a_bundled_model_and_what_fp8kv_derived_from_it_are_bundled(tmp_path, fa
     (derived / "fp8kv.json").write_text(record.to_json())
     assert (is_bundled_model(BUNDLED_MODEL_DIR), is_bundled_model(derived)) == (True, True)
     assert is_bundled_model(factory_checkpoint("llama")) is False
+
+
+def test_a_folder_calibrated_from_a_bundled_model_by_another_install_is_bundled(tmp_path, factory_checkpoint):
+    # another install keeps its bundled models in another folder: the recorded content hash still names them
+    assert BUNDLED_CONTENT_HASHES == {SourceCheckpoint.open(folder).content_hash() for folder in BUNDLED_MODELS.values()}
+    elsewhere = tmp_path / "other-venv" / "model"
+    shutil.copytree(BUNDLED_MODEL_DIR, elsewhere)
+    for source, expected in ((elsewhere, True), (factory_checkpoint("llama"), False)):
+        derived = tmp_path / f"calibrated-{expected}"
+        derived.mkdir()
+        content_hash = SourceCheckpoint.open(source).content_hash()
+        record = Provenance(version="0", command=None, format="compressed-tensors",
+                            source=SourceRecord(str(source), content_hash, None))
+        (derived / "fp8kv.json").write_text(record.to_json())
+        assert is_bundled_model(derived) is expected
 
 
 def test_calibrate_refuses_the_bundled_corpus_for_another_model(offline, tmp_path, factory_checkpoint) -> None:
