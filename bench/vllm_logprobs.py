@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("pack", type=Path)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--kv-cache-dtype", default="fp8", help="vLLM's --kv-cache-dtype (fp8 is e4m3).")
+    parser.add_argument("--model", type=Path, help="Serve this checkpoint instead of PACK/model (the same "
+                        "tokenizer): the source model with --kv-cache-dtype auto measures the bf16 arithmetic floor.")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     args = parser.parse_args()
 
@@ -32,7 +34,7 @@ def main() -> None:
 
     pack = json.loads((args.pack / "pack.json").read_text())
     prompts = [(p["id"], [int(t) for t in p["token_ids"]]) for p in pack["prompts"]]
-    llm = LLM(model=str(args.pack / "model"), kv_cache_dtype=args.kv_cache_dtype, enforce_eager=True,
+    llm = LLM(model=str(args.model or args.pack / "model"), kv_cache_dtype=args.kv_cache_dtype, enforce_eager=True,
               max_model_len=max(len(ids) for _, ids in prompts) + 8,
               gpu_memory_utilization=args.gpu_memory_utilization, seed=0)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)  # 0: the prompt token's own
