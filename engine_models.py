@@ -100,6 +100,12 @@ class EngineModel:
         # as above: only the bug that reinterprets bytes pays the view
         return to_fp8(y, FP8_DTYPES[self.written], saturate=self.saturate).view(dtype)
 
+    def write_key(self, numerics: str | None = None) -> tuple:
+        """(divide, loads, cache, written format, truncates, saturate, attention numerics): engine models with
+        equal keys give the same logits; keys equal but in the divide, rounding and saturate read their caches
+        alike, so their writes compare."""
+        return self.divide, self.loads, self.cache, self.written, self.truncates, self.saturate, numerics
+
     def cache_dtype(self, name: str) -> str:
         """The cache dtype the engine allocates when asked for the cache dtype `name` (fp8kv's spelling)."""
         return self.cache if self.cache and name in KV_DTYPES else name

@@ -30,7 +30,7 @@ import torch
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import load_language_model
 from fp8kv.checkpoint.locate import resolve_model
-from fp8kv.engine_models import DEFAULT_ENGINE, RELEASED
+from fp8kv.engine_models import DEFAULT_ENGINE, RELEASED, engine_model
 from fp8kv.data import GENERATED_DATASET, CalibrationData, DataRequest, load_calibration_data
 from fp8kv.evaluation.bundled_tasks import arithmetic_items
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT
@@ -82,12 +82,16 @@ def seed_table(model: kvcompare.Model, calib: CalibrationData, held: list[list[i
     plan += [("fp8", f"calibrated, default margin {DEFAULT_HEADROOM:g}", default, bug) for bug in BUGS]
     reference = model.run(held, None)
     rows = []
+    measured: dict[tuple, dict] = {}  # engines that write the same bytes from the same scales share one run
     for cache, label, scales, engine in plan:
-        run = reference if scales is None else model.run(held, scales, engine)
-        scores = kvcompare.compare(held, run, reference)
-        rows.append({"table": "seed", "cache": cache, "scales": label, "engine": engine, "ppl": scores.ppl,
-                     "kl_mean": scores.kl_mean, "top1": scores.top1, "sequences_lost": scores.sequences_lost,
-                     "sequences": len(held), "task_accuracy": task_accuracy(model, items, scales, engine)})
+        key = (label, engine_model(engine).write_key() if scales is not None else None)
+        if key not in measured:
+            run = reference if scales is None else model.run(held, scales, engine)
+            scores = kvcompare.compare(held, run, reference)
+            measured[key] = {"ppl": scores.ppl, "kl_mean": scores.kl_mean, "top1": scores.top1,
+                             "sequences_lost": scores.sequences_lost, "sequences": len(held),
+                             "task_accuracy": task_accuracy(model, items, scales, engine)}
+        rows.append({"table": "seed", "cache": cache, "scales": label, "engine": engine, **measured[key]})
         print(f"  {label} / {engine}: done", file=sys.stderr)
     return rows
 

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from fp8kv.checkpoint.kvscales import KVScales
-from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, engine_model
+from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
 from fp8kv.runtime.cache import Scale
 from fp8kv.runtime.device import resolve_device
 from fp8kv.runtime.runner import PagedModelRunner, SequenceWrites, load_model
@@ -62,14 +62,14 @@ class Runners:
         # the torch attention reproduces an engine's attention arithmetic on request; torch_xla's runs its own
         own = engine_attention and not resolve_device(device).is_xla
         numerics = (lambda m: m.attention) if own else (lambda m: None)
-        key = {name: _write_key(engine_model(name), numerics(engine_model(name))) for name in engines}
-        reference = _write_key(engine_model(DEFAULT_ENGINE), None)  # fp8kv's own float32 attention
+        key = {name: engine_model(name).write_key(numerics(engine_model(name))) for name in engines}
+        reference = engine_model(DEFAULT_ENGINE).write_key()  # fp8kv's own float32 attention
         shadows = tuple(name for name in engines if key[name] != reference and _reads(key[name]) == _reads(reference))
         fp8 = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
                                shadow_engines=shadows, **common)
         unit = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, **common)
         # the unit-scale runner is exactly an engine that never received its scales
-        shared = {reference: fp8, _write_key(engine_model("scales-ignored"), None): unit}
+        shared = {reference: fp8, engine_model("scales-ignored").write_key(): unit}
         for name in engines:
             if key[name] not in shared:
                 shared[key[name]] = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
@@ -78,13 +78,6 @@ class Runners:
                  if not engine_model(name).saturate and (*key[name][:-2], True, key[name][-1]) in shared}
         return cls(PagedModelRunner(model_dir, cache_dtype="bf16", **common), fp8, unit,
                    {name: shared[key[name]] for name in engines}, twins, shadows)
-
-
-def _write_key(model: EngineModel, numerics: str | None) -> tuple:
-    """(divide, loads, cache, written format, truncates, saturate, attention numerics): engine models with equal
-    keys give the same logits; keys equal but in the divide, rounding and saturate read their caches alike, so
-    their writes compare."""
-    return model.divide, model.loads, model.cache, model.written, model.truncates, model.saturate, numerics
 
 
 def _reads(key: tuple) -> tuple:
