@@ -81,10 +81,6 @@ def _special_values(kv: str, device: torch.device) -> tuple[torch.Tensor, ...]:
     return tuple(torch.tensor([b], dtype=torch.uint8).view(FP8_DTYPES[kv]).to(device) for b in bytes_)
 
 
-# Where e4m3's normal range starts (2**-6); below it a value is a multiple of 2**-9.
-E4M3_MIN_NORMAL = 2.0**-6
-
-
 def truncate_to_fp8(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`y` as fp8 `dtype` by vLLM's CPU conversion: clamped to ±MAX, then rounded toward zero.
 
@@ -97,8 +93,8 @@ def truncate_to_fp8(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     kv = _KV_DTYPE_OF[dtype]
     limit = FP8_MAX[kv]
     y = y.float().nan_to_num(limit, limit, -limit).clamp(-limit, limit)
-    if kv == "fp8_e4m3":
-        y = torch.where(y.abs() < E4M3_MIN_NORMAL, torch.round(y * 2.0**29) * 2.0**-29, y)
+    if kv == "fp8_e4m3":  # at or above 2**-6 a float32 is a multiple of 2**-29 already: rounding keeps it
+        y = torch.round(y * 2.0**29) * 2.0**-29
     nearest = y.to(dtype)  # within ±MAX: every torch's cast rounds to nearest even here
     code = nearest.view(torch.uint8)
     # rounded away from zero: the next code toward zero (fp8 codes grow with the magnitude)
