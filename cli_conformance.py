@@ -31,8 +31,8 @@ def reference_command(
     scale_factor: float | None = typer.Option(
         _REFERENCE.scale_factor, "--scale-factor", callback=checked(check_scale_factor),
         help="Multiply the scales in PACK/model by this, in (0, 1] (below 1 exercises the clamp). "
-        f"Default: the factor of {', '.join(f'{f:g}' for f in SCALE_FACTORS)} under which the behaviours lie "
-        "furthest apart."),
+        f"Default: of {', '.join(f'{f:g}' for f in SCALE_FACTORS)} and the factors that put some prompts past "
+        "the fp8 limit and others below it, the one under which the behaviours lie furthest apart."),
     device: RuntimeChoice = typer.Option(
         _REFERENCE.device, "--device", help="Where fp8kv's runtime computes the references."),
     mode: WriteMode = typer.Option(

@@ -67,8 +67,9 @@ class ConformanceResult:
 def reference(request: ReferenceRequest) -> ConformancePack:
     """Write the pack for the checkpoint at `request.model_dir` to `request.out`.
 
-    PACK/model holds the source's scales x `scale_factor`; None tries `SCALE_FACTORS` and keeps the one
-    under which the behaviours lie furthest apart (the smallest distance between two of them is largest).
+    PACK/model holds the source's scales x `scale_factor`; None tries `SCALE_FACTORS` and the straddling
+    factors (`straddling_factors`) and keeps the one under which the behaviours lie furthest apart (the
+    smallest distance between two of them is largest).
     """
     model_dir, out, device = request.model_dir, request.out, request.device
     readout = read_kv_scales(model_dir)
