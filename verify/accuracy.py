@@ -64,7 +64,7 @@ class Runners:
         numerics = (lambda m: m.attention) if own else (lambda m: None)
         key = {name: engine_model(name).write_key(numerics(engine_model(name))) for name in engines}
         reference = engine_model(DEFAULT_ENGINE).write_key()  # fp8kv's own float32 attention
-        # a truncating engine stores another byte for about half of all values, so every sequence differs:
+        # a truncating engine stores another byte for a third to a half of all values, so every sequence differs:
         # counting its differences would be wasted work
         shadows = tuple(name for name in engines if key[name] != reference and _reads(key[name]) == _reads(reference)
                         and not engine_model(name).truncates)
