@@ -81,6 +81,16 @@ def test_fp8_cache_with_calibrated_scales_costs_a_little(deepseek, bf16) -> None
     assert fp8.cache.scale_args(0) == (scales[0], scales[0])
 
 
+def test_the_latent_cache_counts_the_largest_latent_value_for_k_and_v(deepseek, bf16) -> None:
+    # verify reads max |x| / scale on held-out text off these counts: one latent vector, so K's and V's are one
+    runner = PagedModelRunner(deepseek, device="cpu", cache_dtype="bf16", max_model_len=64, max_num_seqs=2,
+                              model=bf16.model)
+    prefill(runner, SAMPLES)
+    expected = latent_cache_amax(deepseek, SAMPLES)
+    for layer, (k, v) in runner.counts().amax.items():
+        assert k == v == (float(expected[layer][0]),), layer
+
+
 def test_a_scale_below_the_latent_amax_clamps_and_is_counted(deepseek, bf16) -> None:
     fp8 = PagedModelRunner(deepseek, device="cpu", cache_dtype="fp8_e4m3", k_scales={0: 1e-3, 1: 1e-3},
                            max_model_len=64, max_num_seqs=1, model=bf16.model)
