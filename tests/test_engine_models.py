@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+import fp8kv
 from fp8kv.engine_models import (
     ALL, BUGS, ENGINE_MODELS, RELEASED, EngineModel, engine_model, parse_engines,
 )
@@ -72,3 +75,10 @@ def test_parse_engines():
     with pytest.raises(Fp8kvError, match="unknown engine 'raw'; choose from vllm-cuda, .* \\(released\\) or "
                                          "no-clamp, .* \\(bugs\\), or all"):
         parse_engines("raw")
+
+
+def test_readme_lists_every_released_engine_with_what_it_does_past_the_range():
+    rows = [line.split(" | ") for line in (Path(fp8kv.__file__).parent / "README.md").read_text().splitlines()
+            if line.startswith("| `")]
+    table = {cells[0].strip("| `"): cells[-1].rstrip(" |") for cells in rows if cells[0].strip("| `") in RELEASED}
+    assert table == {m.name: m.above_range for m in ENGINE_MODELS if m.released}
