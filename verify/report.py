@@ -155,7 +155,7 @@ def render_markdown(report: VerifyReport) -> str:
                 for phase in ("prefill", "decode", "prefix")]
         parts.append("## Greedy tokens matching the bf16 cache\n\n" + markdown_table(["Phase", "Match"], rows))
     if held.engines:
-        parts.append("## Engine models, run on the held-out text\n\n" + _engine_table(held.engines)
+        parts.append("## Engine models, run on the held-out text\n\n" + engine_table(held.engines)
                      + "\n\nEach row writes the cache the way that engine's released code does (source below; "
                      "docs/engines.md). A released engine with any NaN/inf logit row is a FAIL; a bug model's row "
                      "shows what that bug would do to this checkpoint.\n\n"
@@ -188,7 +188,8 @@ def _layer_table(report: VerifyReport) -> str:
     return markdown_table(*layer_table([{**scales.get(row.layer, {}), **asdict(row)} for row in report.held_out.layers]))
 
 
-def _engine_table(engines: tuple[EngineResult, ...]) -> str:
+def engine_table(engines: tuple[EngineResult, ...]) -> str:
+    """One row per engine model: its verdict, perplexity, NaN/inf rows, sequences lost, where NaN first showed."""
     head = ["engine", "verdict", "perplexity", "NaN/inf logit rows", "sequences lost", "first non-finite layer",
             "attention"]
     rows = [[e.engine, e.verdict, fmt_number(e.ppl), f"{e.nan_rows} of {e.rows}",

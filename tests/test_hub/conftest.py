@@ -17,8 +17,9 @@ from fp8kv.checkpoint.provenance import (
     CacheRecord, DatasetRecord, LayerRecord, Provenance, SourceRecord, file_digest, folder_files, record_written,
 )
 from fp8kv.checks import WARN, Finding
+from fp8kv.verify.engines import PASS
 from fp8kv.verify.report import HeldOut, VerifyReport
-from fp8kv.verify.results import Accuracy, GenerationMatch, LayerCheck
+from fp8kv.verify.results import Accuracy, EngineResult, GenerationMatch, LayerCheck
 from tests.reports import report_for, write_report as write_report_file
 
 
@@ -115,6 +116,8 @@ def report(out: Path) -> VerifyReport:
                     LayerCheck(1, k_max_ratio=417.5, v_max_ratio=212.25, k_saturation=0.00042, v_saturation=0.0,
                                nan_with_clamp=0)),
             generation=GenerationMatch(prefill_match=1.0, decode_match=1.0, prefix_match=0.75),
+            engines=(EngineResult("vllm-cuda", 10.2461, 0, 4096, 0, 16, None, "vLLM main, quant_utils.cuh", PASS),
+                     EngineResult("sglang", 10.2302, 0, 4096, 0, 16, None, "SGLang main, memory_pool.py", PASS)),
         ),
     )
 
