@@ -4,8 +4,9 @@ An engine model states how one engine turns K or V into cache bytes: the dtype i
 it clamps or saturates or neither, the cast, the cache dtype it really allocates, and which scales it
 ends up running with. Values past the fp8 range are decided by `fp8.to_fp8`, never by the installed
 torch's cast, so every model writes the same bytes on every torch. The bug models state the arithmetic
-of fp8 KV bugs seen in public engine fixes; each is invisible with unit scales and ruinous with
-calibrated ones. `ENGINE_MODELS` is the one table; docs/engines.md explains it.
+of fp8 KV bugs seen in public engine code; most are invisible with unit scales and ruinous with
+calibrated ones, and a truncating cast costs accuracy at any scale. `ENGINE_MODELS` is the one table;
+docs/engines.md explains it.
 """
 
 from __future__ import annotations
