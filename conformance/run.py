@@ -33,6 +33,7 @@ from fp8kv.kvdtypes import RAW_CAST_FINITE_LIMIT
 from fp8kv.runtime.runner import PagedModelRunner, load_model
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify.accuracy import prefill, runtime_scales
+from fp8kv.verify.heldout import max_ratio_rows
 
 # Fixed English prompts: ordinary text, so attention looks like it does in use.
 PROMPT_TEXTS = (
@@ -113,16 +114,11 @@ def straddling_factors(model_dir: Path, scales: KVScales, prompts: tuple[Prompt,
         runner = PagedModelRunner(model_dir, device=device, cache_dtype="bf16", model=model,
                                   max_model_len=len(prompt.token_ids), max_num_seqs=1)
         prefill(runner, [list(prompt.token_ids)])
-        largest.append(max(_over_scale(sides[side], table[layer]) for layer, sides in runner.counts().amax.items()
-                           for side, table in enumerate((scales.k, scales.v)) if layer in table))
+        rows = max_ratio_rows(runner.counts().amax, scales, runner.geometry.kv_layers)
+        largest.append(max(max(row.k_max_ratio, row.v_max_ratio) for row in rows))
     ordered = sorted(largest)
     return tuple(float32(math.sqrt(low * high) / limit) for low, high in zip(ordered, ordered[1:])
                  if high > STRADDLE_GAP * low and 0 < math.sqrt(low * high) / limit <= 1)
-
-
-def _over_scale(amax_per_head: tuple[float, ...], scale: tuple[float, ...]) -> float:
-    """The largest |x| / scale over heads (a per-tensor scale serves every head)."""
-    return max(a / (scale[h] if len(scale) > 1 else scale[0]) for h, a in enumerate(amax_per_head))
 
 
 def separation(logprobs: dict[str, dict[str, torch.Tensor]]) -> float:
