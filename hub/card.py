@@ -26,7 +26,7 @@ from fp8kv.geometry import read_json
 from fp8kv.json_fields import to_json_value
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.kernel_rule import FP8_HEAD_RULE
-from fp8kv.verify.report import PLOT, REPORT_JSON, VerifyReport, engine_table
+from fp8kv.verify.report import PLOT, REPORT_JSON, VerifyReport, engine_sources, engine_table
 
 REPORT_FILE = Path(VERIFY_DIR) / REPORT_JSON
 PLOT_FILE = Path(VERIFY_DIR) / PLOT
@@ -284,7 +284,7 @@ def _verify(out: Path, report: VerifyReport | None) -> str:
     if held.engines:
         parts.append("Per serving engine, each writing the fp8 cache as that engine's released code does (a FAIL "
                      "names an engine that would lose sequences to NaN with these scales):\n\n"
-                     + engine_table(held.engines) + "\n\n" + "\n".join(f"- {e.engine}: {e.source}" for e in held.engines))
+                     + engine_table(held.engines) + "\n\n" + engine_sources(held.engines))
     if held.layers:
         parts.append(markdown_table(*layer_table(held.layers)))
     return "\n\n".join(parts)

@@ -158,8 +158,7 @@ def render_markdown(report: VerifyReport) -> str:
         parts.append("## Engine models, run on the held-out text\n\n" + engine_table(held.engines)
                      + "\n\nEach row writes the cache the way that engine's released code does (source below; "
                      "docs/engines.md). A released engine with any NaN/inf logit row is a FAIL; a bug model's row "
-                     "shows what that bug would do to this checkpoint.\n\n"
-                     + "\n".join(f"- {e.engine}: {e.source}" for e in held.engines))
+                     "shows what that bug would do to this checkpoint.\n\n" + engine_sources(held.engines))
     if held.runtime:
         parts.append("## Runtime\n\n" + markdown_table(["Setting", "Value"], _field_rows(held.runtime)))
     if held.layers:
@@ -186,6 +185,11 @@ def _layer_table(report: VerifyReport) -> str:
     """The file's scales next to what each cache layer did on the held-out text."""
     scales = {row.layer: asdict(row) for row in report.scales}
     return markdown_table(*layer_table([{**scales.get(row.layer, {}), **asdict(row)} for row in report.held_out.layers]))
+
+
+def engine_sources(engines: tuple[EngineResult, ...]) -> str:
+    """One list item per engine model: the engine, version and file it reproduces."""
+    return "\n".join(f"- {e.engine}: {e.source}" for e in engines)
 
 
 def engine_table(engines: tuple[EngineResult, ...]) -> str:
