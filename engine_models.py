@@ -101,11 +101,16 @@ class EngineModel:
         # as above: only the bug that reinterprets bytes pays the view
         return to_fp8(y, FP8_DTYPES[self.written], saturate=self.saturate).view(dtype)
 
-    def write_key(self, numerics: str | None = None) -> tuple:
+    def write_key(self, numerics: str | None = None, *, saturate: bool | None = None) -> tuple:
         """(divide, loads, cache, written format, truncates, saturate, attention numerics): engine models with
-        equal keys give the same logits; keys equal but in the divide, rounding and saturate read their caches
-        alike, so their writes compare."""
-        return self.divide, self.loads, self.cache, self.written, self.truncates, self.saturate, numerics
+        equal keys give the same logits. `saturate` overrides the model's own: the key of its saturating twin."""
+        saturates = self.saturate if saturate is None else saturate
+        return self.divide, self.loads, self.cache, self.written, self.truncates, saturates, numerics
+
+    def read_key(self, numerics: str | None = None) -> tuple:
+        """What of the write key decides how the cache is read (scales, cache format, attention numerics): engine
+        models with equal read keys differ only in the bytes they write, so their writes compare."""
+        return self.loads, self.cache, self.written, numerics
 
     def cache_dtype(self, name: str) -> str:
         """The cache dtype the engine allocates when asked for the cache dtype `name` (fp8kv's spelling)."""

@@ -62,30 +62,27 @@ class Runners:
         # the torch attention reproduces an engine's attention arithmetic on request; torch_xla's runs its own
         own = engine_attention and not resolve_device(device).is_xla
         numerics = (lambda m: m.attention) if own else (lambda m: None)
-        key = {name: engine_model(name).write_key(numerics(engine_model(name))) for name in engines}
-        reference = engine_model(DEFAULT_ENGINE).write_key()  # fp8kv's own float32 attention
+        engine_models = {name: engine_model(name) for name in engines}
+        key = {name: engine.write_key(numerics(engine)) for name, engine in engine_models.items()}
+        reference = engine_model(DEFAULT_ENGINE)  # on fp8kv's own float32 attention
         # a truncating engine stores another byte for a third to a half of all values, so every sequence differs:
         # counting its differences would be wasted work
-        shadows = tuple(name for name in engines if key[name] != reference and _reads(key[name]) == _reads(reference)
-                        and not engine_model(name).truncates)
+        shadows = tuple(name for name, engine in engine_models.items() if key[name] != reference.write_key()
+                        and engine.read_key(numerics(engine)) == reference.read_key() and not engine.truncates)
         fp8 = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
                                shadow_engines=shadows, **common)
         unit = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, **common)
         # the unit-scale runner is exactly an engine that never received its scales
-        shared = {reference: fp8, engine_model("scales-ignored").write_key(): unit}
-        for name in engines:
+        shared = {reference.write_key(): fp8, engine_model("scales-ignored").write_key(): unit}
+        for name, engine in engine_models.items():
             if key[name] not in shared:
                 shared[key[name]] = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
-                                                     engine=name, attention_numerics=key[name][-1], **common)
-        twins = {name: shared[(*key[name][:-2], True, key[name][-1])] for name in engines
-                 if not engine_model(name).saturate and (*key[name][:-2], True, key[name][-1]) in shared}
+                                                     engine=name, attention_numerics=numerics(engine), **common)
+        twin_keys = {name: engine.write_key(numerics(engine), saturate=True) for name, engine in engine_models.items()
+                     if not engine.saturate}
+        twins = {name: shared[twin] for name, twin in twin_keys.items() if twin in shared}
         return cls(PagedModelRunner(model_dir, cache_dtype="bf16", **common), fp8, unit,
                    {name: shared[key[name]] for name in engines}, twins, shadows)
-
-
-def _reads(key: tuple) -> tuple:
-    """What of a write key decides how the cache is read: scales, cache format, attention numerics."""
-    return (*key[1:4], key[-1])
 
 
 def runtime_scales(scales: KVScales, kv_layers: tuple[int, ...]) -> tuple[dict[int, Scale], dict[int, Scale]]:
