@@ -14,12 +14,9 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
 from fp8kv.conformance.pack import read_answers, read_pack
-from fp8kv.conformance.run import distance
+from fp8kv.conformance.run import distance, runner_logprobs
 from fp8kv.runtime.runner import PagedModelRunner
-from fp8kv.verify.accuracy import prefill
 
 
 def main() -> None:
@@ -31,14 +28,9 @@ def main() -> None:
     args = parser.parse_args()
 
     pack, _ = read_pack(args.pack)
-    ids = [list(p.token_ids) for p in pack.prompts]
-    runner = PagedModelRunner(args.source, device="cpu", cache_dtype="bf16", max_model_len=max(map(len, ids)),
-                              max_num_seqs=len(ids))
-    ours = {}
-    for prompt, rows, tokens in zip(pack.prompts, prefill(runner, ids), ids):
-        logp = torch.log_softmax(rows.float(), dim=-1)[:-1]
-        ours[prompt.id] = logp.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
-    floor = distance(read_answers(args.answers, pack), ours)
+    runner = PagedModelRunner(args.source, device="cpu", cache_dtype="bf16",
+                              max_model_len=max(len(p.token_ids) for p in pack.prompts), max_num_seqs=len(pack.prompts))
+    floor = distance(read_answers(args.answers, pack), runner_logprobs(runner, pack.prompts))
     print(f"bf16 caches, engine against fp8kv's runtime: mean |delta logprob| {floor:.4f}")
     if args.out:
         args.out.write_text(json.dumps({"pack": str(args.pack), "floor": floor}) + "\n")

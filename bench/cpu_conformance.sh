@@ -3,10 +3,10 @@
 #   1. bytes: vLLM's own cache-write op against the `vllm-cpu` engine model (bench/vllm_cpu_write.py);
 #   2. behaviour: SmolLM2 calibrated, a conformance pack written, vLLM scoring its prompts, `fp8kv conformance
 #      check` naming the behaviour vLLM's answers match (vLLM 0.32's CPU conversion rounds toward zero, so
-#      `truncating-cast` is the expected match, not `correct`).
-# Needs an x86 CPU with AVX-512 or AMX (vLLM's CPU fp8 cache refuses others) and bench/.vllm-venv (built here
-# by bench/vllm_venv.sh when missing; VLLM_PY overrides). About 3 minutes on 2 cores once the venv exists.
+#      `truncating-cast` is the expected match, not `correct`);
 #   3. the floor: vLLM and fp8kv's runtime both with a bf16 cache, in check's distance (bench/conformance_floor.py).
+# Needs an x86 CPU with AVX-512 or AMX (vLLM's CPU fp8 cache refuses others) and bench/.vllm-venv (built here
+# by bench/vllm_venv.sh when missing; VLLM_PY overrides). About 3.5 minutes on 2 cores once the venv exists.
 # Results in $OUT (default bench/results): vllm_cpu_write.json, vllm-cpu.jsonl, conformance-vllm-cpu.json,
 # conformance-floor.json.
 #   run: bash bench/cpu_conformance.sh

@@ -160,10 +160,14 @@ def prompt_logprobs(model_dir: Path, scales: KVScales, prompts: tuple[Prompt, ..
     runner = PagedModelRunner(model_dir, device=device, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
                               engine=engine, model=model, max_model_len=max(len(p.token_ids) for p in prompts),
                               max_num_seqs=len(prompts))
+    return runner_logprobs(runner, prompts)
+
+
+def runner_logprobs(runner: PagedModelRunner, prompts: tuple[Prompt, ...]) -> dict[str, torch.Tensor]:
+    """log p(token i | tokens < i) for i >= 1 of every prompt, float32, from `runner` (one prefill step)."""
     ids = [list(p.token_ids) for p in prompts]
-    logits = prefill(runner, ids)
     out = {}
-    for prompt, rows, tokens in zip(prompts, logits, ids):
+    for prompt, rows, tokens in zip(prompts, prefill(runner, ids), ids):
         logp = torch.log_softmax(rows.float(), dim=-1)[:-1]
         out[prompt.id] = logp.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0].cpu()
     return out
