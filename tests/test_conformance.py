@@ -43,9 +43,9 @@ def test_check_names_every_simulated_behaviour(pack, behaviour, tmp_path):
 
 
 def test_a_straddling_factor_loses_some_prompts_and_keeps_others_without_a_clamp(pack):
-    # Scaling every scale alike, a real model's first token (often the largest) makes a write without a clamp
-    # lose every prompt, exactly as an e4m3 cache read as e5m2 does; a factor between two prompts' largest
-    # values keeps them apart.
+    # A prompt that crosses the fp8 limit anywhere is lost whole without a clamp (a NaN value reaches every
+    # earlier query), as every prompt is when an e4m3 cache is read as e5m2; a factor between two prompts'
+    # largest values leaves one finite and keeps the two bugs apart.
     readout = read_kv_scales(pack.parent / "calibrated")
     assert readout.scales is not None
     prompts, source = read_pack(pack)[0].prompts, readout.source.path
