@@ -55,9 +55,11 @@ def reference_command(
 def check_command(
     pack: Path = typer.Argument(..., metavar="PACK"),
     answers: Path = typer.Argument(..., metavar="ENGINE.jsonl", help='One line per prompt: {"id", "logprobs"}.'),
-    json_output: bool = typer.Option(False, "--json", help='Print {"match": NAME, "distances": {NAME: float}}.'),
+    json_output: bool = typer.Option(False, "--json", help='Print {"match": NAME, "distances": {NAME: float}, '
+                                     '"separation": float, "close": bool, "nonfinite": int}.'),
 ) -> None:
-    """Name the behaviour the engine's log-probabilities match. Exit 0 for correct, 3 otherwise."""
+    """Name the behaviour the engine's log-probabilities match. Exit 0 for correct (and no log-probability
+    NaN/inf/null where the correct behaviour keeps every token), 3 otherwise."""
     from fp8kv.conformance.run import check
 
     result = check(pack, answers)
@@ -65,12 +67,15 @@ def check_command(
         typer.echo(result.to_json(), nl=False)
     else:
         typer.echo(f"matches: {result.match}")
-        if result.distances[result.match] > result.separation / 2:
+        if result.nonfinite:
+            typer.echo(f"note: {result.nonfinite} of the engine's log-probabilities are NaN/inf/null where the "
+                       f"correct behaviour has finite ones: the engine loses tokens, so it is not correct", err=True)
+        if not result.close:
             typer.echo(f"note: the engine is further from {result.match} than half the distance between two "
                        f"behaviours ({result.separation:.3g}): it matches none of them closely", err=True)
         for name, value in sorted(result.distances.items(), key=lambda item: item[1]):
             typer.echo(f"  {name}: mean |delta logprob| {value:.4g}")
-    raise typer.Exit(ExitCode.PASS if result.match == CORRECT else ExitCode.FAIL)
+    raise typer.Exit(ExitCode.PASS if result.correct else ExitCode.FAIL)
 
 
 @conformance_app.command("simulate", cls=Command)

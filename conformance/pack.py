@@ -148,6 +148,8 @@ def read_answers(path: Path, pack: ConformancePack) -> dict[str, torch.Tensor]:
             pid, values = _answer(line, f"{path}:{number}")
             if pid not in lengths:
                 raise Fp8kvError(f"{path}:{number}: prompt id {pid!r} is not in the pack ({', '.join(lengths)})")
+            if pid in answers:
+                raise Fp8kvError(f"{path}:{number}: a second answer for prompt {pid}")
             if len(values) == lengths[pid] + 1 and values[0] is None:
                 values = values[1:]
             if len(values) != lengths[pid]:
@@ -168,4 +170,7 @@ def _answer(line: str, where: str) -> tuple[str, list[Any]]:
         raise Fp8kvError(f"{where}: not a {{\"id\", \"logprobs\"}} JSON line ({exc})") from None
     if not all(v is None or isinstance(v, (int, float)) for v in values):
         raise Fp8kvError(f"{where}: logprobs must be numbers or null")
+    if any(v is not None and v > 0 for v in values):  # NaN compares False: it stands for a lost token
+        raise Fp8kvError(f"{where}: a log-probability above 0 ({max(v for v in values if v is not None):g}); "
+                         f"write log p, not p or -log p")
     return pid, values

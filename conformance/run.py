@@ -55,14 +55,27 @@ FLOOR = -100.0
 
 @dataclass(frozen=True)
 class ConformanceResult:
-    """The behaviour an engine's answers match (the nearest), and the distance to every behaviour."""
+    """The behaviour an engine's answers match (the nearest), the distance to every behaviour, and the answers'
+    non-finite log-probabilities where the correct behaviour has finite ones (a correct engine has none)."""
 
     match: str
     distances: dict[str, float]
     separation: float = 0.0  # the pack's smallest distance between two behaviours
+    nonfinite: int = 0
+
+    @property
+    def close(self) -> bool:
+        """Whether the answers lie within half the smallest distance between two behaviours of the match."""
+        return self.distances[self.match] <= self.separation / 2
+
+    @property
+    def correct(self) -> bool:
+        """The engine behaves correctly: nearest to the correct behaviour, and no token lost where it keeps all."""
+        return self.match == CORRECT and not self.nonfinite
 
     def to_json(self) -> str:
-        return json.dumps({"match": self.match, "distances": self.distances}) + "\n"
+        return json.dumps({"match": self.match, "distances": self.distances, "separation": self.separation,
+                           "close": self.close, "nonfinite": self.nonfinite}) + "\n"
 
 
 def reference(request: ReferenceRequest) -> ConformancePack:
@@ -144,7 +157,8 @@ def check(pack_dir: Path, answers_path: Path) -> ConformanceResult:
     pack, logprobs = read_pack(pack_dir)
     answers = read_answers(answers_path, pack)
     distances = {name: distance(answers, logprobs[name]) for name in pack.behaviours}
-    return ConformanceResult(min(pack.behaviours, key=distances.__getitem__), distances, pack.separation)
+    nonfinite = sum(int((~answers[pid].isfinite() & logprobs[CORRECT][pid].isfinite()).sum()) for pid in answers)
+    return ConformanceResult(min(pack.behaviours, key=distances.__getitem__), distances, pack.separation, nonfinite)
 
 
 def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

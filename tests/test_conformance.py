@@ -68,6 +68,17 @@ def test_the_cli_prints_json_and_exits_3_unless_correct(pack, tmp_path):
         assert result.exit_code == code, result.output
         data = json.loads(result.stdout)
         assert data["match"] == behaviour and set(data["distances"]) == {CORRECT, *BUGS}
+        # no-clamp differs from correct only through the tokens it loses
+        assert data["close"] and (data["nonfinite"] == 0) == (behaviour == CORRECT)
+    # one token lost (null, as vLLM writes a NaN log-probability) where the correct behaviour keeps it: still
+    # nearest to correct, but an engine that loses tokens is not correct
+    lines = (tmp_path / f"{CORRECT}.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    first["logprobs"][3] = None
+    (tmp_path / "lost.jsonl").write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    result = runner.invoke(app, ["conformance", "check", str(pack), str(tmp_path / "lost.jsonl"), "--json"])
+    data = json.loads(result.stdout)
+    assert result.exit_code == 3 and (data["match"], data["nonfinite"]) == (CORRECT, 1), result.output
 
 
 def test_the_pack_round_trips_and_answers_are_checked(pack, tmp_path):
@@ -88,6 +99,12 @@ def test_the_pack_round_trips_and_answers_are_checked(pack, tmp_path):
     answers.write_text(json.dumps({"id": first.id, "logprobs": [0.0]}) + "\n")
     with pytest.raises(Fp8kvError, match=f"a.jsonl:1: prompt p0 has 1 log-probabilities; the pack expects "
                                          f"{len(first.token_ids) - 1}"):
+        check(pack, answers)
+    answers.write_text("\n".join([lines[0], *lines]) + "\n")
+    with pytest.raises(Fp8kvError, match="a.jsonl:2: a second answer for prompt p0"):
+        check(pack, answers)
+    answers.write_text(json.dumps({"id": first.id, "logprobs": [0.5] * (len(first.token_ids) - 1)}) + "\n")
+    with pytest.raises(Fp8kvError, match="a.jsonl:1: a log-probability above 0 \\(0.5\\); write log p"):
         check(pack, answers)
     with pytest.raises(Fp8kvError, match="unknown behaviour 'raw'"):
         simulate(SimulateRequest(pack, "raw", tmp_path / "b.jsonl"))
