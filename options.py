@@ -6,6 +6,8 @@ tuples from them with `typing.get_args`, so each list of names has this one home
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -51,8 +53,10 @@ def kv_dtype_name(spelling: str) -> str:
 
 
 def check_headroom(headroom: float) -> float:
-    """A scale below amax/MAX clips values calibration saw: the headroom is at least 1."""
-    if not headroom >= 1.0:
+    """A scale below amax/MAX clips values calibration saw: the headroom is a finite number, at least 1."""
+    if not math.isfinite(headroom):
+        raise Fp8kvError(f"--headroom {headroom:g} is not a finite number: the scales would be {headroom:g} too")
+    if headroom < 1.0:
         raise Fp8kvError(f"--headroom {headroom:g} is below 1.0: a scale under amax/MAX clips values it has seen")
     return headroom
 

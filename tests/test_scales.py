@@ -38,6 +38,9 @@ def test_headroom_multiplies_and_must_be_at_least_one():
     assert scale_from_amax(torch.tensor([448.0]), headroom=1.5).item() == 1.5
     with pytest.raises(Fp8kvError, match="--headroom 0.5 is below 1.0: a scale under amax/MAX clips values it has seen"):
         scale_from_amax(torch.tensor([1.0]), headroom=0.5)
+    for bad in (float("inf"), float("nan")):  # an infinite margin would write infinite scales
+        with pytest.raises(Fp8kvError, match=f"--headroom {bad:g} is not a finite number"):
+            scale_from_amax(torch.tensor([1.0]), headroom=bad)
 
 
 @pytest.mark.parametrize("text", ["amax", "mse", "percentile:99.9", "percentile:100"])
