@@ -35,7 +35,7 @@ class PushPlan:
     commit_message: str
     files: list[UploadFile]
     verdict: str | None
-    card_text: str | None  # a new card to write first; None when DIR already has an fp8kv card
+    card_text: str | None  # a new card, uploaded and then written to DIR; None when DIR already has one
     warnings: tuple[str, ...] = ()  # what the new card cannot name (base model, license)
 
     @property
@@ -99,7 +99,8 @@ def plan_push(
         check_replaceable(out, force)
     if card_text is not None:
         files = [f for f in files if f.path_in_repo != CARD_FILE]
-        files.append(UploadFile(CARD_FILE, card_path, len(card_text.encode("utf-8"))))
+        card_bytes = card_text.encode("utf-8")
+        files.append(UploadFile(CARD_FILE, card_path, len(card_bytes), card_bytes))
         files.sort(key=lambda f: f.path_in_repo)
     message = commit_message or f"Add static FP8 KV-cache scales (fp8kv {__version__})"
     warnings = tuple(card_warnings(out, base_model=base_model, license=license)) if card_text is not None else ()
@@ -109,15 +110,17 @@ def plan_push(
 def push(plan: PushPlan, api: Any = None) -> str:
     """Carry out `plan` (from `plan_push`): one commit to its repo; returns the commit URL.
 
-    Creates the repository (and the `revision` branch) when missing, writes the plan's new card
-    first, then sends one `create_commit` with a `CommitOperationAdd` per file; links are read
-    through, so the Hub gets the files they point to. `api` is any object with HfApi's
-    `create_repo`, `create_branch` and `create_commit` (default: `huggingface_hub.HfApi()`).
+    Creates the repository (and the `revision` branch) when missing, then sends one `create_commit`
+    with a `CommitOperationAdd` per file; links are read through, so the Hub gets the files they point
+    to. The plan's new card goes up from memory and is written to DIR only once the commit landed, so a
+    push that fails changes nothing on disk. `api` is any object with HfApi's `create_repo`,
+    `create_branch` and `create_commit` (default: `huggingface_hub.HfApi()`).
     """
+    url = _upload(plan, api)
     if plan.card_text is not None:
         write_file_atomic(plan.out_dir / CARD_FILE, plan.card_text.encode("utf-8"))
         record_written(plan.out_dir / CARD_FILE)
-    return _upload(plan, api)
+    return url
 
 
 def collect_files(out_dir: Path) -> list[UploadFile]:

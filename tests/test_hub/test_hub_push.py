@@ -209,11 +209,13 @@ def test_cli_push_dry_run_and_upload_never_show_the_token(verified_dir: Path, fa
 def test_cli_push_errors_never_show_the_token(verified_dir: Path, fake_token: str, monkeypatch) -> None:
     api = FakeHfApi(fail=RuntimeError(f"400 Bad Request for header Authorization: Bearer {fake_token}"))
     monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: api)
+    readme = (verified_dir / "README.md").read_bytes()
     result = runner.invoke(app, ["push", str(verified_dir), "--repo-id", "me/x"])
     assert result.exit_code == 4
     text = _output(result)
     assert "me/x: upload failed (RuntimeError: 400 Bad Request for header Authorization: Bearer hf_***)" in text
     assert fake_token not in text
+    assert (verified_dir / "README.md").read_bytes() == readme  # nothing uploaded, nothing written
 
 
 def test_cli_push_refusal_is_one_line(calibrated_dir: Path, write_report) -> None:
@@ -268,7 +270,9 @@ def test_card_and_push_keep_an_edited_readme_unless_forced(verified_dir: Path) -
 def test_push_without_a_token_says_so(verified_dir: Path, monkeypatch) -> None:
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)  # no HF_TOKEN, no `hf auth login`
     monkeypatch.setattr(huggingface_hub, "HfApi", lambda *a, **k: pytest.fail("built an HfApi without a token"))
+    readme = (verified_dir / "README.md").read_bytes()
     result = runner.invoke(app, ["push", str(verified_dir), "--repo-id", "me/x"])
     assert result.exit_code == 4
+    assert (verified_dir / "README.md").read_bytes() == readme  # the card was not written for a push that never ran
     assert result.stderr.endswith("fp8kv: error: me/x: no Hub token; log in with `hf auth login` or set HF_TOKEN, "
                              "then push again\n")
