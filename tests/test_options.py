@@ -73,6 +73,13 @@ def test_a_typo_is_a_usage_error_before_torch_loads(args):
     assert f"Invalid value for '{_option(args)}'" in stderr
 
 
+def test_verify_needs_two_tokens_a_sample_before_torch_loads():
+    state, stderr = _exit_and_torch(["verify", "bundled", "--seq-len", "1"])
+    assert state == [str(int(ExitCode.USAGE)), "False"], (state, stderr)
+    assert stderr == ("fp8kv: error: --seq-len must be at least 2 for verify (perplexity scores every token after "
+                      "the first), got 1\n")
+
+
 @pytest.mark.parametrize("args", MALFORMED, ids=" ".join)
 def test_a_malformed_command_line_is_a_usage_error_before_torch_loads(args):
     state, stderr = _exit_and_torch(args)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import RELEASED
-from fp8kv.errors import Fp8kvError
+from fp8kv.errors import Fp8kvError, UsageError
 from fp8kv.verify.verdict import Thresholds
 
 
@@ -43,6 +43,9 @@ def check_verify_request(request: VerifyRequest) -> None:
                         ("--num-samples", request.data.num_samples), ("--seq-len", request.data.seq_len)):
         if value < 1:
             raise Fp8kvError(f"{name} must be at least 1, got {value}")
+    if request.data.seq_len < 2:  # a one-token sample has no next token to predict
+        raise UsageError(f"--seq-len must be at least 2 for verify (perplexity scores every token after the first), "
+                         f"got {request.data.seq_len}")
     if request.prompts is not None and Path(request.prompts).is_dir():
         raise Fp8kvError(f"{request.prompts}: is a folder; --prompts takes a text file, one prompt per line")
     if request.prompts is not None and not Path(request.prompts).is_file():
