@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp8kv.checkpoint.artifacts import write_file_atomic
+from fp8kv.checkpoint.artifacts import check_writable_location, write_file_atomic
 from fp8kv.errors import Fp8kvError
 
 PACK_JSON, REFERENCE, MODEL_DIR = "pack.json", "reference.safetensors", "model"
@@ -80,6 +80,13 @@ class ConformancePack:
         return pack
 
 
+def check_pack_location(out: Path) -> None:
+    """`out` can take a pack: nothing there but an older pack, and a folder beside it this process may write."""
+    if out.exists() and not (out / PACK_JSON).is_file():
+        raise Fp8kvError(f"{out}: exists and is not a conformance pack; choose another --out")
+    check_writable_location(out)
+
+
 def write_pack(out: Path, pack: ConformancePack, logprobs: dict[str, dict[str, torch.Tensor]],
                write_model: Callable[[Path], object]) -> Path:
     """Write the pack to `out` atomically: a temp folder beside it, renamed into place.
@@ -88,8 +95,7 @@ def write_pack(out: Path, pack: ConformancePack, logprobs: dict[str, dict[str, t
     checkpoint into `folder`.
     """
     out = Path(out)
-    if out.exists() and not (out / PACK_JSON).is_file():
-        raise Fp8kvError(f"{out}: exists and is not a conformance pack; choose another --out")
+    check_pack_location(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.fp8kv-tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

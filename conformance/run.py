@@ -21,8 +21,9 @@ import torch
 from fp8kv.checkpoint.kvscales import KVScales, float32
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
-from fp8kv.conformance.pack import MODEL_DIR, ConformancePack, Prompt, read_answers, read_pack, \
-    write_answers, write_pack
+from fp8kv.conformance.pack import (
+    MODEL_DIR, ConformancePack, Prompt, check_pack_location, read_answers, read_pack, write_answers, write_pack,
+)
 from fp8kv.data import load_tokenizer
 from fp8kv.conformance.request import (
     BEHAVIOURS, CORRECT, SCALE_FACTORS, ReferenceRequest, SimulateRequest, behaviour_engine, check_scale_factor,
@@ -86,6 +87,7 @@ def reference(request: ReferenceRequest) -> ConformancePack:
     smallest distance between two of them is largest).
     """
     model_dir, out, device = request.model_dir, request.out, request.device
+    check_pack_location(Path(out))  # before minutes of work, not after
     readout = read_kv_scales(model_dir)
     if readout.scales is None:
         raise Fp8kvError(f"{model_dir}: no KV scales; calibrate it first (fp8kv calibrate)")

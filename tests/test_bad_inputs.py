@@ -585,6 +585,15 @@ def verify_report_unwritable(env):
         "cannot create the output folder \\(.*blocker is not a folder\\)"
 
 
+def conformance_pack_unwritable(env, monkeypatch):
+    # refused before minutes of work: the model is never loaded
+    monkeypatch.setattr("fp8kv.conformance.run.load_model", lambda *a, **k: pytest.fail("loaded before --out"))
+    (env.root / "blocker").write_text("a file, not a folder")
+    pack = env.root / "blocker" / "pack"
+    return ["conformance", "reference", str(env.copy("calibrated")), "--out", str(pack)], str(pack), \
+        "cannot create the output folder \\(.*blocker is not a folder\\)"
+
+
 def verify_model_is_a_file(env):
     (env.root / "model.safetensors").write_text("not a folder")
     return ["verify", str(env.root / "model.safetensors")], "model.safetensors", "is a file, not a folder"
@@ -664,7 +673,7 @@ CASES = [Case(f.__name__, f) for f in (
     unsupported_architecture, mla_model,
     scales_conflicting, scales_wrong_shape, scales_wrong_dtype, scales_vllm_json_not_a_number,
     verify_missing_dir, verify_bad_thresholds_toml, verify_unknown_threshold, verify_missing_thresholds,
-    verify_missing_prompts, verify_report_unwritable, verify_model_is_a_file,
+    verify_missing_prompts, verify_report_unwritable, verify_model_is_a_file, conformance_pack_unwritable,
     push_missing_dir, push_not_verified, push_corrupt_report, push_failed_verdict, push_stale_report,
     card_report_without_digest,
     card_not_calibrated, card_given_a_file, verify_prompts_is_a_folder,
@@ -717,7 +726,8 @@ def test_catalogue_covers_every_command_that_reads_a_folder_once_per_problem(sha
         problems.append((args[0], problem))
     duplicates = sorted({p for p in problems if problems.count(p) > 1})
     assert not duplicates, duplicates
-    assert {command for command, _ in problems} == {"calibrate", "verify", "inspect", "convert", "card", "push"}
+    assert {command for command, _ in problems} == {"calibrate", "verify", "inspect", "convert", "card", "push",
+                                                    "conformance"}
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.id in ("config_broken_json", "pickle_bin", "out_exists")],
