@@ -199,6 +199,13 @@ def _source_name(prov: Provenance, base_model: str | None) -> str | None:
     return bundled_name(prov.source.path) or Path(prov.source.path).name
 
 
+def _granularity(prov: Provenance) -> str:
+    """How many scales each attention layer holds, in the card's words."""
+    if prov.per_head:
+        return "a `k_scale` and a `v_scale` per KV head of each attention layer"
+    return "one `k_scale` and `v_scale` per attention layer"
+
+
 def _intro(out: Path, prov: Provenance, base_model: str | None, repo_id: str | None) -> str:
     title = repo_id or (f"{base_model} with FP8 KV-cache scales" if base_model else out.name)
     named = _source_name(prov, base_model)
@@ -207,7 +214,7 @@ def _intro(out: Path, prov: Provenance, base_model: str | None, repo_id: str | N
     dtype = prov.kv_dtype or "fp8"
     return (
         f"# {title}\n\n"
-        f"{source} with static {dtype} KV-cache scales (one `k_scale` and `v_scale` per attention layer), "
+        f"{source} with static {dtype} KV-cache scales ({_granularity(prov)}), "
         "calibrated and written by fp8kv in the compressed-tensors "
         "convention that vLLM and SGLang load. The weights are the source's, unchanged; only the "
         "KV cache is stored in FP8."
@@ -322,12 +329,14 @@ def _serve(model: str, prov: Provenance, kv_only_block: bool) -> str:
 def _limitations(prov: Provenance) -> str:
     dataset = f"`{prov.dataset.name}`" if prov.dataset else "the calibration data"
     items = [
-        f"Scales are static and per tensor, measured on {dataset}. Values above the calibration amax are "
+        f"Scales are static and per {'KV head' if prov.per_head else 'tensor'}, measured on {dataset}. Values "
+        "above the calibration amax are "
         "clamped to the fp8 range, so text far from that data can lose accuracy.",
         "An engine that casts to fp8 without clamping turns such values into NaN (torch ≤ 2.11 does not "
         "saturate); check the verify results above and your engine's version.",
         "Engines that find no scale use 1.0 silently: confirm in the engine's log that it loaded "
-        "`k_scale`/`v_scale` for every attention layer.",
+        "`k_scale`/`v_scale` for every attention layer. TensorRT-LLM's PyTorch backend never loads them for an "
+        "fp8 cache: there the cache runs at scale 1.0.",
         f"On TPU: {FP8_HEAD_RULE}.",
         "AMD GPUs (`e4m3fnuz`) double the scales at load time; the checkpoint stores the e4m3 scales.",
     ]

@@ -66,6 +66,8 @@ def test_card_shows_provenance_scales_and_report_numbers(verified_dir: Path) -> 
     assert "| 0 | 1.25 | 0.00279 | 0.00 % | 0.75 | 0.001674 | 0.00 % |" in text  # 4 significant digits
     assert "| 1 | 3.5 | 0.007812 | 0.042 % | 0.5 | 0.001116 | 0.00 % |" in text
     assert "`scale = amax × 1 / 448` (headroom 1:" in text
+    assert "(one `k_scale` and `v_scale` per attention layer)" in text and "Scales are static and per tensor" in text
+    assert "TensorRT-LLM's PyTorch backend never loads them for an fp8 cache" in text
     for setting in ("| Samples | 512 |", "| Sequence length | 2048 |", "| Shuffle seed | 42 |", "| Split | `train_sft` |",
                     "| Strategy | `amax` |", "| Tool | `fp8kv 0.1.0` |"):
         assert setting in text
@@ -168,6 +170,9 @@ def test_card_limitations_follow_the_settings(calibrated_dir: Path) -> None:
     text = render_card(calibrated_dir)
     assert "The `percentile:99.99` strategy clips below the calibration amax on purpose" in text
     assert "Per-head scales are read by recent vLLM on the FlashAttention backend only." in text
+    # per head everywhere the card says how many scales there are
+    assert "(a `k_scale` and a `v_scale` per KV head of each attention layer)" in text
+    assert "Scales are static and per KV head" in text and "per tensor" not in text
     assert "Calibration never reached layers 1; they carry the default scale 1.0." in text
     assert "Note: HuggingFaceH4/ultrachat_200k could not be loaded (offline?); using the bundled corpus." in text
 
