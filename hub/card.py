@@ -14,7 +14,7 @@ from typing import Any
 from fp8kv.checkpoint.artifacts import (
     CARD_FILE, CARD_MARKER, PROVENANCE_FILE, VERIFY_DIR, is_fp8kv_card, read_artifact, write_file_atomic,
 )
-from fp8kv.checkpoint.conventions import COMPRESSION_CONFIG
+from fp8kv.checkpoint.conventions import COMPRESSION_CONFIG, VLLM_JSON_FILE, vllm_json_readers
 from fp8kv.checkpoint.digest import check_unchanged
 from fp8kv.checkpoint.hub_cache import check_base_model, is_repo_id
 from fp8kv.checkpoint.locate import bundled_name, infer_base_model, infer_license, verify_command
@@ -199,6 +199,10 @@ def _source_name(prov: Provenance, base_model: str | None) -> str | None:
     return bundled_name(prov.source.path) or Path(prov.source.path).name
 
 
+# What reads each convention's scales, as the card's intro says it (vllm-json: see `vllm_json_readers`).
+_LOADED_BY = {"compressed-tensors": "which vLLM and SGLang load", "vllm-json": "a scale file SGLang reads"}
+
+
 def _granularity(prov: Provenance) -> str:
     """How many scales each attention layer holds, in the card's words."""
     if prov.per_head:
@@ -211,12 +215,12 @@ def _intro(out: Path, prov: Provenance, base_model: str | None, repo_id: str | N
     named = _source_name(prov, base_model)
     source = (f"[{base_model}](https://huggingface.co/{base_model})" if base_model
               else f"The model `{named}`" if named else "The source model")
-    dtype = prov.kv_dtype or "fp8"
+    dtype, convention = prov.kv_dtype or "fp8", prov.format or "compressed-tensors"
     return (
         f"# {title}\n\n"
         f"{source} with static {dtype} KV-cache scales ({_granularity(prov)}), "
-        "calibrated and written by fp8kv in the compressed-tensors "
-        "convention that vLLM and SGLang load. The weights are the source's, unchanged; only the "
+        f"calibrated and written by fp8kv in the {convention} convention "
+        f"({_LOADED_BY.get(convention, 'which vLLM loads')}). The weights are the source's, unchanged; only the "
         "KV cache is stored in FP8."
     )
 
@@ -316,6 +320,13 @@ def _serve(model: str, prov: Provenance, kv_only_block: bool) -> str:
     transformers = (f"\n\ntransformers loads this model as its source, with an unquantized cache: it does not read "
                     f"`{COMPRESSION_CONFIG}`, where the scales are declared, and reports `k_scale`/`v_scale` as "
                     "unexpected keys.") if kv_only_block else ""
+    if prov.format == "vllm-json":  # the scales live in a file only SGLang still reads
+        return (
+            "## How to serve\n\n"
+            f"The scales are in `{VLLM_JSON_FILE}`, vLLM's legacy scale file. {vllm_json_readers(VLLM_JSON_FILE)}.\n\n"
+            f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {model} --kv-cache-dtype "
+            f"{sglang_dtype} --quantization-param-path {VLLM_JSON_FILE}\n```"
+        )
     return (
         "## How to serve\n\n"
         "The scales are only used when the KV cache is FP8, so pass the KV-cache dtype.\n\n"

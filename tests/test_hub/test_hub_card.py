@@ -97,6 +97,16 @@ def test_card_serve_commands(verified_dir: Path) -> None:
     assert "## Limitations" in text
 
 
+def test_card_of_a_vllm_json_folder_serves_it_where_the_file_is_read(calibrated_dir: Path) -> None:
+    """vLLM no longer reads kv_cache_scales.json: a `vllm serve` line would run the cache at scale 1.0."""
+    _edit_provenance(calibrated_dir, format="vllm-json")
+    text = render_card(calibrated_dir, repo_id="me/x")
+    assert "in the vllm-json convention (a scale file SGLang reads)" in text
+    assert ("python -m sglang.launch_server --model-path me/x --kv-cache-dtype fp8_e4m3 --quantization-param-path "
+            "kv_cache_scales.json") in text
+    assert "vllm serve" not in text and "vLLM no longer does (0.32 runs the folder at scale 1.0)" in text
+
+
 def test_card_without_report_says_not_verified_and_has_no_plot(calibrated_dir: Path) -> None:
     text = render_card(calibrated_dir)
     assert "Not verified. Run `fp8kv verify out --dataset generated`" in text and str(calibrated_dir) not in text
