@@ -108,3 +108,14 @@ def test_a_pass_says_when_calibrated_and_unit_perplexity_differ_by_noise():
                            "verdict treats as noise (--unit-ppl-ratio 1.01)")
     assert unit_scale_note(replace(ACCURACY, ppl_fp8=38.5, ppl_fp8_unit=37.7955), 1.01) is None  # that one WARNs instead
     assert unit_scale_note(replace(ACCURACY, ppl_fp8=math.nan, ppl_fp8_unit=37.7955), 1.01) is None
+
+
+def test_scales_far_too_small_are_told_to_recalibrate_not_to_widen_the_margin():
+    from fp8kv.verify.verdict import headroom_fix
+
+    assert headroom_fix(448 * 1.075, 448).startswith("Fix: recalibrate with --headroom 1.08 ")
+    assert headroom_fix(448 * 16, 448).startswith("Fix: recalibrate with --headroom 16.00 ")
+    assert headroom_fix(448 * 3.5e28, 448) == (
+        "Fix: these scales are 3.5e+28x too small for this text, far beyond what a margin is for: recalibrate "
+        "(fp8kv calibrate) on text like this, or check how the scales were made.")
+    assert "too small" in headroom_fix(float("inf"), 448)

@@ -100,8 +100,16 @@ def heldout_reasons(layers: list[LayerCheck], thresholds: Thresholds, fp8_max: f
     return reasons
 
 
+# A margin above this many times the calibrated amax is not a margin: scales that need it were made wrong.
+MAX_ADVISED_HEADROOM = 16.0
+
+
 def headroom_fix(ratio: float, fp8_max: float, every_layer: bool = False) -> str:
-    """The smallest --headroom (2 decimals) under which `ratio` (the worst layer's) fits the fp8 range, as advice."""
+    """The smallest --headroom (2 decimals) under which `ratio` (the worst layer's) fits the fp8 range, as advice;
+    past `MAX_ADVISED_HEADROOM` the scales are not short of a margin but wrong, and the advice says so."""
+    if not ratio / fp8_max <= MAX_ADVISED_HEADROOM:
+        return (f"Fix: these scales are {ratio / fp8_max:.3g}x too small for this text, far beyond what a margin "
+                "is for: recalibrate (fp8kv calibrate) on text like this, or check how the scales were made.")
     headroom = max(1.01, math.ceil(ratio / fp8_max * 100) / 100)
     return (f"Fix{' for every layer' if every_layer else ''}: recalibrate with --headroom {headroom:.2f} "
             f"(every scale x{headroom:.2f}; e4m3's relative "
