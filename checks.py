@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -100,10 +101,40 @@ def _advice(readout: ScaleReadout, provenance: Provenance | None) -> list[Findin
         findings.append(Finding(INFO, f"{pre_rope[0]} scales observe k_proj's output, but this model has a k norm: "
                                       "the statistics were taken before k_norm and RoPE, not where the cache "
                                       "stores K; recalibrate"))
+    changed = _changed_since_calibration(readout, provenance)
+    if changed:
+        findings.append(Finding(WARN, f"the scale file differs from what fp8kv calibrate recorded in fp8kv.json "
+                                      f"({changed[0]}{' and more' if len(changed) > 1 else ''}): it was changed "
+                                      "after calibration, so fp8kv.json's amax, saturation and the card's scale "
+                                      "table describe other scales; recalibrate, or verify these as they are"))
     if scales is not None and provenance is not None and _look_doubled(readout, provenance):
         findings.append(Finding(INFO, "scales are about twice amax/MAX: they look doubled for e4m3fnuz; store OCP "
                                       "e4m3 scales, AMD engines double them at load time"))
     return findings
+
+
+def _changed_since_calibration(readout: ScaleReadout, provenance: Provenance | None) -> list[str]:
+    """Each scale whose float32 value is not the one fp8kv calibrate recorded, as 'layer L k_scale X (recorded Y)'."""
+    scales = readout.scales
+    if scales is None or provenance is None:
+        return []
+    changed = []
+    for record in provenance.layers:
+        if record.layer not in scales.layers:
+            continue
+        for name, held, cache in zip(("k_scale", "v_scale"), scales.values(record.layer), (record.k, record.v)):
+            wrote = tuple(cache.scale_per_head or (cache.scale,))
+            if len(held) != len(wrote) or any(_float32(a) != _float32(b) for a, b in zip(held, wrote)):
+                changed.append(f"layer {record.layer} {name} {_shown(held)}, recorded {_shown(wrote)}")
+    return changed
+
+
+def _float32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _shown(values: tuple[float, ...]) -> str:
+    return f"{values[0]:.4g}" if len(values) == 1 else "[" + ", ".join(f"{x:.4g}" for x in values) + "]"
 
 
 def _look_doubled(readout: ScaleReadout, provenance: Provenance) -> bool:
