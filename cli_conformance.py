@@ -40,8 +40,11 @@ def reference_command(
 ) -> None:
     """Write PACK: fixed prompts, token ids, PACK/model (the engine loads it) and fp8kv's log-probabilities."""
     from fp8kv.conformance.run import reference
+    from fp8kv.progress import StageProgress
 
-    pack = reference(ReferenceRequest(model_dir, out, scale_factor=scale_factor, device=device, mode=mode))
+    with StageProgress() as progress:
+        pack = reference(ReferenceRequest(model_dir, out, scale_factor=scale_factor, device=device, mode=mode),
+                         progress)
     typer.echo(f"Wrote {out}: {len(pack.prompts)} prompts, scales x{pack.scale_factor:g}, behaviours "
                f"{', '.join(pack.behaviours)} (at least {pack.separation:.3g} apart)")
     if pack.same_as_correct:
@@ -88,6 +91,8 @@ def simulate_command(
 ) -> None:
     """Answer the pack's prompts with fp8kv's runtime with BUG injected (what a buggy engine would write)."""
     from fp8kv.conformance.run import simulate
+    from fp8kv.progress import StageProgress
 
-    simulate(SimulateRequest(pack, bug, out, device=device))
+    with StageProgress(quiet=True):  # one prefill: no stages to show, and no library bars either
+        simulate(SimulateRequest(pack, bug, out, device=device))
     typer.echo(f"Wrote {out}")

@@ -31,6 +31,7 @@ from fp8kv.conformance.request import (
 from fp8kv.engine_models import BUGS
 from fp8kv.errors import Fp8kvError
 from fp8kv.kvdtypes import RAW_CAST_FINITE_LIMIT
+from fp8kv.progress import StageProgress, announce
 from fp8kv.runtime.runner import PagedModelRunner, load_model
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify.accuracy import prefill, runtime_scales
@@ -79,7 +80,7 @@ class ConformanceResult:
                            "close": self.close, "nonfinite": self.nonfinite}) + "\n"
 
 
-def reference(request: ReferenceRequest) -> ConformancePack:
+def reference(request: ReferenceRequest, progress: StageProgress | None = None) -> ConformancePack:
     """Write the pack for the checkpoint at `request.model_dir` to `request.out`.
 
     PACK/model holds the source's scales x `scale_factor`; None tries `SCALE_FACTORS` and the straddling
@@ -94,13 +95,15 @@ def reference(request: ReferenceRequest) -> ConformancePack:
     source = readout.source.path
     tokenizer = load_tokenizer(source, False)
     prompts = tuple(Prompt(f"p{i}", text, tuple(tokenizer(text)["input_ids"])) for i, text in enumerate(PROMPT_TEXTS))
+    announce(progress, "loading the model")
     model = load_model(source, resolve_device(device).device)
     if request.scale_factor is None:
         factors = SCALE_FACTORS + straddling_factors(source, readout.scales, prompts, device, model)
     else:
         factors = (check_scale_factor(request.scale_factor),)
     tried = []
-    for factor in factors:
+    for number, factor in enumerate(factors, 1):
+        announce(progress, f"scales x{factor:.4g} ({number} of {len(factors)}): {len(BEHAVIOURS)} behaviours")
         scales = _scaled(readout.scales, factor)
         logprobs = {name: prompt_logprobs(source, scales, prompts, behaviour_engine(name), device, model)
                     for name in BEHAVIOURS}
