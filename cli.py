@@ -3,6 +3,7 @@
 import functools
 import inspect
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
@@ -101,6 +102,10 @@ ModeOpt = Annotated[WriteMode, typer.Option(
 WORKFLOW = ("calibrate", "verify", "eval", "inspect", "convert", "card", "push", "conformance")
 
 
+# What a shell reports for a writer whose reader went away (128 + SIGPIPE).
+SIGPIPE_EXIT = 141
+
+
 class _Group(TyperGroup):
     """Turns the project's error type (and OS errors) into one line; FP8KV_DEBUG=1 shows tracebacks."""
 
@@ -111,6 +116,10 @@ class _Group(TyperGroup):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except BrokenPipeError:  # the reader stopped reading (`| head`): nothing went wrong in fp8kv
+            # stdout is gone; point it at devnull, or Python fails again flushing it at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(SIGPIPE_EXIT) from None
         except (Fp8kvError, OSError) as exc:
             if os.environ.get(DEBUG_ENV):
                 raise
@@ -130,8 +139,6 @@ class _Group(TyperGroup):
 def _leave_out_xla(device: str) -> None:
     """transformers and accelerate import torch_xla whenever it is installed (8 s of a bundled-model verify);
     a run that cannot use it tells them not to, before they load (once loaded, the flag is moot)."""
-    import sys
-
     from fp8kv.runtime.device import may_use_xla
 
     if "transformers" not in sys.modules and not may_use_xla(device):

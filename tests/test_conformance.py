@@ -108,3 +108,20 @@ def test_the_pack_round_trips_and_answers_are_checked(pack, tmp_path):
         check(pack, answers)
     with pytest.raises(Fp8kvError, match="unknown behaviour 'raw'"):
         simulate(SimulateRequest(pack, "raw", tmp_path / "b.jsonl"))
+
+
+def test_a_reader_that_stops_reading_ends_check_quietly(pack, tmp_path):
+    """`fp8kv conformance check PACK ANSWERS | head -1`: the closed pipe is no fp8kv error and no traceback;
+    the command ends with the shell's 141."""
+    import subprocess
+    import sys
+
+    simulate(SimulateRequest(pack, CORRECT, tmp_path / "engine.jsonl"))
+    probe = "import sys\nfrom fp8kv.cli import main\nsys.argv = ['fp8kv', *sys.argv[1:]]\nmain()\n"
+    proc = subprocess.Popen([sys.executable, "-c", probe, "conformance", "check", str(pack), str(tmp_path / "engine.jsonl")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # gone before the first line is written
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, stderr
+    assert "error" not in stderr and "Traceback" not in stderr, stderr
