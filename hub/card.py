@@ -331,7 +331,9 @@ def _serve(model: str, prov: Provenance, kv_only_block: bool) -> str:
         "## How to serve\n\n"
         "The scales are only used when the KV cache is FP8, so pass the KV-cache dtype.\n\n"
         f"vLLM on GPU:\n\n```bash\nvllm serve {model} --kv-cache-dtype {vllm_dtype}\n```\n\n"
-        f"vLLM on TPU (`pip install vllm-tpu`):\n\n```bash\nvllm serve {model} --kv-cache-dtype {vllm_dtype}\n```\n\n"
+        "vLLM on TPU (`pip install vllm-tpu`, the tpu-inference backend; its JAX kernel pads the KV heads, so the "
+        "head rule under Limitations is only vLLM's older torch_xla backend's):"
+        f"\n\n```bash\nvllm serve {model} --kv-cache-dtype {vllm_dtype}\n```\n\n"
         f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {model} --kv-cache-dtype {sglang_dtype}\n```"
         + transformers
     )
