@@ -105,8 +105,8 @@ def _advice(readout: ScaleReadout, provenance: Provenance | None) -> list[Findin
     if changed:
         findings.append(Finding(WARN, f"the scale file differs from what fp8kv calibrate recorded in fp8kv.json "
                                       f"({changed[0]}{' and more' if len(changed) > 1 else ''}): it was changed "
-                                      "after calibration, so fp8kv.json's amax, saturation and the card's scale "
-                                      "table describe other scales; recalibrate, or verify these as they are"))
+                                      "after calibration, so fp8kv.json's amax and saturation describe other "
+                                      "scales; recalibrate, or verify these as they are"))
     if scales is not None and provenance is not None and _look_doubled(readout, provenance):
         findings.append(Finding(INFO, "scales are about twice amax/MAX: they look doubled for e4m3fnuz; store OCP "
                                       "e4m3 scales, AMD engines double them at load time"))

@@ -123,7 +123,7 @@ def render_card(out_dir: str | Path, *, repo_id: str | None = None, base_model: 
     sections = [
         _intro(out, prov, base_model, repo_id),
         _what_was_done(prov, base_model),
-        _scales(out, prov),
+        _scales(out, prov, report),
         _verify(out, report),
         _task_scores(out),
         _serve(str(repo_id or out.name), prov, COMPRESSION_CONFIG in (_quiet_json(out / "config.json") or {})),
@@ -252,7 +252,26 @@ def _what_was_done(prov: Provenance, base_model: str | None) -> str:
     return "\n\n".join(parts)
 
 
-def _scales(out: Path, prov: Provenance) -> str:
+def _scales_in_file(rows: list[dict[str, Any]], report: VerifyReport | None) -> tuple[list[dict[str, Any]], list[int]]:
+    """fp8kv.json's per-layer rows with the scales the file holds (from the verify report, which was made from
+    this very folder), and the layers whose scales differ from the recorded ones."""
+    held = {row.layer: row for row in report.scales} if report is not None else {}
+    changed = []
+    for row in rows:
+        if row["layer"] in held:
+            in_file = [_plain(held[row["layer"]].k_scale), _plain(held[row["layer"]].v_scale)]
+            if in_file != [_plain(row["k_scale"]), _plain(row["v_scale"])]:
+                changed.append(row["layer"])
+                row["k_scale"], row["v_scale"] = in_file
+    return rows, changed
+
+
+def _plain(scale: Any) -> Any:
+    """A scale as one float or a list of per-head floats, whichever container it came in."""
+    return list(scale) if isinstance(scale, (list, tuple)) else scale
+
+
+def _scales(out: Path, prov: Provenance, report: VerifyReport | None) -> str:
     dtype_max = f"{FP8_MAX[_kv_dtype(prov)]:g}"
     clip = "amax" if (prov.strategy or "amax") == "amax" else f"clip (the `{prov.strategy}` clip value)"
     headroom = f" × {fmt_number(prov.headroom)}" if prov.headroom is not None else ""
@@ -266,7 +285,11 @@ def _scales(out: Path, prov: Provenance) -> str:
         "calibration tokens."
     )]
     if prov.layers:
-        parts.append(markdown_table(*layer_table(prov.layer_rows())))
+        rows, changed = _scales_in_file(prov.layer_rows(), report)
+        parts.append(markdown_table(*layer_table(rows)))
+        if changed:
+            parts.append(f"The scale file was changed after calibration (layers {changed}): the k_scale and v_scale "
+                         "columns are the file's, as verify read them; amax and saturation are calibration's.")
     if prov.skipped_layers:
         skipped = ", ".join(str(i) for i in prov.skipped_layers)
         parts.append(f"Layers without their own KV cache (no scale): {skipped}.")

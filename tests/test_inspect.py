@@ -106,8 +106,8 @@ def test_inspect_warns_on_each_suspicious_pattern(llama, qwen3, tmp_path):
     edited = write_checkpoint(llama, tmp_path / "edited", KVScales.from_floats({0: 0.01, 1: 0.03}, {0: 0.01, 1: 0.01}),
                               record=doubled)
     assert ("the scale file differs from what fp8kv calibrate recorded in fp8kv.json (layer 1 k_scale 0.03, recorded "
-            "0.01): it was changed after calibration, so fp8kv.json's amax, saturation and the card's scale table "
-            "describe other scales; recalibrate, or verify these as they are") in _inspect(edited)["warnings"]
+            "0.01): it was changed after calibration, so fp8kv.json's amax and saturation describe other scales; "
+            "recalibrate, or verify these as they are") in _inspect(edited)["warnings"]
 
     undeclared = shutil.copytree(ones, tmp_path / "undeclared")
     config = json.loads((undeclared / "config.json").read_text())

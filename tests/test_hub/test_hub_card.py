@@ -97,6 +97,21 @@ def test_card_serve_commands(verified_dir: Path) -> None:
     assert "## Limitations" in text
 
 
+def test_card_shows_the_scales_the_file_holds_when_it_changed_after_calibration(calibrated_dir: Path,
+                                                                               write_report) -> None:
+    from fp8kv.inspection import ScaleRow
+
+    prov = read_provenance(calibrated_dir)
+    first, second = prov.layers
+    write_report(calibrated_dir, scales=(ScaleRow(first.layer, first.k.scale, first.v.scale),
+                                         ScaleRow(second.layer, 0.03, second.v.scale)))
+    text = render_card(calibrated_dir)
+    assert "| 1 | 3.5 | 0.03 | 0.042 % |" in text and "| 1 | 3.5 | 0.007812 |" not in text
+    assert "| 0 | 1.25 | 0.00279 | 0.00 % |" in text
+    assert "The scale file was changed after calibration (layers [1]): the k_scale and v_scale columns are the " \
+           "file's, as verify read them; amax and saturation are calibration's." in text
+
+
 def test_card_of_a_vllm_json_folder_serves_it_where_the_file_is_read(calibrated_dir: Path) -> None:
     """vLLM no longer reads kv_cache_scales.json: a `vllm serve` line would run the cache at scale 1.0."""
     _edit_provenance(calibrated_dir, format="vllm-json")
