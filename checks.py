@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -114,23 +113,13 @@ def _advice(readout: ScaleReadout, provenance: Provenance | None) -> list[Findin
 
 
 def _changed_since_calibration(readout: ScaleReadout, provenance: Provenance | None) -> list[str]:
-    """Each scale whose float32 value is not the one fp8kv calibrate recorded, as 'layer L k_scale X (recorded Y)'."""
+    """Each scale whose float32 value is not the one fp8kv calibrate recorded, as 'layer L k_scale X, recorded Y'."""
     scales = readout.scales
     if scales is None or provenance is None:
         return []
-    changed = []
-    for record in provenance.layers:
-        if record.layer not in scales.layers:
-            continue
-        for name, held, cache in zip(("k_scale", "v_scale"), scales.values(record.layer), (record.k, record.v)):
-            wrote = tuple(cache.scale_per_head or (cache.scale,))
-            if len(held) != len(wrote) or any(_float32(a) != _float32(b) for a, b in zip(held, wrote)):
-                changed.append(f"layer {record.layer} {name} {_shown(held)}, recorded {_shown(wrote)}")
-    return changed
-
-
-def _float32(value: float) -> float:
-    return struct.unpack("f", struct.pack("f", value))[0]
+    held = {layer: scales.values(layer) for layer in scales.layers}
+    return [f"layer {layer} {name} {_shown(now)}, recorded {_shown(wrote)}"
+            for layer, name, now, wrote in provenance.changed_scales(held)]
 
 
 def _shown(values: tuple[float, ...]) -> str:

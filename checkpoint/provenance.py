@@ -9,11 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, is_fp8kv_output, read_artifact, write_file_atomic
+from fp8kv.checkpoint.kvscales import float32
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.json_fields import checked, dataclass_from_json, json_object, typed
@@ -135,6 +137,20 @@ class Provenance:
                           f"{name}_saturation": cache.saturation}
             rows.append(cells)
         return rows
+
+    def changed_scales(self, held: Mapping[int, tuple[Sequence[float], Sequence[float]]]
+                       ) -> list[tuple[int, str, tuple[float, ...], tuple[float, ...]]]:
+        """(layer, "k_scale" or "v_scale", held, recorded) for each scale whose float32 values are not the ones
+        calibrate recorded; `held` maps a layer to its K and V scales as a file holds them (one or one per head)."""
+        changed = []
+        for row in self.layers:
+            if row.layer not in held:
+                continue
+            for name, values, cache in zip(("k_scale", "v_scale"), held[row.layer], (row.k, row.v)):
+                now, wrote = tuple(values), tuple(cache.scale_per_head or (cache.scale,))
+                if len(now) != len(wrote) or any(float32(a) != float32(b) for a, b in zip(now, wrote)):
+                    changed.append((row.layer, name, now, wrote))
+        return changed
 
     def converted(self, version: str, command: str | None, convention: str, converted_from: ConvertedFrom) -> Provenance:
         """This record for the same scales rewritten in `convention` by `fp8kv convert`."""

@@ -252,22 +252,25 @@ def _what_was_done(prov: Provenance, base_model: str | None) -> str:
     return "\n\n".join(parts)
 
 
-def _scales_in_file(rows: list[dict[str, Any]], report: VerifyReport | None) -> tuple[list[dict[str, Any]], list[int]]:
+def _scales_in_file(prov: Provenance, report: VerifyReport | None) -> tuple[list[dict[str, Any]], list[int]]:
     """fp8kv.json's per-layer rows with the scales the file holds (from the verify report, which was made from
     this very folder), and the layers whose scales differ from the recorded ones."""
-    held = {row.layer: row for row in report.scales} if report is not None else {}
-    changed = []
+    rows, in_file = prov.layer_rows(), {row.layer: row for row in report.scales} if report else {}
+    changed = sorted({layer for layer, *_ in prov.changed_scales(
+        {layer: (_values(row.k_scale), _values(row.v_scale)) for layer, row in in_file.items()})})
     for row in rows:
-        if row["layer"] in held:
-            in_file = [_plain(held[row["layer"]].k_scale), _plain(held[row["layer"]].v_scale)]
-            if in_file != [_plain(row["k_scale"]), _plain(row["v_scale"])]:
-                changed.append(row["layer"])
-                row["k_scale"], row["v_scale"] = in_file
+        if row["layer"] in changed:
+            row["k_scale"], row["v_scale"] = _plain(in_file[row["layer"]].k_scale), _plain(in_file[row["layer"]].v_scale)
     return rows, changed
 
 
-def _plain(scale: Any) -> Any:
-    """A scale as one float or a list of per-head floats, whichever container it came in."""
+def _values(scale: float | tuple[float, ...]) -> tuple[float, ...]:
+    """A report's scale (one float, or one per head) as a tuple."""
+    return tuple(scale) if isinstance(scale, (list, tuple)) else (scale,)
+
+
+def _plain(scale: float | tuple[float, ...]) -> float | list[float]:
+    """A report's scale as the per-layer table shows it: one float, or a list per head."""
     return list(scale) if isinstance(scale, (list, tuple)) else scale
 
 
@@ -285,7 +288,7 @@ def _scales(out: Path, prov: Provenance, report: VerifyReport | None) -> str:
         "calibration tokens."
     )]
     if prov.layers:
-        rows, changed = _scales_in_file(prov.layer_rows(), report)
+        rows, changed = _scales_in_file(prov, report)
         parts.append(markdown_table(*layer_table(rows)))
         if changed:
             parts.append(f"The scale file was changed after calibration (layers {changed}): the k_scale and v_scale "
