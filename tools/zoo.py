@@ -89,9 +89,20 @@ _CONSTRUCTION: dict[str, dict[str, Any]] = {
     "emu3": {"vocabulary_map": {"<|extra_200|>": 509, "<image>": 510,
                                 **{f"<|visual token {i:06d}|>": 500 + i for i in range(8)}}},
 }
-# Tower settings a composite config validates against the tiny text model (dots3: adapters into its width).
+# Sizes set on the other towers of a composite config (vision, audio, an image tokenizer's VQ-VAE), named
+# by their sub-config: text-only calibration never runs them, but at their default sizes they are most of
+# the checkpoint (llava's CLIP tower: 300M parameters). Other sub-configs (dbrx's ffn_config) are the text
+# model's own parts.
+_TOWER_KINDS = ("vision", "audio", "vq")
+_TOWER_SIZES: dict[str, Any] = {
+    "num_hidden_layers": NUM_LAYERS, "depth": NUM_LAYERS, "num_blocks": NUM_LAYERS, "hidden_size": 64,
+    "embed_dim": 64, "intermediate_size": 128, "mlp_dim": 128, "num_attention_heads": 4, "num_heads": 4,
+    "head_dim": 16, "base_channels": 32,
+}
+# Tower settings a composite config validates against the tiny towers and text model (dots3: its adapters).
 _TOWER_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
-    "dots3_note": {"vision_config": {"adapter_out_dim": 64}, "audio_config": {"adapter_out_dim": 64}},
+    "dots3_note": {"vision_config": {"adapter_in_dim": 64, "adapter_out_dim": 64},
+                   "audio_config": {"adapter_input_size": 64, "adapter_out_dim": 64}},
 }
 
 
@@ -113,16 +124,28 @@ def tiny_config(model_type: str, vocab_size: int, tokenizer: Any):
     config = AutoConfig.for_model(model_type, **_CONSTRUCTION.get(model_type, {}))
     text = config.get_text_config(decoder=True)
     values = _shrunk(text, vocab_size, tokenizer) | _OVERRIDES.get(model_type, {})
-    if text is config:
-        return type(config).from_dict({**config.to_dict(), **values})
     data = config.to_dict()
+    if text is config:
+        data.update(values)
     for name in config.sub_configs:
-        if getattr(config, name, None) is getattr(config, "text_config", None) and name in data:
+        if not isinstance(data.get(name), dict):
+            continue
+        if getattr(config, name, None) is text:
             data[name] = {**data[name], **values}
+        elif any(kind in name for kind in _TOWER_KINDS):
+            data[name] = _tiny_tower(data[name])
     data.update({k: v for k, v in values.items() if k in ("vocab_size",) and "vocab_size" in data})
     for name, tower in _TOWER_OVERRIDES.get(model_type, {}).items():
         data[name] = {**data[name], **tower}
     return type(config).from_dict(data)
+
+
+def _tiny_tower(tower: dict[str, Any]) -> dict[str, Any]:
+    """A vision or audio tower's config at the tower sizes; per-layer overrides past its layers are dropped."""
+    shrunk = tower | {k: v for k, v in _TOWER_SIZES.items() if k in tower}
+    if isinstance(tower.get("per_layer_config"), dict):
+        shrunk["per_layer_config"] = {k: v for k, v in tower["per_layer_config"].items() if int(k) < NUM_LAYERS}
+    return shrunk
 
 
 def _shrunk(text: Any, vocab_size: int, tokenizer: Any) -> dict[str, Any]:
