@@ -1,0 +1,117 @@
+"""The engine models write what the engines' own conversion code writes, for every bf16 value.
+
+tests/engine_writes.cpp runs the CUDA engines' writes through NVIDIA's cuda_fp8.hpp and PyTorch's c10
+headers (from the nvidia-cuda-* and torch packages in the venv), compiled for the host; tpu-inference's
+write runs as its JAX expression on the CPU. Every finite bf16 value and both infinities are written at
+scales chosen to land values on and past the fp8 maximum, and random float32 activations stand in for
+a float32 model; the bytes must equal the engine models', on the installed torch's cast and on a
+saturating one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fp8kv.engine_models import engine_model
+from fp8kv.fp8 import FP8_DTYPES
+
+SOURCE = Path(__file__).with_name("engine_writes.cpp")
+# Scales that put bf16 values on the fp8 maxima and their rounding midpoints (448, 464, 57344, 61440), and a
+# few that are not exact in bf16 (the engines that divide in bf16 round them first).
+SCALES = (1.0, 0.5017, 0.0123, 2.0**-7, 3.3, 1e-3, 0.04321, 7.77e-5, 0.2, 1.9e-2)
+E4M3, E5M2 = FP8_DTYPES["fp8_e4m3"], FP8_DTYPES["fp8_e5m2"]
+# The writes engine_writes.cpp emits per scale, in order: (engine, cache dtype).
+BF16_WRITES = (("vllm-cuda", E4M3), ("vllm-cuda", E5M2), ("sglang", E4M3), ("sglang", E5M2),
+               ("tensorrt-llm", E4M3))
+F32_WRITES = BF16_WRITES[:4]
+# vLLM's Triton write stores the same float32 quotient through the same saturating conversion as vLLM CUDA.
+SAME_WRITE = {"vllm-cuda": ("vllm-cuda", "vllm-triton")}
+
+
+def _include_dirs() -> list[Path]:
+    """cuda_fp8.h and what it includes (cuda_runtime, crt from cuda_nvcc, nv/target from cuda_cccl), and c10."""
+    dirs = []
+    for package in ("nvidia.cuda_runtime", "nvidia.cuda_nvcc", "nvidia.cuda_cccl"):
+        spec = importlib.util.find_spec(package)
+        assert spec is not None and spec.submodule_search_locations, \
+            f"{package} is not installed: `make test` installs it with the dev extra"
+        dirs.append(Path(next(iter(spec.submodule_search_locations))) / "include")
+    return [*dirs, Path(torch.__file__).parent / "include"]
+
+
+@pytest.fixture(scope="module")
+def engine_writes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    compiler = shutil.which("g++") or shutil.which("c++")
+    assert compiler, "a C++ compiler (g++) is needed to build tests/engine_writes.cpp"
+    binary = tmp_path_factory.mktemp("vendor") / "engine_writes"
+    includes = [f"-I{d}" for d in _include_dirs()]
+    subprocess.run([compiler, "-std=c++17", "-O2", *includes, str(SOURCE), "-o", str(binary)], check=True)
+    return binary
+
+
+def _vendor_bytes(binary: Path, mode: str, inputs: torch.Tensor, folder: Path) -> np.ndarray:
+    """[scale, write, input] bytes from engine_writes.cpp."""
+    (folder / "inputs").write_bytes(inputs.float().numpy().tobytes())
+    subprocess.run([str(binary), mode, str(folder / "inputs"), str(folder / "out"), *map(repr, SCALES)], check=True)
+    writes = len(BF16_WRITES if mode == "bf16" else F32_WRITES)
+    return np.fromfile(folder / "out", dtype=np.uint8).reshape(len(SCALES), writes, len(inputs))
+
+
+def _every_bf16() -> torch.Tensor:
+    """Every bf16 value but NaN, infinities included."""
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return values[~values.isnan()]
+
+
+def _float32_activations() -> torch.Tensor:
+    """Random float32 values from 1e-12 to 1e6 in magnitude, both signs, and the scaled fp8 limits."""
+    generator = torch.Generator().manual_seed(0)
+    magnitudes = 10.0 ** (torch.rand(200_000, generator=generator) * 18 - 12)
+    signs = torch.where(torch.rand(200_000, generator=generator) < 0.5, -1.0, 1.0)
+    limits = torch.tensor([448.0, 464.0, 480.0, 57344.0, 61440.0, 65536.0])
+    near = torch.cat([limits * s * f for s in SCALES for f in (0.999999, 1.0, 1.000001)])
+    return torch.cat([magnitudes * signs, near, torch.tensor([0.0, -0.0, float("inf"), -float("inf")])])
+
+
+def _assert_same(expected: np.ndarray, got: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """Equal bytes, where a NaN equals a NaN of any sign (c10 keeps the input's sign; fp8kv writes +NaN or -NaN
+    by the sign of the value it failed to represent, which is the same sign)."""
+    got_bytes = got.view(torch.uint8).numpy()
+    nan = torch.from_numpy(expected).view(dtype).float().isnan().numpy() & got.float().isnan().numpy()
+    differ = (expected != got_bytes) & ~nan
+    assert not differ.any(), f"{what}: {differ.sum()} of {differ.size} bytes differ, first at input #{differ.argmax()}"
+
+
+@pytest.mark.parametrize("mode", ["bf16", "f32"])
+def test_cuda_engines_write_what_nvidias_and_torchs_conversions_write(engine_writes, mode, cast, tmp_path):
+    inputs = _every_bf16() if mode == "bf16" else _float32_activations()
+    expected = _vendor_bytes(engine_writes, mode, inputs, tmp_path)
+    writes = BF16_WRITES if mode == "bf16" else F32_WRITES
+    for i, scale in enumerate(SCALES):
+        for j, (name, dtype) in enumerate(writes):
+            for engine in SAME_WRITE.get(name, (name,)):
+                got = engine_model(engine).write(inputs, torch.tensor(scale), dtype)
+                _assert_same(expected[i, j], got, dtype, f"{engine} {mode} -> {dtype} at scale {scale}")
+
+
+def test_tpu_inference_writes_what_its_jax_expression_writes(cast, monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # libtpu is installed: without this, jax looks for a TPU first
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    inputs = _every_bf16()
+    tensor = jnp.asarray(inputs.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+    finfo = jnp.finfo(jnp.float8_e4m3fn)
+    for scale in SCALES:
+        # static_per_tensor_quantize_tensor, with the Python float layer._k_scale_float as the scale
+        stored = jnp.clip(tensor / scale, float(finfo.min), float(finfo.max)).astype(jnp.float8_e4m3fn)
+        expected = np.asarray(stored).view(np.uint8)
+        got = engine_model("tpu-inference").write(inputs, torch.tensor(scale), E4M3)
+        _assert_same(expected, got, E4M3, f"tpu-inference at scale {scale}")
