@@ -84,7 +84,7 @@ def _assert_same(expected: np.ndarray, got: torch.Tensor, dtype: torch.dtype, wh
     """Equal bytes, where a NaN equals a NaN of any sign (c10 keeps the input's sign; fp8kv writes +NaN or -NaN
     by the sign of the value it failed to represent, which is the same sign)."""
     got_bytes = got.view(torch.uint8).numpy()
-    nan = torch.from_numpy(expected).view(dtype).float().isnan().numpy() & got.float().isnan().numpy()
+    nan = torch.from_numpy(expected.copy()).view(dtype).float().isnan().numpy() & got.float().isnan().numpy()
     differ = (expected != got_bytes) & ~nan
     assert not differ.any(), f"{what}: {differ.sum()} of {differ.size} bytes differ, first at input #{differ.argmax()}"
 
