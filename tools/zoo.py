@@ -1,7 +1,8 @@
 """Tiny checkpoints of every causal-LM architecture the installed transformers knows.
 
 Each one is built from transformers' own config class (its defaults, shrunk: 2 layers, hidden 64,
-4 heads of 16, 2 KV heads, a vocabulary matching the factory tokenizer), seeded, saved as bf16
+4 heads of 16, 2 KV heads, a vocabulary matching the factory tokenizer; vision and audio towers as
+small), seeded, saved as bf16
 safetensors with the factory tokenizer. Tests and the docs/architectures.md table enumerate them from
 `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, so a new transformers release brings its new architectures.
 
