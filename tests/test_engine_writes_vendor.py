@@ -2,9 +2,9 @@
 
 tests/engine_writes.cpp runs the CUDA engines' writes through NVIDIA's cuda_fp8.hpp and PyTorch's c10
 headers (from the nvidia-cuda-* and torch packages in the venv), compiled for the host; tpu-inference's
-write runs as its JAX expression on the CPU. Every finite bf16 value and both infinities are written at
-scales chosen to land values on and past the fp8 maximum, and random float32 activations stand in for
-a float32 model; the bytes must equal the engine models', on the installed torch's cast and on a
+write runs as its JAX expression on the CPU. Every bf16 and fp16 value but NaN is written at scales
+chosen to land values on and past the fp8 maximum, and random float32 activations stand in for a
+float32 model; the bytes must equal the engine models', on the installed torch's cast and on a
 saturating one.
 """
 
@@ -27,10 +27,10 @@ SOURCE = Path(__file__).with_name("engine_writes.cpp")
 # few that are not exact in bf16 (the engines that divide in bf16 round them first).
 SCALES = (1.0, 0.5017, 0.0123, 2.0**-7, 3.3, 1e-3, 0.04321, 7.77e-5, 0.2, 1.9e-2)
 E4M3, E5M2 = FP8_DTYPES["fp8_e4m3"], FP8_DTYPES["fp8_e5m2"]
-# The writes engine_writes.cpp emits per scale, in order: (engine, cache dtype).
-BF16_WRITES = (("vllm-cuda", E4M3), ("vllm-cuda", E5M2), ("sglang", E4M3), ("sglang", E5M2),
-               ("tensorrt-llm", E4M3))
-F32_WRITES = BF16_WRITES[:4]
+# The writes engine_writes.cpp emits per scale, in order, for each activation dtype (its MODE): (engine, cache
+# dtype). The TensorRT-LLM write is emitted for 16-bit activations.
+_WRITES = (("vllm-cuda", E4M3), ("vllm-cuda", E5M2), ("sglang", E4M3), ("sglang", E5M2))
+WRITES = {"bf16": (*_WRITES, ("tensorrt-llm", E4M3)), "f16": (*_WRITES, ("tensorrt-llm", E4M3)), "f32": _WRITES}
 # vLLM's Triton write stores the same float32 quotient through the same saturating conversion as vLLM CUDA.
 SAME_WRITE = {"vllm-cuda": ("vllm-cuda", "vllm-triton")}
 
@@ -60,13 +60,12 @@ def _vendor_bytes(binary: Path, mode: str, inputs: torch.Tensor, folder: Path) -
     """[scale, write, input] bytes from engine_writes.cpp."""
     (folder / "inputs").write_bytes(inputs.float().numpy().tobytes())
     subprocess.run([str(binary), mode, str(folder / "inputs"), str(folder / "out"), *map(repr, SCALES)], check=True)
-    writes = len(BF16_WRITES if mode == "bf16" else F32_WRITES)
-    return np.fromfile(folder / "out", dtype=np.uint8).reshape(len(SCALES), writes, len(inputs))
+    return np.fromfile(folder / "out", dtype=np.uint8).reshape(len(SCALES), len(WRITES[mode]), len(inputs))
 
 
-def _every_bf16() -> torch.Tensor:
-    """Every bf16 value but NaN, infinities included."""
-    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+def _every(dtype: torch.dtype) -> torch.Tensor:
+    """Every value of a 16-bit float dtype but NaN, infinities included."""
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     return values[~values.isnan()]
 
 
@@ -89,13 +88,13 @@ def _assert_same(expected: np.ndarray, got: torch.Tensor, dtype: torch.dtype, wh
     assert not differ.any(), f"{what}: {differ.sum()} of {differ.size} bytes differ, first at input #{differ.argmax()}"
 
 
-@pytest.mark.parametrize("mode", ["bf16", "f32"])
+@pytest.mark.parametrize("mode", ["bf16", "f16", "f32"])
 def test_cuda_engines_write_what_nvidias_and_torchs_conversions_write(engine_writes, mode, cast, tmp_path):
-    inputs = _every_bf16() if mode == "bf16" else _float32_activations()
+    inputs = {"bf16": lambda: _every(torch.bfloat16), "f16": lambda: _every(torch.float16),
+              "f32": _float32_activations}[mode]()
     expected = _vendor_bytes(engine_writes, mode, inputs, tmp_path)
-    writes = BF16_WRITES if mode == "bf16" else F32_WRITES
     for i, scale in enumerate(SCALES):
-        for j, (name, dtype) in enumerate(writes):
+        for j, (name, dtype) in enumerate(WRITES[mode]):
             for engine in SAME_WRITE.get(name, (name,)):
                 got = engine_model(engine).write(inputs, torch.tensor(scale), dtype)
                 _assert_same(expected[i, j], got, dtype, f"{engine} {mode} -> {dtype} at scale {scale}")
@@ -106,7 +105,7 @@ def test_tpu_inference_writes_what_its_jax_expression_writes(cast, monkeypatch):
     import jax.numpy as jnp
     import ml_dtypes
 
-    inputs = _every_bf16()
+    inputs = _every(torch.bfloat16)
     tensor = jnp.asarray(inputs.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
     finfo = jnp.finfo(jnp.float8_e4m3fn)
     for scale in SCALES:
