@@ -150,8 +150,9 @@ ENGINE_MODELS: tuple[EngineModel, ...] = (
                 attention="pallas-kernel"),
     EngineModel("vllm-triton", fp32_divide, True,
                 "vLLM main (commit 027e07f), vllm/v1/attention/ops/triton_reshape_and_cache_flash.py: key_load / "
-                "tl.load(k_scale) (float32), implicit cast in tl.store, which Triton lowers on NVIDIA to "
-                "cvt.rn.satfinite.e4m3x2.f32 (ElementwiseOpToLLVM.cpp)", _SATURATES),
+                "tl.load(k_scale) (float32), implicit cast in tl.store, which Triton lowers on NVIDIA sm90+ to "
+                "cvt.rn.satfinite.e4m3x2.f32 (ElementwiseOpToLLVM.cpp); Triton's float32 / is div.full.f32 "
+                "(within 2 ulp, not correctly rounded), modelled as the exact quotient", _SATURATES),
     EngineModel("tpu-inference", activation_divide, True,
                 "tpu-inference v0.27.0, tpu_inference/layers/common/quantization/__init__.py "
                 "static_per_tensor_quantize_tensor: jnp.clip(tensor / scale, finfo.min, finfo.max).astype(dtype), "
@@ -163,7 +164,8 @@ ENGINE_MODELS: tuple[EngineModel, ...] = (
                 "SGLang main (late 2026), python/sglang/srt/mem_cache/memory_pool.py set_kv_buffer: "
                 "cache_k.div_(k_scale) on the bf16 tensor, k_scale the 0-dim float32 CUDA parameter layer.k_scale "
                 "(layers/quantization/kv_cache.py, commit 078e5e2), which PyTorch's CUDA division reads as bf16 "
-                "(BinaryDivTrueKernel.cu DivFunctor<scalar_t>); then cache_k.to(fp8), torch's CUDA cast", _NAN),
+                "(BinaryDivTrueKernel.cu DivFunctor<scalar_t>); then cache_k.to(fp8), the CUDA cast of torch 2.11.0, "
+                "which SGLang pins (c10's conversion: NaN past the range; torch 2.12 and later saturate e4m3)", _NAN),
     EngineModel("tensorrt-llm", activation_reciprocal_multiply, True,
                 "TensorRT-LLM main (commit 9144c0e, late 2026), PyTorch backend: "
                 "tensorrt_llm/_torch/attention_backend/trtllm.py sets kv_cache_scaling_factor = torch.ones(1) and "

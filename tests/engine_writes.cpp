@@ -26,14 +26,14 @@
 namespace {
 
 // vLLM CUDA's scaled_vec_conversion: __nv_cvt_float_to_fp8(float(a) / scale, __NV_SATFINITE, fp8_type).
-// vLLM's Triton write divides the same float32 values and stores through cvt.rn.satfinite: the same bytes.
 uint8_t vllm_cuda(float x, float scale, __nv_fp8_interpretation_t format) {
   return __nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, format);
 }
 
 // SGLang: cache_k.div_(k_scale), then cache_k.to(fp8). A bf16 (fp16) tensor divided by a 0-dim float32
 // CUDA tensor runs DivFunctor<BFloat16> (<Half>): both operands in that type, the quotient rounded to it.
-// The cast is c10's constructor, which torch's CUDA copy kernel calls for each element.
+// The cast is c10's constructor, which torch's CUDA copy kernel calls for each element: torch 2.11's, the
+// version SGLang pins, converts as the installed torch 2.9's headers do (NaN past the range).
 template <typename Activation, typename Fp8>
 uint8_t sglang_16bit(float x, float scale) {
   Activation quotient = Activation(x) / Activation(scale);

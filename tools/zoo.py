@@ -2,7 +2,7 @@
 
 Each one is built from transformers' own config class (its defaults, shrunk: 2 layers, hidden 64,
 4 heads of 16, 2 KV heads, a vocabulary matching the factory tokenizer; vision and audio towers as
-small), seeded, saved as bf16
+small where their config sets the sizes), seeded, saved as bf16
 safetensors with the factory tokenizer. Tests and the docs/architectures.md table enumerate them from
 `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, so a new transformers release brings its new architectures.
 
@@ -142,7 +142,12 @@ def tiny_config(model_type: str, vocab_size: int, tokenizer: Any):
 
 
 def _tiny_tower(tower: dict[str, Any]) -> dict[str, Any]:
-    """A vision or audio tower's config at the tower sizes; per-layer overrides past its layers are dropped."""
+    """A vision or audio tower's config at the tower sizes; per-layer overrides past its layers are dropped.
+
+    A tower built from a named timm architecture (Gemma 3n's MobileNet) keeps its config: the name fixes its sizes.
+    """
+    if "architecture" in tower:
+        return tower
     shrunk = tower | {k: v for k, v in _TOWER_SIZES.items() if k in tower}
     if isinstance(tower.get("per_layer_config"), dict):
         shrunk["per_layer_config"] = {k: v for k, v in tower["per_layer_config"].items() if int(k) < NUM_LAYERS}
