@@ -57,7 +57,7 @@ def to_fp8(y: torch.Tensor, dtype: torch.dtype, *, saturate: bool) -> torch.Tens
     cast): ±MAX past the range, inf included. saturate=False is a plain conversion: values up to
     `RAW_CAST_FINITE_LIMIT` round to ±MAX, larger ones become NaN (e4m3fn) or ±inf (e5m2). NaN stays
     NaN in both. torch's cast only ever sees values within ±MAX, so the bytes do not depend on
-    whether the installed torch's cast saturates (torch >= 2.12 on CPU) or not (torch 2.9).
+    whether the installed torch's cast saturates (torch >= 2.12, e4m3) or not (torch 2.9).
     """
     kv = _KV_DTYPE_OF[dtype]
     limit = FP8_MAX[kv]

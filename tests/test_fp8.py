@@ -1,7 +1,7 @@
 """The fp8 facts every stage imports: MAX, the plain cast's limits, and fp8kv's own cast.
 
 The expected bytes are written out, and the same bytes must come back when torch's cast saturates
-(torch >= 2.12 on CPU; emulated here): fp8kv decides every out-of-range value itself.
+(torch >= 2.12; emulated here): fp8kv decides every out-of-range value itself.
 """
 
 from __future__ import annotations
