@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed-stamp
 # The XLA:CPU path of torch_xla is part of every test run.
 export PJRT_DEVICE ?= CPU
 export TOKENIZERS_PARALLELISM ?= false
+# No pip cache: the venv is about 9 GB (torch's CUDA wheel and its libraries), and a cached copy of every
+# wheel beside it has filled a CI disk.
+export PIP_NO_CACHE_DIR ?= 1
 
 .PHONY: venv demo test bench clean
 
