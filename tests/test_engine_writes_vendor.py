@@ -4,8 +4,8 @@ tests/engine_writes.cpp runs the CUDA engines' writes through NVIDIA's cuda_fp8.
 headers (from the nvidia-cuda-* and torch packages in the venv), compiled for the host; tpu-inference's
 write runs as its JAX expression on the CPU. Every bf16 and fp16 value but NaN is written at scales
 chosen to land values on and past the fp8 maximum, and random float32 activations stand in for a
-float32 model; the bytes must equal the engine models', on the installed torch's cast and on a
-saturating one.
+float32 model; the bytes must equal the engine models' under both torch casts (NaN past the range, as
+before torch 2.12, and saturating, as from 2.12).
 """
 
 from __future__ import annotations
