@@ -183,7 +183,9 @@ class PagedModelRunner:
             attention, as fp8 attention kernels do (None: the query stays in the model dtype).
         attention_numerics: the arithmetic of the torch backend (`runtime.attention.AttentionNumerics`):
             "float32" (default), or torch_xla's "xla-reference" or "pallas-kernel" rounding reproduced. On the
-            "xla" backend torch_xla's function has its own, and only that one may be asked for.
+            "xla" backend torch_xla's function has its own, and only that one may be asked for. A model that does
+            not attend through the ragged paged attention (`runs_ragged_attention`) takes none: its logits come
+            from its own arithmetic (`arithmetic`).
 
     A multi-head latent attention model (`geometry.latent`) runs on a `LatentPagedCache` instead: one
     latent vector per token, quantized with k_scale, expanded through `kv_b_proj` when attending.
@@ -255,6 +257,11 @@ class PagedModelRunner:
         # The Pallas kernel where vLLM's TPU backend would run it; torch_xla's reference elsewhere.
         self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu" and g.latent is None and all(
             kernel_supported(tpu_version(), g.layer_kv_heads(layer), self.cache.dtype) for layer in g.kv_layers))
+        self.ragged = runs_ragged_attention(self.model, g)
+        if attention_numerics is not None and not self.ragged:
+            raise Fp8kvError(f"attention numerics {attention_numerics!r}: {g.model_type} attends in its own code or "
+                             "over MLA latents, in the model's dtype; only the ragged paged attention reproduces "
+                             "another arithmetic")
         self.numerics = _resolve_numerics(attention_numerics, self.backend, self.use_kernel)
         self.allocator = PageAllocator(self.cache.num_pages, page_size)
         if q_scales is not None and self.cache_view:
@@ -267,6 +274,13 @@ class PagedModelRunner:
         self._forwards: list[tuple[ForwardCounts, list[int]]] = []  # the last step's, with each sequence's token bounds
         self._next_id = 0
         self._sync()  # materialize the zeroed caches, so the first step compiles the same graph as later ones
+
+    @property
+    def arithmetic(self) -> str:
+        """The attention arithmetic the logits come from: `numerics` where the ragged paged attention attends;
+        the model's dtype where the model attends in its own code over a cache view, or over MLA latents (both
+        read the K/V dequantized into that dtype)."""
+        return self.numerics if self.ragged else str(self.model.dtype).removeprefix("torch.")
 
     @property
     def attention(self) -> str:
@@ -438,6 +452,13 @@ def _position_offset(model: torch.nn.Module) -> int:
 
 def _bucket(n: int, smallest: int = 8) -> int:
     return max(smallest, 1 << (n - 1).bit_length())
+
+
+def runs_ragged_attention(model: torch.nn.Module, geometry: AttentionGeometry) -> bool:
+    """Whether `model` (from `load_model`) attends through the ragged paged attention, whose arithmetic a
+    runner's `attention_numerics` chooses: not a model with its own attention code (it reads a cache view), nor
+    MLA (`runtime.latent` attends over the latents)."""
+    return model.config._attn_implementation == ATTN_IMPLEMENTATION and geometry.latent is None
 
 
 def _resolve_backend(choice: str, device: RuntimeDevice) -> str:

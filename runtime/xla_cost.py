@@ -65,7 +65,7 @@ class RuntimeSummary:
     were compiled.
 
     `attention_calls` counts calls by the function that ran; `use_kernel` is whether torch_xla's Pallas kernel
-    was among them; `attention_numerics` is the arithmetic of the ragged paged attention (`runtime.attention`).
+    was among them; `attention_numerics` is the arithmetic the logits come from (the runner's `arithmetic`).
     The fallbacks and compiles are None off XLA.
     """
 
@@ -90,4 +90,4 @@ def _summary(runner: PagedModelRunner, fallbacks: int | None, compiled: Compiles
     from fp8kv.runtime.attention import XLA_KERNEL
 
     calls = dict(sorted(runner.calls.items()))
-    return RuntimeSummary(runner.attention, calls.get(XLA_KERNEL, 0) > 0, calls, runner.numerics, fallbacks, compiled)
+    return RuntimeSummary(runner.attention, calls.get(XLA_KERNEL, 0) > 0, calls, runner.arithmetic, fallbacks, compiled)

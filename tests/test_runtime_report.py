@@ -13,6 +13,7 @@ import torch_xla  # noqa: E402
 
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
 from fp8kv.data import DataRequest  # noqa: E402
+from fp8kv.errors import Fp8kvError  # noqa: E402
 from fp8kv.tools.factory import make_checkpoint  # noqa: E402
 from fp8kv.tools.zoo import make_zoo_checkpoint  # noqa: E402
 from fp8kv.runtime import runner as runtime_runner  # noqa: E402
@@ -48,6 +49,25 @@ def test_models_attending_outside_the_paged_function_report_what_ran(model_type,
         summary = summarize(runner, PROMPT[:4], 0 if device == "xla-cpu" else None)
         calls = 2 if device == "cpu" else 2 + 4 * 2  # on XLA summarize runs two prefills and two decodes more
         assert (summary.attention, summary.attention_calls, summary.use_kernel) == (name, {name: calls}, False)
+        assert summary.attention_numerics == "bfloat16"  # the model's own arithmetic, in its dtype, not fp8kv's
+    with pytest.raises(Fp8kvError, match="only the ragged paged attention reproduces another arithmetic"):
+        _run(model_dir, device="cpu", attention_numerics="pallas-kernel")
+
+
+def test_engine_attention_names_the_arithmetic_a_model_attending_in_its_own_code_keeps(tmp_path):
+    text = _text(tmp_path)
+    src = make_zoo_checkpoint("falcon", tmp_path / "falcon")
+    data = DataRequest(str(text), num_samples=2, seq_len=16)
+    calibrate(CalibrationRequest(model=str(src), out=tmp_path / "calibrated", data=data, batch_size=2))
+    result = verify(VerifyRequest(tmp_path / "calibrated", data=data, batch_size=2, num_prompts=1, prompt_len=8,
+                                  new_tokens=2, device="cpu", report_dir=tmp_path / "report",
+                                  engines=("vllm-cuda", "vllm-tpu"), engine_attention=True))
+    # vllm-tpu would attend as the Pallas kernel does, but falcon's own attention code runs for every engine
+    assert {e.engine: e.attention for e in result.report.held_out.engines} == {"vllm-cuda": "bfloat16",
+                                                                               "vllm-tpu": "bfloat16"}
+    notes = [r.message for r in result.report.reasons if r.level == "INFO" and "--engine-attention" in r.message]
+    assert notes == ["--engine-attention: falcon attends in its own code or over MLA latents, in bfloat16; every "
+                     "engine model attends that way here, so only its write is its own"]
 
 
 def test_the_paged_function_reports_torch_or_torch_xla_by_calls(tmp_path):
@@ -94,11 +114,16 @@ def test_on_a_tpu_heads_that_do_not_tile_fail_vllm_tpu_naming_the_rule(kv_heads,
     assert tpu_kernel_reasons("tpu", runner.geometry, runner.calls, ("vllm-cuda",)) == []  # vllm-tpu not judged
 
 
-def test_verify_on_a_tpu_fails_vllm_tpu_for_heads_that_do_not_tile(monkeypatch, tmp_path):
+def _text(tmp_path):
     from pydoc_data.topics import topics
 
     text = tmp_path / "text.jsonl"
     text.write_text("".join(json.dumps({"text": topics[k][:300]}) + "\n" for k in sorted(topics)[40:44]))
+    return text
+
+
+def test_verify_on_a_tpu_fails_vllm_tpu_for_heads_that_do_not_tile(monkeypatch, tmp_path):
+    text = _text(tmp_path)
     src = make_checkpoint("llama", tmp_path / "src", num_heads=6, num_kv_heads=3, hidden_size=96)
     data = DataRequest(str(text), num_samples=2, seq_len=16)
     calibrate(CalibrationRequest(model=str(src), out=tmp_path / "calibrated", data=data, batch_size=2))

@@ -26,7 +26,8 @@ from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
 from fp8kv.runtime.cache import Scale
 from fp8kv.runtime.device import resolve_device
-from fp8kv.runtime.runner import PagedModelRunner, SequenceWrites, load_model
+from fp8kv.geometry import AttentionGeometry
+from fp8kv.runtime.runner import PagedModelRunner, SequenceWrites, load_model, runs_ragged_attention
 from fp8kv.checks import FAIL
 from fp8kv.verify.engines import BUG, PASS, first_nonfinite_layer
 from fp8kv.verify.results import Accuracy, CacheShares, EngineResult, QueryCost, Readback
@@ -59,8 +60,10 @@ class Runners:
         common = dict(device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size,
                       model=model)
         k, v = runtime_scales(scales, kv_layers)
-        # the torch attention reproduces an engine's attention arithmetic on request; torch_xla's runs its own
-        own = engine_attention and not resolve_device(device).is_xla
+        # the torch attention reproduces an engine's attention arithmetic on request; torch_xla's runs its own, and
+        # a model attending in its own code or over MLA latents keeps its own (each runner's `arithmetic` says which)
+        own = (engine_attention and not resolve_device(device).is_xla
+               and runs_ragged_attention(model, AttentionGeometry.from_dir(model_dir)))
         numerics = (lambda m: m.attention) if own else (lambda m: None)
         engine_models = {name: engine_model(name) for name in engines}
         key = {name: engine.write_key(numerics(engine)) for name, engine in engine_models.items()}
@@ -228,7 +231,7 @@ class EngineTotals:
         model = engine_model(engine)
         verdict = (FAIL if self.nan_rows else PASS) if model.released else BUG
         return EngineResult(engine, self.loss.perplexity(), self.nan_rows, self.rows, self.lost, self.sequences,
-                            first_nonfinite_layer(runner), model.source, verdict, runner.numerics)
+                            first_nonfinite_layer(runner), model.source, verdict, runner.arithmetic)
 
 
 def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor, ref_probs: torch.Tensor | None = None) -> torch.Tensor:

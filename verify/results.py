@@ -132,7 +132,7 @@ class EngineResult:
     first_nonfinite_layer: int | None  # first KV layer whose cache holds a NaN/inf value
     source: str  # the engine, version and file the model reproduces
     verdict: str  # PASS or FAIL for a released engine, "bug model" for a bug
-    attention: str = "float32"  # the attention arithmetic its logits come from (runtime.attention's numerics)
+    attention: str = "float32"  # the attention arithmetic its logits come from (the runner's `arithmetic`)
 
 
 @dataclass(frozen=True)
