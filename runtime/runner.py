@@ -257,8 +257,8 @@ class PagedModelRunner:
         # The Pallas kernel where vLLM's TPU backend would run it; torch_xla's reference elsewhere.
         self.use_kernel = (self.backend == "xla" and self.runtime_device.kind == "tpu" and g.latent is None and all(
             kernel_supported(tpu_version(), g.layer_kv_heads(layer), self.cache.dtype) for layer in g.kv_layers))
-        self.ragged = runs_ragged_attention(self.model, g)
-        if attention_numerics is not None and not self.ragged:
+        self.runs_ragged = runs_ragged_attention(self.model, g)
+        if attention_numerics is not None and not self.runs_ragged:
             raise Fp8kvError(f"attention numerics {attention_numerics!r}: {g.model_type} attends in its own code or "
                              "over MLA latents, in the model's dtype; only the ragged paged attention reproduces "
                              "another arithmetic")
@@ -280,7 +280,7 @@ class PagedModelRunner:
         """The attention arithmetic the logits come from: `numerics` where the ragged paged attention attends;
         the model's dtype where the model attends in its own code over a cache view, or over MLA latents (both
         read the K/V dequantized into that dtype)."""
-        return self.numerics if self.ragged else str(self.model.dtype).removeprefix("torch.")
+        return self.numerics if self.runs_ragged else str(self.model.dtype).removeprefix("torch.")
 
     @property
     def attention(self) -> str:

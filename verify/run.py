@@ -25,7 +25,6 @@ from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_pat
 from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime import xla_cost
 from fp8kv.runtime.device import resolve_device
-from fp8kv.runtime.runner import runs_ragged_attention
 from fp8kv.verify import accuracy, engines, fidelity, generation, heldout
 from fp8kv.verify.request import VerifyRequest, check_verify_request
 from fp8kv.verify.report import REPORT_JSON, HeldOut, VerifyReport, write_report
@@ -142,7 +141,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
         engine_attention=request.engine_attention,
     )
     timings["load_runners"] = time.perf_counter() - clock
-    if request.engine_attention and not runs_ragged_attention(runners.fp8.model, source.geometry):
+    if request.engine_attention and not runners.fp8.runs_ragged:
         reasons.append(Finding(INFO, f"--engine-attention: {source.geometry.model_type} attends in its own code or over "
                                      f"MLA latents, in {runners.fp8.arithmetic}; every engine model attends that way "
                                      "here, so only its write is its own"))
