@@ -11,14 +11,16 @@ from typer.testing import CliRunner
 
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.cli import app
-from fp8kv.conformance.pack import PACK_JSON, ConformancePack, read_pack
-from fp8kv.conformance.request import CORRECT, ReferenceRequest, SimulateRequest
+from fp8kv.conformance.pack import MODEL_DIR, PACK_JSON, ConformancePack, read_pack, write_answers
+from fp8kv.conformance.request import CORRECT, ReferenceRequest, SimulateRequest, behaviour_engine
 from fp8kv.checkpoint.reader import read_kv_scales
-from fp8kv.conformance.run import _scaled, check, prompt_logprobs, reference, simulate, straddling_factors
+from fp8kv.conformance.run import (_scaled, check, prompt_logprobs, reference, runner_logprobs, simulate,
+                                  straddling_factors)
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import BUGS
 from fp8kv.errors import Fp8kvError
-from fp8kv.runtime.runner import load_model
+from fp8kv.runtime.runner import PagedModelRunner, load_model
+from fp8kv.verify.accuracy import runtime_scales
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +127,24 @@ def test_a_reader_that_stops_reading_ends_check_quietly(pack, tmp_path):
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, stderr
     assert "error" not in stderr and "Traceback" not in stderr, stderr
+
+
+@pytest.mark.parametrize("behaviour", [CORRECT, *BUGS])
+def test_check_names_each_behaviour_computed_in_another_arithmetic(pack, behaviour, tmp_path):
+    """An engine does not compute as fp8kv's float32 reference does: the same behaviour run with bf16 weights and
+    torch_xla's reference roundings (K/V and probabilities in bf16) is still the one `check` names."""
+    prompts = read_pack(pack)[0].prompts
+    model_dir = pack / MODEL_DIR
+    scales = read_kv_scales(model_dir).scales
+    assert scales is not None
+    k, v = runtime_scales(scales, tuple(sorted(scales.k)))
+    runner = PagedModelRunner(model_dir, device="cpu", cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
+                              engine=behaviour_engine(behaviour), dtype=torch.bfloat16,
+                              attention_numerics="xla-reference", max_model_len=max(len(p.token_ids) for p in prompts),
+                              max_num_seqs=len(prompts))
+    answers = runner_logprobs(runner, prompts)
+    write_answers(tmp_path / "engine.jsonl", {pid: values.tolist() for pid, values in answers.items()})
+    result = check(pack, tmp_path / "engine.jsonl")
+    assert result.match == behaviour, result.distances
+    if any(bool(values.isfinite().any()) for values in answers.values()):  # a behaviour that loses every token
+        assert result.distances[behaviour] > 0  # leaves nothing to differ; the others' arithmetic did differ
