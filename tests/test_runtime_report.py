@@ -66,8 +66,8 @@ def test_engine_attention_names_the_arithmetic_a_model_attending_in_its_own_code
     assert {e.engine: e.attention for e in result.report.held_out.engines} == {"vllm-cuda": "bfloat16",
                                                                                "vllm-tpu": "bfloat16"}
     notes = [r.message for r in result.report.reasons if r.level == "INFO" and "--engine-attention" in r.message]
-    assert notes == ["--engine-attention: falcon attends in its own code or over MLA latents, in bfloat16; every "
-                     "engine model attends that way here, so only its write is its own"]
+    assert notes == ["--engine-attention: falcon attends in its own code or over MLA latents, so every engine model "
+                     "attends in bfloat16 here and only its write is its own"]
 
 
 def test_the_paged_function_reports_torch_or_torch_xla_by_calls(tmp_path):

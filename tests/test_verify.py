@@ -272,7 +272,7 @@ def test_cli_json_is_clean_and_flags_override_thresholds(calibrated, texts, tmp_
 def test_verify_runs_on_xla_cpu(calibrated, texts, tmp_path):
     data = DataRequest(str(texts["held"]), num_samples=2, seq_len=16)
     result = verify(_request(calibrated, texts, data=data, device="xla-cpu", num_prompts=1, new_tokens=1,
-                             batch_size=2, report_dir=tmp_path / "report"))
+                             batch_size=2, report_dir=tmp_path / "report", engine_attention=True))
     report, held = result.report, result.report.held_out
     assert report.device == "xla-cpu" and held.readback.equal is True
     assert held.accuracy.kl_mean < 1e-3 and held.accuracy.top1_agreement > 0.9
@@ -280,6 +280,10 @@ def test_verify_runs_on_xla_cpu(calibrated, texts, tmp_path):
     runtime = held.runtime
     assert runtime.attention == "torch_xla.ragged_paged_attention (reference)" and runtime.use_kernel is False
     assert runtime.attention_numerics == "xla-reference"
+    assert {e.attention for e in held.engines} == {"xla-reference"}  # torch_xla's, whatever an engine would run
+    assert [r.message for r in report.reasons if "--engine-attention" in r.message] == [
+        "--engine-attention: torch_xla's attention runs on an XLA device, so every engine model attends in "
+        "xla-reference here and only its write is its own"]
     assert runtime.compiles.warmup > 0 and runtime.compiles.timed == 0
     assert runtime.xla_cpu_fallbacks_per_decode_step >= 0
 

@@ -141,10 +141,11 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
         engine_attention=request.engine_attention,
     )
     timings["load_runners"] = time.perf_counter() - clock
-    if request.engine_attention and not runners.fp8.runs_ragged:
-        reasons.append(Finding(INFO, f"--engine-attention: {source.geometry.model_type} attends in its own code or over "
-                                     f"MLA latents, in {runners.fp8.arithmetic}; every engine model attends that way "
-                                     "here, so only its write is its own"))
+    if request.engine_attention and (xla or not runners.fp8.runs_ragged):
+        why = ("torch_xla's attention runs on an XLA device" if runners.fp8.runs_ragged
+               else f"{source.geometry.model_type} attends in its own code or over MLA latents")
+        reasons.append(Finding(INFO, f"--engine-attention: {why}, so every engine model attends in "
+                                     f"{runners.fp8.arithmetic} here and only its write is its own"))
 
     readback = accuracy.readback(runners.fp8, scales)
     if not readback.equal:
