@@ -32,6 +32,7 @@ from fp8kv.engine_models import BUGS
 from fp8kv.errors import Fp8kvError
 from fp8kv.kvdtypes import RAW_CAST_FINITE_LIMIT
 from fp8kv.progress import StageProgress, announce
+from fp8kv.runtime.attention import AttentionNumerics
 from fp8kv.runtime.runner import PagedModelRunner, load_model
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify.accuracy import prefill, runtime_scales
@@ -173,12 +174,17 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def prompt_logprobs(model_dir: Path, scales: KVScales, prompts: tuple[Prompt, ...], engine: str, device: str,
-                    model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
-    """log p(token i | tokens < i) for i >= 1 of every prompt, float32, from a runner writing as `engine`."""
+                    model: torch.nn.Module | None = None, *, dtype: torch.dtype | None = None,
+                    attention_numerics: AttentionNumerics | None = None) -> dict[str, torch.Tensor]:
+    """log p(token i | tokens < i) for i >= 1 of every prompt, float32, from a runner writing as `engine`.
+
+    `dtype` and `attention_numerics` compute as another engine might (weights in `dtype`, torch_xla's roundings):
+    `PagedModelRunner`'s options of those names.
+    """
     k, v = runtime_scales(scales, tuple(sorted(scales.k)))
     runner = PagedModelRunner(model_dir, device=device, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
                               engine=engine, model=model, max_model_len=max(len(p.token_ids) for p in prompts),
-                              max_num_seqs=len(prompts))
+                              max_num_seqs=len(prompts), dtype=dtype, attention_numerics=attention_numerics)
     return runner_logprobs(runner, prompts)
 
 

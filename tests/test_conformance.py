@@ -14,13 +14,11 @@ from fp8kv.cli import app
 from fp8kv.conformance.pack import MODEL_DIR, PACK_JSON, ConformancePack, read_pack, write_answers
 from fp8kv.conformance.request import CORRECT, ReferenceRequest, SimulateRequest, behaviour_engine
 from fp8kv.checkpoint.reader import read_kv_scales
-from fp8kv.conformance.run import (_scaled, check, prompt_logprobs, reference, runner_logprobs, simulate,
-                                  straddling_factors)
+from fp8kv.conformance.run import _scaled, check, prompt_logprobs, reference, simulate, straddling_factors
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import BUGS
 from fp8kv.errors import Fp8kvError
-from fp8kv.runtime.runner import PagedModelRunner, load_model
-from fp8kv.verify.accuracy import runtime_scales
+from fp8kv.runtime.runner import load_model
 
 
 @pytest.fixture(scope="module")
@@ -134,15 +132,10 @@ def test_check_names_each_behaviour_computed_in_another_arithmetic(pack, behavio
     """An engine does not compute as fp8kv's float32 reference does: the same behaviour run with bf16 weights and
     torch_xla's reference roundings (K/V and probabilities in bf16) is still the one `check` names."""
     prompts = read_pack(pack)[0].prompts
-    model_dir = pack / MODEL_DIR
-    scales = read_kv_scales(model_dir).scales
+    scales = read_kv_scales(pack / MODEL_DIR).scales
     assert scales is not None
-    k, v = runtime_scales(scales, tuple(sorted(scales.k)))
-    runner = PagedModelRunner(model_dir, device="cpu", cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
-                              engine=behaviour_engine(behaviour), dtype=torch.bfloat16,
-                              attention_numerics="xla-reference", max_model_len=max(len(p.token_ids) for p in prompts),
-                              max_num_seqs=len(prompts))
-    answers = runner_logprobs(runner, prompts)
+    answers = prompt_logprobs(pack / MODEL_DIR, scales, prompts, behaviour_engine(behaviour), "cpu",
+                              dtype=torch.bfloat16, attention_numerics="xla-reference")
     write_answers(tmp_path / "engine.jsonl", {pid: values.tolist() for pid, values in answers.items()})
     result = check(pack, tmp_path / "engine.jsonl")
     assert result.match == behaviour, result.distances
