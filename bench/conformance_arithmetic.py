@@ -14,6 +14,7 @@ Prints a table (the match, its distance, the next behaviour's) and writes bench/
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 import torch
@@ -60,8 +61,9 @@ def main() -> None:
     options.add_argument("packs", type=Path, nargs="+")
     args = options.parse_args()
     rows = []
-    for pack_dir in args.packs:
-        rows += run_pack(pack_dir, pack_dir.parent / f"{pack_dir.name}-arithmetic.jsonl")
+    with tempfile.TemporaryDirectory() as tmp:  # the answers `check` reads, kept out of the packs' folders
+        for pack_dir in args.packs:
+            rows += run_pack(pack_dir, Path(tmp) / "answers.jsonl")
     print(f"{'pack':18} {'arithmetic':14} {'behaviour':16} {'named':16} {'distance':>9}  next (distance)")
     for r in rows:
         named = r["match"] if r["match"] == r["behaviour"] else f"{r['match']} (WRONG)"
