@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from fp8kv.checkpoint.artifacts import check_writable_location, write_file_atomic
@@ -119,16 +120,24 @@ def read_pack(folder: Path) -> tuple[ConformancePack, dict[str, dict[str, torch.
     folder = Path(folder)
     if not (folder / PACK_JSON).is_file() or not (folder / REFERENCE).is_file():
         raise Fp8kvError(f"{folder}: no {PACK_JSON} and {REFERENCE}; write a pack with fp8kv conformance reference")
-    pack = ConformancePack.from_json((folder / PACK_JSON).read_text(encoding="utf-8"), str(folder / PACK_JSON))
-    tensors = load_file(str(folder / REFERENCE))
+    pack = ConformancePack.from_json(_read_text(folder / PACK_JSON), str(folder / PACK_JSON))
+    reference = folder / REFERENCE
+    try:
+        tensors = load_file(str(reference))
+    except (OSError, SafetensorError) as exc:
+        raise Fp8kvError(f"{reference}: not a readable safetensors file ({exc}); write the pack again") from None
+    lengths = {p.id: len(p.token_ids) - 1 for p in pack.prompts}
     logprobs: dict[str, dict[str, torch.Tensor]] = {name: {} for name in pack.behaviours}
     for key, tensor in tensors.items():
         name, _, pid = key.partition("/")
+        if name in logprobs and pid in lengths and (tensor.dtype != torch.float32 or tensor.shape != (lengths[pid],)):
+            raise Fp8kvError(f"{reference}: {key} is {str(tensor.dtype).removeprefix('torch.')} "
+                             f"{list(tensor.shape)}; the pack expects float32 [{lengths[pid]}]; write the pack again")
         logprobs.setdefault(name, {})[pid] = tensor
     for name in pack.behaviours:
-        missing = sorted({p.id for p in pack.prompts} - set(logprobs[name]))
+        missing = sorted(set(lengths) - set(logprobs[name]))
         if missing:
-            raise Fp8kvError(f"{folder / REFERENCE}: behaviour {name} has no log-probabilities for prompts {missing}")
+            raise Fp8kvError(f"{reference}: behaviour {name} has no log-probabilities for prompts {missing}")
     return pack, logprobs
 
 
@@ -146,10 +155,11 @@ def read_answers(path: Path, pack: ConformancePack) -> dict[str, torch.Tensor]:
     """
     path = Path(path)
     if not path.is_file():
-        raise Fp8kvError(f"{path}: no such file; write one line per prompt: {{\"id\": ..., \"logprobs\": [...]}}")
+        problem = "a folder, not a file" if path.is_dir() else "no such file"
+        raise Fp8kvError(f"{path}: {problem}; write one line per prompt: {{\"id\": ..., \"logprobs\": [...]}}")
     lengths = {p.id: len(p.token_ids) - 1 for p in pack.prompts}
     answers: dict[str, torch.Tensor] = {}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(_read_text(path).splitlines(), 1):
         if line.strip():
             pid, values = _answer(line, f"{path}:{number}")
             if pid not in lengths:
@@ -168,13 +178,22 @@ def read_answers(path: Path, pack: ConformancePack) -> dict[str, torch.Tensor]:
     return answers
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Fp8kvError(f"{path}: cannot be read as UTF-8 text ({exc})") from None
+
+
 def _answer(line: str, where: str) -> tuple[str, list[Any]]:
     try:
         data = json.loads(line)
-        pid, values = str(data["id"]), list(data["logprobs"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise Fp8kvError(f"{where}: not a {{\"id\", \"logprobs\"}} JSON line ({exc})") from None
-    if not all(v is None or isinstance(v, (int, float)) for v in values):
+    except ValueError as exc:
+        raise Fp8kvError(f"{where}: not a JSON line ({exc})") from None
+    if not isinstance(data, dict) or "id" not in data or not isinstance(data.get("logprobs"), list):
+        raise Fp8kvError(f"{where}: not a {{\"id\": ..., \"logprobs\": [...]}} object")
+    pid, values = str(data["id"]), data["logprobs"]
+    if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
         raise Fp8kvError(f"{where}: logprobs must be numbers or null")
     if any(v is not None and v > 0 for v in values):  # NaN compares False: it stands for a lost token
         raise Fp8kvError(f"{where}: a log-probability above 0 ({max(v for v in values if v is not None):g}); "

@@ -110,6 +110,48 @@ def test_the_pack_round_trips_and_answers_are_checked(pack, tmp_path):
         simulate(SimulateRequest(pack, "raw", tmp_path / "b.jsonl"))
 
 
+@pytest.mark.parametrize(("damage", "message"), [
+    ("answers-binary", r"a.jsonl: cannot be read as UTF-8 text"),
+    ("answers-folder", r"answers: a folder, not a file"),
+    ("answers-list", r"a.jsonl:1: not a \{\"id\": ..., \"logprobs\": \[...\]\} object"),
+    ("answers-bool", r"a.jsonl:1: logprobs must be numbers or null"),
+    ("pack-json-binary", r"pack.json: cannot be read as UTF-8 text"),
+    ("reference-truncated", r"reference.safetensors: not a readable safetensors file"),
+    ("reference-wrong-length", r"reference.safetensors: correct/p0 is float32 \[3\]; the pack expects float32"),
+    ("reference-wrong-dtype", r"reference.safetensors: correct/p0 is int64 \[\d+\]; the pack expects float32"),
+])
+def test_damaged_packs_and_answers_are_one_clear_error(pack, tmp_path, damage, message):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    copy = shutil.copytree(pack, tmp_path / "pack", ignore=shutil.ignore_patterns(MODEL_DIR))
+    answers = tmp_path / "a.jsonl"
+    first = read_pack(pack)[0].prompts[0]
+    simulate(SimulateRequest(pack, CORRECT, answers))
+    reference = copy / "reference.safetensors"
+    tensors = load_file(str(reference))
+    if damage == "answers-binary":
+        answers.write_bytes(b"\xff\xfe{}")
+    elif damage == "answers-folder":
+        answers = tmp_path / "answers"
+        answers.mkdir()
+    elif damage == "answers-list":
+        answers.write_text("[1, 2]\n")
+    elif damage == "answers-bool":
+        answers.write_text(json.dumps({"id": first.id, "logprobs": [True] * (len(first.token_ids) - 1)}) + "\n")
+    elif damage == "pack-json-binary":
+        (copy / PACK_JSON).write_bytes(b"\xff\xfe")
+    elif damage == "reference-truncated":
+        reference.write_bytes(reference.read_bytes()[:100])
+    elif damage == "reference-wrong-length":
+        save_file({**tensors, f"{CORRECT}/{first.id}": torch.zeros(3)}, str(reference))
+    elif damage == "reference-wrong-dtype":
+        save_file({**tensors, f"{CORRECT}/{first.id}": tensors[f"{CORRECT}/{first.id}"].long()}, str(reference))
+    with pytest.raises(Fp8kvError, match=message):
+        check(copy, answers)
+
+
 def test_a_reader_that_stops_reading_ends_check_quietly(pack, tmp_path):
     """`fp8kv conformance check PACK ANSWERS | head -1`: the closed pipe is no fp8kv error and no traceback;
     the command ends with the shell's 141."""
