@@ -58,14 +58,19 @@ def reference_command(
 def check_command(
     pack: Path = typer.Argument(..., metavar="PACK"),
     answers: Path = typer.Argument(..., metavar="ENGINE.jsonl", help='One line per prompt: {"id", "logprobs"}.'),
+    bf16_answers: Path | None = typer.Option(
+        None, "--bf16-answers", metavar="ENGINE-BF16.jsonl",
+        help="The same engine's answers with a bf16 KV cache (vLLM: --kv-cache-dtype auto). Their distance from "
+        "fp8kv's is the engine's own arithmetic; a match counts as close within that plus half the separation."),
     json_output: bool = typer.Option(False, "--json", help='Print {"match": NAME, "distances": {NAME: float}, '
-                                     '"separation": float, "close": bool, "nonfinite": int}.'),
+                                     '"separation": float, "close": bool, "nonfinite": int, '
+                                     '"arithmetic": float or null}.'),
 ) -> None:
     """Name the behaviour the engine's log-probabilities match. Exit 0 for correct (and no log-probability
     NaN/inf/null where the correct behaviour keeps every token), 3 otherwise."""
     from fp8kv.conformance.run import check
 
-    result = check(pack, answers)
+    result = check(pack, answers, bf16_answers)
     if json_output:
         typer.echo(result.to_json(), nl=False)
     else:
@@ -74,10 +79,13 @@ def check_command(
             typer.echo(f"note: {result.nonfinite} of the engine's log-probabilities are NaN/inf/null where the "
                        f"correct behaviour has finite ones: the engine loses tokens, so it is not correct", err=True)
         if not result.close:
-            typer.echo(f"note: the engine is further from {result.match} than half the distance between two "
+            beyond = "" if result.arithmetic is None else " beyond its own arithmetic"
+            typer.echo(f"note: the engine is further from {result.match}{beyond} than half the distance between two "
                        f"behaviours ({result.separation:.3g}): it matches none of them closely", err=True)
         for name, value in sorted(result.distances.items(), key=lambda item: item[1]):
             typer.echo(f"  {name}: mean |delta logprob| {value:.4g}")
+        if result.arithmetic is not None:
+            typer.echo(f"  (the engine's own arithmetic, both with bf16 caches: {result.arithmetic:.4g})")
     raise typer.Exit(ExitCode.PASS if result.correct else ExitCode.FAIL)
 
 

@@ -4,11 +4,12 @@
 #   2. behaviour: SmolLM2 calibrated, a conformance pack written, vLLM scoring its prompts, `fp8kv conformance
 #      check` naming the behaviour vLLM's answers match (vLLM 0.32's CPU conversion rounds toward zero, so
 #      `truncating-cast` is the expected match, not `correct`);
-#   3. the floor: vLLM and fp8kv's runtime both with a bf16 cache, in check's distance (bench/conformance_floor.py).
+#      with vLLM's answers under a bf16 cache beside them (`--bf16-answers`): how far vLLM's own arithmetic lies
+#      from fp8kv's, whatever the fp8 write does.
 # Needs an x86 CPU with AVX-512 or AMX (vLLM's CPU fp8 cache refuses others) and bench/.vllm-venv (built here
 # by bench/vllm_venv.sh when missing; VLLM_PY overrides). About 3.5 minutes on 2 cores once the venv exists.
-# Results in $OUT (default bench/results): vllm_cpu_write.json, vllm-cpu.jsonl, conformance-vllm-cpu.json,
-# conformance-floor.json.
+# Results in $OUT (default bench/results): vllm_cpu_write.json, vllm-cpu.jsonl, vllm-cpu-bf16.jsonl,
+# conformance-vllm-cpu.json.
 #   run: bash bench/cpu_conformance.sh
 set -euo pipefail
 NAME=cpu-conformance
@@ -24,12 +25,12 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
 "$PY" -m fp8kv calibrate smollm2 --out "$WORK/calibrated" --dataset bundled --num-samples 16 --seq-len 256 --quiet
 "$PY" -m fp8kv conformance reference "$WORK/calibrated" --out "$WORK/pack" --mode copy
 "$VLLM_PY" "$REPO/bench/vllm_logprobs.py" "$WORK/pack" --out "$OUT/vllm-cpu.jsonl"
-status=0
-"$PY" -m fp8kv conformance check "$WORK/pack" "$OUT/vllm-cpu.jsonl" || status=$?
-"$PY" -m fp8kv conformance check "$WORK/pack" "$OUT/vllm-cpu.jsonl" --json > "$OUT/conformance-vllm-cpu.json" || true
-# the part of those distances that is arithmetic, not the fp8 write: both with a bf16 cache
+# the same prompts with a bf16 cache, on the pack's source model: vLLM's arithmetic alone
 SOURCE="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["source"]["path"])' "$WORK/calibrated/fp8kv.json")"
-"$VLLM_PY" "$REPO/bench/vllm_logprobs.py" "$WORK/pack" --model "$SOURCE" --kv-cache-dtype auto --out "$WORK/vllm-bf16.jsonl"
-"$PY" "$REPO/bench/conformance_floor.py" "$WORK/pack" "$SOURCE" "$WORK/vllm-bf16.jsonl" --out "$OUT/conformance-floor.json"
+"$VLLM_PY" "$REPO/bench/vllm_logprobs.py" "$WORK/pack" --model "$SOURCE" --kv-cache-dtype auto --out "$OUT/vllm-cpu-bf16.jsonl"
+status=0
+"$PY" -m fp8kv conformance check "$WORK/pack" "$OUT/vllm-cpu.jsonl" --bf16-answers "$OUT/vllm-cpu-bf16.jsonl" || status=$?
+"$PY" -m fp8kv conformance check "$WORK/pack" "$OUT/vllm-cpu.jsonl" --bf16-answers "$OUT/vllm-cpu-bf16.jsonl" --json \
+    > "$OUT/conformance-vllm-cpu.json" || true
 # exit 3 means "not correct", which is this engine's measured behaviour; anything else is an error
 test "$status" -eq 0 -o "$status" -eq 3

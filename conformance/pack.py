@@ -4,7 +4,8 @@ A pack is a folder, written atomically, holding only JSON and safetensors (never
 
     PACK/pack.json          `ConformancePack` (prompts with token ids, behaviours, how the model was made)
     PACK/reference.safetensors   one float32 tensor `[len(token_ids) - 1]` per behaviour and prompt,
-                                 named "BEHAVIOUR/PROMPT_ID": log p(token i | tokens < i), i >= 1
+                                 named "BEHAVIOUR/PROMPT_ID": log p(token i | tokens < i), i >= 1; and
+                                 the same with a bf16 cache, "bf16-cache/PROMPT_ID" (no fp8 write at all)
     PACK/model/             the checkpoint the engine under test must load (the source's scales x factor)
 
 An engine's answer is a JSONL file, one line per prompt: {"id": PROMPT_ID, "logprobs": [...]}, the
@@ -31,6 +32,8 @@ from fp8kv.checkpoint.artifacts import check_writable_location, write_file_atomi
 from fp8kv.errors import Fp8kvError
 
 PACK_JSON, REFERENCE, MODEL_DIR = "pack.json", "reference.safetensors", "model"
+# The log-probabilities with a bf16 cache: an engine's own answers with one measure its arithmetic alone.
+BF16_CACHE = "bf16-cache"
 FORMAT = 1
 
 
@@ -52,6 +55,7 @@ class ConformancePack:
     cannot tell them apart here). `scale_factor` is what the source's scales were multiplied by in
     `model/` (below 1, values cross the fp8 maximum and the clamp is exercised); `separation` is the
     smallest distance between two behaviours, against which an engine's distance to its match is judged.
+    `bf16_cache` says the reference also holds `BF16_CACHE` log-probabilities (packs written before it do not).
     """
 
     source: str
@@ -61,6 +65,7 @@ class ConformancePack:
     behaviours: tuple[str, ...]
     same_as_correct: tuple[str, ...] = ()
     separation: float = 0.0  # the smallest distance between two behaviours' log-probabilities
+    bf16_cache: bool = False
     format: int = FORMAT
 
     def to_json(self) -> str:
@@ -116,7 +121,7 @@ def write_pack(out: Path, pack: ConformancePack, logprobs: dict[str, dict[str, t
 
 
 def read_pack(folder: Path) -> tuple[ConformancePack, dict[str, dict[str, torch.Tensor]]]:
-    """The pack and its reference log-probabilities, `[behaviour][prompt_id]`."""
+    """The pack and its reference log-probabilities, `[behaviour][prompt_id]` (and `[BF16_CACHE]` where written)."""
     folder = Path(folder)
     if not (folder / PACK_JSON).is_file() or not (folder / REFERENCE).is_file():
         raise Fp8kvError(f"{folder}: no {PACK_JSON} and {REFERENCE}; write a pack with fp8kv conformance reference")
@@ -127,17 +132,18 @@ def read_pack(folder: Path) -> tuple[ConformancePack, dict[str, dict[str, torch.
     except (OSError, SafetensorError) as exc:
         raise Fp8kvError(f"{reference}: not a readable safetensors file ({exc}); write the pack again") from None
     lengths = {p.id: len(p.token_ids) - 1 for p in pack.prompts}
-    logprobs: dict[str, dict[str, torch.Tensor]] = {name: {} for name in pack.behaviours}
+    expected = (*pack.behaviours, BF16_CACHE) if pack.bf16_cache else pack.behaviours
+    logprobs: dict[str, dict[str, torch.Tensor]] = {name: {} for name in expected}
     for key, tensor in tensors.items():
         name, _, pid = key.partition("/")
         if name in logprobs and pid in lengths and (tensor.dtype != torch.float32 or tensor.shape != (lengths[pid],)):
             raise Fp8kvError(f"{reference}: {key} is {str(tensor.dtype).removeprefix('torch.')} "
                              f"{list(tensor.shape)}; the pack expects float32 [{lengths[pid]}]; write the pack again")
         logprobs.setdefault(name, {})[pid] = tensor
-    for name in pack.behaviours:
+    for name in expected:
         missing = sorted(set(lengths) - set(logprobs[name]))
         if missing:
-            raise Fp8kvError(f"{reference}: behaviour {name} has no log-probabilities for prompts {missing}")
+            raise Fp8kvError(f"{reference}: {name} has no log-probabilities for prompts {missing}")
     return pack, logprobs
 
 

@@ -2,7 +2,7 @@
 
     reference(ReferenceRequest(model_dir, out))        fp8kv's log-probabilities on fixed prompts, per behaviour
     simulate(SimulateRequest(pack, "no-clamp", out))   an answer file from fp8kv's runtime with that behaviour
-    check(pack, answers)                               the behaviour the answers are closest to, and every distance
+    check(pack, answers, bf16_answers)                 the behaviour the answers are closest to, and every distance
 
 Each behaviour is an engine model (`fp8kv.engine_models`): "correct" is the write every engine should
 do (float32 divide, saturate: vLLM's CUDA and TPU paths), the others are the bug models.
@@ -22,7 +22,8 @@ from fp8kv.checkpoint.kvscales import KVScales, float32
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.conformance.pack import (
-    MODEL_DIR, ConformancePack, Prompt, check_pack_location, read_answers, read_pack, write_answers, write_pack,
+    BF16_CACHE, MODEL_DIR, ConformancePack, Prompt, check_pack_location, read_answers, read_pack, write_answers,
+    write_pack,
 )
 from fp8kv.data import load_tokenizer
 from fp8kv.conformance.request import (
@@ -59,17 +60,24 @@ FLOOR = -100.0
 @dataclass(frozen=True)
 class ConformanceResult:
     """The behaviour an engine's answers match (the nearest), the distance to every behaviour, and the answers'
-    non-finite log-probabilities where the correct behaviour has finite ones (a correct engine has none)."""
+    non-finite log-probabilities where the correct behaviour has finite ones (a correct engine has none).
+
+    `arithmetic` is the distance between the engine's and fp8kv's answers with a bf16 cache, when the engine's
+    were given: what the engine's own arithmetic (its matmuls and attention in another order and precision)
+    adds to every distance, whatever its fp8 write does.
+    """
 
     match: str
     distances: dict[str, float]
     separation: float = 0.0  # the pack's smallest distance between two behaviours
     nonfinite: int = 0
+    arithmetic: float | None = None
 
     @property
     def close(self) -> bool:
-        """Whether the answers lie within half the smallest distance between two behaviours of the match."""
-        return self.distances[self.match] <= self.separation / 2
+        """Whether the answers lie within half the smallest distance between two behaviours of the match, beyond
+        the engine's own arithmetic where it was measured."""
+        return self.distances[self.match] <= (self.arithmetic or 0.0) + self.separation / 2
 
     @property
     def correct(self) -> bool:
@@ -78,7 +86,7 @@ class ConformanceResult:
 
     def to_json(self) -> str:
         return json.dumps({"match": self.match, "distances": self.distances, "separation": self.separation,
-                           "close": self.close, "nonfinite": self.nonfinite}) + "\n"
+                           "close": self.close, "nonfinite": self.nonfinite, "arithmetic": self.arithmetic}) + "\n"
 
 
 def reference(request: ReferenceRequest, progress: StageProgress | None = None) -> ConformancePack:
@@ -111,7 +119,11 @@ def reference(request: ReferenceRequest, progress: StageProgress | None = None) 
         tried.append((separation(logprobs), factor, scales, logprobs))
     gap, factor, scales, logprobs = max(tried, key=lambda t: t[0])
     same = tuple(name for name in BUGS if distance(logprobs[name], logprobs[CORRECT]) == 0.0)
-    pack = ConformancePack(str(model_dir), scales.kv_dtype, factor, prompts, BEHAVIOURS, same, gap)
+    announce(progress, "a bf16 cache")
+    bf16 = PagedModelRunner(source, device=device, cache_dtype="bf16", model=model, max_num_seqs=len(prompts),
+                            max_model_len=max(len(p.token_ids) for p in prompts))
+    logprobs[BF16_CACHE] = runner_logprobs(bf16, prompts)
+    pack = ConformancePack(str(model_dir), scales.kv_dtype, factor, prompts, BEHAVIOURS, same, gap, bf16_cache=True)
     write_pack(out, pack, logprobs,
                lambda folder: write_checkpoint(readout.source.path, folder, scales, mode=request.mode))
     return pack
@@ -158,13 +170,24 @@ def simulate(request: SimulateRequest) -> None:
     write_answers(request.out, {pid: values.tolist() for pid, values in answers.items()})
 
 
-def check(pack_dir: Path, answers_path: Path) -> ConformanceResult:
-    """The behaviour nearest to the engine's answers (the first in the pack's order on a tie)."""
+def check(pack_dir: Path, answers_path: Path, bf16_answers_path: Path | None = None) -> ConformanceResult:
+    """The behaviour nearest to the engine's answers (the first in the pack's order on a tie).
+
+    `bf16_answers_path`: the same engine's answers with a bf16 cache, which measure its own arithmetic.
+    """
     pack, logprobs = read_pack(pack_dir)
     answers = read_answers(answers_path, pack)
+    arithmetic = None
+    if bf16_answers_path is not None:
+        if not pack.bf16_cache:
+            raise Fp8kvError(f"{pack_dir}: the pack has no {BF16_CACHE} log-probabilities to measure the engine's "
+                             "arithmetic against (written by an older fp8kv); write it again with fp8kv conformance "
+                             "reference")
+        arithmetic = distance(read_answers(bf16_answers_path, pack), logprobs[BF16_CACHE])
     distances = {name: distance(answers, logprobs[name]) for name in pack.behaviours}
     nonfinite = sum(int((~answers[pid].isfinite() & logprobs[CORRECT][pid].isfinite()).sum()) for pid in answers)
-    return ConformanceResult(min(pack.behaviours, key=distances.__getitem__), distances, pack.separation, nonfinite)
+    return ConformanceResult(min(pack.behaviours, key=distances.__getitem__), distances, pack.separation, nonfinite,
+                             arithmetic)
 
 
 def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

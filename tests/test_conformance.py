@@ -11,14 +11,17 @@ from typer.testing import CliRunner
 
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.cli import app
-from fp8kv.conformance.pack import MODEL_DIR, PACK_JSON, ConformancePack, read_pack, write_answers
+from fp8kv.conformance.pack import BF16_CACHE, MODEL_DIR, PACK_JSON, ConformancePack, read_pack, write_answers
 from fp8kv.conformance.request import CORRECT, ReferenceRequest, SimulateRequest, behaviour_engine
 from fp8kv.checkpoint.reader import read_kv_scales
-from fp8kv.conformance.run import _scaled, check, prompt_logprobs, reference, simulate, straddling_factors
+from fp8kv.conformance.run import (
+    ConformanceResult, _scaled, check, distance, prompt_logprobs, reference, runner_logprobs, simulate,
+    straddling_factors,
+)
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import BUGS
 from fp8kv.errors import Fp8kvError
-from fp8kv.runtime.runner import load_model
+from fp8kv.runtime.runner import PagedModelRunner, load_model
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +34,7 @@ def pack(tmp_path_factory, corpus) -> Path:
                                  data=DataRequest(corpus, num_samples=6, seq_len=48)))
     written = reference(ReferenceRequest(root / "calibrated", root / "pack"))
     assert written.behaviours == (CORRECT, *BUGS) and written.same_as_correct == () and written.separation > 0
+    assert written.bf16_cache
     return root / "pack"
 
 
@@ -67,7 +71,7 @@ def test_the_cli_prints_json_and_exits_3_unless_correct(pack, tmp_path):
         result = runner.invoke(app, ["conformance", "check", str(pack), str(answers), "--json"])
         assert result.exit_code == code, result.output
         data = json.loads(result.stdout)
-        assert data["match"] == behaviour and set(data["distances"]) == {CORRECT, *BUGS}
+        assert data["match"] == behaviour and set(data["distances"]) == {CORRECT, *BUGS} and data["arithmetic"] is None
         # no-clamp differs from correct only through the tokens it loses
         assert data["close"] and (data["nonfinite"] == 0) == (behaviour == CORRECT)
     # one token lost (null, as vLLM writes a NaN log-probability) where the correct behaviour keeps it: still
@@ -169,10 +173,27 @@ def test_a_reader_that_stops_reading_ends_check_quietly(pack, tmp_path):
     assert "error" not in stderr and "Traceback" not in stderr, stderr
 
 
+def bf16_cache_answers(pack: Path, out: Path, **arithmetic) -> Path:
+    """The pack's prompts answered by fp8kv's runtime with a bf16 cache, in `arithmetic` (runner options)."""
+    prompts = read_pack(pack)[0].prompts
+    runner = PagedModelRunner(pack / MODEL_DIR, device="cpu", cache_dtype="bf16", max_num_seqs=len(prompts),
+                              max_model_len=max(len(p.token_ids) for p in prompts), **arithmetic)
+    write_answers(out, {pid: values.tolist() for pid, values in runner_logprobs(runner, prompts).items()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine_bf16_answers(pack, tmp_path_factory) -> Path:
+    """What an engine computing in bf16 with torch_xla's reference roundings answers with a bf16 cache."""
+    return bf16_cache_answers(pack, tmp_path_factory.mktemp("engine") / "bf16.jsonl", dtype=torch.bfloat16,
+                              attention_numerics="xla-reference")
+
+
 @pytest.mark.parametrize("behaviour", [CORRECT, *BUGS])
-def test_check_names_each_behaviour_computed_in_another_arithmetic(pack, behaviour, tmp_path):
+def test_check_names_each_behaviour_computed_in_another_arithmetic(pack, behaviour, tmp_path, engine_bf16_answers):
     """An engine does not compute as fp8kv's float32 reference does: the same behaviour run with bf16 weights and
-    torch_xla's reference roundings (K/V and probabilities in bf16) is still the one `check` names."""
+    torch_xla's reference roundings (K/V and probabilities in bf16) is still the one `check` names, and given the
+    engine's answers with a bf16 cache, close to it."""
     prompts = read_pack(pack)[0].prompts
     scales = read_kv_scales(pack / MODEL_DIR).scales
     assert scales is not None
@@ -180,6 +201,38 @@ def test_check_names_each_behaviour_computed_in_another_arithmetic(pack, behavio
                               dtype=torch.bfloat16, attention_numerics="xla-reference")
     write_answers(tmp_path / "engine.jsonl", {pid: values.tolist() for pid, values in answers.items()})
     result = check(pack, tmp_path / "engine.jsonl")
-    assert result.match == behaviour, result.distances
+    assert result.match == behaviour and result.arithmetic is None, result.distances
     if any(bool(values.isfinite().any()) for values in answers.values()):  # a behaviour that loses every token
         assert result.distances[behaviour] > 0  # leaves nothing to differ; the others' arithmetic did differ
+    judged = check(pack, tmp_path / "engine.jsonl", engine_bf16_answers)
+    assert judged.distances == result.distances and judged.arithmetic is not None and judged.arithmetic > 0
+    assert judged.close, (judged.distances, judged.arithmetic, judged.separation)
+
+
+def test_the_engine_arithmetic_is_measured_against_a_bf16_cache(pack, tmp_path):
+    _, logprobs = read_pack(pack)
+    assert distance(logprobs[BF16_CACHE], logprobs[CORRECT]) > 0  # no fp8 write in it
+    # fp8kv's own runtime with a bf16 cache computes exactly what the pack holds
+    same = bf16_cache_answers(pack, tmp_path / "same.jsonl")
+    simulate(SimulateRequest(pack, CORRECT, tmp_path / "engine.jsonl"))
+    assert check(pack, tmp_path / "engine.jsonl", same).arithmetic == 0.0
+    result = CliRunner().invoke(app, ["conformance", "check", str(pack), str(tmp_path / "engine.jsonl"),
+                                      "--bf16-answers", str(same)])
+    assert result.exit_code == 0 and "the engine's own arithmetic, both with bf16 caches: 0" in result.output
+    # the margin for a close match is half the separation plus that arithmetic
+    assert ConformanceResult(CORRECT, {CORRECT: 0.08}, separation=0.1, arithmetic=0.04).close
+    assert not ConformanceResult(CORRECT, {CORRECT: 0.08}, separation=0.1).close
+    # a pack written before the bf16 reference: still checked, but cannot measure the arithmetic
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    old = shutil.copytree(pack, tmp_path / "old", ignore=shutil.ignore_patterns(MODEL_DIR))
+    meta = json.loads((old / PACK_JSON).read_text())
+    del meta["bf16_cache"]
+    (old / PACK_JSON).write_text(json.dumps(meta))
+    tensors = load_file(str(old / "reference.safetensors"))
+    save_file({k: t for k, t in tensors.items() if not k.startswith(BF16_CACHE)}, str(old / "reference.safetensors"))
+    assert check(old, tmp_path / "engine.jsonl").match == CORRECT
+    with pytest.raises(Fp8kvError, match="old: the pack has no bf16-cache log-probabilities .* write it again"):
+        check(old, tmp_path / "engine.jsonl", same)
