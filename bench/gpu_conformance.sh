@@ -20,15 +20,16 @@ nvidia-smi --query-gpu=name,memory.total --format=csv || true
 "$PY" -m fp8kv calibrate "$MODEL" --out "$WORK/calibrated" --dataset bundled --num-samples 64 --seq-len 512 \
     --device cuda --quiet
 "$PY" -m fp8kv conformance reference "$WORK/calibrated" --out "$WORK/pack" --mode copy --device cuda
-# the same prompts with a bf16 cache, on the pack's source model: vLLM's arithmetic alone
 SOURCE="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["source"]["path"])' "$WORK/calibrated/fp8kv.json")"
-"$VLLM_PY" "$REPO/bench/vllm_logprobs.py" "$WORK/pack" --model "$SOURCE" --kv-cache-dtype auto --out "$OUT/vllm-bf16.jsonl"
 status=0
 for backend in FLASH_ATTN TRITON_ATTN; do
     VLLM_ATTENTION_BACKEND=$backend "$VLLM_PY" "$REPO/bench/vllm_logprobs.py" "$WORK/pack" \
         --out "$OUT/vllm-$backend.jsonl"
-    "$PY" -m fp8kv conformance check "$WORK/pack" "$OUT/vllm-$backend.jsonl" --bf16-answers "$OUT/vllm-bf16.jsonl" \
-        --json > "$OUT/conformance-$backend.json" || status=$?
+    # the same prompts with a bf16 cache on the pack's source model: this backend's arithmetic alone
+    VLLM_ATTENTION_BACKEND=$backend "$VLLM_PY" "$REPO/bench/vllm_logprobs.py" "$WORK/pack" --model "$SOURCE" \
+        --kv-cache-dtype auto --out "$OUT/vllm-$backend-bf16.jsonl"
+    "$PY" -m fp8kv conformance check "$WORK/pack" "$OUT/vllm-$backend.jsonl" \
+        --bf16-answers "$OUT/vllm-$backend-bf16.jsonl" --json > "$OUT/conformance-$backend.json" || status=$?
     echo "$backend: $(cat "$OUT/conformance-$backend.json")"
 done
 exit $status
