@@ -26,7 +26,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--kv-cache-dtype", default="fp8", help="vLLM's --kv-cache-dtype (fp8 is e4m3).")
     parser.add_argument("--model", type=Path, help="Serve this checkpoint instead of PACK/model (the same "
-                        "tokenizer): the source model with --kv-cache-dtype auto gives `conformance check --bf16-answers`.")
+                        "tokenizer): the source model with --kv-cache-dtype auto gives `conformance check --bf16-answers` "
+                        "(PACK/model would keep an fp8 cache: its config declares one).")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     args = parser.parse_args()
 

@@ -183,7 +183,14 @@ def check(pack_dir: Path, answers_path: Path, bf16_answers_path: Path | None = N
             raise Fp8kvError(f"{pack_dir}: the pack has no {BF16_CACHE} log-probabilities to measure the engine's "
                              "arithmetic against (written by an older fp8kv); write it again with fp8kv conformance "
                              "reference")
-        arithmetic = distance(read_answers(bf16_answers_path, pack), logprobs[BF16_CACHE])
+        bf16_answers = read_answers(bf16_answers_path, pack)
+        arithmetic = distance(bf16_answers, logprobs[BF16_CACHE])
+        nearest = min(pack.behaviours, key=lambda name: distance(bf16_answers, logprobs[name]))
+        if distance(bf16_answers, logprobs[nearest]) < arithmetic:
+            # vLLM, for one, keeps an fp8 cache under --kv-cache-dtype auto for a checkpoint that declares one
+            raise Fp8kvError(f"{bf16_answers_path}: these answers lie nearer fp8kv's {nearest} (an fp8 cache) than its "
+                             "bf16 cache, so the engine did not run a bf16 cache; serve the model without KV scales "
+                             "(the pack's source)")
     distances = {name: distance(answers, logprobs[name]) for name in pack.behaviours}
     nonfinite = sum(int((~answers[pid].isfinite() & logprobs[CORRECT][pid].isfinite()).sum()) for pid in answers)
     return ConformanceResult(min(pack.behaviours, key=distances.__getitem__), distances, pack.separation, nonfinite,

@@ -219,6 +219,9 @@ def test_the_engine_arithmetic_is_measured_against_a_bf16_cache(pack, tmp_path):
     result = CliRunner().invoke(app, ["conformance", "check", str(pack), str(tmp_path / "engine.jsonl"),
                                       "--bf16-answers", str(same)])
     assert result.exit_code == 0 and "the engine's own arithmetic, both with bf16 caches: 0" in result.output
+    # answers from an fp8 cache given as the bf16 ones: refused, naming the fp8 behaviour they match
+    with pytest.raises(Fp8kvError, match="engine.jsonl: these answers lie nearer fp8kv's correct \\(an fp8 cache\\)"):
+        check(pack, tmp_path / "engine.jsonl", tmp_path / "engine.jsonl")
     # the margin for a close match is half the separation plus that arithmetic
     assert ConformanceResult(CORRECT, {CORRECT: 0.08}, separation=0.1, arithmetic=0.04).close
     assert not ConformanceResult(CORRECT, {CORRECT: 0.08}, separation=0.1).close
