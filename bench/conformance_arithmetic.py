@@ -25,8 +25,8 @@ import torch
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.conformance.pack import MODEL_DIR, read_pack, write_answers
 from fp8kv.conformance.request import behaviour_engine
-from fp8kv.conformance.run import check, prompt_logprobs, runner_logprobs
-from fp8kv.runtime.runner import PagedModelRunner, load_model
+from fp8kv.conformance.run import bf16_cache_logprobs, check, prompt_logprobs
+from fp8kv.runtime.runner import load_model
 
 import common  # bench/common.py
 
@@ -46,11 +46,9 @@ def run_pack(pack_dir: Path, folder: Path) -> list[dict]:
         if dtype == native.dtype:  # a bf16 pack's own weights: the reference roundings' rows already say it
             continue
         model = native if dtype is None else load_model(model_dir, torch.device("cpu"), dtype)
-        bf16_cache = PagedModelRunner(model_dir, device="cpu", cache_dtype="bf16", model=model,
-                                      attention_numerics=numerics, max_num_seqs=len(pack.prompts),
-                                      max_model_len=max(len(p.token_ids) for p in pack.prompts))
+        bf16_cache = bf16_cache_logprobs(model_dir, pack.prompts, "cpu", model, attention_numerics=numerics)
         bf16_path, answers_path = folder / "bf16.jsonl", folder / "answers.jsonl"
-        write_answers(bf16_path, {pid: values.tolist() for pid, values in runner_logprobs(bf16_cache, pack.prompts).items()})
+        write_answers(bf16_path, {pid: values.tolist() for pid, values in bf16_cache.items()})
         for behaviour in pack.behaviours:
             answers = prompt_logprobs(model_dir, scales, pack.prompts, behaviour_engine(behaviour), "cpu", model,
                                       attention_numerics=numerics)

@@ -68,6 +68,11 @@ class ConformancePack:
     bf16_cache: bool = False
     format: int = FORMAT
 
+    @property
+    def logprob_counts(self) -> dict[str, int]:
+        """Log-probabilities per prompt id: one for every token after the first."""
+        return {p.id: len(p.token_ids) - 1 for p in self.prompts}
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
 
@@ -131,7 +136,7 @@ def read_pack(folder: Path) -> tuple[ConformancePack, dict[str, dict[str, torch.
         tensors = load_file(str(reference))
     except (OSError, SafetensorError) as exc:
         raise Fp8kvError(f"{reference}: not a readable safetensors file ({exc}); write the pack again") from None
-    lengths = {p.id: len(p.token_ids) - 1 for p in pack.prompts}
+    lengths = pack.logprob_counts
     expected = (*pack.behaviours, BF16_CACHE) if pack.bf16_cache else pack.behaviours
     logprobs: dict[str, dict[str, torch.Tensor]] = {name: {} for name in expected}
     for key, tensor in tensors.items():
@@ -163,7 +168,7 @@ def read_answers(path: Path, pack: ConformancePack) -> dict[str, torch.Tensor]:
     if not path.is_file():
         problem = "a folder, not a file" if path.is_dir() else "no such file"
         raise Fp8kvError(f"{path}: {problem}; write one line per prompt: {{\"id\": ..., \"logprobs\": [...]}}")
-    lengths = {p.id: len(p.token_ids) - 1 for p in pack.prompts}
+    lengths = pack.logprob_counts
     answers: dict[str, torch.Tensor] = {}
     for number, line in enumerate(_read_text(path).splitlines(), 1):
         if line.strip():

@@ -120,9 +120,7 @@ def reference(request: ReferenceRequest, progress: StageProgress | None = None) 
     gap, factor, scales, logprobs = max(tried, key=lambda t: t[0])
     same = tuple(name for name in BUGS if distance(logprobs[name], logprobs[CORRECT]) == 0.0)
     announce(progress, "a bf16 cache")
-    bf16 = PagedModelRunner(source, device=device, cache_dtype="bf16", model=model, max_num_seqs=len(prompts),
-                            max_model_len=max(len(p.token_ids) for p in prompts))
-    logprobs[BF16_CACHE] = runner_logprobs(bf16, prompts)
+    logprobs[BF16_CACHE] = bf16_cache_logprobs(source, prompts, device, model)
     pack = ConformancePack(str(model_dir), scales.kv_dtype, factor, prompts, BEHAVIOURS, same, gap, bf16_cache=True)
     write_pack(out, pack, logprobs,
                lambda folder: write_checkpoint(readout.source.path, folder, scales, mode=request.mode))
@@ -185,8 +183,9 @@ def check(pack_dir: Path, answers_path: Path, bf16_answers_path: Path | None = N
                              "reference")
         bf16_answers = read_answers(bf16_answers_path, pack)
         arithmetic = distance(bf16_answers, logprobs[BF16_CACHE])
-        nearest = min(pack.behaviours, key=lambda name: distance(bf16_answers, logprobs[name]))
-        if distance(bf16_answers, logprobs[nearest]) < arithmetic:
+        to_fp8 = {name: distance(bf16_answers, logprobs[name]) for name in pack.behaviours}
+        nearest = min(pack.behaviours, key=to_fp8.__getitem__)
+        if to_fp8[nearest] < arithmetic:
             # vLLM, for one, keeps an fp8 cache under --kv-cache-dtype auto for a checkpoint that declares one
             raise Fp8kvError(f"{bf16_answers_path}: these answers lie nearer fp8kv's {nearest} (an fp8 cache) than its "
                              "bf16 cache, so the engine did not run a bf16 cache; serve the model without KV scales "
@@ -212,10 +211,20 @@ def prompt_logprobs(model_dir: Path, scales: KVScales, prompts: tuple[Prompt, ..
     `PagedModelRunner`'s options of those names.
     """
     k, v = runtime_scales(scales, tuple(sorted(scales.k)))
-    runner = PagedModelRunner(model_dir, device=device, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
-                              engine=engine, model=model, max_model_len=max(len(p.token_ids) for p in prompts),
-                              max_num_seqs=len(prompts), dtype=dtype, attention_numerics=attention_numerics)
-    return runner_logprobs(runner, prompts)
+    return runner_logprobs(PagedModelRunner(
+        model_dir, device=device, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v, engine=engine, model=model,
+        max_model_len=max(len(p.token_ids) for p in prompts), max_num_seqs=len(prompts), dtype=dtype,
+        attention_numerics=attention_numerics), prompts)
+
+
+def bf16_cache_logprobs(model_dir: Path, prompts: tuple[Prompt, ...], device: str, model: torch.nn.Module | None = None,
+                        *, dtype: torch.dtype | None = None,
+                        attention_numerics: AttentionNumerics | None = None) -> dict[str, torch.Tensor]:
+    """`prompt_logprobs` with a bf16 cache, no fp8 write at all: what a pack's `BF16_CACHE` holds, and what an
+    engine's own answers with a bf16 cache differ from by its arithmetic alone."""
+    return runner_logprobs(PagedModelRunner(
+        model_dir, device=device, cache_dtype="bf16", model=model, max_model_len=max(len(p.token_ids) for p in prompts),
+        max_num_seqs=len(prompts), dtype=dtype, attention_numerics=attention_numerics), prompts)
 
 
 def runner_logprobs(runner: PagedModelRunner, prompts: tuple[Prompt, ...]) -> dict[str, torch.Tensor]:

@@ -15,13 +15,13 @@ from fp8kv.conformance.pack import BF16_CACHE, MODEL_DIR, PACK_JSON, Conformance
 from fp8kv.conformance.request import CORRECT, ReferenceRequest, SimulateRequest, behaviour_engine
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.conformance.run import (
-    ConformanceResult, _scaled, check, distance, prompt_logprobs, reference, runner_logprobs, simulate,
+    ConformanceResult, _scaled, bf16_cache_logprobs, check, distance, prompt_logprobs, reference, simulate,
     straddling_factors,
 )
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import BUGS
 from fp8kv.errors import Fp8kvError
-from fp8kv.runtime.runner import PagedModelRunner, load_model
+from fp8kv.runtime.runner import load_model
 
 
 @pytest.fixture(scope="module")
@@ -175,10 +175,8 @@ def test_a_reader_that_stops_reading_ends_check_quietly(pack, tmp_path):
 
 def bf16_cache_answers(pack: Path, out: Path, **arithmetic) -> Path:
     """The pack's prompts answered by fp8kv's runtime with a bf16 cache, in `arithmetic` (runner options)."""
-    prompts = read_pack(pack)[0].prompts
-    runner = PagedModelRunner(pack / MODEL_DIR, device="cpu", cache_dtype="bf16", max_num_seqs=len(prompts),
-                              max_model_len=max(len(p.token_ids) for p in prompts), **arithmetic)
-    write_answers(out, {pid: values.tolist() for pid, values in runner_logprobs(runner, prompts).items()})
+    answers = bf16_cache_logprobs(pack / MODEL_DIR, read_pack(pack)[0].prompts, "cpu", **arithmetic)
+    write_answers(out, {pid: values.tolist() for pid, values in answers.items()})
     return out
 
 
