@@ -36,15 +36,17 @@ class Finding:
     message: str
 
 
-def check_readout(readout: ScaleReadout, provenance: Provenance | None = None) -> list[Finding]:
+def check_readout(readout: ScaleReadout, provenance: Provenance | None = None,
+                  torch_xla_kernel: bool = True) -> list[Finding]:
     """Every finding about the scales a checkpoint holds and how its config declares them.
 
     `provenance` is the folder's fp8kv.json (None when fp8kv did not write it); its amax values reveal
-    scales doubled for e4m3fnuz.
+    scales doubled for e4m3fnuz. `torch_xla_kernel`: whether the engines judged include vLLM's torch_xla TPU
+    backend, whose Pallas kernel cannot tile every KV-head count (tpu-inference's kernel pads the heads).
     """
     return (_scale_findings(readout) + _advice(readout, provenance) + _declaration_findings(readout)
-            + _engine_name_findings(readout) + _format_gap_findings(readout) + _kernel_findings(readout)
-            + _latent_loader_findings(readout, provenance))
+            + _engine_name_findings(readout) + _format_gap_findings(readout)
+            + (_kernel_findings(readout) if torch_xla_kernel else []) + _latent_loader_findings(readout, provenance))
 
 
 def tpu_layout_findings(readout: ScaleReadout) -> list[Finding]:

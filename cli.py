@@ -22,7 +22,8 @@ from fp8kv.checkpoint.hub_cache import check_base_model
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import ALL, BUGS, RELEASED, parse_engines
 from fp8kv.options import (
-    DEFAULT_HEADROOM, DEFAULT_MODE, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, ModelDtype, RuntimeChoice, Strategy,
+    DEFAULT_HEADROOM, DEFAULT_MODE, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, LoadEngine, ModelDtype,
+    RuntimeChoice, Strategy,
     TorchDeviceChoice, WriteMode, check_headroom, kv_dtype_name,
 )
 from fp8kv.verify.request import VerifyRequest, check_verify_request
@@ -99,7 +100,7 @@ ModeOpt = Annotated[WriteMode, typer.Option(
     "--mode", help="overlay: hard-link the source weights; copy: a self-contained copy.")]
 
 # `fp8kv --help` lists the commands in the order of the workflow.
-WORKFLOW = ("calibrate", "verify", "eval", "inspect", "convert", "card", "push", "conformance")
+WORKFLOW = ("calibrate", "verify", "eval", "inspect", "load-check", "convert", "card", "push", "conformance")
 
 
 # What a shell reports for a writer whose reader went away (128 + SIGPIPE).
@@ -263,6 +264,29 @@ def inspect_command(
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
         report.show()
+
+
+@app.command("load-check", cls=Command)
+def load_check_command(
+    model: Path = typer.Argument(..., metavar="DIR", help="Checkpoint folder with KV scales (fp8kv's output, or any)."),
+    engine: LoadEngine = typer.Option(..., "--engine", help="The engine whose own loader runs: vllm or sglang."),
+    python: Path = typer.Option(..., "--python", metavar="ENGINE_PYTHON",
+                                help="The python of the engine's own venv (engines pin their own torch), e.g. "
+                                     "~/vllm-venv/bin/python."),
+    as_json: JsonOpt = False,
+) -> None:
+    """Load DIR with the engine's own loader, in the engine's Python, and show per attention layer the K/V scale in
+    the file and the one the engine holds.
+
+    Exit 0 when every layer holds the file's value, 3 when any holds another (1.0 included: the engine did not
+    load it), 4 when the engine cannot be run. Engines log no per-layer scales, so this is how to know.
+    """
+    from fp8kv.loadcheck.run import load_check, render, to_json
+
+    report = load_check(model, engine, python)
+    typer.echo(to_json(report) if as_json else render(report))
+    if not report.ok:
+        raise typer.Exit(ExitCode.FAIL)
 
 
 @app.command("convert", cls=Command)

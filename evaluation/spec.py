@@ -14,7 +14,7 @@ import torch
 
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.errors import Fp8kvError
-from fp8kv.engine_models import DEFAULT_ENGINE, ENGINE_MODELS
+from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
 from fp8kv.options import EvalCache, ScaleSource
 from fp8kv.runtime.runner import PagedModelRunner
 from fp8kv.verify.accuracy import runtime_scales
@@ -39,10 +39,10 @@ class CacheSpec:
     def parse(cls, kv_cache: str = "fp8", scales: str = "checkpoint", engine: str = DEFAULT_ENGINE,
               query: bool = False) -> CacheSpec:
         """Validate the choices (one clear error naming the bad one)."""
-        for name, value, choices in (("kv_cache", kv_cache, KV_CACHES), ("scales", scales, SCALE_SOURCES),
-                                     ("engine", engine, tuple(m.name for m in ENGINE_MODELS))):
+        for name, value, choices in (("kv_cache", kv_cache, KV_CACHES), ("scales", scales, SCALE_SOURCES)):
             if value not in choices:
                 raise Fp8kvError(f"{name}={value!r} is not one of {', '.join(choices)}")
+        engine = engine_model(engine).name
         if query and (kv_cache, scales) != ("fp8", "checkpoint"):
             raise Fp8kvError("quantize_query needs kv_cache=fp8 and scales=checkpoint (q_scale comes from the checkpoint)")
         return cls(kv_cache, scales, engine, bool(query))

@@ -357,10 +357,15 @@ def _serve(model: str, prov: Provenance, kv_only_block: bool) -> str:
         "## How to serve\n\n"
         "The scales are only used when the KV cache is FP8, so pass the KV-cache dtype.\n\n"
         f"vLLM on GPU:\n\n```bash\nvllm serve {model} --kv-cache-dtype {vllm_dtype}\n```\n\n"
-        "vLLM on TPU (`pip install vllm-tpu`, the tpu-inference backend; its JAX kernel pads the KV heads, so the "
-        "head rule under Limitations is only vLLM's older torch_xla backend's):"
-        f"\n\n```bash\nvllm serve {model} --kv-cache-dtype {vllm_dtype}\n```\n\n"
-        f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {model} --kv-cache-dtype {sglang_dtype}\n```"
+        "vLLM on TPU (`pip install vllm-tpu`, which runs tpu-inference 0.32; its JAX kernel pads the KV heads, so the "
+        "head rule under Limitations is only vLLM's older torch_xla backend's). tpu-inference's default JAX models "
+        "of Llama, Qwen and Gemma run the cache at scale 1.0 whatever the checkpoint holds; `MODEL_IMPL_TYPE=vllm` "
+        "runs vLLM's model code, which reads these scales:"
+        f"\n\n```bash\nMODEL_IMPL_TYPE=vllm vllm serve {model} --kv-cache-dtype {vllm_dtype}\n```\n\n"
+        "SGLang 0.5.19 or later (earlier releases drop compressed-tensors KV scales at load):"
+        f"\n\n```bash\npython -m sglang.launch_server --model-path {model} --kv-cache-dtype {sglang_dtype}\n```\n\n"
+        "To confirm an engine holds these scales, run its own loader on this folder: `fp8kv load-check DIR --engine "
+        "vllm|sglang --python ENGINE_PYTHON` prints the scale each attention layer holds next to the file's."
         + transformers
     )
 
@@ -371,11 +376,11 @@ def _limitations(prov: Provenance) -> str:
         f"Scales are static and per {'KV head' if prov.per_head else 'tensor'}, measured on {dataset}. Values "
         "above the calibration amax are "
         "clamped to the fp8 range, so text far from that data can lose accuracy.",
-        "An engine that casts to fp8 without clamping turns such values into NaN (torch ≤ 2.11 does not "
-        "saturate); check the verify results above and your engine's version.",
-        "Engines that find no scale use 1.0 silently: confirm in the engine's log that it loaded "
-        "`k_scale`/`v_scale` for every attention layer. TensorRT-LLM's PyTorch backend never loads them for an "
-        "fp8 cache: there the cache runs at scale 1.0.",
+        "An engine that casts to fp8 without clamping turns such values into NaN (SGLang up to 0.5.17, on torch "
+        "2.11 and older); every engine release checked from late 2026 clamps or saturates.",
+        "Engines that find no scale use 1.0 without a reliable log line: `fp8kv load-check` asks the engine's own "
+        "loader what each layer holds. TensorRT-LLM's PyTorch backend never loads them for an fp8 cache: there the "
+        "cache runs at scale 1.0.",
         f"On TPU: {FP8_HEAD_RULE}.",
         "AMD GPUs (`e4m3fnuz`) double the scales at load time; the checkpoint stores the e4m3 scales.",
     ]

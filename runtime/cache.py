@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, engine_model
+from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, as_engine_model
 from fp8kv.fp8 import is_fp8
 
 SCRATCH_PAGE = 0
@@ -197,9 +197,9 @@ class PagedKVCache(PagedLayers):
         head_dim_multiple: int = 1,
         k_scales: Mapping[int, Scale] | None = None,
         v_scales: Mapping[int, Scale] | None = None,
-        engine: str = DEFAULT_ENGINE,
+        engine: str | EngineModel = DEFAULT_ENGINE,
         shared_layers: Mapping[int, int] | None = None,
-        shadows: Sequence[str] = (),
+        shadows: Sequence[str | EngineModel] = (),
     ) -> None:
         kv_layers = tuple(kv_layers)
         self.shared_layers = dict(shared_layers or {})  # KV sharing: reading layer -> the layer owning the cache
@@ -210,7 +210,7 @@ class PagedKVCache(PagedLayers):
         self._padded = [math.ceil(d / head_dim_multiple) * head_dim_multiple for d in self._head_dims]
         self.head_dim_padded = max(self._padded)
         self.dtype = dtype
-        self.engine = engine_model(engine)
+        self.engine = as_engine_model(engine)
         self.shadows = shadow_models(self.engine, shadows)
         k_scales, v_scales = self.engine.loads(k_scales, v_scales)
         k_given = layer_scales(k_scales, kv_layers, self._kv_heads, "k_scale")
@@ -294,13 +294,13 @@ class PagedKVCache(PagedLayers):
         return k, v
 
 
-def shadow_models(engine: EngineModel, names: Sequence[str]) -> tuple[EngineModel, ...]:
+def shadow_models(engine: EngineModel, names: Sequence[str | EngineModel]) -> tuple[EngineModel, ...]:
     """The engine models a cache also computes every write for, to count where their values would differ.
 
     Only engines that read what they wrote with the same scales in the same format qualify: where every
     stored value is the same, their attention reads the same numbers, so their logits are the same.
     """
-    shadows = tuple(engine_model(name) for name in names)
+    shadows = tuple(as_engine_model(name) for name in names)
     for shadow in shadows:
         if (shadow.loads, shadow.cache, shadow.written) != (engine.loads, engine.cache, engine.written):
             raise Fp8kvError(f"engine {shadow.name} runs other scales or another cache format than {engine.name}: "

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
+from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, as_engine_model
 from fp8kv.fp8 import is_fp8
 from fp8kv.geometry import LatentCache
 from fp8kv.runtime.cache import PagedLayers, Scale, layer_scales, shadow_differences, shadow_models
@@ -49,15 +49,15 @@ class LatentPagedCache(PagedLayers):
         device: torch.device,
         k_scales: Mapping[int, Scale] | None = None,
         v_scales: Mapping[int, Scale] | None = None,
-        engine: str = DEFAULT_ENGINE,
-        shadows: Sequence[str] = (),
+        engine: str | EngineModel = DEFAULT_ENGINE,
+        shadows: Sequence[str | EngineModel] = (),
     ) -> None:
         kv_layers = tuple(kv_layers)
         super().__init__(kv_layers, [torch.zeros(num_pages, page_size, latent.width, dtype=dtype, device=device)
                                      for _ in kv_layers], device, [1] * len(kv_layers))
         self.latent = latent
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
-        self.engine = engine_model(engine)
+        self.engine = as_engine_model(engine)
         self.shadows = shadow_models(self.engine, shadows)
         k_scales, v_scales = self.engine.loads(k_scales, v_scales)
         k_given = layer_scales(k_scales, kv_layers, [1] * len(kv_layers), "k_scale")

@@ -27,7 +27,7 @@ import torch
 
 from fp8kv.checkpoint.load import MODEL_DTYPES, load_language_model
 from fp8kv.errors import Fp8kvError
-from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
+from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, as_engine_model
 from fp8kv.fp8 import cache_dtype as _cache_dtype
 from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, quantize
 from fp8kv.geometry import AttentionGeometry
@@ -199,8 +199,8 @@ class PagedModelRunner:
         cache_dtype: str = "bf16",
         k_scales: Mapping[int, Scale] | None = None,
         v_scales: Mapping[int, Scale] | None = None,
-        engine: str = DEFAULT_ENGINE,
-        shadow_engines: Sequence[str] = (),
+        engine: str | EngineModel = DEFAULT_ENGINE,
+        shadow_engines: Sequence[str | EngineModel] = (),
         page_size: int = 16,
         max_model_len: int = 512,
         max_num_seqs: int = 8,
@@ -229,7 +229,7 @@ class PagedModelRunner:
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.backend = _resolve_backend(attention_backend, self.runtime_device)
         g = self.geometry
-        dtype_of_cache = _cache_dtype(engine_model(engine).cache_dtype(canonical_cache_dtype(cache_dtype)))
+        dtype_of_cache = _cache_dtype(as_engine_model(engine).cache_dtype(canonical_cache_dtype(cache_dtype)))
         if g.latent is not None:
             if q_scales is not None:
                 raise Fp8kvError("q_scales: fp8 attention is not modelled for multi-head latent attention (MLA)")

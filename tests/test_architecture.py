@@ -26,10 +26,11 @@ LAYERS: list[set[str]] = [
     {"data", "observe", "runtime"},
     {"checks"},
     {"inspection", "calibrate"},
-    {"verify"},
+    {"verify", "loadcheck"},
     {"conformance"},
     {"evaluation"},
     {"hub"},
+    {"api"},
     {"cli", "cli_conformance", "cli_parse", "__main__", "tools"},
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}

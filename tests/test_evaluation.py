@@ -153,9 +153,9 @@ def test_fp8kv_eval_command_writes_the_comparison(quarter: Path, tmp_path: Path)
 def test_unknown_engine_and_missing_scales_are_one_line_errors(weights: torch.nn.Module) -> None:
     from fp8kv.evaluation.spec import CacheSpec, engine_arguments
 
-    assert CacheSpec.parse("fp8", "checkpoint", "sglang").label == "fp8 checkpoint sglang"
+    assert CacheSpec.parse("fp8", "checkpoint", "sglang").label == "fp8 checkpoint sglang@0.5.23"
     assert engine_arguments("sglang") == {"engine": "sglang"}
-    with pytest.raises(Fp8kvError, match=r"engine='fast' is not one of vllm-cuda, vllm-tpu, .*, e5m2-read"):
+    with pytest.raises(Fp8kvError, match=r"unknown engine 'fast'; choose from vllm-cuda, .*, e5m2-read \(bugs\)"):
         Fp8kvLM(str(BUNDLED_MODEL_DIR), engine="fast", device="cpu", model=weights)
     with pytest.raises(Fp8kvError, match="no KV scales in any convention; use scales=unit"):
         Fp8kvLM(str(BUNDLED_MODEL_DIR), kv_cache="fp8", scales="checkpoint", device="cpu", model=weights)

@@ -33,7 +33,7 @@ def test_console_script_lists_commands() -> None:
     for command in _commands():
         assert command in result.stdout
     listed = [line.split()[0] for line in result.stdout.split("Commands:")[1].splitlines() if line.strip()]
-    assert listed == ["calibrate", "verify", "eval", "inspect", "convert", "card", "push", "conformance"]  # the workflow's order
+    assert listed == ["calibrate", "verify", "eval", "inspect", "load-check", "convert", "card", "push", "conformance"]  # the workflow's order
 
 
 def test_every_command_has_help() -> None:

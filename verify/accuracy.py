@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from fp8kv.checkpoint.kvscales import KVScales
-from fp8kv.engine_models import DEFAULT_ENGINE, engine_model
+from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, as_engine_model, engine_model
 from fp8kv.runtime.cache import Scale
 from fp8kv.runtime.device import resolve_device
 from fp8kv.geometry import AttentionGeometry
@@ -37,8 +37,8 @@ from fp8kv.verify.results import Accuracy, CacheShares, EngineResult, QueryCost,
 class Runners:
     """The reference (bf16 cache), the checkpoint's scales and unit scales, on one device.
 
-    `engines` maps each engine model to its runner; engines whose writes are the same arithmetic share
-    one (the default engine's is `fp8`, "scales-ignored" runs on `unit`). `shadows` are the engines whose
+    `engines` maps each engine model's name to its runner and `models` to the model (resolved for the checkpoint
+    where the caller did so); engines whose writes are the same arithmetic share one (the default engine's is `fp8`, "scales-ignored" runs on `unit`). `shadows` are the engines whose
     writes `fp8`'s cache also computes: a batch in which none of their values differs from `fp8`'s gives
     `fp8`'s logits. `twins` maps a non-saturating engine to the runner of its saturating twin, whose
     values it shares wherever |x / scale| <= MAX.
@@ -50,11 +50,12 @@ class Runners:
     engines: dict[str, PagedModelRunner]
     twins: dict[str, PagedModelRunner] = field(default_factory=dict)
     shadows: tuple[str, ...] = ()
+    models: dict[str, EngineModel] = field(default_factory=dict)
 
     @classmethod
     def open(cls, model_dir: Path, scales: KVScales, kv_layers: tuple[int, ...], *, device: str,
              max_model_len: int, max_num_seqs: int, page_size: int = 16,
-             engines: tuple[str, ...] = (DEFAULT_ENGINE,), engine_attention: bool = False) -> Runners:
+             engines: tuple[str | EngineModel, ...] = (DEFAULT_ENGINE,), engine_attention: bool = False) -> Runners:
         # One copy of the weights serves every cache: only the caches differ.
         model = load_model(model_dir, resolve_device(device).device)
         common = dict(device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size,
@@ -65,27 +66,28 @@ class Runners:
         own = (engine_attention and not resolve_device(device).is_xla
                and runs_ragged_attention(model, AttentionGeometry.from_dir(model_dir)))
         numerics = (lambda m: m.attention) if own else (lambda m: None)
-        engine_models = {name: engine_model(name) for name in engines}
+        engine_models = {model.name: model for model in map(as_engine_model, engines)}
         key = {name: engine.write_key(numerics(engine)) for name, engine in engine_models.items()}
         reference = engine_model(DEFAULT_ENGINE)  # on fp8kv's own float32 attention
         # a truncating engine stores another byte for a third to a half of all values, so every sequence differs:
         # counting its differences would be wasted work
-        shadows = tuple(name for name, engine in engine_models.items() if key[name] != reference.write_key()
-                        and engine.read_key(numerics(engine)) == reference.read_key() and not engine.truncates)
+        # one shadow per distinct write: engines with equal keys share a runner, and so its logits
+        shadows = tuple({key[name]: name for name, engine in engine_models.items() if key[name] != reference.write_key()
+                         and engine.read_key(numerics(engine)) == reference.read_key() and not engine.truncates}.values())
         fp8 = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
-                               shadow_engines=shadows, **common)
+                               shadow_engines=[engine_models[name] for name in shadows], **common)
         unit = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, **common)
         # the unit-scale runner is exactly an engine that never received its scales
         shared = {reference.write_key(): fp8, engine_model("scales-ignored").write_key(): unit}
         for name, engine in engine_models.items():
             if key[name] not in shared:
                 shared[key[name]] = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
-                                                     engine=name, attention_numerics=numerics(engine), **common)
+                                                     engine=engine, attention_numerics=numerics(engine), **common)
         twin_keys = {name: engine.write_key(numerics(engine), saturate=True) for name, engine in engine_models.items()
                      if not engine.saturate}
         twins = {name: shared[twin] for name, twin in twin_keys.items() if twin in shared}
         return cls(PagedModelRunner(model_dir, cache_dtype="bf16", **common), fp8, unit,
-                   {name: shared[key[name]] for name in engines}, twins, shadows)
+                   {name: shared[key[name]] for name in engine_models}, twins, shadows, engine_models)
 
 
 def runtime_scales(scales: KVScales, kv_layers: tuple[int, ...]) -> tuple[dict[int, Scale], dict[int, Scale]]:
@@ -227,11 +229,12 @@ class EngineTotals:
         self.lost += sample.bad_rows > 0
         self.sequences += 1
 
-    def result(self, engine: str, runner: PagedModelRunner) -> EngineResult:
-        model = engine_model(engine)
+    def result(self, model: EngineModel, runner: PagedModelRunner) -> EngineResult:
         verdict = (FAIL if self.nan_rows else PASS) if model.released else BUG
-        return EngineResult(engine, self.loss.perplexity(), self.nan_rows, self.rows, self.lost, self.sequences,
-                            first_nonfinite_layer(runner), model.source, verdict, runner.arithmetic)
+        return EngineResult(model.name, self.loss.perplexity(), self.nan_rows, self.rows, self.lost, self.sequences,
+                            first_nonfinite_layer(runner), model.source, verdict, runner.arithmetic,
+                            model.unread or ("its fp8 cache runs at scale 1.0" if model.ignores_scales else ""),
+                            model.release.known_by if model.release else "")
 
 
 def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor, ref_probs: torch.Tensor | None = None) -> torch.Tensor:
@@ -268,7 +271,8 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
                 engine_totals[engine].add(ids, by_runner[id(runner)])
         if progress is not None:
             progress(start + len(batch), len(samples))
-    results = [engine_totals[e].result(e, runners.engines[e]) for e in runners.engines]
+    results = [engine_totals[e].result(runners.models.get(e) or engine_model(e), runners.engines[e])
+               for e in runners.engines]
     return totals.summary(), results
 
 

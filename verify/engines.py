@@ -24,11 +24,13 @@ def first_nonfinite_layer(runner: PagedModelRunner) -> int | None:
     return min(bad) if bad else None
 
 
-def engine_reasons(results: list[EngineResult], worst_ratio: float, fp8_max: float) -> list[Finding]:
+def engine_reasons(results: list[EngineResult], worst_ratio: float, fp8_max: float,
+                   headroom: float | None = None) -> list[Finding]:
     """FAIL for each released engine whose logits went non-finite, naming the engine and the fix; INFO for each
-    released engine that runs its fp8 cache at scale 1.0 whatever the checkpoint holds.
+    released engine that runs this checkpoint's fp8 cache at scale 1.0, saying why.
 
-    `worst_ratio` is the largest |x|/scale seen on the held-out text, which sizes the `--headroom` advice.
+    `worst_ratio` is the largest |x|/scale seen on the held-out text, which with `headroom` (the margin the scales
+    were made with) sizes the `--headroom` advice.
     """
     reasons = []
     for r in results:
@@ -38,9 +40,8 @@ def engine_reasons(results: list[EngineResult], worst_ratio: float, fp8_max: flo
                 if r.first_nonfinite_layer is not None else ""
             reasons.append(Finding(FAIL, f"engine {r.engine} (past the fp8 maximum it stores {model.above_range}): "
                                         f"{r.nan_rows} of {r.rows} logit rows NaN/inf, {r.sequences_lost} of "
-                                        f"{r.sequences} sequences lost{where}. " + headroom_fix(worst_ratio, fp8_max)))
-        if model.released and model.ignores_scales:
-            reasons.append(Finding(INFO, f"engine {r.engine} does not load k_scale/v_scale: its fp8 cache runs at "
-                                        f"scale 1.0, so these scales do not reach it (perplexity there "
-                                        f"{r.ppl:.4f}, the unit-scale figure)"))
+                                        f"{r.sequences} sequences lost{where}. " + headroom_fix(worst_ratio, fp8_max, headroom)))
+        if model.released and r.unread:
+            reasons.append(Finding(INFO, f"engine {r.engine} does not run these scales: {r.unread}. Its fp8 cache "
+                                        f"runs at scale 1.0 (perplexity there {r.ppl:.4f}, the unit-scale figure)"))
     return reasons

@@ -189,15 +189,16 @@ def _layer_table(report: VerifyReport) -> str:
 
 def engine_sources(engines: tuple[EngineResult, ...]) -> str:
     """One list item per engine model: the engine, version and file it reproduces."""
-    return "\n".join(f"- {e.engine}: {e.source}" for e in engines)
+    return "\n".join(f"- {e.engine}: {e.source}" + (f" ({e.known_by})" if e.known_by else "") for e in engines)
 
 
 def engine_table(engines: tuple[EngineResult, ...]) -> str:
     """One row per engine model: its verdict, perplexity, NaN/inf rows, sequences lost, where NaN first showed."""
-    head = ["engine", "verdict", "perplexity", "NaN/inf logit rows", "sequences lost", "first non-finite layer",
-            "attention"]
-    rows = [[e.engine, e.verdict, fmt_number(e.ppl), f"{e.nan_rows} of {e.rows}",
-             f"{e.sequences_lost} of {e.sequences}", fmt_number(e.first_nonfinite_layer), e.attention] for e in engines]
+    head = ["engine", "verdict", "scales it runs", "perplexity", "NaN/inf logit rows", "sequences lost",
+            "first non-finite layer", "attention"]
+    rows = [[e.engine, e.verdict, "1.0 (not read)" if e.unread else "the checkpoint's", fmt_number(e.ppl),
+             f"{e.nan_rows} of {e.rows}", f"{e.sequences_lost} of {e.sequences}", fmt_number(e.first_nonfinite_layer),
+             e.attention] for e in engines]
     return markdown_table(head, rows)
 
 
@@ -269,7 +270,7 @@ def show(result: Any, json_output: bool = False) -> None:
         print(f"  note: {note}")
     for e in held.engines:
         print(f"  engine {e.engine} ({e.verdict}): ppl {fmt_number(e.ppl)}, NaN/inf rows {e.nan_rows} of {e.rows}, "
-              f"sequences lost {e.sequences_lost} of {e.sequences}")
+              f"sequences lost {e.sequences_lost} of {e.sequences}" + (", at scale 1.0 (not read)" if e.unread else ""))
     query = held.query
     if query:
         print(f"  with Q quantized by q_scale: kl_mean {fmt_number(query.kl_mean)} "

@@ -133,6 +133,8 @@ class EngineResult:
     source: str  # the engine, version and file the model reproduces
     verdict: str  # PASS or FAIL for a released engine, "bug model" for a bug
     attention: str = "float32"  # the attention arithmetic its logits come from (the runner's `arithmetic`)
+    unread: str = ""  # why the checkpoint's scales do not reach this engine's cache ("": they do)
+    known_by: str = ""  # how fp8kv knows what this release does ("": a bug model)
 
 
 @dataclass(frozen=True)

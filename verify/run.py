@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8kv.data import CalibrationData
+from fp8kv.engine_models import VLLM_TPU, CheckpointTraits, EngineModel, engine_model, engine_of
 from fp8kv.data import load_tokenizer
 from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.checkpoint.artifacts import VERIFY_DIR, check_writable_location, is_fp8kv_output
@@ -59,7 +60,7 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     check_writable_location(report_dir / REPORT_JSON)  # before the work, so its results are never lost
     clock = time.perf_counter()
     announce(progress, "static checks")
-    static = static_checks(model_dir)
+    static = static_checks(model_dir, any(engine_of(name) == VLLM_TPU for name in request.engines))
     reasons, held_out, timings = list(static.reasons), HeldOut(), {}
     if static.runnable:
         tokenizer, data = _heldout_text(request, static, runtime.kind, progress)
@@ -137,8 +138,8 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     announce(progress, f"loading the model and the fp8 runtime ({device})")
     runners = accuracy.Runners.open(
         source.path, scales, kv_layers, device=request.device, page_size=request.page_size,
-        max_model_len=longest, max_num_seqs=max(request.batch_size, 2 * len(prompts)), engines=request.engines,
-        engine_attention=request.engine_attention,
+        max_model_len=longest, max_num_seqs=max(request.batch_size, 2 * len(prompts)),
+        engines=serving_models(request.engines, static), engine_attention=request.engine_attention,
     )
     timings["load_runners"] = time.perf_counter() - clock
     if request.engine_attention and (xla or not runners.fp8.runs_ragged):
@@ -177,8 +178,10 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     nan_with_clamp = {row.layer: row.nan_with_clamp for row in layers if row.nan_with_clamp}
     reasons += accuracy_reasons(measured, nan_with_clamp, thresholds)
     worst_ratio = max((max(row.k_max_ratio, row.v_max_ratio) for row in layers), default=0.0)
-    engine_failures = engines.engine_reasons(engine_results, worst_ratio, scales.fp8_max)  # each names the fix
-    reasons += engine_failures + heldout_reasons(layers, thresholds, scales.fp8_max, with_fix=not engine_failures)
+    # each names the fix
+    engine_failures = engines.engine_reasons(engine_results, worst_ratio, scales.fp8_max, static.headroom)
+    reasons += engine_failures + heldout_reasons(layers, thresholds, scales.fp8_max, with_fix=not engine_failures,
+                                                 headroom=static.headroom)
     reasons += tpu_kernel_reasons(device, source.geometry, runners.fp8.calls, request.engines)
     measured_all = replace(
         text, accuracy=measured, generation=matched, readback=readback, layers=layers,
@@ -187,6 +190,16 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
         query=query, fidelity=reference, generation_details=details,
     )
     return measured_all, reasons, timings
+
+
+def serving_models(names: tuple[str, ...], static: StaticResult) -> tuple[EngineModel, ...]:
+    """The engine models of `names` as each would serve this checkpoint: at scale 1.0 where its scales would not
+    reach that release's cache (a convention it does not read, a model path that never reads them)."""
+    readout = static.readout
+    assert readout.scales is not None  # runnable implies scales
+    architectures = readout.source.config.get("architectures") or ()
+    traits = CheckpointTraits(tuple(architectures), tuple(readout.conventions), readout.scales.strategy != "tensor")
+    return tuple(engine_model(name).for_checkpoint(traits) for name in names)
 
 
 def _query_cost(request: VerifyRequest, runners: accuracy.Runners, scales: KVScales, samples: list[list[int]],

@@ -18,6 +18,7 @@ class StaticResult:
     readout: ScaleReadout
     reasons: list[Finding]
     runnable: bool
+    headroom: float | None = None  # the margin the scales were calibrated with, where fp8kv made them
 
     @property
     def convention(self) -> str | None:
@@ -36,8 +37,10 @@ class StaticResult:
         )
 
 
-def static_checks(model_dir: str | Path) -> StaticResult:
-    """Read the checkpoint's scales (any convention) and check them without running the model."""
+def static_checks(model_dir: str | Path, torch_xla_kernel: bool = True) -> StaticResult:
+    """Read the checkpoint's scales (any convention) and check them without running the model; `torch_xla_kernel`:
+    whether vLLM's torch_xla TPU backend is among the engines judged (its kernel's head rule applies then)."""
     readout = read_kv_scales(model_dir)
-    findings = check_readout(readout, read_provenance(readout.source.path)) + tpu_layout_findings(readout)
-    return StaticResult(readout, findings, scales_usable(readout))
+    provenance = read_provenance(readout.source.path)
+    findings = check_readout(readout, provenance, torch_xla_kernel) + tpu_layout_findings(readout)
+    return StaticResult(readout, findings, scales_usable(readout), provenance.headroom if provenance else None)

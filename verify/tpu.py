@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from fp8kv.checks import FAIL, Finding
-from fp8kv.engine_models import VLLM_TPU
+from fp8kv.engine_models import VLLM_TPU, engine_of
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.runtime.attention import XLA_KERNEL
 from fp8kv.runtime.kernel_rule import fp8_kernel_note
@@ -24,12 +24,13 @@ def tpu_kernel_reasons(device_kind: str, geometry: AttentionGeometry, calls: Map
     ran (`PagedModelRunner.calls`).
     """
     others = {name: count for name, count in sorted(calls.items()) if name != XLA_KERNEL and count}
-    if device_kind != "tpu" or VLLM_TPU not in engines or not others:
+    judged = next((name for name in engines if engine_of(name) == VLLM_TPU), None)
+    if device_kind != "tpu" or judged is None or not others:
         return []
     heads = [] if geometry.latent is not None else sorted({geometry.layer_kv_heads(layer) for layer in geometry.kv_layers})
     rules = [note for note in (fp8_kernel_note(count) for count in heads) if note]
     why = "; ".join(rules) if rules else ("vLLM's TPU backend runs torch_xla's Pallas kernel for every attention "
                                          "layer and has no other path")
     ran = ", ".join(f"{name} ({count} calls)" for name, count in others.items())
-    return [Finding(FAIL, f"engine {VLLM_TPU}: {why}. On this TPU verify ran {ran} instead of the kernel, so its "
+    return [Finding(FAIL, f"engine {judged}: {why}. On this TPU verify ran {ran} instead of the kernel, so its "
                           "numbers are not that engine's")]

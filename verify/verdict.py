@@ -81,9 +81,9 @@ def verdict(reasons: list[Finding]) -> Verdict:
 
 
 def heldout_reasons(layers: list[LayerCheck], thresholds: Thresholds, fp8_max: float,
-                    with_fix: bool = True) -> list[Finding]:
+                    with_fix: bool = True, headroom: float | None = None) -> list[Finding]:
     """Saturation above its bound, one short line per layer, then (`with_fix`) the one --headroom that fixes
-    every layer at once; `fp8_max` is the dtype's largest value."""
+    every layer at once; `fp8_max` is the dtype's largest value, `headroom` the margin the scales were made with."""
     reasons, worst = [], 0.0
     for row in layers:
         for kind in ("k", "v"):
@@ -96,7 +96,7 @@ def heldout_reasons(layers: list[LayerCheck], thresholds: Thresholds, fp8_max: f
                                             "range"))
     if reasons and with_fix:
         reasons.append(Finding(WARN, f"engines that clamp store those values as ±{fp8_max:g}. "
-                                     + headroom_fix(worst, fp8_max, every_layer=len(reasons) > 1)))
+                                     + headroom_fix(worst, fp8_max, headroom, every_layer=len(reasons) > 1)))
     return reasons
 
 
@@ -104,16 +104,30 @@ def heldout_reasons(layers: list[LayerCheck], thresholds: Thresholds, fp8_max: f
 MAX_ADVISED_HEADROOM = 16.0
 
 
-def headroom_fix(ratio: float, fp8_max: float, every_layer: bool = False) -> str:
-    """The smallest --headroom (2 decimals) under which `ratio` (the worst layer's) fits the fp8 range, as advice;
-    past `MAX_ADVISED_HEADROOM` the scales are not short of a margin but wrong, and the advice says so."""
-    if not ratio / fp8_max <= MAX_ADVISED_HEADROOM:
-        return (f"Fix: these scales are {ratio / fp8_max:.3g}x too small for this text, far beyond what a margin "
+def headroom_fix(ratio: float, fp8_max: float, headroom: float | None = None, every_layer: bool = False) -> str:
+    """The advice for scales that `ratio` (the worst layer's largest |x|/scale) overflows: the `--headroom` value to
+    pass to `fp8kv calibrate` on the same calibration text, the margin they were made with (`headroom`, None when
+    fp8kv did not make them) times the factor they fall short by, so that following it literally fits `ratio`.
+    Past `MAX_ADVISED_HEADROOM` times the scales are not short of a margin but wrong, and the advice says so."""
+    factor = ratio / fp8_max
+    if not factor <= MAX_ADVISED_HEADROOM:
+        return (f"Fix: these scales are {factor:.3g}x too small for this text, far beyond what a margin "
                 "is for: recalibrate (fp8kv calibrate) on text like this, or check how the scales were made.")
-    headroom = max(1.01, math.ceil(ratio / fp8_max * 100) / 100)
-    return (f"Fix{' for every layer' if every_layer else ''}: recalibrate with --headroom {headroom:.2f} "
-            f"(every scale x{headroom:.2f}; e4m3's relative "
-            "precision is the same across its range, so this costs almost nothing) or on text like this.")
+    who = " for every layer" if every_layer else ""
+    cheap = "e4m3's relative precision is the same across its range, so this costs almost nothing"
+    if headroom is None:
+        needed = _hundredths_up(factor)
+        return (f"Fix{who}: every scale x{needed:.2f} or more ({cheap}); these scales were not made by fp8kv, so "
+                "recalibrate with fp8kv calibrate on text like this, or multiply them.")
+    needed = max(_hundredths_up(headroom * factor), round(headroom + 0.01, 2))
+    return (f"Fix{who}: recalibrate on the same text with --headroom {needed:.2f} (the scales were made with "
+            f"{headroom:g}; {needed:.2f} makes every scale x{needed / headroom:.3f}; {cheap}), or on text like this.")
+
+
+def _hundredths_up(value: float) -> float:
+    """`value` rounded up to two decimals, never below it (a float's own rounding could put ceil's result under)."""
+    up = math.ceil(value * 100) / 100
+    return up if up >= value else up + 0.01
 
 
 def accuracy_reasons(accuracy: Accuracy, nan_with_clamp: dict[int, int], thresholds: Thresholds) -> list[Finding]:

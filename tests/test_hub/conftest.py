@@ -117,7 +117,7 @@ def report(out: Path) -> VerifyReport:
                                nan_with_clamp=0)),
             generation=GenerationMatch(prefill_match=1.0, decode_match=1.0, prefix_match=0.75),
             engines=(EngineResult("vllm-cuda", 10.2461, 0, 4096, 0, 16, None, "vLLM main, quant_utils.cuh", PASS),
-                     EngineResult("sglang", 10.2302, 0, 4096, 0, 16, None, "SGLang main, memory_pool.py", PASS)),
+                     EngineResult("sglang@0.5.23", 10.2302, 0, 4096, 0, 16, None, "SGLang 0.5.23, memory_pool.py", PASS)),
         ),
     )
 

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs every engine probe again and rewrites the golden files under tests/golden/, which the test suite checks
+# configs/engines.toml against: a new engine release is one run of this script and a diff. Each engine is built
+# from the package index in a venv of its own under bench/ (never fp8kv's, whose torch torch_xla pins); a venv
+# that exists is reused. About 17 GB of venvs in all; the SGLang one is most of it.
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(dirname "$HERE")"
+PY="$ROOT/.venv/bin/python"
+cd "$ROOT"
+
+# vLLM and vllm-tpu: their published packages, read without installing them
+"$PY" bench/probe_vllm_packages.py
+
+# tpu-inference: its write run on JAX's CPU backend and compiled for TPU v5e and v6e
+test -x bench/.tpu-inference-venv/bin/python || bash bench/tpu_inference_venv.sh
+bench/.tpu-inference-venv/bin/python bench/probe_tpu_inference.py
+
+# SGLang: its own loader on each fp8kv output format, and its releases' torch pins and loaders
+test -x bench/.sglang-venv/bin/python || bash bench/sglang_venv.sh
+"$PY" bench/probe_sglang.py
+
+# vLLM's CPU build: its own loader through fp8kv load-check
+test -x bench/.vllm-venv/bin/python || bash bench/vllm_venv.sh
+"$PY" bench/load_check_golden.py
+
+git -C "$ROOT" status --short tests/golden
