@@ -14,7 +14,7 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 from urllib.parse import urlparse
 
 from fp8kv.errors import Fp8kvError, UsageError
@@ -329,6 +329,11 @@ def _tokenize(records: Any, column: str, tokenizer: Any, seq_len: int, wanted: i
         if len(samples) == wanted:
             break
     return samples
+
+
+def tokenize_texts(texts: Iterable[Any], tokenizer: Any, seq_len: int) -> list[list[int]]:
+    """One sample per non-empty text (a string or chat messages), tokenized and truncated as a calibration record is."""
+    return [ids for ids in (_encode(text, tokenizer)[:seq_len] for text in texts) if ids]
 
 
 def _encode(value: Any, tokenizer: Any) -> list[int]:

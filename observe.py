@@ -56,12 +56,15 @@ class KVStatistics:
     `amax`:   float32 [num_layers, 2, num_kv_heads], max |x| per layer, K/V, KV head (0 = K, 1 = V).
     `hist`:   int64 [num_layers, 2, num_kv_heads, NUM_BINS], counts of |x| per log-spaced bin.
     `tokens`: int64 [num_layers], real (non-padding) tokens folded per layer.
+    `query`:  float32 [num_layers], max |Q| per layer, only where Q was observed too (fp8kv.api; the driver
+              keeps its own).
     An MLA layer (one latent vector per token, one "head") holds that vector's statistics in both K and V.
     """
 
     amax: torch.Tensor
     hist: torch.Tensor
     tokens: torch.Tensor
+    query: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, num_layers: int, num_kv_heads: int, device: torch.device | str = "cpu") -> KVStatistics:
@@ -90,6 +93,24 @@ class KVStatistics:
             self.hist[layer, kind, :heads] += _histogram(bits, keep)
         self.tokens[layer] += key.shape[0] * key.shape[2] if valid is None else valid.sum().to(self.tokens.device)
 
+    def fold_layers(self, layers: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                    valid: torch.Tensor | None) -> None:
+        """`fold` of several layers of one forward at once, their K (and their V) alike in shape and at most as many
+        heads as there are slots: the same integer max and counts in a few large ops rather than many small ones
+        (a decode step hands each layer one token per sequence)."""
+        index = torch.tensor(list(layers), device=self.amax.device)
+        heads = keys[0].shape[1]
+        keep = None if valid is None else valid.to(keys[0].device)[:, None, :, None]  # [batch, 1, seq, 1]
+        for kind, group in ((K, keys), (V, values)):
+            # [batch, layers * heads, seq, head_dim]: the layers' heads side by side, as if one layer had them all
+            stacked = torch.stack([states.detach() for states in group], dim=1).flatten(1, 2)
+            bits = _magnitude_bits(stacked, keep)
+            amax = bits.amax(dim=(0, 2, 3)).view(torch.float32).view(len(layers), heads)
+            self.amax[index, kind, :heads] = torch.maximum(self.amax[index, kind, :heads], amax)
+            self.hist[index, kind, :heads] += _histogram(bits, keep).view(len(layers), heads, NUM_BINS)
+        count = keys[0].shape[0] * keys[0].shape[2] if valid is None else valid.sum().to(self.tokens.device)
+        self.tokens[index] += count
+
     @property
     def num_layers(self) -> int:
         return self.amax.shape[0]
@@ -99,9 +120,13 @@ class KVStatistics:
         self.amax = torch.maximum(self.amax, other.amax.to(self.amax.device))
         self.hist += other.hist.to(self.hist.device)
         self.tokens += other.tokens.to(self.tokens.device)
+        if other.query is not None:
+            theirs = other.query.to(self.amax.device)
+            self.query = theirs.clone() if self.query is None else torch.maximum(self.query, theirs)
 
     def cpu(self) -> KVStatistics:
-        return KVStatistics(self.amax.cpu(), self.hist.cpu(), self.tokens.cpu())
+        query = None if self.query is None else self.query.cpu()
+        return KVStatistics(self.amax.cpu(), self.hist.cpu(), self.tokens.cpu(), query)
 
 
 def _magnitude_bits(states: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -204,19 +229,26 @@ def observing_cache(model: torch.nn.Module, step: ObservationStep):
 
     class ObservingCache(base):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            if layer_idx in step.layers and latent is not None:
-                fold_latent(step, layer_idx, key_states, value_states, latent)
-            elif layer_idx in step.layers:
-                step.statistics.fold(layer_idx, key_states, value_states, step.valid)
-            elif layer_idx >= step.statistics.num_layers:
-                raise Fp8kvError(
-                    f"the forward cached K/V under cache layer {layer_idx}, past the config's "
-                    f"{step.statistics.num_layers} layers (a layer run more than once per token, each run with its "
-                    "own cache); a checkpoint has one scale per layer, so fp8kv cannot scale it"
-                )
+            fold_update(step, latent, layer_idx, key_states, value_states)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     return new_cache(ObservingCache, model)
+
+
+def fold_update(step: ObservationStep, latent: LatentCache | None, layer_idx: int, key_states: torch.Tensor,
+                value_states: torch.Tensor) -> None:
+    """Fold what one cache `update(key_states, value_states, layer_idx)` receives into `step` (the one observer:
+    the driver's cache and fp8kv.api's live observation both call it)."""
+    if layer_idx in step.layers and latent is not None:
+        fold_latent(step, layer_idx, key_states, value_states, latent)
+    elif layer_idx in step.layers:
+        step.statistics.fold(layer_idx, key_states, value_states, step.valid)
+    elif layer_idx >= step.statistics.num_layers:
+        raise Fp8kvError(
+            f"the forward cached K/V under cache layer {layer_idx}, past the config's "
+            f"{step.statistics.num_layers} layers (a layer run more than once per token, each run with its "
+            "own cache); a checkpoint has one scale per layer, so fp8kv cannot scale it"
+        )
 
 
 def fold_latent(step: ObservationStep, layer: int, kv_c_normed: torch.Tensor, k_pe: torch.Tensor,

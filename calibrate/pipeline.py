@@ -108,7 +108,8 @@ def calibrate(request: CalibrationRequest, progress: StageProgress | None = None
         last_batch=last_batch,
     )
     scales = KVScales.from_tensors(k=table.tensors(0), v=table.tensors(1), kv_dtype=request.kv_dtype,
-                                   q=None if query is None else query_scales(query, source.geometry.kv_layers, request))
+                                   q=None if query is None else query_scales(query, source.geometry.kv_layers,
+                                                                                request.kv_dtype, request.headroom))
     warnings = [
         f"layer {layer}: nothing was observed (zero or no K/V); wrote scale 1.0 (--allow-unobserved)"
         for layer in table.defaulted
@@ -153,13 +154,13 @@ def observe_whole_model(source: SourceCheckpoint, data: CalibrationData, request
     return observe(model, batches, source.geometry, progress, query, last_batch)
 
 
-def query_scales(query_amax: torch.Tensor, kv_layers: tuple[int, ...],
-                 request: CalibrationRequest) -> dict[int, torch.Tensor]:
+def query_scales(query_amax: torch.Tensor, kv_layers: tuple[int, ...], kv_dtype: str,
+                 headroom: float) -> dict[int, torch.Tensor]:
     """q_scale per KV layer from max |Q| (the same formula and headroom as K/V); an unobserved Q is an error."""
     bad = [i for i in kv_layers if not (math.isfinite(float(query_amax[i])) and float(query_amax[i]) > 0)]
     if bad:
         raise Fp8kvError(f"layers {bad}: the query was zero, NaN or never seen; no q_scale can be computed")
-    return {i: scale_from_amax(query_amax[i].reshape(1), request.kv_dtype, request.headroom) for i in kv_layers}
+    return {i: scale_from_amax(query_amax[i].reshape(1), kv_dtype, headroom) for i in kv_layers}
 
 
 def _last_batch_statistics(strategy: Strategy, geometry: AttentionGeometry, by_layer: bool) -> KVStatistics | None:

@@ -95,6 +95,16 @@ class Execution:
 
 
 @dataclass(frozen=True)
+class MemoryRecord:
+    """Scales observed on a model in memory (fp8kv.api), not on weights fp8kv loaded from `source.path`: the real
+    tokens folded per cache layer (the most over layers), and whether the folder's weights were saved from that
+    model (True) or linked from the source folder (False)."""
+
+    num_tokens: int
+    weights_saved: bool
+
+
+@dataclass(frozen=True)
 class Provenance:
     """The whole `fp8kv.json`. A record converted from a folder fp8kv did not calibrate carries only the
     tool, command, format, converted_from and no layers; the calibration fields are None there."""
@@ -117,6 +127,7 @@ class Provenance:
     defaulted_layers: tuple[int, ...] | None = None
     query_scales: tuple[QueryScaleRecord, ...] | None = None
     converted_from: ConvertedFrom | None = None
+    memory: MemoryRecord | None = None  # set when fp8kv.api observed a model in memory
     # The attention geometry fp8kv read from config.json when it wrote the folder: while config.json is still
     # the file it wrote (its digest in `files`), readers take it from here instead of through transformers.
     geometry: AttentionGeometry | None = None
@@ -247,7 +258,7 @@ _HASH_CHUNK = 2**24
 
 # The file's key order: calibration settings first, per-layer results, then what convert adds.
 _KEY_ORDER = ("tool", "version", "command", "source", "dataset", "strategy", "headroom", "scale_formula", "kv_dtype",
-              "fp8_max", "per_head", "format", "execution", "skipped_layers", "defaulted_layers", "layers",
+              "fp8_max", "per_head", "format", "execution", "memory", "skipped_layers", "defaulted_layers", "layers",
               "query_scales", "converted_from", "geometry", "files")
 
 
@@ -282,6 +293,7 @@ def _provenance_from_dict(data: Any) -> Provenance:
                                            _integer(d, "seq_len"), _integer(d, "seed"), _text(d, "note", True)),
         "execution": lambda d: Execution(typed(d, "layerwise", bool), _integer(d, "processes"), _text(d, "device")),
         "converted_from": lambda d: ConvertedFrom(_text(d, "path"), _each(d, "conventions", str)),
+        "memory": lambda d: MemoryRecord(_integer(d, "num_tokens"), typed(d, "weights_saved", bool)),
     }
     values: dict[str, Any] = {name: parse(json_object(data[name], name)) for name, parse in optional.items()
                               if data.get(name) is not None}
