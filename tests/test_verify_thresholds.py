@@ -53,9 +53,42 @@ def test_accuracy_reasons_bound_kl_nan_and_unit_scales():
     assert accuracy_reasons(ACCURACY, {}, t) == []
     nan = accuracy_reasons(replace(ACCURACY, kl_mean=math.nan, ppl_fp8=math.nan), {1: 3}, t)
     assert [r.level for r in nan] == [FAIL, FAIL] and nan[0].message == "NaN/inf values in the clamped fp8 cache: layer 1 (3)"
-    worse = accuracy_reasons(replace(ACCURACY, kl_mean=0.06, ppl_fp8=10.2), {}, t)
-    assert [r.level for r in worse] == [FAIL, WARN, WARN]
+    assert [r.level for r in accuracy_reasons(replace(ACCURACY, kl_mean=0.06), {}, t)] == [FAIL]
+    worse = accuracy_reasons(replace(ACCURACY, kl_mean=0.06, versus_unit=(_paired("kl_mean", 0.06, 0.001),)), {}, t)
+    assert [r.level for r in worse] == [FAIL, WARN]
     assert worse[1].message.startswith("calibrated scales do worse than unit scales: mean KL 0.06 vs 0.001")
+
+
+def _paired(measure: str, ours: float, theirs: float, spread: float = 0.0, sequences: int = 16):
+    """A paired comparison of per-token means `ours` and `theirs` over `sequences` of 200 tokens, the gap varying
+    by +-`spread` (alternating) from one sequence to the next."""
+    from fp8kv.verify.intervals import paired_difference
+
+    tokens = [200] * sequences
+    gap = [(ours - theirs + (spread if i % 2 else -spread)) * n for i, n in enumerate(tokens)]
+    return paired_difference(measure, [theirs * n + g for n, g in zip(tokens, gap)], [theirs * n for n in tokens],
+                             tokens)
+
+
+def test_the_bootstrap_interval_is_seeded_paired_and_narrows_with_more_sequences():
+    few, many = _paired("kl_mean", 0.011, 0.010, 0.004, 8), _paired("kl_mean", 0.011, 0.010, 0.004, 128)
+    assert few == _paired("kl_mean", 0.011, 0.010, 0.004, 8)  # the same numbers on every run
+    assert few.low < few.difference < few.high and abs(few.difference - 0.001) < 1e-12
+    assert many.high - many.low < (few.high - few.low) / 2
+    assert (few.sequences, few.tokens, many.tokens) == (8, 1600, 25600)
+
+
+def test_a_calibration_better_by_kl_is_not_warned_about_for_a_noisy_perplexity():
+    # make demo's case: perplexity above unit scales' while KL and top-1 say the calibrated scales are better
+    demo = replace(ACCURACY, ppl_fp8=4.5058, ppl_fp8_unit=4.4390, versus_unit=(
+        _paired("kl_mean", 0.01044, 0.01429, 0.001), _paired("top1_agreement", 0.957, 0.946, 0.01),
+        _paired("nll", math.log(4.5058), math.log(4.4390), 0.001)))
+    assert accuracy_reasons(demo, {}, load_thresholds()) == []
+    alone = replace(demo, versus_unit=demo.versus_unit[2:])  # with nothing better to weigh, perplexity counts
+    (warning,) = accuracy_reasons(alone, {}, load_thresholds())
+    assert warning.message.startswith("calibrated scales do worse than unit scales: perplexity 4.5058 vs 4.4390")
+    assert [r.level for r in accuracy_reasons(replace(demo, versus_unit=(_paired("top1_agreement", 0.90, 0.95),)), {},
+                                              load_thresholds())] == [WARN]
 
 
 def test_report_json_has_no_nan():
@@ -103,14 +136,18 @@ def test_an_engine_that_writes_nan_fails_by_name_with_the_fix():
                                      "on the same text with --headroom 1.08")
 
 
-def test_a_pass_says_when_calibrated_and_unit_perplexity_differ_by_noise():
+def test_a_pass_says_when_calibrated_and_unit_scales_cannot_be_told_apart_and_what_would():
     from fp8kv.verify.verdict import unit_scale_note
 
-    note = unit_scale_note(replace(ACCURACY, ppl_fp8=37.8146, ppl_fp8_unit=37.7955), 1.01)
-    assert note.startswith("perplexity with these scales and with unit scales differ by 0.05%, inside the 1% the "
-                           "verdict treats as noise (--unit-ppl-ratio 1.01)")
-    assert unit_scale_note(replace(ACCURACY, ppl_fp8=38.5, ppl_fp8_unit=37.7955), 1.01) is None  # that one WARNs instead
-    assert unit_scale_note(replace(ACCURACY, ppl_fp8=math.nan, ppl_fp8_unit=37.7955), 1.01) is None
+    noisy = _paired("kl_mean", 0.0105, 0.0104, 0.002)
+    note = unit_scale_note(replace(ACCURACY, versus_unit=(noisy,)))
+    assert note is not None and note.startswith("on this text these scales and unit scales cannot be told apart: "
+                                                "mean KL 0.0105 vs 0.0104, difference +0.0001, 95 % interval [-")
+    needed = noisy.tokens_to_tell()
+    assert needed is not None and needed > noisy.tokens and f"about {needed} held-out tokens" in note
+    better = unit_scale_note(replace(ACCURACY, versus_unit=(_paired("kl_mean", 0.0104, 0.0143, 0.001),)))
+    assert better is not None and better.startswith("these scales do better than unit scales: mean KL 0.0104 vs 0.0143")
+    assert unit_scale_note(ACCURACY) is None  # nothing paired (a non-finite run)
 
 
 def test_scales_far_too_small_are_told_to_recalibrate_not_to_widen_the_margin():

@@ -30,7 +30,8 @@ from fp8kv.geometry import AttentionGeometry
 from fp8kv.runtime.runner import PagedModelRunner, SequenceWrites, load_model, runs_ragged_attention
 from fp8kv.checks import FAIL
 from fp8kv.verify.engines import BUG, PASS, first_nonfinite_layer
-from fp8kv.verify.results import Accuracy, CacheShares, EngineResult, QueryCost, Readback
+from fp8kv.verify.intervals import paired_difference
+from fp8kv.verify.results import Accuracy, CacheShares, EngineResult, PairedDifference, QueryCost, Readback
 
 
 @dataclass
@@ -151,10 +152,12 @@ class NextTokenLoss:
     nll: float = 0.0
     predicted: int = 0  # tokens scored (every token after a sample's first)
 
-    def add(self, ids: list[int], logp: torch.Tensor) -> None:
-        """Fold one sample: `ids` [L] and its log-probabilities [L, vocab]."""
-        self.nll -= float(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).double().sum())
+    def add(self, ids: list[int], logp: torch.Tensor) -> float:
+        """Fold one sample: `ids` [L] and its log-probabilities [L, vocab]; returns the sample's own NLL."""
+        nll = -float(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).double().sum())
+        self.nll += nll
         self.predicted += len(ids) - 1
+        return nll
 
     def perplexity(self) -> float:
         return math.exp(self.nll / max(self.predicted, 1)) if math.isfinite(self.nll) else math.nan
@@ -169,19 +172,40 @@ class _Totals:
     kl_max: dict[str, float] = field(default_factory=lambda: {"fp8": 0.0, "unit": 0.0})
     top1: dict[str, int] = field(default_factory=lambda: {"fp8": 0, "unit": 0})
     compared: int = 0  # distributions compared (every token)
+    # per sequence, for the paired comparison of the two fp8 caches: measure -> runner -> that sequence's sum
+    per_sequence: dict[str, dict[str, list[float]]] = field(
+        default_factory=lambda: {m: {"fp8": [], "unit": []} for m in ("kl_mean", "top1_agreement", "nll")})
+    rows: list[int] = field(default_factory=list)  # distributions compared in each sequence
+    predicted: list[int] = field(default_factory=list)  # tokens predicted in each sequence
 
     def add(self, ids: list[int], logp: dict[str, torch.Tensor]) -> None:
         """Fold one sample: `ids` [L] and float32 log-probabilities [L, vocab] per runner."""
-        for name, lp in logp.items():
-            self.loss[name].add(ids, lp)
+        nll = {name: self.loss[name].add(ids, lp) for name, lp in logp.items()}
         ref = logp["bf16"]
         top_ref, ref_probs = ref.argmax(-1), ref.exp()
         for name in ("fp8", "unit"):
             kl = token_kl(ref, logp[name], ref_probs)  # [L]; NaN logits give NaN
+            agree = int((logp[name].argmax(-1) == top_ref).sum())
             self.kl[name] += float(kl.sum())
             self.kl_max[name] = max(self.kl_max[name], float(kl.max())) if not kl.isnan().any() else math.nan
-            self.top1[name] += int((logp[name].argmax(-1) == top_ref).sum())
+            self.top1[name] += agree
+            for measure, value in (("kl_mean", float(kl.sum())), ("top1_agreement", agree), ("nll", nll[name])):
+                self.per_sequence[measure][name].append(value)
         self.compared += len(ids)
+        self.rows.append(len(ids))
+        self.predicted.append(len(ids) - 1)
+
+    def versus_unit(self) -> tuple[PairedDifference, ...]:
+        """Each measure of the fp8 cache against the unit-scale one, paired by sequence; none where either holds a
+        non-finite value (those fail on their own) or a single sequence leaves nothing to resample."""
+        if len(self.rows) < 2:
+            return ()
+        found = []
+        for measure, runs in self.per_sequence.items():
+            if all(math.isfinite(v) for values in runs.values() for v in values):
+                tokens = self.predicted if measure == "nll" else self.rows
+                found.append(paired_difference(measure, runs["fp8"], runs["unit"], tokens))
+        return tuple(found)
 
     def summary(self) -> Accuracy:
         ppl = {name: loss.perplexity() for name, loss in self.loss.items()}
@@ -190,6 +214,7 @@ class _Totals:
             ppl_bf16=ppl["bf16"], ppl_fp8=ppl["fp8"], ppl_fp8_unit=ppl["unit"],
             kl_mean=self.kl["fp8"] / n, kl_max=self.kl_max["fp8"], top1_agreement=self.top1["fp8"] / n,
             kl_mean_unit=self.kl["unit"] / n, kl_max_unit=self.kl_max["unit"], top1_agreement_unit=self.top1["unit"] / n,
+            versus_unit=self.versus_unit(),
         )
 
 

@@ -26,9 +26,48 @@ class StaticSummary:
 
 
 @dataclass(frozen=True)
+class PairedDifference:
+    """One measure with these scales minus the same measure with unit scales, paired over the held-out sequences:
+    `measure` is "kl_mean", "top1_agreement" or "nll" (mean negative log-likelihood per predicted token, whose
+    exp is the perplexity); `difference` = `ours` - `theirs`, per token, with the seeded bootstrap's 95 %
+    interval [`low`, `high`] over `sequences` sequences and `tokens` tokens."""
+
+    measure: str
+    ours: float
+    theirs: float
+    difference: float
+    low: float
+    high: float
+    sequences: int
+    tokens: int
+
+    @property
+    def lower_is_better(self) -> bool:
+        return self.measure != "top1_agreement"
+
+    def says_worse(self) -> bool:
+        """Whether the interval puts these scales on the worse side of unit scales, zero excluded."""
+        return self.low > 0 if self.lower_is_better else self.high < 0
+
+    def says_better(self) -> bool:
+        return self.high < 0 if self.lower_is_better else self.low > 0
+
+    def tokens_to_tell(self) -> int | None:
+        """About how many held-out tokens would give an interval that excludes zero, where this one does not
+        (its width shrinks as one over the square root of the tokens); None where it already does, or for no
+        difference at all."""
+        half = (self.high - self.low) / 2
+        if self.says_worse() or self.says_better() or not abs(self.difference) > 0 or not half > 0:
+            return None
+        return int(self.tokens * (half / abs(self.difference)) ** 2) + 1
+
+
+@dataclass(frozen=True)
 class Accuracy:
     """The held-out logits of the fp8 caches against the bf16 cache: perplexities, mean and max KL(bf16 || fp8)
-    per next-token distribution (nats), top-1 agreement; `_unit`: the same fp8 cache with unit scales."""
+    per next-token distribution (nats), top-1 agreement; `_unit`: the same fp8 cache with unit scales;
+    `versus_unit`: those measures of the two fp8 caches compared sequence by sequence (empty where either
+    went non-finite)."""
 
     ppl_bf16: float
     ppl_fp8: float
@@ -39,6 +78,7 @@ class Accuracy:
     kl_mean_unit: float
     kl_max_unit: float
     top1_agreement_unit: float
+    versus_unit: tuple[PairedDifference, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any
 from fp8kv.checks import FAIL, WARN, Finding
 from fp8kv.errors import ExitCode, Fp8kvError
 from fp8kv.options import VERDICTS, Verdict
-from fp8kv.verify.results import Accuracy, LayerCheck
+from fp8kv.verify.results import Accuracy, LayerCheck, PairedDifference
 
 try:
     import tomllib
@@ -142,26 +142,58 @@ def accuracy_reasons(accuracy: Accuracy, nan_with_clamp: dict[int, int], thresho
         return reasons
     if kl > thresholds.kl_mean:
         reasons.append(Finding(FAIL, f"mean KL to the bf16 cache {kl:.4g} nats exceeds the bound {thresholds.kl_mean:g}"))
-    unit_kl, unit_ppl = accuracy.kl_mean_unit, accuracy.ppl_fp8_unit
-    if _finite(unit_kl) and kl > unit_kl * thresholds.unit_kl_ratio and kl - unit_kl > UNIT_KL_NOISE:
-        reasons.append(Finding(WARN, f"calibrated scales do worse than unit scales: mean KL {kl:.4g} vs {unit_kl:.4g} "
-                                    f"(ratio bound {thresholds.unit_kl_ratio:g})"))
-    if _finite(unit_ppl) and accuracy.ppl_fp8 > unit_ppl * thresholds.unit_ppl_ratio:
-        reasons.append(Finding(WARN, f"calibrated scales do worse than unit scales: perplexity "
-                                    f"{accuracy.ppl_fp8:.4f} vs {unit_ppl:.4f} "
-                                    f"(ratio bound {thresholds.unit_ppl_ratio:g})"))
-    return reasons
+    return reasons + unit_scale_reasons(accuracy, thresholds)
 
 
-def unit_scale_note(accuracy: Accuracy, unit_ppl_ratio: float) -> str | None:
-    """When calibrated and unit-scale perplexities differ by less than the band the verdict treats as equal,
-    one line saying so (a reader otherwise takes 37.81 against 37.80 for a finding); else None."""
-    ppl, unit = accuracy.ppl_fp8, accuracy.ppl_fp8_unit
-    if not (_finite(ppl) and _finite(unit)) or not unit > 0 or ppl > unit * unit_ppl_ratio:
+_MEASURES = {"kl_mean": "mean KL", "top1_agreement": "top-1 agreement", "nll": "perplexity"}
+
+
+def unit_scale_reasons(accuracy: Accuracy, thresholds: Thresholds) -> list[Finding]:
+    """These scales against unit scales, each measure paired over the held-out sequences: a WARN only where the
+    95 % interval puts these scales on the worse side (and, for KL, by more than `unit_kl_ratio` and
+    `UNIT_KL_NOISE`: fp8 rounding alone moves KL that much, the same way on every sequence). KL and top-1
+    lead: perplexity of a few sequences moves with the text by more than the effect, so it WARNs only past
+    `unit_ppl_ratio` and when neither KL nor top-1 says these scales are better."""
+    by = {d.measure: d for d in accuracy.versus_unit}
+    leading = [by[m] for m in ("kl_mean", "top1_agreement") if m in by]
+    worse = [d for d in leading if d.says_worse()]
+    kl = by.get("kl_mean")
+    if kl is not None and kl in worse and not (kl.ours > kl.theirs * thresholds.unit_kl_ratio
+                                               and kl.difference > UNIT_KL_NOISE):
+        worse.remove(kl)  # consistent over sequences, but smaller than the effect the thresholds warn about
+    ppl = by.get("nll")
+    if (ppl is not None and ppl.says_worse() and not any(d.says_better() for d in leading)
+            and math.exp(ppl.difference) > thresholds.unit_ppl_ratio):
+        worse.append(ppl)
+    return [Finding(WARN, "calibrated scales do worse than unit scales: " + describe_difference(d)) for d in worse]
+
+
+def describe_difference(d: PairedDifference) -> str:
+    """One comparison as a reader checks it: both values, the difference and its interval, over what."""
+    if d.measure == "nll":
+        values = (f"perplexity {math.exp(d.ours):.4f} vs {math.exp(d.theirs):.4f}, log-perplexity difference "
+                  f"{d.difference:+.4f}, 95 % interval [{d.low:+.4f}, {d.high:+.4f}]")
+    elif d.measure == "top1_agreement":
+        values = (f"top-1 agreement {d.ours:.2%} vs {d.theirs:.2%}, difference {d.difference:+.2%}, 95 % interval "
+                  f"[{d.low:+.2%}, {d.high:+.2%}]")
+    else:
+        values = (f"mean KL {d.ours:.4g} vs {d.theirs:.4g}, difference {d.difference:+.2g}, 95 % interval "
+                  f"[{d.low:+.2g}, {d.high:+.2g}]")
+    return f"{values} (paired over {d.sequences} held-out sequences, {d.tokens} tokens)"
+
+
+def unit_scale_note(accuracy: Accuracy) -> str | None:
+    """How these scales compare with unit scales where the verdict found nothing worse: the leading measure's
+    interval, and when it cannot tell the two apart, about how many held-out tokens would."""
+    by = {d.measure: d for d in accuracy.versus_unit}
+    kl = by.get("kl_mean")
+    if kl is None or kl.says_worse():
         return None
-    return (f"perplexity with these scales and with unit scales differ by {abs(ppl / unit - 1):.2%}, inside the "
-            f"{unit_ppl_ratio - 1:.0%} the verdict treats as noise (--unit-ppl-ratio {unit_ppl_ratio:g}): on this "
-            "text the two are equally good, and the calibrated ones keep values inside the fp8 range")
+    if kl.says_better():
+        return "these scales do better than unit scales: " + describe_difference(kl)
+    needed = kl.tokens_to_tell()
+    more = f"; about {needed} held-out tokens would tell them apart (--num-samples)" if needed else ""
+    return "on this text these scales and unit scales cannot be told apart: " + describe_difference(kl) + more
 
 
 def _finite(x: float | None) -> bool:
