@@ -171,7 +171,8 @@ def generate_text(request: DataRequest, tokenizer: Any, model: Any, split: str) 
         samples = [ids for start in range(0, len(prompts), GENERATION_BATCH)
                    for ids in _sample(model, prompts[start:start + GENERATION_BATCH], request.seq_len, tokenizer)]
     settings = ", ".join(f"{k} {v}" for k, v in GENERATION.items() if k != "do_sample")
-    note = (f"calibration text written by the model itself: {len(samples)} answers to {split} instructions through "
+    purpose = "held-out" if split == "heldout" else "calibration"
+    note = (f"{purpose} text written by the model itself: {len(samples)} answers to {split} instructions through "
             f"its chat template (sampling with {settings}, seed {request.seed})")
     return CalibrationData(samples, GENERATED_DATASET, split, "chat", note)
 

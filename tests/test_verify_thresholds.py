@@ -148,6 +148,11 @@ def test_a_pass_says_when_calibrated_and_unit_scales_cannot_be_told_apart_and_wh
     better = unit_scale_note(replace(ACCURACY, versus_unit=(_paired("kl_mean", 0.0104, 0.0143, 0.001),)))
     assert better is not None and better.startswith("these scales do better than unit scales: mean KL 0.0104 vs 0.0143")
     assert unit_scale_note(ACCURACY) is None  # nothing paired (a non-finite run)
+    few = replace(ACCURACY, versus_unit=(_paired("top1_agreement", 0.90, 0.95, sequences=4),
+                                         _paired("kl_mean", 0.02, 0.01, sequences=4)))
+    assert accuracy_reasons(few, {}, load_thresholds()) == []  # 4 sequences: no interval to trust
+    assert unit_scale_note(few) == ("4 held-out sequences are too few to compare these scales with unit scales (a "
+                                    "paired interval needs at least 8; --num-samples)")
 
 
 def test_scales_far_too_small_are_told_to_recalibrate_not_to_widen_the_margin():

@@ -23,6 +23,10 @@ EXIT_CODES = {name: int(ExitCode[name]) for name in VERDICTS}
 # bundled model, scales that differ only in their margin moved mean KL by up to 8e-5 either way, and
 # random-weight models (KL near 1e-6) flip the ratio from one held-out draw to the next.
 UNIT_KL_NOISE = 1e-4
+# Below this many held-out sequences a bootstrap over sequences has too few to draw from to be trusted (a
+# random-weight MoE on 4 sequences put 6 top-1 flips in 192 tokens outside its interval), so unit scales are
+# not compared.
+MIN_PAIRED_SEQUENCES = 8
 DEFAULTS_FILE = "verify.toml"
 # Which TOML table each threshold lives in.
 _SECTIONS = {"kl_mean": "fail", "saturation": "warn", "unit_kl_ratio": "warn", "unit_ppl_ratio": "warn"}
@@ -155,6 +159,8 @@ def unit_scale_reasons(accuracy: Accuracy, thresholds: Thresholds) -> list[Findi
     lead: perplexity of a few sequences moves with the text by more than the effect, so it WARNs only past
     `unit_ppl_ratio` and when neither KL nor top-1 says these scales are better."""
     by = {d.measure: d for d in accuracy.versus_unit}
+    if any(d.sequences < MIN_PAIRED_SEQUENCES for d in by.values()):
+        return []
     leading = [by[m] for m in ("kl_mean", "top1_agreement") if m in by]
     worse = [d for d in leading if d.says_worse()]
     kl = by.get("kl_mean")
@@ -187,6 +193,9 @@ def unit_scale_note(accuracy: Accuracy) -> str | None:
     interval, and when it cannot tell the two apart, about how many held-out tokens would."""
     by = {d.measure: d for d in accuracy.versus_unit}
     kl = by.get("kl_mean")
+    if kl is not None and kl.sequences < MIN_PAIRED_SEQUENCES:
+        return (f"{kl.sequences} held-out sequences are too few to compare these scales with unit scales (a paired "
+                f"interval needs at least {MIN_PAIRED_SEQUENCES}; --num-samples)")
     if kl is None or kl.says_worse():
         return None
     if kl.says_better():
