@@ -16,7 +16,10 @@ cd "$ROOT"
 test -x bench/.tpu-inference-venv/bin/python || bash bench/tpu_inference_venv.sh
 bench/.tpu-inference-venv/bin/python bench/probe_tpu_inference.py
 
-# SGLang: its own loader on each fp8kv output format, and its releases' torch pins and loaders
+# SGLang's releases: each wheel's torch pin and compressed-tensors KV-scale loader, read without installing them
+"$PY" bench/probe_sglang_packages.py
+
+# SGLang: its own loader on each fp8kv output format
 test -x bench/.sglang-venv/bin/python || bash bench/sglang_venv.sh
 "$PY" bench/probe_sglang.py
 
