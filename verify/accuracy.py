@@ -168,9 +168,7 @@ class _Totals:
     """Running sums over held-out tokens; `kl_*`/`top1` compare with the bf16 reference."""
 
     loss: dict[str, NextTokenLoss] = field(default_factory=lambda: {n: NextTokenLoss() for n in ("bf16", "fp8", "unit")})
-    kl: dict[str, float] = field(default_factory=lambda: {"fp8": 0.0, "unit": 0.0})
     kl_max: dict[str, float] = field(default_factory=lambda: {"fp8": 0.0, "unit": 0.0})
-    top1: dict[str, int] = field(default_factory=lambda: {"fp8": 0, "unit": 0})
     compared: int = 0  # distributions compared (every token)
     # per sequence, for the paired comparison of the two fp8 caches: measure -> runner -> that sequence's sum
     per_sequence: dict[str, dict[str, list[float]]] = field(
@@ -186,9 +184,7 @@ class _Totals:
         for name in ("fp8", "unit"):
             kl = token_kl(ref, logp[name], ref_probs)  # [L]; NaN logits give NaN
             agree = int((logp[name].argmax(-1) == top_ref).sum())
-            self.kl[name] += float(kl.sum())
             self.kl_max[name] = max(self.kl_max[name], float(kl.max())) if not kl.isnan().any() else math.nan
-            self.top1[name] += agree
             for measure, value in (("kl_mean", float(kl.sum())), ("top1_agreement", agree), ("nll", nll[name])):
                 self.per_sequence[measure][name].append(value)
         self.compared += len(ids)
@@ -210,10 +206,12 @@ class _Totals:
     def summary(self) -> Accuracy:
         ppl = {name: loss.perplexity() for name, loss in self.loss.items()}
         n = max(self.compared, 1)
+        kl = {name: sum(values) / n for name, values in self.per_sequence["kl_mean"].items()}
+        top1 = {name: sum(values) / n for name, values in self.per_sequence["top1_agreement"].items()}
         return Accuracy(
             ppl_bf16=ppl["bf16"], ppl_fp8=ppl["fp8"], ppl_fp8_unit=ppl["unit"],
-            kl_mean=self.kl["fp8"] / n, kl_max=self.kl_max["fp8"], top1_agreement=self.top1["fp8"] / n,
-            kl_mean_unit=self.kl["unit"] / n, kl_max_unit=self.kl_max["unit"], top1_agreement_unit=self.top1["unit"] / n,
+            kl_mean=kl["fp8"], kl_max=self.kl_max["fp8"], top1_agreement=top1["fp8"],
+            kl_mean_unit=kl["unit"], kl_max_unit=self.kl_max["unit"], top1_agreement_unit=top1["unit"],
             versus_unit=self.versus_unit(),
         )
 
