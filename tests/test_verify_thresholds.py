@@ -14,6 +14,7 @@ from fp8kv.verify.results import Accuracy, EngineResult, LayerCheck
 from fp8kv.json_fields import to_json_value
 from fp8kv.checks import FAIL, INFO, WARN, Finding
 from fp8kv.verify.verdict import Thresholds, accuracy_reasons, heldout_reasons, load_thresholds, verdict
+from fp8kv.verify.verdict import describe_difference as describe
 
 ACCURACY = Accuracy(ppl_bf16=9.9, ppl_fp8=10.0, ppl_fp8_unit=10.0, kl_mean=0.001, kl_max=0.01, top1_agreement=0.99,
                     kl_mean_unit=0.001, kl_max_unit=0.01, top1_agreement_unit=0.99)
@@ -169,3 +170,25 @@ def test_scales_far_too_small_are_told_to_recalibrate_not_to_widen_the_margin():
         "Fix: these scales are 3.5e+28x too small for this text, far beyond what a margin is for: recalibrate "
         "(fp8kv calibrate) on text like this, or check how the scales were made.")
     assert "too small" in headroom_fix(float("inf"), 448)
+
+
+def test_each_engine_is_judged_on_its_own_runs_and_a_shared_finding_names_every_engine():
+    from fp8kv.verify.verdict import engine_accuracy_reasons, engine_unit_scale_notes
+
+    worse = replace(ACCURACY, kl_mean=0.06, versus_unit=(_paired("kl_mean", 0.06, 0.001),))
+
+    def engine(name: str, accuracy: Accuracy, **kwargs) -> EngineResult:
+        return EngineResult(name, accuracy.ppl_fp8, 0, 100, 0, 8, None, "src", "PASS", known_by="run",
+                            accuracy=accuracy, **kwargs)
+
+    results = [engine("a@1", worse), engine("b@2", worse), engine("c@3", ACCURACY),
+               engine("d@4", worse, unread="it reads none of them"),  # at 1.0: its INFO line says so
+               replace(engine("bug", worse), known_by=""),  # a bug model illustrates, it is not judged
+               replace(engine("e@5", worse), nan_rows=3)]  # lost logits: a FAIL of its own already
+    found = engine_accuracy_reasons(results, load_thresholds())
+    assert [r.level for r in found] == [FAIL, WARN]
+    assert found[0].message.startswith("engines a@1, b@2: mean KL to the bf16 cache 0.06 nats exceeds the bound")
+    assert found[1].message.startswith("engines a@1, b@2: calibrated scales do worse than unit scales: mean KL 0.06")
+    better = replace(ACCURACY, versus_unit=(_paired("kl_mean", 0.0104, 0.0143, 0.001),))
+    assert engine_unit_scale_notes([engine("c@3", better), engine("d@4", better, unread="x")]) == [
+        "engine c@3: these scales do better than unit scales: " + describe(better.versus_unit[0])]

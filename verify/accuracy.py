@@ -16,14 +16,14 @@ values clamped at ±MAX and any NaN/inf stored.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from fp8kv.checkpoint.kvscales import KVScales
-from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, as_engine_model, engine_model
+from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, as_engine_model, engine_model, ignored
 from fp8kv.runtime.cache import Scale
 from fp8kv.runtime.device import resolve_device
 from fp8kv.geometry import AttentionGeometry
@@ -39,7 +39,10 @@ class Runners:
     """The reference (bf16 cache), the checkpoint's scales and unit scales, on one device.
 
     `engines` maps each engine model's name to its runner and `models` to the model (resolved for the checkpoint
-    where the caller did so); engines whose writes are the same arithmetic share one (the default engine's is `fp8`, "scales-ignored" runs on `unit`). `shadows` are the engines whose
+    where the caller did so); engines whose writes are the same arithmetic share one (the default engine's is `fp8`, "scales-ignored" runs on `unit`).
+    `unit_engines` maps each engine to its runner at scale 1.0 with its own write, what it compares these
+    scales with: at 1.0 every division and reciprocal here is exact, so only a truncating or non-saturating
+    conversion needs a runner besides `unit`; an engine that ignores the scales maps to its own runner. `shadows` are the engines whose
     writes `fp8`'s cache also computes: a batch in which none of their values differs from `fp8`'s gives
     `fp8`'s logits. `twins` maps a non-saturating engine to the runner of its saturating twin, whose
     values it shares wherever |x / scale| <= MAX.
@@ -52,6 +55,7 @@ class Runners:
     twins: dict[str, PagedModelRunner] = field(default_factory=dict)
     shadows: tuple[str, ...] = ()
     models: dict[str, EngineModel] = field(default_factory=dict)
+    unit_engines: dict[str, PagedModelRunner] = field(default_factory=dict)
 
     @classmethod
     def open(cls, model_dir: Path, scales: KVScales, kv_layers: tuple[int, ...], *, device: str,
@@ -80,15 +84,20 @@ class Runners:
         unit = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, **common)
         # the unit-scale runner is exactly an engine that never received its scales
         shared = {reference.write_key(): fp8, engine_model("scales-ignored").write_key(): unit}
-        for name, engine in engine_models.items():
-            if key[name] not in shared:
-                shared[key[name]] = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
-                                                     engine=engine, attention_numerics=numerics(engine), **common)
+        at_unit = {name: replace(engine, loads=ignored) for name, engine in engine_models.items()}
+        unit_key = {name: engine.write_key(numerics(engine_models[name])) for name, engine in at_unit.items()}
+        for keys, models in ((key, engine_models), (unit_key, at_unit)):
+            for name, engine in models.items():
+                if keys[name] not in shared:
+                    shared[keys[name]] = PagedModelRunner(model_dir, cache_dtype=scales.kv_dtype, k_scales=k,
+                                                          v_scales=v, engine=engine,
+                                                          attention_numerics=numerics(engine), **common)
         twin_keys = {name: engine.write_key(numerics(engine), saturate=True) for name, engine in engine_models.items()
                      if not engine.saturate}
         twins = {name: shared[twin] for name, twin in twin_keys.items() if twin in shared}
         return cls(PagedModelRunner(model_dir, cache_dtype="bf16", **common), fp8, unit,
-                   {name: shared[key[name]] for name in engine_models}, twins, shadows, engine_models)
+                   {name: shared[key[name]] for name in engine_models}, twins, shadows, engine_models,
+                   {name: shared[unit_key[name]] for name in engine_models})
 
 
 def runtime_scales(scales: KVScales, kv_layers: tuple[int, ...]) -> tuple[dict[int, Scale], dict[int, Scale]]:
@@ -145,6 +154,12 @@ def _same_bits(value: float | tuple[float, ...] | torch.Tensor, stored: torch.Te
     return exact and torch.equal(held.float().view(torch.int32), file.view(torch.int32))
 
 
+def sequence_nll(ids: list[int], logp: torch.Tensor) -> float:
+    """The negative log-likelihood of each token of `ids` [L] given the ones before it, summed, from the sample's
+    log-probabilities [L, vocab]."""
+    return -float(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).double().sum())
+
+
 @dataclass
 class NextTokenLoss:
     """Running negative log-likelihood of each token given the ones before it; its perplexity."""
@@ -154,66 +169,13 @@ class NextTokenLoss:
 
     def add(self, ids: list[int], logp: torch.Tensor) -> float:
         """Fold one sample: `ids` [L] and its log-probabilities [L, vocab]; returns the sample's own NLL."""
-        nll = -float(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).double().sum())
+        nll = sequence_nll(ids, logp)
         self.nll += nll
         self.predicted += len(ids) - 1
         return nll
 
     def perplexity(self) -> float:
         return math.exp(self.nll / max(self.predicted, 1)) if math.isfinite(self.nll) else math.nan
-
-
-@dataclass
-class _Totals:
-    """Running sums over held-out tokens; `kl_*`/`top1` compare with the bf16 reference."""
-
-    loss: dict[str, NextTokenLoss] = field(default_factory=lambda: {n: NextTokenLoss() for n in ("bf16", "fp8", "unit")})
-    kl_max: dict[str, float] = field(default_factory=lambda: {"fp8": 0.0, "unit": 0.0})
-    compared: int = 0  # distributions compared (every token)
-    # per sequence, for the paired comparison of the two fp8 caches: measure -> runner -> that sequence's sum
-    per_sequence: dict[str, dict[str, list[float]]] = field(
-        default_factory=lambda: {m: {"fp8": [], "unit": []} for m in ("kl_mean", "top1_agreement", "nll")})
-    rows: list[int] = field(default_factory=list)  # distributions compared in each sequence
-    predicted: list[int] = field(default_factory=list)  # tokens predicted in each sequence
-
-    def add(self, ids: list[int], logp: dict[str, torch.Tensor]) -> None:
-        """Fold one sample: `ids` [L] and float32 log-probabilities [L, vocab] per runner."""
-        nll = {name: self.loss[name].add(ids, lp) for name, lp in logp.items()}
-        ref = logp["bf16"]
-        top_ref, ref_probs = ref.argmax(-1), ref.exp()
-        for name in ("fp8", "unit"):
-            kl = token_kl(ref, logp[name], ref_probs)  # [L]; NaN logits give NaN
-            agree = int((logp[name].argmax(-1) == top_ref).sum())
-            self.kl_max[name] = max(self.kl_max[name], float(kl.max())) if not kl.isnan().any() else math.nan
-            for measure, value in (("kl_mean", float(kl.sum())), ("top1_agreement", agree), ("nll", nll[name])):
-                self.per_sequence[measure][name].append(value)
-        self.compared += len(ids)
-        self.rows.append(len(ids))
-        self.predicted.append(len(ids) - 1)
-
-    def versus_unit(self) -> tuple[PairedDifference, ...]:
-        """Each measure of the fp8 cache against the unit-scale one, paired by sequence; none where either holds a
-        non-finite value (those fail on their own) or a single sequence leaves nothing to resample."""
-        if len(self.rows) < 2:
-            return ()
-        found = []
-        for measure, runs in self.per_sequence.items():
-            if all(math.isfinite(v) for values in runs.values() for v in values):
-                tokens = self.predicted if measure == "nll" else self.rows
-                found.append(paired_difference(measure, runs["fp8"], runs["unit"], tokens))
-        return tuple(found)
-
-    def summary(self) -> Accuracy:
-        ppl = {name: loss.perplexity() for name, loss in self.loss.items()}
-        n = max(self.compared, 1)
-        kl = {name: sum(values) / n for name, values in self.per_sequence["kl_mean"].items()}
-        top1 = {name: sum(values) / n for name, values in self.per_sequence["top1_agreement"].items()}
-        return Accuracy(
-            ppl_bf16=ppl["bf16"], ppl_fp8=ppl["fp8"], ppl_fp8_unit=ppl["unit"],
-            kl_mean=kl["fp8"], kl_max=self.kl_max["fp8"], top1_agreement=top1["fp8"],
-            kl_mean_unit=kl["unit"], kl_max_unit=self.kl_max["unit"], top1_agreement_unit=top1["unit"],
-            versus_unit=self.versus_unit(),
-        )
 
 
 @dataclass(frozen=True)
@@ -234,30 +196,102 @@ class ScoredSample:
         return cls(torch.log_softmax(logits, dim=-1), int((~torch.isfinite(suspects)).any(-1).sum()))
 
 
+@dataclass(frozen=True)
+class SequenceScore:
+    """One runner's logits for one held-out sequence against the bf16 cache's: KL(bf16 || runner) summed over its
+    rows and its largest (NaN where any is), rows whose top-1 token agrees, the sequence's negative
+    log-likelihood, and rows with a NaN/inf logit."""
+
+    kl_sum: float
+    kl_max: float
+    top1: int
+    nll: float
+    bad_rows: int
+
+    @classmethod
+    def of(cls, ids: list[int], sample: ScoredSample, reference: ScoredSample) -> SequenceScore:
+        kl = token_kl(reference.logp, sample.logp)  # [L]; NaN logits give NaN
+        top1 = int((sample.logp.argmax(-1) == reference.logp.argmax(-1)).sum())
+        return cls(float(kl.sum()), float(kl.max()), top1, sequence_nll(ids, sample.logp), sample.bad_rows)
+
+
+@dataclass
+class _Totals:
+    """Per held-out sequence: the bf16 cache's NLL, and the scores of one fp8 runner (`ours`) and of the same
+    cache at unit scales (`unit`); `paired` is False where the two are one runner (nothing to compare)."""
+
+    paired: bool = True
+    bf16_nll: list[float] = field(default_factory=list)
+    ours: list[SequenceScore] = field(default_factory=list)
+    unit: list[SequenceScore] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # distributions compared in each sequence
+
+    def add(self, rows: int, bf16_nll: float, ours: SequenceScore, unit: SequenceScore) -> None:
+        self.bf16_nll.append(bf16_nll)
+        self.ours.append(ours)
+        self.unit.append(unit)
+        self.rows.append(rows)
+
+    @property
+    def predicted(self) -> list[int]:
+        """Tokens predicted in each sequence (every token after its first)."""
+        return [rows - 1 for rows in self.rows]
+
+    def versus_unit(self) -> tuple[PairedDifference, ...]:
+        """Each measure of the fp8 cache against the unit-scale one, paired by sequence; none where either holds a
+        non-finite value (those fail on their own) or a single sequence leaves nothing to resample."""
+        if not self.paired or len(self.rows) < 2:
+            return ()
+        found = []
+        for measure, figure in (("kl_mean", "kl_sum"), ("top1_agreement", "top1"), ("nll", "nll")):
+            ours = [getattr(s, figure) for s in self.ours]
+            theirs = [getattr(s, figure) for s in self.unit]
+            if all(math.isfinite(v) for v in ours + theirs):
+                tokens = self.predicted if measure == "nll" else self.rows
+                found.append(paired_difference(measure, ours, theirs, tokens))
+        return tuple(found)
+
+    def summary(self) -> Accuracy:
+        n, predicted = max(sum(self.rows), 1), max(sum(self.predicted), 1)
+
+        def perplexity(nlls: list[float]) -> float:
+            total = sum(nlls)
+            return math.exp(total / predicted) if math.isfinite(total) else math.nan
+
+        def kl_max(scores: list[SequenceScore]) -> float:
+            values = [s.kl_max for s in scores]
+            return max(values, default=0.0) if all(math.isfinite(v) for v in values) else math.nan
+
+        return Accuracy(
+            ppl_bf16=perplexity(self.bf16_nll), ppl_fp8=perplexity([s.nll for s in self.ours]),
+            ppl_fp8_unit=perplexity([s.nll for s in self.unit]),
+            kl_mean=sum(s.kl_sum for s in self.ours) / n, kl_max=kl_max(self.ours),
+            top1_agreement=sum(s.top1 for s in self.ours) / n,
+            kl_mean_unit=sum(s.kl_sum for s in self.unit) / n, kl_max_unit=kl_max(self.unit),
+            top1_agreement_unit=sum(s.top1 for s in self.unit) / n,
+            versus_unit=self.versus_unit(),
+        )
+
+
 @dataclass
 class EngineTotals:
-    """Running sums of one engine model over samples."""
+    """One engine model over the held-out samples: its scores against the bf16 cache and its unit-scale twin's."""
 
-    loss: NextTokenLoss = field(default_factory=NextTokenLoss)
-    nan_rows: int = 0
-    rows: int = 0
-    lost: int = 0
-    sequences: int = 0
+    totals: _Totals
 
-    def add(self, ids: list[int], sample: ScoredSample) -> None:
-        """Fold one sample: `ids` [L] and what its logits scored."""
-        self.loss.add(ids, sample.logp)
-        self.nan_rows += sample.bad_rows
-        self.rows += len(ids)
-        self.lost += sample.bad_rows > 0
-        self.sequences += 1
+    def add(self, rows: int, bf16_nll: float, ours: SequenceScore, unit: SequenceScore) -> None:
+        self.totals.add(rows, bf16_nll, ours, unit)
 
     def result(self, model: EngineModel, runner: PagedModelRunner) -> EngineResult:
-        verdict = (FAIL if self.nan_rows else PASS) if model.released else BUG
-        return EngineResult(model.name, self.loss.perplexity(), self.nan_rows, self.rows, self.lost, self.sequences,
-                            first_nonfinite_layer(runner), model.source, verdict, runner.arithmetic,
+        scores = self.totals.ours
+        nan_rows = sum(s.bad_rows for s in scores)
+        verdict = (FAIL if nan_rows else PASS) if model.released else BUG
+        accuracy = self.totals.summary()
+        return EngineResult(model.name, accuracy.ppl_fp8, nan_rows, sum(self.totals.rows),
+                            sum(s.bad_rows > 0 for s in scores), len(scores), first_nonfinite_layer(runner),
+                            model.source, verdict, runner.arithmetic,
                             model.unread or ("its fp8 cache runs at scale 1.0" if model.ignores_scales else ""),
-                            model.release.known_by if model.release else "")
+                            model.release.known_by if model.release else "", accuracy)
 
 
 def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor, ref_probs: torch.Tensor | None = None) -> torch.Tensor:
@@ -274,7 +308,8 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
     already (`_borrowed`). Returns the comparison with the bf16 cache and one result per engine model.
     """
     totals = _Totals()
-    engine_totals = {engine: EngineTotals() for engine in runners.engines}
+    engine_totals = {engine: EngineTotals(_Totals(paired=runners.unit_engines.get(engine, runners.unit)
+                                                  is not runner)) for engine, runner in runners.engines.items()}
     named = {"bf16": runners.bf16, "fp8": runners.fp8, "unit": runners.unit}
     # saturating engines first: a non-saturating one may reuse its twin's logits
     order = sorted(runners.engines, key=lambda name: name in runners.twins)
@@ -285,13 +320,21 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
             runner = runners.engines[engine]
             if id(runner) not in ran:
                 ran[id(runner)] = _Prefill.of(runner, batch, _borrowed(engine, runners, ran))
+        for runner in runners.unit_engines.values():
+            if id(runner) not in ran:
+                ran[id(runner)] = _Prefill.of(runner, batch)
         for i, ids in enumerate(batch):
             distinct = {id(run.logits[i]): run.logits[i] for run in ran.values()}
-            scored = {key: ScoredSample.of(out) for key, out in distinct.items()}  # logits runners share: scored once
+            sampled = {key: ScoredSample.of(out) for key, out in distinct.items()}
+            reference = sampled[id(ran[id(runners.bf16)].logits[i])]
+            # logits runners share are scored once
+            scored = {key: SequenceScore.of(ids, sample, reference) for key, sample in sampled.items()}
             by_runner = {key: scored[id(run.logits[i])] for key, run in ran.items()}
-            totals.add(ids, {name: by_runner[id(runner)].logp for name, runner in named.items()})
+            bf16_nll = by_runner[id(runners.bf16)].nll
+            totals.add(len(ids), bf16_nll, by_runner[id(runners.fp8)], by_runner[id(runners.unit)])
             for engine, runner in runners.engines.items():
-                engine_totals[engine].add(ids, by_runner[id(runner)])
+                unit = runners.unit_engines.get(engine, runners.unit)
+                engine_totals[engine].add(len(ids), bf16_nll, by_runner[id(runner)], by_runner[id(unit)])
         if progress is not None:
             progress(start + len(batch), len(samples))
     results = [engine_totals[e].result(runners.models.get(e) or engine_model(e), runners.engines[e])

@@ -26,10 +26,10 @@ from fp8kv.json_fields import dataclass_from_json, from_json_value, to_json_valu
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.xla_cost import RuntimeSummary
 from fp8kv.verify.results import (
-    Accuracy, EngineResult, Fidelity, GenerationDetails, GenerationMatch, LayerCheck, QueryCost, Readback,
-    StaticSummary,
+    Accuracy, EngineResult, Fidelity, GenerationDetails, GenerationMatch, LayerCheck, PairedDifference, QueryCost,
+    Readback, StaticSummary,
 )
-from fp8kv.verify.verdict import Thresholds, unit_scale_note
+from fp8kv.verify.verdict import Thresholds, engine_unit_scale_notes
 
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "scales.png"
 # (label, key, is a share) of the accuracy rows.
@@ -146,11 +146,16 @@ def render_markdown(report: VerifyReport) -> str:
     parts.append(markdown_table(["Setting", "Value"], [[k, fmt_number(v)] for k, v in setup]))
     if held.accuracy:
         rows = [[label, fmt_number(getattr(held.accuracy, key), share)] for label, key, share in _ACCURACY]
-        parts.append("## Accuracy\n\n" + markdown_table(["Metric", "Value"], rows))
-        if held.accuracy.versus_unit:
-            parts.append("## These scales against unit scales\n\nEach measure compared sequence by sequence over the "
-                         "held-out text; the interval is a seeded bootstrap over sequences (95 %).\n\n"
-                         + versus_unit_table(held.accuracy))
+        parts.append("## Accuracy of fp8kv's runtime\n\nIts write divides in float32 and clamps, the arithmetic the "
+                     "engines below are compared with; each engine's own figures, which the verdict judges, are in "
+                     "its row.\n\n" + markdown_table(["Metric", "Value"], rows))
+    compared = _engines_by_comparison(held.engines)
+    if compared:
+        parts.append("## These scales against unit scales, per engine\n\nEach measure compared sequence by sequence "
+                     "over the held-out text, on the engine's own write at both scales; the interval is a seeded "
+                     "bootstrap over sequences (95 %).\n\n"
+                     + "\n\n".join(f"{', '.join(names)}:\n\n{versus_unit_table(accuracy)}"
+                                    for accuracy, names in compared))
     if held.query:
         parts.append("## Query quantized with q_scale (fp8 attention)\n\n"
                      + markdown_table(["Metric", "Value"], _field_rows(held.query)))
@@ -191,6 +196,15 @@ def _layer_table(report: VerifyReport) -> str:
     return markdown_table(*layer_table([{**scales.get(row.layer, {}), **asdict(row)} for row in report.held_out.layers]))
 
 
+def _engines_by_comparison(engines: tuple[EngineResult, ...]) -> list[tuple[Accuracy, list[str]]]:
+    """The released engines that compared these scales with unit scales, those with the same comparison as one."""
+    grouped: dict[tuple[PairedDifference, ...], tuple[Accuracy, list[str]]] = {}
+    for e in engines:
+        if e.accuracy and e.accuracy.versus_unit and e.known_by and not e.unread:
+            grouped.setdefault(e.accuracy.versus_unit, (e.accuracy, []))[1].append(e.engine)
+    return list(grouped.values())
+
+
 def versus_unit_table(accuracy: Accuracy) -> str:
     """One row per paired measure: these scales, unit scales, the difference and its interval."""
     def shown(measure: str, value: float) -> str:
@@ -209,13 +223,24 @@ def engine_sources(engines: tuple[EngineResult, ...]) -> str:
 
 
 def engine_table(engines: tuple[EngineResult, ...]) -> str:
-    """One row per engine model: its verdict, perplexity, NaN/inf rows, sequences lost, where NaN first showed."""
-    head = ["engine", "verdict", "scales it runs", "perplexity", "NaN/inf logit rows", "sequences lost",
-            "first non-finite layer", "attention"]
+    """One row per engine model: its verdict, the scales it runs, perplexity, mean KL and top-1 agreement against the
+    bf16 cache, these scales' mean KL against its own write at unit scales (difference and 95 % interval), NaN/inf
+    rows, sequences lost, where NaN first showed, and its attention."""
+    head = ["engine", "verdict", "scales it runs", "perplexity", "mean KL", "top-1", "KL vs unit scales (95 %)",
+            "NaN/inf logit rows", "sequences lost", "first non-finite layer", "attention"]
     rows = [[e.engine, e.verdict, "1.0 (not read)" if e.unread else "the checkpoint's", fmt_number(e.ppl),
+             fmt_number(e.accuracy.kl_mean if e.accuracy else None),
+             fmt_number(e.accuracy.top1_agreement if e.accuracy else None, percent=True), _versus_unit_cell(e),
              f"{e.nan_rows} of {e.rows}", f"{e.sequences_lost} of {e.sequences}", fmt_number(e.first_nonfinite_layer),
              e.attention] for e in engines]
     return markdown_table(head, rows)
+
+
+def _versus_unit_cell(engine: EngineResult) -> str:
+    kl = next((d for d in engine.accuracy.versus_unit if d.measure == "kl_mean"), None) if engine.accuracy else None
+    if kl is None:
+        return "-"
+    return f"{kl.difference:+.2g} [{kl.low:+.2g}, {kl.high:+.2g}]"
 
 
 def plot_png(report: VerifyReport) -> bytes | None:
@@ -281,12 +306,14 @@ def show(result: Any, json_output: bool = False) -> None:
     accuracy = held.accuracy
     if accuracy:
         print("  " + ", ".join(f"{key} {fmt_number(getattr(accuracy, key), share)}" for _, key, share in _ACCURACY[:6]))
-    note = unit_scale_note(accuracy) if accuracy else None
-    if note:
-        print(f"  note: {note}")
     for e in held.engines:
-        print(f"  engine {e.engine} ({e.verdict}): ppl {fmt_number(e.ppl)}, NaN/inf rows {e.nan_rows} of {e.rows}, "
-              f"sequences lost {e.sequences_lost} of {e.sequences}" + (", at scale 1.0 (not read)" if e.unread else ""))
+        kl = (f", kl_mean {fmt_number(e.accuracy.kl_mean)}, top1 {fmt_number(e.accuracy.top1_agreement, True)}"
+              if e.accuracy else "")
+        print(f"  engine {e.engine} ({e.verdict}): ppl {fmt_number(e.ppl)}{kl}, NaN/inf rows {e.nan_rows} of "
+              f"{e.rows}, sequences lost {e.sequences_lost} of {e.sequences}"
+              + (", at scale 1.0 (not read)" if e.unread else ""))
+    for note in engine_unit_scale_notes(held.engines):
+        print(f"  note: {note}")
     query = held.query
     if query:
         print(f"  with Q quantized by q_scale: kl_mean {fmt_number(query.kl_mean)} "

@@ -175,6 +175,8 @@ class EngineResult:
     attention: str = "float32"  # the attention arithmetic its logits come from (the runner's `arithmetic`)
     unread: str = ""  # why the checkpoint's scales do not reach this engine's cache ("": they do)
     known_by: str = ""  # how fp8kv knows what this release does ("": a bug model)
+    # against the bf16 cache, and these scales against this engine's own write at unit scales
+    accuracy: Accuracy | None = None
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from fp8kv.verify.static import StaticResult, static_checks
 from fp8kv.verify.tpu import tpu_kernel_reasons
 from fp8kv.checks import FAIL, INFO, WARN, Finding
 from fp8kv.verify.verdict import (
-    EXIT_CODES, Thresholds, accuracy_reasons, heldout_reasons, load_thresholds, verdict,
+    EXIT_CODES, Thresholds, clamped_nan_reasons, engine_accuracy_reasons, heldout_reasons, load_thresholds, verdict,
 )
 
 DEFAULT_REPORT_ROOT = "fp8kv-verify"
@@ -176,7 +176,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     matched, details = generation.compare_generation(runners.bf16, runners.fp8, prompts, request.new_tokens)
     timings["generation"] = time.perf_counter() - clock
     nan_with_clamp = {row.layer: row.nan_with_clamp for row in layers if row.nan_with_clamp}
-    reasons += accuracy_reasons(measured, nan_with_clamp, thresholds)
+    reasons += clamped_nan_reasons(nan_with_clamp) + engine_accuracy_reasons(engine_results, thresholds)
     worst_ratio = max((max(row.k_max_ratio, row.v_max_ratio) for row in layers), default=0.0)
     # each names the fix
     engine_failures = engines.engine_reasons(engine_results, worst_ratio, scales.fp8_max, static.headroom)

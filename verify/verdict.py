@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 from fp8kv.checks import FAIL, WARN, Finding
 from fp8kv.errors import ExitCode, Fp8kvError
 from fp8kv.options import VERDICTS, Verdict
-from fp8kv.verify.results import Accuracy, LayerCheck, PairedDifference
+from fp8kv.verify.results import Accuracy, EngineResult, LayerCheck, PairedDifference
 
 try:
     import tomllib
@@ -134,12 +135,35 @@ def _hundredths_up(value: float) -> float:
     return up if up >= value else up + 0.01
 
 
+def clamped_nan_reasons(nan_with_clamp: dict[int, int]) -> list[Finding]:
+    """A FAIL when the clamped fp8 cache stored NaN/inf values: the model's own K/V went non-finite, which no
+    scale and no engine's write fixes."""
+    if not nan_with_clamp:
+        return []
+    named = ", ".join(f"layer {layer} ({n})" for layer, n in sorted(nan_with_clamp.items()))
+    return [Finding(FAIL, f"NaN/inf values in the clamped fp8 cache: {named}")]
+
+
+def engine_accuracy_reasons(engines: Sequence[EngineResult], thresholds: Thresholds) -> list[Finding]:
+    """`accuracy_reasons` of each released engine judged that runs these scales, on that engine's own runs; a
+    finding several engines share names them all once. Engines that lost logits fail on that alone
+    (`verify.engines`); one that runs at scale 1.0 says so in its own INFO line."""
+    named: dict[tuple[str, str], list[str]] = {}
+    for engine in engines:
+        if engine.accuracy is None or engine.unread or not engine.known_by or engine.nan_rows:
+            continue
+        for reason in accuracy_reasons(engine.accuracy, {}, thresholds):
+            named.setdefault((reason.level, reason.message), []).append(engine.engine)
+    return [Finding(level, f"{_engines(names)}: {message}") for (level, message), names in named.items()]
+
+
+def _engines(names: list[str]) -> str:
+    return f"engine {names[0]}" if len(names) == 1 else "engines " + ", ".join(names)
+
+
 def accuracy_reasons(accuracy: Accuracy, nan_with_clamp: dict[int, int], thresholds: Thresholds) -> list[Finding]:
     """NaN with clamping and the KL bound (FAIL); calibrated scales worse than unit scales (WARN)."""
-    reasons = []
-    if nan_with_clamp:
-        named = ", ".join(f"layer {layer} ({n})" for layer, n in sorted(nan_with_clamp.items()))
-        reasons.append(Finding(FAIL, f"NaN/inf values in the clamped fp8 cache: {named}"))
+    reasons = clamped_nan_reasons(nan_with_clamp)
     kl = accuracy.kl_mean
     if not _finite(kl) or not _finite(accuracy.ppl_fp8):
         reasons.append(Finding(FAIL, "the fp8 cache with these scales gives NaN/inf logits"))
@@ -186,6 +210,17 @@ def describe_difference(d: PairedDifference) -> str:
         values = (f"mean KL {d.ours:.4g} vs {d.theirs:.4g}, difference {d.difference:+.2g}, 95 % interval "
                   f"[{d.low:+.2g}, {d.high:+.2g}]")
     return f"{values} (paired over {d.sequences} held-out sequences, {d.tokens} tokens)"
+
+
+def engine_unit_scale_notes(engines: Sequence[EngineResult]) -> list[str]:
+    """`unit_scale_note` of each released engine that runs these scales, a note several engines share once,
+    naming them."""
+    named: dict[str, list[str]] = {}
+    for engine in engines:
+        note = unit_scale_note(engine.accuracy) if engine.accuracy and engine.known_by and not engine.unread else None
+        if note:
+            named.setdefault(note, []).append(engine.engine)
+    return [f"{_engines(names)}: {note}" for note, names in named.items()]
 
 
 def unit_scale_note(accuracy: Accuracy) -> str | None:

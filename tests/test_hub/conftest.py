@@ -19,7 +19,7 @@ from fp8kv.checkpoint.provenance import (
 from fp8kv.checks import WARN, Finding
 from fp8kv.verify.engines import PASS
 from fp8kv.verify.report import HeldOut, VerifyReport
-from fp8kv.verify.results import Accuracy, EngineResult, GenerationMatch, LayerCheck
+from fp8kv.verify.results import Accuracy, EngineResult, GenerationMatch, LayerCheck, PairedDifference
 from tests.reports import report_for, write_report as write_report_file
 
 
@@ -117,7 +117,12 @@ def report(out: Path) -> VerifyReport:
                                nan_with_clamp=0)),
             generation=GenerationMatch(prefill_match=1.0, decode_match=1.0, prefix_match=0.75),
             engines=(EngineResult("vllm-cuda", 10.2461, 0, 4096, 0, 16, None, "vLLM main, quant_utils.cuh", PASS),
-                     EngineResult("sglang@0.5.23", 10.2302, 0, 4096, 0, 16, None, "SGLang 0.5.23, memory_pool.py", PASS)),
+                     EngineResult("sglang@0.5.23", 10.2302, 0, 4096, 0, 16, None, "SGLang 0.5.23, memory_pool.py", PASS,
+                                  known_by="its own loader run here", accuracy=Accuracy(
+                                      ppl_bf16=10.137, ppl_fp8=10.2302, ppl_fp8_unit=10.9133, kl_mean=0.00131,
+                                      kl_max=0.0351, top1_agreement=0.9871, kl_mean_unit=0.0021, kl_max_unit=0.051,
+                                      top1_agreement_unit=0.981, versus_unit=(PairedDifference(
+                                          "kl_mean", 0.00131, 0.0021, -0.00079, -0.00101, -0.00058, 16, 4096),)))),
         ),
     )
 

@@ -81,7 +81,10 @@ def test_card_shows_provenance_scales_and_report_numbers(verified_dir: Path) -> 
     assert "| Top-1 agreement with bf16 | 98.76 % |" in text
     assert "| Generation: prefix match | 75.00 % |" in text and "| Generation: decode match | 100.00 % |" in text
     assert "| 1 | 0.042 % | 417.5 | 0.00 % | 212.2 |" in text
-    assert "| sglang@0.5.23 | PASS | the checkpoint's | 10.23 | 0 of 4096 | 0 of 16 | - | float32 |" in text  # each engine's verdict
+    # each engine's verdict and its own accuracy, with these scales against its own write at unit scales
+    assert ("| sglang@0.5.23 | PASS | the checkpoint's | 10.23 | 0.00131 | 98.71 % | -0.00079 [-0.001, -0.00058] | "
+            "0 of 4096 | 0 of 16 | - | float32 |") in text
+    assert "| vllm-cuda | PASS | the checkpoint's | 10.25 | - | - | - | 0 of 4096 |" in text
     assert "- sglang@0.5.23: SGLang 0.5.23, memory_pool.py" in text
     assert "![Per-layer KV-cache scales and verify results](verify/scales.png)" in text
 
