@@ -239,3 +239,23 @@ def test_an_encoder_config_without_is_decoder_is_refused_in_one_line(tmp_path) -
     with pytest.raises(Fp8kvError, match=r"config\.json: is_decoder is false: transformers runs this roberta as a "
                                          r"bidirectional encoder"):
         AttentionGeometry.from_dir(folder)
+
+
+def test_falcon_with_its_new_decoder_architecture_verifies(tmp_path) -> None:
+    # Falcon-40B's layout: grouped KV heads (4 query heads over 2), parallel attention and MLP
+    from fp8kv.api import calibrate, verify
+    from fp8kv.calibrate.pipeline import CalibrationRequest
+    from fp8kv.data import DataRequest
+    from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT
+    from fp8kv.tools.zoo import make_zoo_checkpoint
+    from fp8kv.verify.request import VerifyRequest
+
+    source = make_zoo_checkpoint("falcon", tmp_path / "src", overrides=dict(
+        new_decoder_architecture=True, num_attention_heads=4, num_kv_heads=2, parallel_attn=True))
+    calibrate(CalibrationRequest(model=str(source), out=tmp_path / "out",
+                                 data=DataRequest(str(BUNDLED_CALIBRATION_TEXT), num_samples=8, seq_len=64)))
+    result = verify(VerifyRequest(tmp_path / "out", data=DataRequest(str(BUNDLED_HELDOUT_TEXT), num_samples=8,
+                                                                      seq_len=64), device="cpu", new_tokens=2))
+    assert (result.verdict, result.exit_code) == ("PASS", 0), result.report.reasons
+    assert result.report.static.kv_layers == (0, 1)
+    assert result.report.held_out.fidelity is not None and result.report.held_out.fidelity.reproduces
