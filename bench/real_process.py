@@ -4,7 +4,7 @@ over the same tokens, also a whole process (imports, model load, tokenization in
 The plain process loads the causal LM with `AutoModelForCausalLM.from_pretrained`, reads the same samples
 with fp8kv's data stage (the same records, shuffle and truncation) and runs `model(input_ids,
 attention_mask)` over the same right-padded batches. calibrate's goal is 0.9x its plain forward, verify's
-3x its own (verify reads its held-out samples: one forward over them is its plain reference). Each
+2.5x its own (verify reads its held-out samples: one forward over them is its plain reference). Each
 command runs `--repeats` times, interleaved; medians of wall time and of CPU time (user + system, from
 the child's resource usage) are reported with the load average (`uptime`) before and after. On a
 machine others load, the CPU-time ratio is the steadier one; `--threads 1` makes it steadier still.
@@ -99,7 +99,7 @@ def main() -> int:
             print(f"  {name}: {seconds:.1f} s wall, {cpu_seconds:.1f} s CPU", file=sys.stderr)
     after = load()
     reference = {"fp8kv calibrate": "plain forward (calibration tokens)", "fp8kv verify": "plain forward (held-out tokens)"}
-    goals = {"fp8kv calibrate": 0.9, "fp8kv verify": 3.0}
+    goals = {"fp8kv calibrate": 0.9, "fp8kv verify": 2.5}
 
     def ratios(times: dict[str, list[float]]) -> dict[str, float]:
         median = {name: statistics.median(values) for name, values in times.items()}
