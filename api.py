@@ -65,9 +65,10 @@ BatchLike = Union[Batch, tuple[torch.Tensor, torch.Tensor], Mapping[str, Any]]
 Text = Union[str, list[dict[str, Any]]]
 """A text, or chat messages (`[{"role": ..., "content": ...}]`) put through the tokenizer's chat template."""
 _CACHE_KEYWORDS = ("cache", "past_key_values")  # transformers 5 renames the second to the first
-# A cache update of at most this many K elements (a decode step's) waits for the end of the forward, to be folded
-# with the other layers' in one go; a larger one (a prompt's) is folded at once, so no forward holds a copy of it all.
-_DEFER_MAX_ELEMENTS = 1 << 16
+# Cache updates wait in a buffer of at most this many K and V elements and are folded together when it is full or
+# the statistics are read: a decode step hands each layer one token per sequence, and folding that alone costs
+# the fixed overhead of a few dozen small ops. A larger update (a long prompt's) is folded at once.
+_BUFFER_ELEMENTS = 1 << 19
 
 
 @dataclass(frozen=True)
@@ -261,22 +262,26 @@ class LiveObservation:
         self._latent = LatentCache.from_config(model.config.get_text_config(decoder=True), f"{type(model).__name__}")
         self._base = model.base_model
         self._step: ObservationStep | None = None
-        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> this forward's K, V
+        self._buffer: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []  # layer, K, V, valid
+        self._buffered = 0  # K and V elements in the buffer
         self._patched: list[tuple[weakref.ref, Callable[..., Any], Any]] = []
 
     def statistics(self) -> KVStatistics:
         """What was folded since the block began or the last `reset`, copied to the CPU."""
+        self._fold_buffer()
         s = self._statistics
         return KVStatistics(*(t.detach().to("cpu", copy=True) for t in (s.amax, s.hist, s.tokens)))
 
     def reset(self) -> None:
         """Forget everything folded so far."""
+        self._buffer, self._buffered = [], 0
         for tensor in (self._statistics.amax, self._statistics.hist, self._statistics.tokens):
             tensor.zero_()
 
     @property
     def num_tokens(self) -> int:
         """Real tokens folded per cache layer so far (the most over layers)."""
+        self._fold_buffer()
         return int(self._statistics.tokens.max())
 
     def _before_forward(self, module: torch.nn.Module, args: tuple[Any, ...],
@@ -293,27 +298,41 @@ class LiveObservation:
         return args, kwargs
 
     def _after_forward(self, *_: Any) -> None:
-        """Fold the updates the forward left pending, grouped by shape; then no step is open."""
-        step, pending = self._step, self._pending
-        self._step, self._pending = None, {}
-        groups: dict[tuple[Any, ...], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
-        for layer, (key, value) in pending.items():
-            groups.setdefault((key.shape, value.shape, key.dtype, value.dtype), []).append((layer, key, value))
-        with torch.no_grad():
-            for group in groups.values():
-                layers, keys, values = zip(*group)
-                self._statistics.fold_layers(layers, keys, values, None if step is None else step.valid)
+        """The base model's forward hook: no step is open until the next forward."""
+        self._step = None
 
     def _fold(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         step = self._step
         if step is None:  # an update outside a forward of the base model: not one fp8kv can place
             return
-        small = key.numel() <= _DEFER_MAX_ELEMENTS and key.shape[1] <= self._statistics.amax.shape[2]
-        if small and self._latent is None and layer in self._layers and layer not in self._pending:
-            self._pending[layer] = (key, value)
+        size = key.numel() + value.numel()
+        plain = self._latent is None and layer in self._layers and key.shape[1] <= self._statistics.amax.shape[2]
+        if plain and size <= _BUFFER_ELEMENTS:
+            if self._buffered + size > _BUFFER_ELEMENTS:
+                self._fold_buffer()
+            self._buffer.append((layer, key, value, step.valid))
+            self._buffered += size
             return
         with torch.no_grad():
             fold_update(step, self._latent, layer, key, value)
+
+    def _fold_buffer(self) -> None:
+        """Fold the buffered updates: each layer's real tokens as one update, the layers alike in shape together."""
+        tokens: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # layer -> its K, V updates
+        for layer, key, value, valid in self._buffer:
+            keys, values = tokens.setdefault(layer, ([], []))
+            keys.append(_real_tokens(key, valid))
+            values.append(_real_tokens(value, valid))
+        self._buffer, self._buffered = [], 0
+        groups: dict[tuple[Any, ...], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        for layer, (keys, values) in tokens.items():
+            key, value = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+            if key.shape[2] > 0:  # a layer whose updates were all padding adds nothing
+                groups.setdefault((key.shape, value.shape, key.dtype, value.dtype), []).append((layer, key, value))
+        with torch.no_grad():
+            for group in groups.values():
+                layers, keys, values = zip(*group)
+                self._statistics.fold_layers(layers, keys, values)
 
     def _patch(self, cache: Any) -> None:
         """Fold each `cache.update` (on this object only: other caches and models are untouched)."""
@@ -357,6 +376,7 @@ def observing(model: PreTrainedModel) -> Iterator[LiveObservation]:
         for handle in handles:
             handle.remove()
         observation._unpatch()
+        observation._fold_buffer()
 
 
 def _valid_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -370,8 +390,16 @@ def _valid_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
         shape = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise Fp8kvError(f"observing: the forward got attention_mask {shape}; fp8kv reads the real tokens from a "
                          "2-d [batch, past + new tokens] mask (transformers' dynamic cache passes one)")
-    valid = mask[:, -tokens.shape[1]:].bool()
-    return None if bool(valid.all()) else valid
+    new = mask[:, -tokens.shape[1]:]
+    return None if bool(new.all()) else new.bool()
+
+
+def _real_tokens(states: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """[batch, heads, seq, dim] -> [1, heads, real tokens, dim]: the tokens `valid` [batch, seq] marks (None: all)."""
+    tokens = states.transpose(1, 2).flatten(0, 1)  # [batch * seq, heads, dim]
+    if valid is not None:
+        tokens = tokens[valid.flatten().to(tokens.device)]
+    return tokens.transpose(0, 1).unsqueeze(0)
 
 
 def _check_model(model: Any) -> None:

@@ -93,23 +93,20 @@ class KVStatistics:
             self.hist[layer, kind, :heads] += _histogram(bits, keep)
         self.tokens[layer] += key.shape[0] * key.shape[2] if valid is None else valid.sum().to(self.tokens.device)
 
-    def fold_layers(self, layers: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                    valid: torch.Tensor | None) -> None:
-        """`fold` of several layers of one forward at once, their K (and their V) alike in shape and at most as many
+    def fold_layers(self, layers: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """`fold` of several layers' real tokens at once, their K (and their V) alike in shape and at most as many
         heads as there are slots: the same integer max and counts in a few large ops rather than many small ones
         (a decode step hands each layer one token per sequence)."""
         index = torch.tensor(list(layers), device=self.amax.device)
         heads = keys[0].shape[1]
-        keep = None if valid is None else valid.to(keys[0].device)[:, None, :, None]  # [batch, 1, seq, 1]
         for kind, group in ((K, keys), (V, values)):
             # [batch, layers * heads, seq, head_dim]: the layers' heads side by side, as if one layer had them all
             stacked = torch.stack([states.detach() for states in group], dim=1).flatten(1, 2)
-            bits = _magnitude_bits(stacked, keep)
+            bits = _magnitude_bits(stacked, None)
             amax = bits.amax(dim=(0, 2, 3)).view(torch.float32).view(len(layers), heads)
             self.amax[index, kind, :heads] = torch.maximum(self.amax[index, kind, :heads], amax)
-            self.hist[index, kind, :heads] += _histogram(bits, keep).view(len(layers), heads, NUM_BINS)
-        count = keys[0].shape[0] * keys[0].shape[2] if valid is None else valid.sum().to(self.tokens.device)
-        self.tokens[index] += count
+            self.hist[index, kind, :heads] += _histogram(bits, None).view(len(layers), heads, NUM_BINS)
+        self.tokens[index] += keys[0].shape[0] * keys[0].shape[2]
 
     @property
     def num_layers(self) -> int:

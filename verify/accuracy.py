@@ -8,8 +8,10 @@ sequence in which fp8's cache saw it write each value alike, and a non-saturatin
 twin's for every sequence in which no value passed the fp8 maximum). By default every engine
 attends with fp8kv's float32 attention, so engines are told apart by the bytes they write alone;
 `engine_attention` also reproduces each engine's attention arithmetic (one more runner per arithmetic).
-Every held-out sample is prefilled on each; the logits give perplexity, KL(bf16 || fp8) of every
-next-token distribution and top-1 agreement. The fp8 cache's counters give the exact share of
+Each engine is also run at unit scales with its own write, what its scales are compared with (the
+unit-scale runner wherever that write is exact at 1.0). Every held-out sample is prefilled on each; the
+logits give perplexity, KL(bf16 || fp8) of every next-token distribution and top-1 agreement, per
+engine. The fp8 cache's counters give the exact share of
 values clamped at ±MAX and any NaN/inf stored.
 """
 
