@@ -65,7 +65,8 @@ def check_command(
         "fp8kv's is the engine's own arithmetic; a match counts as close within that plus half the separation."),
     json_output: bool = typer.Option(False, "--json", help='Print {"match": NAME, "distances": {NAME: float}, '
                                      '"separation": float, "close": bool, "nonfinite": int, '
-                                     '"arithmetic": float or null}.'),
+                                     '"arithmetic": float or null, "kept_distance": float, "lost": int, '
+                                     '"lost_separation": int}.'),
 ) -> None:
     """Name the behaviour the engine's log-probabilities match. Exit 0 for correct (and no log-probability
     NaN/inf/null where the correct behaviour keeps every token), 3 otherwise."""
@@ -82,7 +83,9 @@ def check_command(
         if not result.close:
             beyond = "" if result.arithmetic is None else " beyond its own arithmetic"
             typer.echo(f"note: the engine is further from {result.match}{beyond} than half the distance between two "
-                       f"behaviours ({result.separation:.3g}): it matches none of them closely", err=True)
+                       f"behaviours ({result.separation:.3g} on the tokens both keep; {result.lost_separation} tokens "
+                       f"lost by one and not the other, against its {result.lost}): it matches none of them closely",
+                       err=True)
         for name, value in sorted(result.distances.items(), key=lambda item: item[1]):
             typer.echo(f"  {name}: mean |delta logprob| {value:.4g}")
         if result.arithmetic is not None:

@@ -72,12 +72,19 @@ class ConformanceResult:
     separation: float = 0.0  # the pack's smallest distance between two behaviours
     nonfinite: int = 0
     arithmetic: float | None = None
+    kept_distance: float = 0.0  # the match's distance over the tokens both it and the answers keep finite
+    lost: int = 0  # tokens the answers lose and the match keeps, or keep where the match loses them
+    lost_separation: int = 0  # the fewest such tokens between two behaviours that lose different tokens
 
     @property
     def close(self) -> bool:
-        """Whether the answers lie within half the smallest distance between two behaviours of the match, beyond
-        the engine's own arithmetic where it was measured."""
-        return self.distances[self.match] <= (self.arithmetic or 0.0) + self.separation / 2
+        """Whether the answers lose the tokens the match loses, give or take half the fewest tokens on which two
+        behaviours' losses differ, and on the tokens both keep lie within half the smallest distance between two
+        behaviours, beyond the engine's own arithmetic where it was measured. Which tokens a NaN-producing
+        behaviour loses shifts with the engine's arithmetic (a value on the edge of the range crosses it or not),
+        so those are judged as tokens, apart from the finite rest."""
+        return (2 * self.lost <= self.lost_separation
+                and self.kept_distance <= (self.arithmetic or 0.0) + self.separation / 2)
 
     @property
     def correct(self) -> bool:
@@ -86,7 +93,9 @@ class ConformanceResult:
 
     def to_json(self) -> str:
         return json.dumps({"match": self.match, "distances": self.distances, "separation": self.separation,
-                           "close": self.close, "nonfinite": self.nonfinite, "arithmetic": self.arithmetic}) + "\n"
+                           "close": self.close, "nonfinite": self.nonfinite, "arithmetic": self.arithmetic,
+                           "kept_distance": self.kept_distance, "lost": self.lost,
+                           "lost_separation": self.lost_separation}) + "\n"
 
 
 def reference(request: ReferenceRequest, progress: StageProgress | None = None) -> ConformancePack:
@@ -192,13 +201,27 @@ def check(pack_dir: Path, answers_path: Path, bf16_answers_path: Path | None = N
                              "(the pack's source)")
     distances = {name: distance(answers, logprobs[name]) for name in pack.behaviours}
     nonfinite = sum(int((~answers[pid].isfinite() & logprobs[CORRECT][pid].isfinite()).sum()) for pid in answers)
-    return ConformanceResult(min(pack.behaviours, key=distances.__getitem__), distances, pack.separation, nonfinite,
-                             arithmetic)
+    match = min(pack.behaviours, key=distances.__getitem__)
+    names = list(pack.behaviours)
+    differing = [lost for i, a in enumerate(names) for b in names[i + 1:]
+                 if (lost := lost_tokens(logprobs[a], logprobs[b]))]
+    return ConformanceResult(match, distances, pack.separation, nonfinite, arithmetic,
+                             kept_distance=distance(answers, logprobs[match], kept_only=True),
+                             lost=lost_tokens(answers, logprobs[match]), lost_separation=min(differing, default=0))
 
 
-def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Mean |a - b| over every token of every prompt, with log-probabilities floored at `FLOOR`."""
-    total = sum(float((_floored(a[pid]) - _floored(b[pid])).abs().sum()) for pid in b)
+def lost_tokens(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> int:
+    """Tokens one of `a`, `b` has a non-finite log-probability for and the other a finite one."""
+    return sum(int((a[pid].isfinite() ^ b[pid].isfinite()).sum()) for pid in b)
+
+
+def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *, kept_only: bool = False) -> float:
+    """Mean |a - b| over every token of every prompt, with log-probabilities floored at `FLOOR`; `kept_only`: the
+    share of that mean from the tokens both keep finite."""
+    total = 0.0
+    for pid in b:
+        delta = (_floored(a[pid]) - _floored(b[pid])).abs()
+        total += float(delta[a[pid].isfinite() & b[pid].isfinite()].sum() if kept_only else delta.sum())
     return total / max(sum(t.numel() for t in b.values()), 1)
 
 
