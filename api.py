@@ -310,29 +310,23 @@ class LiveObservation:
         if plain and size <= _BUFFER_ELEMENTS:
             if self._buffered + size > _BUFFER_ELEMENTS:
                 self._fold_buffer()
-            self._buffer.append((layer, key, value, step.valid))
+            self._buffer.append((layer, key.detach(), value.detach(), step.valid))  # no autograd graph kept
             self._buffered += size
             return
         with torch.no_grad():
             fold_update(step, self._latent, layer, key, value)
 
     def _fold_buffer(self) -> None:
-        """Fold the buffered updates: each layer's real tokens as one update, the layers alike in shape together."""
-        tokens: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # layer -> its K, V updates
-        for layer, key, value, valid in self._buffer:
-            keys, values = tokens.setdefault(layer, ([], []))
-            keys.append(_real_tokens(key, valid))
-            values.append(_real_tokens(value, valid))
+        """Fold the buffered updates, those alike in shape and of one forward (one `valid`) together."""
+        groups: dict[tuple[Any, ...], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+        for update in self._buffer:
+            _, key, value, valid = update
+            groups.setdefault((key.shape, value.shape, key.dtype, value.dtype, id(valid)), []).append(update)
         self._buffer, self._buffered = [], 0
-        groups: dict[tuple[Any, ...], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
-        for layer, (keys, values) in tokens.items():
-            key, value = torch.cat(keys, dim=2), torch.cat(values, dim=2)
-            if key.shape[2] > 0:  # a layer whose updates were all padding adds nothing
-                groups.setdefault((key.shape, value.shape, key.dtype, value.dtype), []).append((layer, key, value))
         with torch.no_grad():
             for group in groups.values():
-                layers, keys, values = zip(*group)
-                self._statistics.fold_layers(layers, keys, values)
+                layers, keys, values, valids = zip(*group)
+                self._statistics.fold_layers(layers, keys, values, valids[0])
 
     def _patch(self, cache: Any) -> None:
         """Fold each `cache.update` (on this object only: other caches and models are untouched)."""
@@ -392,14 +386,6 @@ def _valid_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
                          "2-d [batch, past + new tokens] mask (transformers' dynamic cache passes one)")
     new = mask[:, -tokens.shape[1]:]
     return None if bool(new.all()) else new.bool()
-
-
-def _real_tokens(states: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """[batch, heads, seq, dim] -> [1, heads, real tokens, dim]: the tokens `valid` [batch, seq] marks (None: all)."""
-    tokens = states.transpose(1, 2).flatten(0, 1)  # [batch * seq, heads, dim]
-    if valid is not None:
-        tokens = tokens[valid.flatten().to(tokens.device)]
-    return tokens.transpose(0, 1).unsqueeze(0)
 
 
 def _check_model(model: Any) -> None:

@@ -90,23 +90,33 @@ class KVStatistics:
             # |x| orders like its bits (NaN above inf), so an integer max is the exact amax and keeps NaN.
             amax = bits.amax(dim=(0, 2, 3)).view(torch.float32)
             self.amax[layer, kind, :heads] = torch.maximum(self.amax[layer, kind, :heads], amax)
-            self.hist[layer, kind, :heads] += _histogram(bits, keep)
+            first_bins = torch.arange(heads, device=bits.device, dtype=torch.int32) * NUM_BINS
+            self.hist[layer, kind, :heads] += _histogram(bits, keep, first_bins, heads * NUM_BINS).view(heads, NUM_BINS)
         self.tokens[layer] += key.shape[0] * key.shape[2] if valid is None else valid.sum().to(self.tokens.device)
 
-    def fold_layers(self, layers: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
-        """`fold` of several layers' real tokens at once, their K (and their V) alike in shape and at most as many
-        heads as there are slots: the same integer max and counts in a few large ops rather than many small ones
-        (a decode step hands each layer one token per sequence)."""
+    def fold_layers(self, layers: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                    valid: torch.Tensor | None) -> None:
+        """`fold` of several updates at once (`layers[i]` got `keys[i]`, `values[i]`; a layer may repeat), their K
+        (and their V) alike in shape, at most as many heads as there are slots, and all of one forward (`valid`):
+        the same integer max and counts in a few large ops rather than many small ones (a decode step hands each
+        layer one token per sequence)."""
+        slots, heads = self.amax.shape[2], keys[0].shape[1]
         index = torch.tensor(list(layers), device=self.amax.device)
-        heads = keys[0].shape[1]
+        # [updates * heads]: each update's heads in the flattened [num_layers, 2, slots] statistics, for K
+        where = (index[:, None] * 2 * slots + torch.arange(heads, device=index.device)).flatten()
+        keep = None if valid is None else valid.to(keys[0].device)[:, None, :, None]  # [batch, 1, seq, 1]
+        amax_bits = self.amax.view(torch.int32).view(-1)
         for kind, group in ((K, keys), (V, values)):
-            # [batch, layers * heads, seq, head_dim]: the layers' heads side by side, as if one layer had them all
+            # [batch, updates * heads, seq, head_dim]: the updates' heads side by side, as if one layer had them all
             stacked = torch.stack([states.detach() for states in group], dim=1).flatten(1, 2)
-            bits = _magnitude_bits(stacked, None)
-            amax = bits.amax(dim=(0, 2, 3)).view(torch.float32).view(len(layers), heads)
-            self.amax[index, kind, :heads] = torch.maximum(self.amax[index, kind, :heads], amax)
-            self.hist[index, kind, :heads] += _histogram(bits, None).view(len(layers), heads, NUM_BINS)
-        self.tokens[index] += keys[0].shape[0] * keys[0].shape[2]
+            bits = _magnitude_bits(stacked, keep)
+            slot = where + kind * slots
+            # |x| orders like its bits (NaN above inf): an integer max, the running amax's bits included, is exact.
+            amax_bits.scatter_reduce_(0, slot, bits.amax(dim=(0, 2, 3)), "amax")
+            first_bins = (slot * NUM_BINS).to(device=bits.device, dtype=torch.int32)
+            self.hist.view(-1).add_(_histogram(bits, keep, first_bins, self.hist.numel()).to(self.hist.device))
+        real = keys[0].shape[0] * keys[0].shape[2] if valid is None else valid.sum().to(index.device)
+        self.tokens.index_add_(0, index, torch.ones_like(index) * real)
 
     @property
     def num_layers(self) -> int:
@@ -132,15 +142,14 @@ def _magnitude_bits(states: torch.Tensor, keep: torch.Tensor | None) -> torch.Te
     return bits if keep is None else bits.masked_fill_(~keep, 0)
 
 
-def _histogram(bits: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """Counts per KV head and bin of `bits` [batch, kv_heads, seq, head_dim]: int64 [kv_heads, NUM_BINS]."""
-    heads = bits.shape[1]
+def _histogram(bits: torch.Tensor, keep: torch.Tensor | None, first_bins: torch.Tensor, size: int) -> torch.Tensor:
+    """Counts of `bits` [batch, heads, seq, head_dim] per bin, head h's NUM_BINS bins from `first_bins[h]` (int32
+    [heads]) on: int64 [size]."""
     index = ((bits >> MANTISSA_SHIFT) - _FIRST_BIN_BITS).clamp_(0, NUM_BINS - 1)
-    index += torch.arange(heads, device=bits.device, dtype=index.dtype).view(1, heads, 1, 1) * NUM_BINS
+    index += first_bins.view(1, -1, 1, 1)
     if keep is not None:
-        index.masked_fill_(~keep, heads * NUM_BINS)  # padding goes to one extra bin, dropped below
-    counts = torch.bincount(index.flatten(), minlength=heads * NUM_BINS + 1)
-    return counts[: heads * NUM_BINS].view(heads, NUM_BINS)
+        index.masked_fill_(~keep, size)  # padding goes to one extra bin, dropped below
+    return torch.bincount(index.flatten(), minlength=size + 1)[:size]
 
 
 @dataclass(frozen=True)

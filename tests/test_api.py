@@ -99,6 +99,27 @@ def test_observing_generate_folds_prompt_and_decode_tokens_and_resets(llama: Pat
     assert all("update" not in vars(m) for m in model.modules())  # nothing left patched
 
 
+@pytest.mark.parametrize("buffer_elements", [0, 700])  # every update folded alone; the buffer folded mid-forward
+def test_buffered_updates_fold_to_the_statistics_of_folding_each_alone(llama: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       buffer_elements: int) -> None:
+    model, tokenizer = _live(llama)
+    tokenizer.padding_side = "left"
+    prompts = tokenizer(["Once upon a time", "A longer prompt about the sea and ships"], return_tensors="pt",
+                        padding=True)
+
+    def observed() -> api.KVStatistics:
+        with api.observing(model) as observation:
+            model.generate(**prompts, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                           pad_token_id=pad_id(tokenizer))
+        return observation.statistics()
+
+    buffered = observed()
+    monkeypatch.setattr(api, "_BUFFER_ELEMENTS", buffer_elements)
+    other = observed()
+    for name in ("amax", "hist", "tokens"):
+        assert torch.equal(getattr(buffered, name), getattr(other, name)), name
+
+
 def test_save_scales_writes_a_folder_verify_reads_with_its_provenance(llama: Path, tmp_path: Path) -> None:
     model, tokenizer = _live(llama)
     scales = api.scales_from(api.observe_model(model, ["Some text to calibrate on."] * 3, tokenizer=tokenizer))
