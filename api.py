@@ -69,6 +69,7 @@ _CACHE_KEYWORDS = ("cache", "past_key_values")  # transformers 5 renames the sec
 # the statistics are read: a decode step hands each layer one token per sequence, and folding that alone costs
 # the fixed overhead of a few dozen small ops. A larger update (a long prompt's) is folded at once.
 _BUFFER_ELEMENTS = 1 << 19
+_Update = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]  # a buffered update: layer, K, V, valid
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,7 @@ class LiveObservation:
         self._latent = LatentCache.from_config(model.config.get_text_config(decoder=True), f"{type(model).__name__}")
         self._base = model.base_model
         self._step: ObservationStep | None = None
-        self._buffer: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []  # layer, K, V, valid
+        self._buffer: list[_Update] = []
         self._buffered = 0  # K and V elements in the buffer
         self._patched: list[tuple[weakref.ref, Callable[..., Any], Any]] = []
 
@@ -318,7 +319,7 @@ class LiveObservation:
 
     def _fold_buffer(self) -> None:
         """Fold the buffered updates, those alike in shape and of one forward (one `valid`) together."""
-        groups: dict[tuple[Any, ...], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+        groups: dict[tuple[Any, ...], list[_Update]] = {}
         for update in self._buffer:
             _, key, value, valid = update
             groups.setdefault((key.shape, value.shape, key.dtype, value.dtype, id(valid)), []).append(update)

@@ -112,7 +112,7 @@ class KVStatistics:
             bits = _magnitude_bits(stacked, keep)
             slot = where + kind * slots
             # |x| orders like its bits (NaN above inf): an integer max, the running amax's bits included, is exact.
-            amax_bits.scatter_reduce_(0, slot, bits.amax(dim=(0, 2, 3)), "amax")
+            amax_bits.scatter_reduce_(0, slot, bits.amax(dim=(0, 2, 3)).to(amax_bits.device), "amax")
             first_bins = (slot * NUM_BINS).to(device=bits.device, dtype=torch.int32)
             self.hist.view(-1).add_(_histogram(bits, keep, first_bins, self.hist.numel()).to(self.hist.device))
         real = keys[0].shape[0] * keys[0].shape[2] if valid is None else valid.sum().to(index.device)
