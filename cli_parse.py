@@ -29,7 +29,21 @@ def checked(parse: Callable[[T], object]) -> Callable[[T | None], T | None]:
 
 
 class Command(TyperCommand):
-    """A command whose usage line names its arguments as their help does (MODEL, DIR), without typer's braces."""
+    """A command whose usage line names its arguments as their help does (MODEL, DIR), without typer's braces,
+    and whose errors on a value outside an option's choices read as fp8kv's own."""
 
     def collect_usage_pieces(self, ctx) -> list[str]:
         return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)]
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except typer.BadParameter as exc:
+            # typer checks a Literal option through pydantic, whose message starts with its error kind
+            if not exc.message.startswith(_PYDANTIC_PREFIX):
+                raise
+            raise typer.BadParameter(exc.message.removeprefix(_PYDANTIC_PREFIX), ctx=exc.ctx, param=exc.param,
+                                     param_hint=exc.param_hint) from None
+
+
+_PYDANTIC_PREFIX = "Value error, "

@@ -71,6 +71,7 @@ def test_a_typo_is_a_usage_error_before_torch_loads(args):
     state, stderr = _exit_and_torch(args)
     assert state == [str(int(ExitCode.USAGE)), "False"], (state, stderr)
     assert f"Invalid value for '{_option(args)}'" in stderr
+    assert "Value error" not in stderr, stderr
 
 
 def test_verify_needs_two_tokens_a_sample_before_torch_loads():
