@@ -105,6 +105,8 @@ WORKFLOW = ("calibrate", "verify", "eval", "inspect", "load-check", "convert", "
 
 # What a shell reports for a writer whose reader went away (128 + SIGPIPE).
 SIGPIPE_EXIT = 141
+# What a shell reports for a process stopped by Ctrl-C (128 + SIGINT).
+INTERRUPTED_EXIT = 130
 
 
 class _Group(TyperGroup):
@@ -127,7 +129,11 @@ class _Group(TyperGroup):
             # typer 0.29 vendors its own click, so a plain click.ClickException would not be caught.
             typer.echo(f"fp8kv: error: {_one_line(exc)}", err=True)
             raise typer.Exit(ExitCode.USAGE if isinstance(exc, UsageError) else ExitCode.ERROR) from None
-        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+        except KeyboardInterrupt:
+            typer.echo("fp8kv: interrupted; an output is swapped in only once it is complete, so each one is as it "
+                       "was or wholly new", err=True)
+            raise typer.Exit(INTERRUPTED_EXIT) from None
+        except (typer.Exit, typer.Abort):
             raise
         except Exception as exc:  # a bug: never exit 0 or with verify's WARN code
             if os.environ.get(DEBUG_ENV) or _is_usage_error(exc):

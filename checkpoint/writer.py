@@ -112,9 +112,12 @@ def _hf_quant(source: SourceCheckpoint) -> dict[str, Any] | None:
 def check_output(source: Path, out: Path, overwrite: bool) -> Path:
     """Refuse an output path that cannot be written, before any slow work; returns it absolute.
 
-    Creates nothing, so a refused run leaves the disk as it was.
+    Creates nothing, so a refused run leaves the disk as it was (an output a killed run had moved aside goes back
+    in place first).
     """
     out = out.absolute()
+    if out.parent.is_dir():
+        _restore_moved_aside(out)
     resolved = out.resolve()
     if resolved == source or resolved.is_relative_to(source):
         raise Fp8kvError(f"{out}: the output folder must not be inside the source checkpoint {source}")
@@ -289,8 +292,13 @@ def _swap_in(tmp: Path, out: Path) -> None:
         _fsync_dir_only(out.parent)
         return
     old = out.parent / f".{out.name}.fp8kv-old-{os.getpid()}"
-    os.rename(out, old)
-    os.rename(tmp, out)
+    try:
+        os.rename(out, old)
+        os.rename(tmp, out)
+    except BaseException:  # Ctrl-C between the two renames: the old output goes back in place
+        if old.exists() and not out.exists():
+            os.rename(old, out)
+        raise
     _fsync_dir_only(out.parent)
     shutil.rmtree(old)
 
@@ -306,10 +314,25 @@ def _fsync_dir_only(folder: Path) -> None:
 def _clean_stale(out: Path) -> None:
     """Remove temp and old folders that killed runs left next to `out` (their process is gone)."""
     for kind in ("tmp", "old"):
-        for path in out.parent.glob(f".{out.name}.fp8kv-{kind}-*"):
-            pid = path.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
-                shutil.rmtree(path, ignore_errors=True)
+        for path in _stale(out, kind):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _restore_moved_aside(out: Path) -> None:
+    """Put back the output a run killed between its two renames had moved aside, when nothing took its place."""
+    for path in _stale(out, "old"):
+        if not (out.exists() or out.is_symlink()):
+            os.rename(path, out)
+
+
+def _stale(out: Path, kind: str) -> list[Path]:
+    """The `kind` ("tmp" or "old") folders next to `out` of runs that are gone (or of this one)."""
+    found = []
+    for path in out.parent.glob(f".{out.name}.fp8kv-{kind}-*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+            found.append(path)
+    return found
 
 
 def _alive(pid: int) -> bool:

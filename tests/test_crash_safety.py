@@ -22,6 +22,7 @@ from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.tools.factory import make_checkpoint
 from fp8kv.verify.static import static_checks
 from fp8kv.checks import FAIL
+from fp8kv.errors import Fp8kvError
 
 RUNS = 4
 MAX_EXTRA_DELAY_S = 0.15
@@ -120,3 +121,65 @@ def test_sigkill_during_convert_write(inputs, tmp_path):
     args = ["convert", str(calibrated), "--to", "modelopt", "--mode", "copy", "--overwrite", "--out", str(out)]
     outcomes = kill_series(args, out, seed=19, provenance=True, src=calibrated)
     assert "killed mid-write" in outcomes, outcomes
+
+
+def test_ctrl_c_during_an_overwrite_says_so_and_leaves_a_whole_output(inputs, tmp_path):
+    src, data = inputs
+    out = tmp_path / "calibrated"
+    args = ["calibrate", str(src), "--dataset", str(data), "--num-samples", "2", "--seq-len", "16",
+            "--mode", "copy", "--overwrite", "--out", str(out)]
+    run_to_end(args)
+    proc = subprocess.Popen([sys.executable, "-m", "fp8kv", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    deadline = time.monotonic() + 120
+    while not any(p.name.startswith(f".{out.name}.fp8kv-tmp-{proc.pid}") for p in leftovers(out)):
+        assert proc.poll() is None and time.monotonic() < deadline, "the write never started"
+        time.sleep(0.0005)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert stderr.rstrip().endswith("fp8kv: interrupted; an output is swapped in only once it is complete, so each "
+                                    "one is as it was or wholly new"), stderr
+    assert_absent_or_complete(out, provenance=True)
+    assert out.is_dir() and not leftovers(out)
+
+
+def _gone_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_an_interrupt_between_the_swaps_two_renames_puts_the_old_output_back(tmp_path, monkeypatch):
+    from fp8kv.checkpoint import writer
+
+    out, new = tmp_path / "out", tmp_path / "new"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    new.mkdir()
+    renames = []
+
+    def rename(a, b):
+        renames.append((a, b))
+        if len(renames) == 2:
+            raise KeyboardInterrupt
+        os.rename(a, b)
+
+    monkeypatch.setattr(writer.os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        writer._swap_in(new, out)
+    monkeypatch.undo()
+    assert (out / "old.txt").read_text() == "old" and new.is_dir() and not leftovers(out)
+
+
+def test_an_output_a_killed_run_moved_aside_goes_back_before_anything_else(inputs, tmp_path):
+    from fp8kv.checkpoint.writer import check_output
+
+    src, _ = inputs
+    out = tmp_path / "out"
+    aside = tmp_path / f".out.fp8kv-old-{_gone_pid()}"
+    aside.mkdir()
+    (aside / "notes.txt").write_text("mine")
+    with pytest.raises(Fp8kvError, match="notes.txt"):  # refused as any folder of the user's would be
+        check_output(src, out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine" and not aside.exists()
