@@ -8,7 +8,9 @@ it. The GGUF itself is never modified. `smollm2` names the real model the `demo`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -74,6 +76,7 @@ def gguf_checkpoint(model: str) -> Path:
     digest = _sha256(path)
     folder = cache_root() / "gguf" / f"{path.stem}-{digest[:16]}"
     if (folder / GGUF_ORIGIN_FILE).is_file():
+        _readable_weights(folder)
         return folder
     import transformers
 
@@ -81,6 +84,14 @@ def gguf_checkpoint(model: str) -> Path:
     print(f"note: dequantizing {path} once into {folder} (about a minute per 100M parameters)", file=sys.stderr)
     _convert(path, folder, origin)
     return folder
+
+
+def _readable_weights(folder: Path) -> None:
+    """Every file of a converted folder readable by all: save_pretrained writes the weights 0600, and every output
+    that hard-links them would be 0600 too (folders converted before fp8kv set the modes are mended on use)."""
+    for saved in folder.iterdir():
+        if saved.is_file() and saved.stat().st_mode & 0o044 != 0o044:
+            saved.chmod(0o644)
 
 
 def packaged_file(wheel: str, member: str) -> tuple[Path, str]:
@@ -117,11 +128,15 @@ def _convert(path: Path, folder: Path, origin: GgufOrigin) -> None:
     """Dequantize `path` with transformers and save model, tokenizer and `origin` into `folder`, atomically."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
     dtype = getattr(torch, SAVED_DTYPE)
+    # transformers draws its own bar over the tensors; fp8kv's note above says what happens (-v shows the bar)
+    hidden = transformers_logging.get_verbosity() >= transformers_logging.ERROR
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        quantized = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+        with contextlib.redirect_stderr(io.StringIO()) if hidden else contextlib.nullcontext():
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            quantized = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
     except (ImportError, ValueError, KeyError, OSError) as exc:
         reason = " ".join(str(exc).split())[:300]
         raise Fp8kvError(f"{path}: transformers cannot read this GGUF ({reason}); it reads the architectures and "
@@ -138,6 +153,7 @@ def _convert(path: Path, folder: Path, origin: GgufOrigin) -> None:
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     (staging / GGUF_ORIGIN_FILE).write_text(origin.to_json(), encoding="utf-8")
+    _readable_weights(staging)
     try:
         staging.rename(folder)
     except OSError:  # another process converted the same file first: keep its folder

@@ -96,8 +96,12 @@ def test_a_gguf_becomes_a_cached_safetensors_folder_once(llama_gguf, tmp_path) -
     converted, original = load_file(folder / "model.safetensors"), load_file(src / "model.safetensors")
     assert sorted(converted) == sorted(original)
     assert all(torch.equal(converted[name], original[name]) for name in original)  # bf16 -> f32 -> bf16 is exact
-    stamp = (folder / "model.safetensors").stat().st_mtime_ns
-    assert gguf_checkpoint(str(path)) == folder and (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    weights = folder / "model.safetensors"
+    assert all(saved.stat().st_mode & 0o777 == 0o644 for saved in folder.iterdir())  # outputs hard-link these
+    weights.chmod(0o600)  # as folders converted before fp8kv set the modes are
+    stamp = weights.stat().st_mtime_ns
+    assert gguf_checkpoint(str(path)) == folder and weights.stat().st_mtime_ns == stamp
+    assert weights.stat().st_mode & 0o777 == 0o644
     assert path.read_bytes() == before  # the user's file is never touched
 
 
@@ -107,7 +111,9 @@ def test_calibrate_takes_a_gguf_file_and_writes_a_safetensors_checkpoint(llama_g
     result = CliRunner().invoke(app, ["calibrate", str(path), "--out", str(out), "--dataset", corpus,
                                       "--num-samples", "4", "--seq-len", "32", "--quiet"])
     assert result.exit_code == 0, result.output
+    assert "GGUF tensors" not in result.output  # transformers' own bar shows only with -v
     assert any(out.glob("model*.safetensors")) and (out / "kv_scales.safetensors").is_file()
+    assert all(weights.stat().st_mode & 0o044 == 0o044 for weights in out.glob("model*.safetensors"))
     assert read_origin(out).file == "tiny-llama.gguf"  # the GGUF it came from travels with the weights
     scales = read_kv_scales(out).scales
     assert scales is not None and sorted(scales.k) == [0, 1]
