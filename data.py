@@ -9,9 +9,11 @@ samples on every run, and batched with right padding that the observer masks out
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import socket
 import tempfile
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
@@ -36,6 +38,8 @@ FALLBACK_NOTE = (
     "model's own corpus of Python documentation"
 )
 GENERATED_DATASET = "generated"
+# Tokens of a sample that identify its record (sample_digests): fewer than any useful --seq-len keeps.
+DIGEST_TOKENS = 32
 """`--dataset generated`: text the model writes itself, answering instructions through its chat template."""
 DATASET_CHOICES = "a .txt/.jsonl/.parquet file, a Hub dataset org/name, or 'generated' (text the model writes itself)"
 # The instructions the model answers for `--dataset generated`: verify's held-out text answers others.
@@ -127,6 +131,12 @@ def load_calibration_data(request: DataRequest, tokenizer: Any, *, fallback: boo
             + (f"lower --num-samples to {len(samples)} or give more text" if samples else "give it text")
         )
     return CalibrationData(samples, name, split, column, note)
+
+
+def sample_digests(samples: Iterable[list[int]]) -> tuple[str, ...]:
+    """A short sha256 of each sample's first `DIGEST_TOKENS` tokens: the same record read again at another
+    --seq-len has the same digest, and the text itself is never recorded."""
+    return tuple(hashlib.sha256(array("q", sample[:DIGEST_TOKENS]).tobytes()).hexdigest()[:16] for sample in samples)
 
 
 def make_batches(samples: list[list[int]], batch_size: int, pad_id: int) -> list[Batch]:

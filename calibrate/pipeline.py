@@ -16,7 +16,9 @@ import torch
 from fp8kv import __version__
 from fp8kv.calibrate import distributed, layerwise
 from fp8kv.calibrate.request import CalibrationRequest, check_calibration_request
-from fp8kv.data import GENERATED_DATASET, CalibrationData, load_calibration_data, load_tokenizer, make_batches, pad_id
+from fp8kv.data import (
+    GENERATED_DATASET, CalibrationData, load_calibration_data, load_tokenizer, make_batches, pad_id, sample_digests,
+)
 from fp8kv.observe import KVStatistics, Progress, observe, query_observer_for
 from fp8kv.checkpoint.locate import infer_base_model, is_bundled_model, resolve_model
 from fp8kv.calibrate.scales import (
@@ -222,7 +224,7 @@ def provenance(
             base_model=request.base_model or infer_base_model(request.model, source.path),
         ),
         dataset=DatasetRecord(data.dataset, data.split, data.text_column, len(data.samples), data.num_tokens,
-                              request.data.seq_len, request.data.seed, data.note),
+                              request.data.seq_len, request.data.seed, data.note, sample_digests(data.samples)),
         strategy=str(strategy),
         headroom=request.headroom,
         scale_formula=SCALE_FORMULA,

@@ -42,6 +42,8 @@ class DatasetRecord:
     seq_len: int
     seed: int
     note: str | None
+    # data.sample_digests of the samples read; empty in records written before fp8kv kept them
+    sample_digests: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -290,7 +292,8 @@ def _provenance_from_dict(data: Any) -> Provenance:
                                          _text(d, "base_model", True)),
         "dataset": lambda d: DatasetRecord(_text(d, "name"), _text(d, "split"), _text(d, "text_column"),
                                            _integer(d, "num_samples"), _integer(d, "num_tokens"),
-                                           _integer(d, "seq_len"), _integer(d, "seed"), _text(d, "note", True)),
+                                           _integer(d, "seq_len"), _integer(d, "seed"), _text(d, "note", True),
+                                           _each(d, "sample_digests", str) if "sample_digests" in d else ()),
         "execution": lambda d: Execution(typed(d, "layerwise", bool), _integer(d, "processes"), _text(d, "device")),
         "converted_from": lambda d: ConvertedFrom(_text(d, "path"), _each(d, "conventions", str)),
         "memory": lambda d: MemoryRecord(_integer(d, "num_tokens"), typed(d, "weights_saved", bool)),

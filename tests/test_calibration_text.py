@@ -102,3 +102,37 @@ def test_verify_refuses_the_bundled_held_out_text_for_another_model_and_reads_ge
     report = json.loads((out / "verify" / "report.json").read_text())
     assert "generated" in report["text_source"] and "heldout" in report["text_source"]
     assert not any("calibration data recorded" in reason["message"] for reason in report["reasons"])
+
+
+def test_verify_warns_on_held_out_samples_that_are_calibration_samples_told_by_their_records(
+        tmp_path, factory_checkpoint, corpus) -> None:
+    from dataclasses import replace
+
+    from fp8kv.checkpoint.provenance import read_provenance
+    from fp8kv.data import CalibrationData, load_tokenizer
+    from fp8kv.verify.heldout import calibration_overlap
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["calibrate", str(factory_checkpoint("llama")), "--out", str(out), "--dataset",
+                                      corpus, "--num-samples", "4", "--seq-len", "64", "--quiet"])
+    assert result.exit_code == 0, result.output
+    recorded = read_provenance(out).dataset
+    assert len(recorded.sample_digests) == 4 and "text" not in json.dumps(recorded.sample_digests)
+    source, tokenizer = SourceCheckpoint.open(out), load_tokenizer(out, False)
+    read = lambda seq_len: load_calibration_data(DataRequest(corpus, num_samples=4, seq_len=seq_len), tokenizer)  # noqa: E731
+    again, shorter = read(64), read(40)
+    assert calibration_overlap(source, again).startswith("4 of 4 held-out samples are calibration samples")
+    assert calibration_overlap(source, shorter).startswith("4 of 4 ")  # the same records at another --seq-len
+    other = [list(reversed(sample)) for sample in again.samples]
+    # the same file and split, other records: seen text only where the records are the same
+    assert calibration_overlap(source, replace(again, samples=other)) is None
+    assert calibration_overlap(source, replace(again, samples=[other[0], again.samples[1]])).startswith("1 of 2 ")
+    unrelated = CalibrationData(again.samples, "elsewhere.jsonl", "train", "text")
+    assert calibration_overlap(source, unrelated).startswith("4 of 4 ")  # the records decide, not the file's name
+
+    # a record written before fp8kv kept digests is judged by its dataset name and split
+    record = json.loads((out / "fp8kv.json").read_text())
+    del record["dataset"]["sample_digests"]
+    (out / "fp8kv.json").write_text(json.dumps(record))
+    assert "is the calibration data recorded in fp8kv.json" in calibration_overlap(source, replace(again, samples=other))
+    assert calibration_overlap(source, unrelated) is None

@@ -18,7 +18,10 @@ from fp8kv.checkpoint.load import load_language_model
 from fp8kv.checkpoint.locate import is_bundled_model
 from fp8kv.checkpoint.provenance import read_provenance
 from fp8kv.checkpoint.source import SourceCheckpoint
-from fp8kv.data import BUNDLED_DATASET, DATASET_CHOICES, GENERATED_DATASET, CalibrationData, DataRequest, load_calibration_data
+from fp8kv.data import (
+    BUNDLED_DATASET, DATASET_CHOICES, DIGEST_TOKENS, GENERATED_DATASET, CalibrationData, DataRequest,
+    load_calibration_data, sample_digests,
+)
 from fp8kv.errors import Fp8kvError, UsageError
 from fp8kv.models import BUNDLED_HELDOUT_TEXT
 from fp8kv.runtime.device import resolve_device
@@ -44,13 +47,24 @@ def load_heldout(request: DataRequest, tokenizer: Any, source: SourceCheckpoint,
 
 
 def calibration_overlap(source: SourceCheckpoint, data: CalibrationData) -> str | None:
-    """A warning when fp8kv.json says the scales were calibrated on the very text verify reads."""
+    """A warning when held-out samples are samples fp8kv.json says the scales were calibrated on (the same
+    records, told by their digests; by dataset name and split in records that have none)."""
     record = read_provenance(source.path)
     dataset = record.dataset if record is not None else None
-    if dataset is not None and (dataset.name, dataset.split) == (data.dataset, data.split):
-        return (f"the held-out text {data.dataset} (split {data.split}) is the calibration data recorded in "
-                "fp8kv.json: saturation and accuracy are measured on seen text; pass --dataset with other text")
-    return None
+    if dataset is None:
+        return None
+    advice = "saturation and accuracy are measured on seen text; pass --dataset with other text"
+    if not dataset.sample_digests:
+        if (dataset.name, dataset.split) == (data.dataset, data.split):
+            return (f"the held-out text {data.dataset} (split {data.split}) is the calibration data recorded in "
+                    f"fp8kv.json: {advice}")
+        return None
+    seen = set(dataset.sample_digests)
+    shared = sum(digest in seen for digest in sample_digests(data.samples))
+    if not shared:
+        return None
+    return (f"{shared} of {len(data.samples)} held-out samples are calibration samples recorded in fp8kv.json "
+            f"(their first {DIGEST_TOKENS} tokens are the same): {advice}")
 
 
 def max_ratio_rows(amax: Mapping[int, tuple[Sequence[float], Sequence[float]]], scales: KVScales,
