@@ -38,8 +38,6 @@ FALLBACK_NOTE = (
     "model's own corpus of Python documentation"
 )
 GENERATED_DATASET = "generated"
-# Tokens of a sample that identify its record (sample_digests): fewer than any useful --seq-len keeps.
-DIGEST_TOKENS = 32
 """`--dataset generated`: text the model writes itself, answering instructions through its chat template."""
 DATASET_CHOICES = "a .txt/.jsonl/.parquet file, a Hub dataset org/name, or 'generated' (text the model writes itself)"
 # The instructions the model answers for `--dataset generated`: verify's held-out text answers others.
@@ -134,9 +132,22 @@ def load_calibration_data(request: DataRequest, tokenizer: Any, *, fallback: boo
 
 
 def sample_digests(samples: Iterable[list[int]]) -> tuple[str, ...]:
-    """A short sha256 of each sample's first `DIGEST_TOKENS` tokens: the same record read again at another
-    --seq-len has the same digest, and the text itself is never recorded."""
-    return tuple(hashlib.sha256(array("q", sample[:DIGEST_TOKENS]).tobytes()).hexdigest()[:16] for sample in samples)
+    """"LENGTH:HASH" of each sample, HASH a short sha256 of its tokens: enough to tell a record read again, never
+    the text itself. The whole sample, not a prefix: chat samples share their template's first tokens."""
+    return tuple(f"{len(sample)}:{_token_hash(sample)}" for sample in samples)
+
+
+def samples_seen(samples: Iterable[list[int]], digests: Iterable[str]) -> int:
+    """How many of `samples` begin with a sample of `digests` (the same record read at the same or a longer
+    --seq-len)."""
+    seen = set(digests)
+    lengths = sorted({int(digest.split(":", 1)[0]) for digest in seen})
+    return sum(any(len(sample) >= n and f"{n}:{_token_hash(sample[:n])}" in seen for n in lengths)
+               for sample in samples)
+
+
+def _token_hash(tokens: list[int]) -> str:
+    return hashlib.sha256(array("q", tokens).tobytes()).hexdigest()[:16]
 
 
 def make_batches(samples: list[list[int]], batch_size: int, pad_id: int) -> list[Batch]:

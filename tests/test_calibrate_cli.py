@@ -25,7 +25,9 @@ def test_calibrate_json_summary_and_provenance(tmp_path):
     assert summary["dataset"] == {
         "name": str(data), "split": "train", "text_column": "text", "num_samples": 4,
         "num_tokens": summary["dataset"]["num_tokens"], "seq_len": 16, "seed": 3, "note": None,
+        "sample_digests": summary["dataset"]["sample_digests"],
     }
+    assert len(set(summary["dataset"]["sample_digests"])) == 4  # one per record, which all differ
     assert [row["layer"] for row in summary["layers"]] == [0, 1]
     keys = {"layer", "headroom", "k_amax", "v_amax", "k_clip", "v_clip", "k_scale", "v_scale", "k_saturation",
             "v_saturation", "k_amax_per_head", "v_amax_per_head"}

@@ -120,13 +120,20 @@ def test_verify_warns_on_held_out_samples_that_are_calibration_samples_told_by_t
     assert len(recorded.sample_digests) == 4 and "text" not in json.dumps(recorded.sample_digests)
     source, tokenizer = SourceCheckpoint.open(out), load_tokenizer(out, False)
     read = lambda seq_len: load_calibration_data(DataRequest(corpus, num_samples=4, seq_len=seq_len), tokenizer)  # noqa: E731
-    again, shorter = read(64), read(40)
-    assert calibration_overlap(source, again).startswith("4 of 4 held-out samples are calibration samples")
-    assert calibration_overlap(source, shorter).startswith("4 of 4 ")  # the same records at another --seq-len
+    again, longer, shorter = read(64), read(96), read(40)
+    assert any(len(sample) == 64 for sample in again.samples) and any(len(s) > 64 for s in longer.samples)
+    assert calibration_overlap(source, again).startswith("4 of 4 held-out samples begin with calibration samples")
+    assert calibration_overlap(source, longer).startswith("4 of 4 ")  # the same records at a longer --seq-len
+    # a record cut shorter than calibrate read it is not told apart from other text (here: the corpus's shortest
+    # records, whole at both lengths, are)
+    assert calibration_overlap(source, shorter) == _overlap(sum(len(s) < 40 for s in again.samples), 4)
     other = [list(reversed(sample)) for sample in again.samples]
     # the same file and split, other records: seen text only where the records are the same
     assert calibration_overlap(source, replace(again, samples=other)) is None
     assert calibration_overlap(source, replace(again, samples=[other[0], again.samples[1]])).startswith("1 of 2 ")
+    # chat samples share their template's first tokens: only the whole sample tells a record
+    template = again.samples[0][:30]
+    assert calibration_overlap(source, replace(again, samples=[template + [7] * 40])) is None
     unrelated = CalibrationData(again.samples, "elsewhere.jsonl", "train", "text")
     assert calibration_overlap(source, unrelated).startswith("4 of 4 ")  # the records decide, not the file's name
 
@@ -136,3 +143,9 @@ def test_verify_warns_on_held_out_samples_that_are_calibration_samples_told_by_t
     (out / "fp8kv.json").write_text(json.dumps(record))
     assert "is the calibration data recorded in fp8kv.json" in calibration_overlap(source, replace(again, samples=other))
     assert calibration_overlap(source, unrelated) is None
+
+
+def _overlap(shared: int, total: int) -> str | None:
+    return None if not shared else (f"{shared} of {total} held-out samples begin with calibration samples recorded "
+                                    "in fp8kv.json: saturation and accuracy are measured on seen text; pass --dataset "
+                                    "with other text")

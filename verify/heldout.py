@@ -19,8 +19,8 @@ from fp8kv.checkpoint.locate import is_bundled_model
 from fp8kv.checkpoint.provenance import read_provenance
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.data import (
-    BUNDLED_DATASET, DATASET_CHOICES, DIGEST_TOKENS, GENERATED_DATASET, CalibrationData, DataRequest,
-    load_calibration_data, sample_digests,
+    BUNDLED_DATASET, DATASET_CHOICES, GENERATED_DATASET, CalibrationData, DataRequest, load_calibration_data,
+    samples_seen,
 )
 from fp8kv.errors import Fp8kvError, UsageError
 from fp8kv.models import BUNDLED_HELDOUT_TEXT
@@ -59,12 +59,11 @@ def calibration_overlap(source: SourceCheckpoint, data: CalibrationData) -> str 
             return (f"the held-out text {data.dataset} (split {data.split}) is the calibration data recorded in "
                     f"fp8kv.json: {advice}")
         return None
-    seen = set(dataset.sample_digests)
-    shared = sum(digest in seen for digest in sample_digests(data.samples))
+    shared = samples_seen(data.samples, dataset.sample_digests)
     if not shared:
         return None
-    return (f"{shared} of {len(data.samples)} held-out samples are calibration samples recorded in fp8kv.json "
-            f"(their first {DIGEST_TOKENS} tokens are the same): {advice}")
+    return (f"{shared} of {len(data.samples)} held-out samples begin with calibration samples recorded in "
+            f"fp8kv.json: {advice}")
 
 
 def max_ratio_rows(amax: Mapping[int, tuple[Sequence[float], Sequence[float]]], scales: KVScales,
