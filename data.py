@@ -13,7 +13,6 @@ import hashlib
 import logging
 import socket
 import tempfile
-from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
@@ -147,7 +146,8 @@ def samples_seen(samples: Iterable[list[int]], digests: Iterable[str]) -> int:
 
 
 def _token_hash(tokens: list[int]) -> str:
-    return hashlib.sha256(array("q", tokens).tobytes()).hexdigest()[:16]
+    # the ids as decimal text: the same digest on every machine (an int array's bytes follow the CPU's byte order)
+    return hashlib.sha256(",".join(map(str, tokens)).encode()).hexdigest()[:16]
 
 
 def make_batches(samples: list[list[int]], batch_size: int, pad_id: int) -> list[Batch]:
