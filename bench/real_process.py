@@ -8,7 +8,7 @@ attention_mask)` over the same right-padded batches. calibrate's goal is 0.9x it
 command runs `--repeats` times, interleaved; medians of wall time and of CPU time (user + system, from
 the child's resource usage) are reported with the load average (`uptime`) before and after. On a
 machine others load, the CPU-time ratio is the steadier one; `--threads 1` makes it steadier still.
-Writes bench/results/real_process.json.
+Writes bench/results/real_process.json (another `--model`: real_process-NAME.json).
 
     .venv/bin/python bench/real_process.py [--model smollm2] [--samples 32] [--seq-len 256] [--repeats 3] [--threads N]
 """
@@ -117,7 +117,8 @@ def main() -> int:
               f"{shown[1]} | {goal} |")
     rows = [{"process": name, "wall_s": wall[name], "cpu_s": cpu[name], "wall_ratio": wall_ratio.get(name),
              "cpu_ratio": cpu_ratio.get(name), "goal": goals.get(name)} for name in commands]
-    common.write_results("real_process", rows, args, load_before=before, load_after=after)
+    results = "real_process" if args.model == "smollm2" else f"real_process-{Path(args.model).name}"
+    common.write_results(results, rows, args, load_before=before, load_after=after)
     return 0
 
 

@@ -38,6 +38,7 @@ from fp8kv.runtime.cache_view import sequence_cache
 from fp8kv.transformers_cache import cache_kwargs, model_cache_class, new_cache, recurrent_layers
 from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
 from fp8kv.runtime.latent import LatentPagedCache, capture_latents, latent_attention
+from fp8kv.runtime.linear import sum_linears_in_float32
 
 ATTN_IMPLEMENTATION = "fp8kv_paged"
 # The step the attention function runs, bound by `PagedModelRunner.step` for one forward. Not a forward
@@ -500,7 +501,11 @@ def transformers_attention(model: torch.nn.Module, attention: str | None = None)
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The checkpoint's language model (`checkpoint.load.load_language_model`) on `device`, running the paged
-    attention where it can; shareable between runners."""
+    attention where it can; shareable between runners. On CPU a 16-bit model's linear layers sum in float32
+    (`runtime.linear`): a GPU's arithmetic, at float32's speed."""
     _register()
     name = "auto" if dtype is None else {d: n for n, d in MODEL_DTYPES.items()}[dtype]
-    return load_language_model(model_dir, device, name, paged_attention=ATTN_IMPLEMENTATION)
+    model = load_language_model(model_dir, device, name, paged_attention=ATTN_IMPLEMENTATION)
+    if torch.device(device).type == "cpu":
+        sum_linears_in_float32(model)
+    return model

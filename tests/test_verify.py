@@ -199,14 +199,14 @@ def test_heldout_ratio_is_what_calibrates_observer_sees_over_the_scale(calibrate
             assert ratio == pytest.approx(expected, rel=1e-6 if row.layer == 0 else 1e-2)
 
 
-def test_an_engine_borrows_logits_only_for_sequences_proven_to_hold_the_same_bytes():
+def test_an_engine_borrows_scores_only_for_sequences_proven_to_hold_the_same_bytes():
     from fp8kv.runtime.runner import SequenceWrites
-    from fp8kv.verify.accuracy import Runners, _borrowed, _Prefill
+    from fp8kv.verify.accuracy import Runners, SequenceScore, _borrowed, _Prefill
 
     bf16, fp8, unit, tpu, sglang, trt = (object() for _ in range(6))
     runners = Runners(bf16, fp8, unit, {"shadowed": trt, "tpu-inference": tpu, "sglang": sglang},  # type: ignore[arg-type]
                       twins={"sglang": tpu}, shadows=("shadowed", "tpu-inference"))  # type: ignore[dict-item]
-    a, b, c, d, e, f = (torch.full((1,), float(i)) for i in range(6))
+    a, b, c, d, e = (SequenceScore(float(i), 0.0, 0, 0.0, 0) for i in range(5))
     ran = {id(fp8): _Prefill([a, b, c], [SequenceWrites(0, {"shadowed": 0, "tpu-inference": 9}),
                                          SequenceWrites(2, {"shadowed": 1, "tpu-inference": 9}),
                                          SequenceWrites(0, {"shadowed": 0, "tpu-inference": 0})])}

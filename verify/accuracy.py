@@ -3,9 +3,9 @@
 Three runners hold the same model: a bf16 cache (the reference), an fp8 cache with the
 checkpoint's scales (clamped writes, as engines should do) and an fp8 cache with unit scales;
 one more per engine model (`verify.engines`) that writes other bytes than these (engines whose
-writes are the same arithmetic share a runner; an engine whose write differs reuses fp8's logits for every
+writes are the same arithmetic share a runner; an engine whose write differs reuses fp8's score of every
 sequence in which fp8's cache saw it write each value alike, and a non-saturating engine its saturating
-twin's for every sequence in which no value passed the fp8 maximum). By default every engine
+twin's of every sequence in which no value passed the fp8 maximum). By default every engine
 attends with fp8kv's float32 attention, so engines are told apart by the bytes they write alone;
 `engine_attention` also reproduces each engine's attention arithmetic (one more runner per arithmetic).
 Each engine is also run at unit scales with its own write, what its scales are compared with (the
@@ -307,31 +307,33 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
     """Prefill every sample on every runner (`batch_size` sequences per step) and compare logits.
 
     An engine's runner prefills only the sequences whose bytes it may write differently from a runner that ran
-    already (`_borrowed`). Returns the comparison with the bf16 cache and one result per engine model.
+    already (`_borrowed`), and takes that runner's score of the others. Returns the comparison with the bf16 cache and one result per engine model.
     """
     totals = _Totals()
     engine_totals = {engine: EngineTotals(_Totals(paired=runners.unit_engines.get(engine, runners.unit)
                                                   is not runner)) for engine, runner in runners.engines.items()}
-    named = {"bf16": runners.bf16, "fp8": runners.fp8, "unit": runners.unit}
-    # saturating engines first: a non-saturating one may reuse its twin's logits
+    # saturating engines first: a non-saturating one may reuse its twin's scores
     order = sorted(runners.engines, key=lambda name: name in runners.twins)
     for start in range(0, len(samples), batch_size):
         batch = samples[start : start + batch_size]
-        ran = {id(runner): _Prefill.of(runner, batch) for runner in named.values()}
+        # Only the reference's log-probabilities outlive a prefill: every other runner's logits are scored as they
+        # come, so a batch holds two vocabularies of logits at a time, not one per runner.
+        references = [ScoredSample.of(out) for out in prefill(runners.bf16, batch)]
+        ran = {id(runners.bf16): _Prefill([SequenceScore.of(ids, ref, ref) for ids, ref in zip(batch, references)],
+                                          [None] * len(batch))}
+        for runner in (runners.fp8, runners.unit):
+            if id(runner) not in ran:
+                ran[id(runner)] = _Prefill.of(runner, batch, references)
         for engine in order:
             runner = runners.engines[engine]
             if id(runner) not in ran:
-                ran[id(runner)] = _Prefill.of(runner, batch, _borrowed(engine, runners, ran))
+                ran[id(runner)] = _Prefill.of(runner, batch, references, _borrowed(engine, runners, ran))
         for runner in runners.unit_engines.values():
             if id(runner) not in ran:
-                ran[id(runner)] = _Prefill.of(runner, batch)
+                ran[id(runner)] = _Prefill.of(runner, batch, references)
+        del references
         for i, ids in enumerate(batch):
-            distinct = {id(run.logits[i]): run.logits[i] for run in ran.values()}
-            sampled = {key: ScoredSample.of(out) for key, out in distinct.items()}
-            reference = sampled[id(ran[id(runners.bf16)].logits[i])]
-            # logits runners share are scored once
-            scored = {key: SequenceScore.of(ids, sample, reference) for key, sample in sampled.items()}
-            by_runner = {key: scored[id(run.logits[i])] for key, run in ran.items()}
+            by_runner = {key: run.scores[i] for key, run in ran.items()}
             bf16_nll = by_runner[id(runners.bf16)].nll
             totals.add(len(ids), bf16_nll, by_runner[id(runners.fp8)], by_runner[id(runners.unit)])
             for engine, runner in runners.engines.items():
@@ -346,37 +348,40 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
 
 @dataclass(frozen=True)
 class _Prefill:
-    """One runner's logits for each sequence of a batch and, where it ran the sequence itself, what its cache
-    wrote for it (None where the logits were borrowed from a runner proven to write the same bytes)."""
+    """One runner's score of each sequence of a batch and, where it ran the sequence itself, what its cache wrote
+    for it (None where the score was borrowed from a runner proven to write the same bytes)."""
 
-    logits: list[torch.Tensor]
+    scores: list[SequenceScore]
     writes: list[SequenceWrites | None]
 
     @classmethod
-    def of(cls, runner: PagedModelRunner, batch: list[list[int]],
-           borrowed: list[torch.Tensor | None] | None = None) -> _Prefill:
-        """Prefill the sequences of `batch` that `borrowed` has no logits for (all, without it)."""
+    def of(cls, runner: PagedModelRunner, batch: list[list[int]], references: list[ScoredSample],
+           borrowed: list[SequenceScore | None] | None = None) -> _Prefill:
+        """Prefill the sequences of `batch` that `borrowed` has no score for (all, without it), scoring each against
+        its reference (the bf16 cache's) as its logits arrive."""
         borrowed = borrowed or [None] * len(batch)
-        todo = [ids for ids, lent in zip(batch, borrowed) if lent is None]
-        logits, writes = (prefill(runner, todo), runner.sequence_writes()) if todo else ([], [])
-        computed, written = iter(logits), iter(writes)
-        return cls([lent if lent is not None else next(computed) for lent in borrowed],
-                   [None if lent is not None else next(written) for lent in borrowed])
+        todo = [i for i, lent in enumerate(borrowed) if lent is None]
+        logits = prefill(runner, [batch[i] for i in todo]) if todo else []
+        writes = runner.sequence_writes() if todo else []
+        scored = {i: SequenceScore.of(batch[i], ScoredSample.of(out), references[i]) for i, out in zip(todo, logits)}
+        wrote = dict(zip(todo, writes))
+        return cls([lent if lent is not None else scored[i] for i, lent in enumerate(borrowed)],
+                   [wrote.get(i) for i in range(len(batch))])
 
 
-def _borrowed(engine: str, runners: Runners, ran: dict[int, _Prefill]) -> list[torch.Tensor | None]:
-    """Per sequence, logits `engine` would reproduce exactly, from a runner that ran it: fp8's where fp8's cache
+def _borrowed(engine: str, runners: Runners, ran: dict[int, _Prefill]) -> list[SequenceScore | None]:
+    """Per sequence, the score `engine` would reproduce exactly, from a runner that ran it: fp8's where fp8's cache
     saw `engine` (a shadow) write every value alike; its saturating twin's where no value passed the fp8
     maximum, below which saturating or not stores the same bytes. None where `engine` must run itself."""
     fp8, twin = ran[id(runners.fp8)], runners.twins.get(engine)
-    borrowed: list[torch.Tensor | None] = [None] * len(fp8.logits)
+    borrowed: list[SequenceScore | None] = [None] * len(fp8.scores)
     if engine in runners.shadows:
-        borrowed = [logits if w is not None and w.shadow_diffs[engine] == 0 else None
-                    for logits, w in zip(fp8.logits, fp8.writes)]
+        borrowed = [score if w is not None and w.shadow_diffs[engine] == 0 else None
+                    for score, w in zip(fp8.scores, fp8.writes)]
     if twin is not None and id(twin) in ran:
         mate = ran[id(twin)]
-        borrowed = [lent if lent is not None else logits if w is not None and w.over == 0 else None
-                    for lent, logits, w in zip(borrowed, mate.logits, mate.writes)]
+        borrowed = [lent if lent is not None else score if w is not None and w.over == 0 else None
+                    for lent, score, w in zip(borrowed, mate.scores, mate.writes)]
     return borrowed
 
 
