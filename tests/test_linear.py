@@ -18,12 +18,13 @@ def _one_step(x: torch.Tensor) -> torch.Tensor:
     return torch.finfo(x.dtype).eps * torch.ldexp(torch.ones_like(x, dtype=torch.float64), exponent - 1)
 
 
+@pytest.mark.parametrize("rows", [1, 64])  # a decode step's row keeps PyTorch's kernel, a prefill's go through float32
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @torch.no_grad()
-def test_a_16_bit_linear_is_its_exact_sum_rounded_once(dtype):
+def test_a_16_bit_linear_is_its_exact_sum_rounded_once(dtype, rows):
     torch.manual_seed(0)
     layer = torch.nn.Linear(576, 1536, bias=True).to(dtype)
-    x = torch.randn(64, 576).to(dtype)
+    x = torch.randn(rows, 576).to(dtype)
     native = layer(x)
     sum_linears_in_float32(layer)
     assert type(layer) is Float32SumLinear
