@@ -6,8 +6,8 @@ outputs differ from the float32 route by one rounding, from the order of the sum
 error against float64). Without bf16 instructions that kernel is about 9x slower than a float32
 GEMM of the same shape (2 cores, AVX2: 0.245 s against 0.027 s for 2048 tokens through 576 -> 1536),
 and nearly all of a CPU forward is linear layers. Computing through float32 keeps the arithmetic and
-runs at float32's speed, and the arithmetic no longer depends on whether the CPU has bf16 instructions
-(AVX-512 BF16, AMX): only the order of the float32 sums still follows the CPU's kernel. The float32
+runs at float32's speed, and a prefill's arithmetic no longer depends on whether the CPU has bf16
+instructions (AVX-512 BF16, AMX): only the order of the float32 sums still follows the CPU's kernel. The float32
 copy of a weight lives only for its own call, so the model's memory stays its own. A call of a few rows
 (a decode step) keeps PyTorch's kernel, whose few-row path sums in float32 too and is the faster one there:
 the float32 route would convert the whole weight for it.
