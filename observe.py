@@ -83,16 +83,7 @@ class KVStatistics:
         slots = self.amax.shape[2]
         if key.shape[1] > slots:
             key, value = (fold_repeated_heads(states, slots, f"layer {layer}") for states in (key, value))
-        heads = key.shape[1]
-        keep = None if valid is None else valid.to(key.device)[:, None, :, None]  # [batch, 1, seq, 1]
-        for kind, states in ((K, key), (V, value)):
-            bits = _magnitude_bits(states.detach(), keep)
-            # |x| orders like its bits (NaN above inf), so an integer max is the exact amax and keeps NaN.
-            amax = bits.amax(dim=(0, 2, 3)).view(torch.float32)
-            self.amax[layer, kind, :heads] = torch.maximum(self.amax[layer, kind, :heads], amax)
-            first_bins = torch.arange(heads, device=bits.device, dtype=torch.int32) * NUM_BINS
-            self.hist[layer, kind, :heads] += _histogram(bits, keep, first_bins, heads * NUM_BINS).view(heads, NUM_BINS)
-        self.tokens[layer] += key.shape[0] * key.shape[2] if valid is None else valid.sum().to(self.tokens.device)
+        self.fold_layers([layer], [key], [value], valid)
 
     def fold_layers(self, layers: Sequence[int], keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                     valid: torch.Tensor | None) -> None:
