@@ -117,7 +117,7 @@ def main() -> int:
               f"{shown[1]} | {goal} |")
     rows = [{"process": name, "wall_s": wall[name], "cpu_s": cpu[name], "wall_ratio": wall_ratio.get(name),
              "cpu_ratio": cpu_ratio.get(name), "goal": goals.get(name)} for name in commands]
-    results = "real_process" if args.model == "smollm2" else f"real_process-{Path(args.model).name}"
+    results = "real_process" if args.model == options.get_default("model") else f"real_process-{Path(args.model).name}"
     common.write_results(results, rows, args, load_before=before, load_after=after)
     return 0
 

@@ -1,4 +1,5 @@
-"""On CPU the runtime's 16-bit linear layers sum in float32 and round once: a GPU's bf16 GEMM, the same on every CPU."""
+"""On CPU the runtime's 16-bit linear layers sum in float32 and round once: a GPU's bf16 GEMM, with or without the
+CPU's bf16 instructions."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def test_a_16_bit_linear_is_its_exact_sum_rounded_once(dtype, rows):
     assert ((ours.double() - rounded_once.double()).abs() <= _one_step(rounded_once) + float32_error).all()
     # PyTorch's own CPU kernel also sums in float32: only the order of the sums may differ.
     assert (ours != native).float().mean() < 5e-3
+
 
 def test_float32_layers_and_subclasses_keep_their_forward():
     class QuantizedLinear(torch.nn.Linear):

@@ -307,7 +307,8 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
     """Prefill every sample on every runner (`batch_size` sequences per step) and compare logits.
 
     An engine's runner prefills only the sequences whose bytes it may write differently from a runner that ran
-    already (`_borrowed`), and takes that runner's score of the others. Returns the comparison with the bf16 cache and one result per engine model.
+    already (`_borrowed`), and takes that runner's score of the others. Returns the comparison with the bf16
+    cache and one result per engine model.
     """
     totals = _Totals()
     engine_totals = {engine: EngineTotals(_Totals(paired=runners.unit_engines.get(engine, runners.unit)
@@ -320,7 +321,7 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
         # come, so a batch holds two vocabularies of logits at a time, not one per runner.
         references = [ScoredSample.of(out) for out in prefill(runners.bf16, batch)]
         ran = {id(runners.bf16): _Prefill([SequenceScore.of(ids, ref, ref) for ids, ref in zip(batch, references)],
-                                          [None] * len(batch))}
+                                          list(runners.bf16.sequence_writes()))}
         for runner in (runners.fp8, runners.unit):
             if id(runner) not in ran:
                 ran[id(runner)] = _Prefill.of(runner, batch, references)
@@ -331,7 +332,7 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
         for runner in runners.unit_engines.values():
             if id(runner) not in ran:
                 ran[id(runner)] = _Prefill.of(runner, batch, references)
-        del references
+        del references  # before the next batch's reference prefill, which would otherwise hold two batches' worth
         for i, ids in enumerate(batch):
             by_runner = {key: run.scores[i] for key, run in ran.items()}
             bf16_nll = by_runner[id(runners.bf16)].nll
