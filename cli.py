@@ -439,8 +439,8 @@ def verify_command(
     unit_kl_ratio: float | None = typer.Option(
         None, "--unit-kl-ratio", callback=checked(check_bound), help=f"WARN when mean KL exceeds this x the unit-scale KL [file: {_FILE_THRESHOLDS.unit_kl_ratio:g}]."
     ),
-    unit_ppl_ratio: float | None = typer.Option(
-        None, "--unit-ppl-ratio", callback=checked(check_bound), help=f"WARN when perplexity exceeds this x the unit-scale one [file: {_FILE_THRESHOLDS.unit_ppl_ratio:g}]."
+    false_alarm_rate: float | None = typer.Option(
+        None, "--false-alarm-rate", callback=checked(check_bound), help=f"Chance that a good checkpoint WARNs of doing worse than unit scales, over all engines together [file: {_FILE_THRESHOLDS.false_alarm_rate:g}]."
     ),
     json_output: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -455,7 +455,7 @@ def verify_command(
 ) -> None:
     # A bad thresholds file or --prompts is refused before torch loads.
     thresholds = load_thresholds(
-        thresholds_file, kl_mean=max_kl_mean, saturation=max_saturation, unit_kl_ratio=unit_kl_ratio, unit_ppl_ratio=unit_ppl_ratio,
+        thresholds_file, kl_mean=max_kl_mean, saturation=max_saturation, unit_kl_ratio=unit_kl_ratio, false_alarm_rate=false_alarm_rate,
     )
     request = VerifyRequest(
         model_dir=model_dir, data=data,

@@ -138,21 +138,18 @@ def test_last_batch_strategy_refuses_layer_by_layer(factory_checkpoint):
 
 def test_unit_scale_comparison_ignores_differences_within_rounding_noise():
     from fp8kv.verify.intervals import paired_difference
-    from fp8kv.verify.results import Accuracy
-    from fp8kv.verify.verdict import accuracy_reasons, load_thresholds
+    from fp8kv.verify.verdict import UnitComparison, load_thresholds, unit_scale_reasons
 
     def reasons(kl: float, unit_kl: float) -> list[str]:
         tokens = [100] * 16
         # the same gap on every sequence, as fp8 rounding gives it: an interval that excludes zero
         ours = [kl * n * (1 + 0.01 * i) for i, n in enumerate(tokens)]
         theirs = [unit_kl * n * (1 + 0.01 * i) for i, n in enumerate(tokens)]
-        accuracy = Accuracy(ppl_bf16=9.9, ppl_fp8=10.0, ppl_fp8_unit=10.0, kl_mean=kl, kl_max=10 * kl, top1_agreement=0.99,
-                            kl_mean_unit=unit_kl, kl_max_unit=10 * unit_kl, top1_agreement_unit=0.99,
-                            versus_unit=(paired_difference("kl_mean", ours, theirs, tokens),))
-        return [r.message for r in accuracy_reasons(accuracy, {}, load_thresholds())]
+        family = [UnitComparison(paired_difference("kl_mean", ours, theirs, tokens))]
+        return [r.message for r in unit_scale_reasons(family, load_thresholds())]
 
     assert reasons(4.0e-6, 3.0e-6) == []  # a random-weight llama: both negligible, the gap is rounding
     (worse,) = reasons(0.01, 0.002)
     assert worse.startswith("calibrated scales do worse than unit scales: mean KL 0.01075 vs 0.00215, difference "
                             "+0.0086, 95 % interval [+0.0084, +0.0088]")
-    assert worse.endswith("(paired over 16 held-out sequences, 1600 tokens)")
+    assert "(paired over 16 held-out sequences, 1600 tokens); p = 1.5e-05" in worse

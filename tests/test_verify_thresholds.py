@@ -13,7 +13,10 @@ from fp8kv.verify.engines import engine_reasons
 from fp8kv.verify.results import Accuracy, EngineResult, LayerCheck
 from fp8kv.json_fields import to_json_value
 from fp8kv.checks import FAIL, INFO, WARN, Finding
-from fp8kv.verify.verdict import Thresholds, accuracy_reasons, heldout_reasons, load_thresholds, verdict
+from fp8kv.verify.verdict import (
+    Thresholds, UnitComparison, accuracy_reasons, engine_accuracy_reasons, engine_unit_scale_notes, heldout_reasons,
+    load_thresholds, unit_scale_reasons, verdict,
+)
 from fp8kv.verify.verdict import describe_difference as describe
 
 ACCURACY = Accuracy(ppl_bf16=9.9, ppl_fp8=10.0, ppl_fp8_unit=10.0, kl_mean=0.001, kl_max=0.01, top1_agreement=0.99,
@@ -22,7 +25,7 @@ ACCURACY = Accuracy(ppl_bf16=9.9, ppl_fp8=10.0, ppl_fp8_unit=10.0, kl_mean=0.001
 
 def test_packaged_defaults_then_file_then_flags(tmp_path):
     defaults = load_thresholds()
-    assert defaults == Thresholds(kl_mean=0.05, saturation=1e-4, unit_kl_ratio=1.25, unit_ppl_ratio=1.01)
+    assert defaults == Thresholds(kl_mean=0.05, saturation=1e-4, unit_kl_ratio=1.25, false_alarm_rate=0.05)
     path = tmp_path / "t.toml"
     path.write_text("[fail]\nkl_mean = 0.2\n[warn]\nsaturation = 0.01\n")
     from_file = load_thresholds(path)
@@ -55,9 +58,13 @@ def test_accuracy_reasons_bound_kl_nan_and_unit_scales():
     nan = accuracy_reasons(replace(ACCURACY, kl_mean=math.nan, ppl_fp8=math.nan), {1: 3}, t)
     assert [r.level for r in nan] == [FAIL, FAIL] and nan[0].message == "NaN/inf values in the clamped fp8 cache: layer 1 (3)"
     assert [r.level for r in accuracy_reasons(replace(ACCURACY, kl_mean=0.06), {}, t)] == [FAIL]
-    worse = accuracy_reasons(replace(ACCURACY, kl_mean=0.06, versus_unit=(_paired("kl_mean", 0.06, 0.001),)), {}, t)
-    assert [r.level for r in worse] == [FAIL, WARN]
-    assert worse[1].message.startswith("calibrated scales do worse than unit scales: mean KL 0.06 vs 0.001")
+    # the comparison with unit scales is judged over the whole family of engines, not per accuracy
+    assert [r.level for r in accuracy_reasons(replace(ACCURACY, kl_mean=0.06, versus_unit=(
+        _paired("kl_mean", 0.06, 0.001),)), {}, t)] == [FAIL]
+    (worse,) = unit_scale_reasons([UnitComparison(_paired("kl_mean", 0.06, 0.001))], t)
+    assert worse.level == WARN and worse.message.startswith(
+        "calibrated scales do worse than unit scales: mean KL 0.06 vs 0.001")
+    assert worse.message.endswith("; p = 1.5e-05, significant at a 5% false-alarm rate over 1 comparison (Holm)")
 
 
 def _paired(measure: str, ours: float, theirs: float, spread: float = 0.0, sequences: int = 16):
@@ -71,25 +78,59 @@ def _paired(measure: str, ours: float, theirs: float, spread: float = 0.0, seque
                              tokens)
 
 
-def test_the_bootstrap_interval_is_seeded_paired_and_narrows_with_more_sequences():
+def test_the_sign_flip_interval_is_exact_paired_and_narrows_with_more_sequences():
     few, many = _paired("kl_mean", 0.011, 0.010, 0.004, 8), _paired("kl_mean", 0.011, 0.010, 0.004, 128)
     assert few == _paired("kl_mean", 0.011, 0.010, 0.004, 8)  # the same numbers on every run
     assert few.low < few.difference < few.high and abs(few.difference - 0.001) < 1e-12
     assert many.high - many.low < (few.high - few.low) / 2
     assert (few.sequences, few.tokens, many.tokens) == (8, 1600, 25600)
+    # 8 sequences, 4 of them +0.005 and 4 -0.003 per token: the subsets whose mean is <= 0 and the identity
+    assert few.p_worse == (sum(1 for code in range(1, 256)
+                               if sum((0.005 if i % 2 else -0.003) for i in range(8) if code >> i & 1) <= 0) + 1) / 256
+    # with 5 sequences no interval can be had at 95 %: 32 sign patterns leave no subset mean to each tail
+    assert _paired("kl_mean", 0.011, 0.010, 0.004, 5).low == -math.inf
 
 
-def test_a_calibration_better_by_kl_is_not_warned_about_for_a_noisy_perplexity():
+def test_the_sign_flip_test_holds_its_false_alarm_rate_on_few_sequences():
+    """No true difference, 8 sequences of unequal lengths with heavy-tailed symmetric noise: at most 5 % of draws say
+    worse at p <= 0.05 and at least 95 % of intervals hold zero (the bootstrap it replaced missed at 8 sequences)."""
+    import torch
+
+    from fp8kv.verify.intervals import paired_difference
+
+    generator = torch.Generator().manual_seed(1)
+    draws, alarms, missed = 600, 0, 0
+    for _ in range(draws):
+        tokens = torch.randint(50, 300, (8,), generator=generator)
+        noise = torch.distributions.StudentT(3.0).sample((8,)) * tokens.double().sqrt() * 0.01
+        base = torch.rand(8, generator=generator, dtype=torch.float64) * tokens * 0.02
+        d = paired_difference("kl_mean", (base + noise).tolist(), base.tolist(), tokens.tolist())
+        alarms += d.p_worse <= 0.05
+        missed += not d.low <= 0 <= d.high
+    # binomial sd at 5 % of 600 draws is 5.3: three of them above the rate is a failure of the test, not chance
+    assert alarms <= 0.05 * draws + 16 and missed <= 0.05 * draws + 16, (alarms, missed)
+
+
+def test_holm_holds_the_family_and_a_lone_comparison_keeps_its_power():
+    from fp8kv.verify.verdict import holm
+
+    assert holm([0.01], 0.05) == [True]
+    assert holm([0.01] * 7, 0.05) == [False] * 7  # seven engines at p = 0.01 each: what chance alone gives
+    assert holm([0.004, 0.3, 0.012], 0.05) == [True, False, True]  # 0.004 < 0.05/3, then 0.012 < 0.05/2
+    assert holm([], 0.05) == []
+
+
+def test_top1_and_perplexity_are_notes_and_never_warn():
     # make demo's case: perplexity above unit scales' while KL and top-1 say the calibrated scales are better
-    demo = replace(ACCURACY, ppl_fp8=4.5058, ppl_fp8_unit=4.4390, versus_unit=(
-        _paired("kl_mean", 0.01044, 0.01429, 0.001), _paired("top1_agreement", 0.957, 0.946, 0.01),
-        _paired("nll", math.log(4.5058), math.log(4.4390), 0.001)))
-    assert accuracy_reasons(demo, {}, load_thresholds()) == []
-    alone = replace(demo, versus_unit=demo.versus_unit[2:])  # with nothing better to weigh, perplexity counts
-    (warning,) = accuracy_reasons(alone, {}, load_thresholds())
-    assert warning.message.startswith("calibrated scales do worse than unit scales: perplexity 4.5058 vs 4.4390")
-    assert [r.level for r in accuracy_reasons(replace(demo, versus_unit=(_paired("top1_agreement", 0.90, 0.95),)), {},
-                                              load_thresholds())] == [WARN]
+    t = load_thresholds()
+    worse_by_top1 = (_paired("kl_mean", 0.01044, 0.01429, 0.001), _paired("top1_agreement", 0.90, 0.95),
+                     _paired("nll", math.log(4.5058), math.log(4.4390), 0.001))
+    assert worse_by_top1[1].says_worse() and worse_by_top1[2].says_worse()
+    results = [EngineResult("a@1", 4.5, 0, 100, 0, 16, None, "src", "PASS", known_by="run",
+                            accuracy=replace(ACCURACY, versus_unit=worse_by_top1))]
+    assert engine_accuracy_reasons(results, t) == []
+    (note,) = engine_unit_scale_notes(results, t)
+    assert note.startswith("engine a@1: these scales do better than unit scales: mean KL 0.01044 vs 0.01429")
 
 
 def test_report_json_has_no_nan():
@@ -138,22 +179,22 @@ def test_an_engine_that_writes_nan_fails_by_name_with_the_fix():
 
 
 def test_a_pass_says_when_calibrated_and_unit_scales_cannot_be_told_apart_and_what_would():
-    from fp8kv.verify.verdict import unit_scale_note
+    from fp8kv.verify.verdict import sequences_to_judge, unit_scale_note
 
     noisy = _paired("kl_mean", 0.0105, 0.0104, 0.002)
-    note = unit_scale_note(replace(ACCURACY, versus_unit=(noisy,)))
-    assert note is not None and note.startswith("on this text these scales and unit scales cannot be told apart: "
-                                                "mean KL 0.0105 vs 0.0104, difference +0.0001, 95 % interval [-")
+    note = unit_scale_note(noisy, 8)
+    assert note.startswith("on this text these scales and unit scales cannot be told apart: mean KL 0.0105 vs 0.0104, "
+                           "difference +0.0001, 95 % interval [-")
     needed = noisy.tokens_to_tell()
     assert needed is not None and needed > noisy.tokens and f"about {needed} held-out tokens" in note
-    better = unit_scale_note(replace(ACCURACY, versus_unit=(_paired("kl_mean", 0.0104, 0.0143, 0.001),)))
-    assert better is not None and better.startswith("these scales do better than unit scales: mean KL 0.0104 vs 0.0143")
-    assert unit_scale_note(ACCURACY) is None  # nothing paired (a non-finite run)
-    few = replace(ACCURACY, versus_unit=(_paired("top1_agreement", 0.90, 0.95, sequences=4),
-                                         _paired("kl_mean", 0.02, 0.01, sequences=4)))
-    assert accuracy_reasons(few, {}, load_thresholds()) == []  # 4 sequences: no interval to trust
-    assert unit_scale_note(few) == ("4 held-out sequences are too few to compare these scales with unit scales (a "
-                                    "paired interval needs at least 8; --num-samples)")
+    better = unit_scale_note(_paired("kl_mean", 0.0104, 0.0143, 0.001), 8)
+    assert better.startswith("these scales do better than unit scales: mean KL 0.0104 vs 0.0143")
+    # 7 comparisons at 5 %: Holm's first bound is 0.05 / 7, and n sequences give no p-value below 2^-n
+    assert sequences_to_judge(load_thresholds(), 7) == 8 and sequences_to_judge(load_thresholds(), 1) == 5
+    few = _paired("kl_mean", 0.02, 0.01, sequences=4)
+    assert unit_scale_reasons([UnitComparison(few)], load_thresholds()) == []  # 4 sequences: p >= 1/16
+    assert unit_scale_note(few, 8) == ("4 held-out sequences are too few to compare these scales with unit scales "
+                                       "(this many comparisons at this false-alarm rate need at least 8; --num-samples)")
 
 
 def test_scales_far_too_small_are_told_to_recalibrate_not_to_widen_the_margin():
@@ -173,15 +214,14 @@ def test_scales_far_too_small_are_told_to_recalibrate_not_to_widen_the_margin():
 
 
 def test_each_engine_is_judged_on_its_own_runs_and_a_shared_finding_names_every_engine():
-    from fp8kv.verify.verdict import engine_accuracy_reasons, engine_unit_scale_notes
-
     worse = replace(ACCURACY, kl_mean=0.06, versus_unit=(_paired("kl_mean", 0.06, 0.001),))
 
     def engine(name: str, accuracy: Accuracy, **kwargs) -> EngineResult:
         return EngineResult(name, accuracy.ppl_fp8, 0, 100, 0, 8, None, "src", "PASS", known_by="run",
                             accuracy=accuracy, **kwargs)
 
-    results = [engine("a@1", worse), engine("b@2", worse), engine("c@3", ACCURACY),
+    better = replace(ACCURACY, versus_unit=(_paired("kl_mean", 0.0104, 0.0143, 0.001),))
+    results = [engine("a@1", worse), engine("b@2", worse), engine("c@3", better),
                engine("d@4", worse, unread="it reads none of them"),  # at 1.0: its INFO line says so
                replace(engine("bug", worse), known_by=""),  # a bug model illustrates, it is not judged
                replace(engine("e@5", worse), nan_rows=3)]  # lost logits: a FAIL of its own already
@@ -189,6 +229,7 @@ def test_each_engine_is_judged_on_its_own_runs_and_a_shared_finding_names_every_
     assert [r.level for r in found] == [FAIL, WARN]
     assert found[0].message.startswith("engines a@1, b@2: mean KL to the bf16 cache 0.06 nats exceeds the bound")
     assert found[1].message.startswith("engines a@1, b@2: calibrated scales do worse than unit scales: mean KL 0.06")
-    better = replace(ACCURACY, versus_unit=(_paired("kl_mean", 0.0104, 0.0143, 0.001),))
-    assert engine_unit_scale_notes([engine("c@3", better), engine("d@4", better, unread="x")]) == [
+    # a@1 and b@2 share one comparison and c@3 has another: a family of two
+    assert found[1].message.endswith("over 2 comparisons (Holm)")
+    assert engine_unit_scale_notes([engine("c@3", better), engine("d@4", better, unread="x")], load_thresholds()) == [
         "engine c@3: these scales do better than unit scales: " + describe(better.versus_unit[0])]

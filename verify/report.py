@@ -152,8 +152,8 @@ def render_markdown(report: VerifyReport) -> str:
     compared = _engines_by_comparison(held.engines)
     if compared:
         parts.append("## These scales against unit scales, per engine\n\nEach measure compared sequence by sequence "
-                     "over the held-out text, on the engine's own write at both scales; the interval is a seeded "
-                     "bootstrap over sequences (95 %).\n\n"
+                     "over the held-out text, on the engine's own write at both scales; the interval and p-value are "
+                     "a sign-flip test over sequences (95 %). Mean KL decides; top-1 and perplexity are notes.\n\n"
                      + "\n\n".join(f"{', '.join(names)}:\n\n{versus_unit_table(accuracy)}"
                                     for accuracy, names in compared))
     if held.query:
@@ -206,15 +206,16 @@ def _engines_by_comparison(engines: tuple[EngineResult, ...]) -> list[tuple[Accu
 
 
 def versus_unit_table(accuracy: Accuracy) -> str:
-    """One row per paired measure: these scales, unit scales, the difference and its interval."""
+    """One row per paired measure: these scales, unit scales, the difference, its interval and the p-value that
+    these scales do worse."""
     def shown(measure: str, value: float) -> str:
         return f"{value:.2%}" if measure == "top1_agreement" else f"{value:.4g}"
 
     rows = [[d.measure, shown(d.measure, d.ours), shown(d.measure, d.theirs), shown(d.measure, d.difference),
-             f"[{shown(d.measure, d.low)}, {shown(d.measure, d.high)}]", str(d.tokens)]
+             f"[{shown(d.measure, d.low)}, {shown(d.measure, d.high)}]", f"{d.p_worse:.2g}", str(d.tokens)]
             for d in accuracy.versus_unit]
     return markdown_table(["measure (nll: log-perplexity)", "these scales", "unit scales", "difference",
-                           "95 % interval", "tokens"], rows)
+                           "95 % interval", "p (worse)", "tokens"], rows)
 
 
 def engine_sources(engines: tuple[EngineResult, ...]) -> str:
@@ -312,7 +313,7 @@ def show(result: Any, json_output: bool = False) -> None:
         print(f"  engine {e.engine} ({e.verdict}): ppl {fmt_number(e.ppl)}{kl}, NaN/inf rows {e.nan_rows} of "
               f"{e.rows}, sequences lost {e.sequences_lost} of {e.sequences}"
               + (", at scale 1.0 (not read)" if e.unread else ""))
-    for note in engine_unit_scale_notes(held.engines):
+    for note in engine_unit_scale_notes(held.engines, report.thresholds):
         print(f"  note: {note}")
     query = held.query
     if query:

@@ -25,12 +25,17 @@ class StaticSummary:
     unexpected_layers: tuple[int, ...]
 
 
+# The paired measures where more is better; for the others (KL, negative log-likelihood) less is.
+HIGHER_IS_BETTER = frozenset({"top1_agreement"})
+
+
 @dataclass(frozen=True)
 class PairedDifference:
     """One measure with these scales minus the same measure with unit scales, paired over the held-out sequences:
     `measure` is "kl_mean", "top1_agreement" or "nll" (mean negative log-likelihood per predicted token, whose
-    exp is the perplexity); `difference` = `ours` - `theirs`, per token, with the seeded bootstrap's 95 %
-    interval [`low`, `high`] over `sequences` sequences and `tokens` tokens."""
+    exp is the perplexity); `difference` = `ours` - `theirs`, per token, with the sign-flip test's 95 % interval
+    [`low`, `high`] over `sequences` sequences and `tokens` tokens, and its one-sided p-value `p_worse` that these
+    scales do worse (verify/intervals.py)."""
 
     measure: str
     ours: float
@@ -40,10 +45,11 @@ class PairedDifference:
     high: float
     sequences: int
     tokens: int
+    p_worse: float
 
     @property
     def lower_is_better(self) -> bool:
-        return self.measure != "top1_agreement"
+        return self.measure not in HIGHER_IS_BETTER
 
     def says_worse(self) -> bool:
         """Whether the interval puts these scales on the worse side of unit scales, zero excluded."""

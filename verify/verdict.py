@@ -24,13 +24,9 @@ EXIT_CODES = {name: int(ExitCode[name]) for name in VERDICTS}
 # bundled model, scales that differ only in their margin moved mean KL by up to 8e-5 either way, and
 # random-weight models (KL near 1e-6) flip the ratio from one held-out draw to the next.
 UNIT_KL_NOISE = 1e-4
-# Below this many held-out sequences a bootstrap over sequences has too few to draw from to be trusted (a
-# random-weight MoE on 4 sequences put 6 top-1 flips in 192 tokens outside its interval), so unit scales are
-# not compared.
-MIN_PAIRED_SEQUENCES = 8
 DEFAULTS_FILE = "verify.toml"
 # Which TOML table each threshold lives in.
-_SECTIONS = {"kl_mean": "fail", "saturation": "warn", "unit_kl_ratio": "warn", "unit_ppl_ratio": "warn"}
+_SECTIONS = {"kl_mean": "fail", "saturation": "warn", "unit_kl_ratio": "warn", "false_alarm_rate": "warn"}
 
 
 @dataclass(frozen=True)
@@ -40,7 +36,7 @@ class Thresholds:
     kl_mean: float
     saturation: float
     unit_kl_ratio: float
-    unit_ppl_ratio: float
+    false_alarm_rate: float
 
 
 def load_thresholds(path: Path | None = None, **overrides: float | None) -> Thresholds:
@@ -144,25 +140,55 @@ def clamped_nan_reasons(nan_with_clamp: dict[int, int]) -> list[Finding]:
     return [Finding(FAIL, f"NaN/inf values in the clamped fp8 cache: {named}")]
 
 
+@dataclass(frozen=True)
+class UnitComparison:
+    """One test of the family: these scales' mean KL against unit scales on one write, and the engines that run it
+    (none when it is fp8kv's own cache)."""
+
+    kl: PairedDifference
+    engines: tuple[str, ...] = ()
+
+
+def judged(engines: Sequence[EngineResult]) -> list[EngineResult]:
+    """The released engines whose accuracy is judged: they read these scales and kept every logit (one that lost
+    logits fails on that alone, in `verify.engines`; one at scale 1.0 says so in its own INFO line)."""
+    return [e for e in engines if e.accuracy is not None and not e.unread and e.known_by and not e.nan_rows]
+
+
 def engine_accuracy_reasons(engines: Sequence[EngineResult], thresholds: Thresholds) -> list[Finding]:
-    """`accuracy_reasons` of each released engine judged that runs these scales, on that engine's own runs; a
-    finding several engines share names them all once. Engines that lost logits fail on that alone
-    (`verify.engines`); one that runs at scale 1.0 says so in its own INFO line."""
+    """`accuracy_reasons` of each judged engine on its own runs, a finding several engines share naming them all
+    once; then `unit_scale_reasons` over all of their comparisons with unit scales as one family."""
     named: dict[tuple[str, str], list[str]] = {}
-    for engine in engines:
-        if engine.accuracy is None or engine.unread or not engine.known_by or engine.nan_rows:
-            continue
+    for engine in judged(engines):
+        assert engine.accuracy is not None  # judged
         for reason in accuracy_reasons(engine.accuracy, {}, thresholds):
             named.setdefault((reason.level, reason.message), []).append(engine.engine)
-    return [Finding(level, f"{_engines(names)}: {message}") for (level, message), names in named.items()]
+    found = [Finding(level, f"{_engines(names)}: {message}") for (level, message), names in named.items()]
+    return found + unit_scale_reasons(unit_comparisons(engines), thresholds)
 
 
-def _engines(names: list[str]) -> str:
+def unit_comparisons(engines: Sequence[EngineResult]) -> list[UnitComparison]:
+    """The family of tests: each distinct KL comparison of the judged engines (engines that share a write at both
+    scales share the comparison: one test, not several)."""
+    named: dict[PairedDifference, list[str]] = {}
+    for engine in judged(engines):
+        assert engine.accuracy is not None  # judged
+        kl = _kl(engine.accuracy)
+        if kl is not None:
+            named.setdefault(kl, []).append(engine.engine)
+    return [UnitComparison(kl, tuple(names)) for kl, names in named.items()]
+
+
+def _engines(names: Sequence[str]) -> str:
     return f"engine {names[0]}" if len(names) == 1 else "engines " + ", ".join(names)
 
 
+def _kl(accuracy: Accuracy) -> PairedDifference | None:
+    return next((d for d in accuracy.versus_unit if d.measure == "kl_mean"), None)
+
+
 def accuracy_reasons(accuracy: Accuracy, nan_with_clamp: dict[int, int], thresholds: Thresholds) -> list[Finding]:
-    """NaN with clamping and the KL bound (FAIL); calibrated scales worse than unit scales (WARN)."""
+    """NaN with clamping, non-finite logits and the KL bound: each a FAIL."""
     reasons = clamped_nan_reasons(nan_with_clamp)
     kl = accuracy.kl_mean
     if not _finite(kl) or not _finite(accuracy.ppl_fp8):
@@ -170,32 +196,43 @@ def accuracy_reasons(accuracy: Accuracy, nan_with_clamp: dict[int, int], thresho
         return reasons
     if kl > thresholds.kl_mean:
         reasons.append(Finding(FAIL, f"mean KL to the bf16 cache {kl:.4g} nats exceeds the bound {thresholds.kl_mean:g}"))
-    return reasons + unit_scale_reasons(accuracy, thresholds)
+    return reasons
 
 
-_MEASURES = {"kl_mean": "mean KL", "top1_agreement": "top-1 agreement", "nll": "perplexity"}
+def unit_scale_reasons(family: Sequence[UnitComparison], thresholds: Thresholds) -> list[Finding]:
+    """A WARN for each comparison in which these scales do worse than unit scales, judged as one family.
+
+    The measure is mean KL alone: top-1 agreement turns on flips of near-tied tokens, which move with the CPU's
+    bf16 arithmetic, and the perplexity of a few hundred tokens moves with the text by more than the effect; both
+    are reported, neither decides. Holm's procedure over the family's sign-flip p-values holds the chance that a
+    good checkpoint WARNs at all to `false_alarm_rate`, however many engines are compared. A significant
+    difference must also be past the least effect worth a warning: these scales' KL above `unit_kl_ratio` x
+    the unit-scale KL, by more than `UNIT_KL_NOISE` (fp8 rounding alone moves KL that much, the same way on
+    every sequence)."""
+    rate, tests = thresholds.false_alarm_rate, "comparison" if len(family) == 1 else "comparisons"
+    return [Finding(WARN, (f"{_engines(c.engines)}: " if c.engines else "")
+                    + "calibrated scales do worse than unit scales: " + describe_difference(c.kl)
+                    + f"; p = {c.kl.p_worse:.2g}, significant at a {rate:.0%} false-alarm rate over {len(family)} "
+                    + f"{tests} (Holm)")
+            for c, warns in zip(family, _warned(family, thresholds)) if warns]
 
 
-def unit_scale_reasons(accuracy: Accuracy, thresholds: Thresholds) -> list[Finding]:
-    """These scales against unit scales, each measure paired over the held-out sequences: a WARN only where the
-    95 % interval puts these scales on the worse side (and, for KL, by more than `unit_kl_ratio` and
-    `UNIT_KL_NOISE`: fp8 rounding alone moves KL that much, the same way on every sequence). KL and top-1
-    lead: perplexity of a few sequences moves with the text by more than the effect, so it WARNs only past
-    `unit_ppl_ratio` and when neither KL nor top-1 says these scales are better."""
-    by = {d.measure: d for d in accuracy.versus_unit}
-    if any(d.sequences < MIN_PAIRED_SEQUENCES for d in by.values()):
-        return []
-    leading = [by[m] for m in ("kl_mean", "top1_agreement") if m in by]
-    worse = [d for d in leading if d.says_worse()]
-    kl = by.get("kl_mean")
-    if kl is not None and kl in worse and not (kl.ours > kl.theirs * thresholds.unit_kl_ratio
-                                               and kl.difference > UNIT_KL_NOISE):
-        worse.remove(kl)  # consistent over sequences, but smaller than the effect the thresholds warn about
-    ppl = by.get("nll")
-    if (ppl is not None and ppl.says_worse() and not any(d.says_better() for d in leading)
-            and math.exp(ppl.difference) > thresholds.unit_ppl_ratio):
-        worse.append(ppl)
-    return [Finding(WARN, "calibrated scales do worse than unit scales: " + describe_difference(d)) for d in worse]
+def holm(p_values: list[float], rate: float) -> list[bool]:
+    """Which of the hypotheses Holm's step-down procedure rejects with a family-wise error rate of `rate`: the
+    i-th smallest p-value (from 0) is held against rate / (m - i), stopping at the first that is not below it."""
+    rejected = [False] * len(p_values)
+    for rank, i in enumerate(sorted(range(len(p_values)), key=p_values.__getitem__)):
+        if p_values[i] > rate / (len(p_values) - rank):
+            break
+        rejected[i] = True
+    return rejected
+
+
+def _warned(family: Sequence[UnitComparison], thresholds: Thresholds) -> list[bool]:
+    """Per comparison: significant in the family and past the least effect worth a warning."""
+    significant = holm([c.kl.p_worse for c in family], thresholds.false_alarm_rate)
+    return [s and c.kl.ours > c.kl.theirs * thresholds.unit_kl_ratio and c.kl.difference > UNIT_KL_NOISE
+            for c, s in zip(family, significant)]
 
 
 def describe_difference(d: PairedDifference) -> str:
@@ -212,31 +249,35 @@ def describe_difference(d: PairedDifference) -> str:
     return f"{values} (paired over {d.sequences} held-out sequences, {d.tokens} tokens)"
 
 
-def engine_unit_scale_notes(engines: Sequence[EngineResult]) -> list[str]:
-    """`unit_scale_note` of each released engine that runs these scales, a note several engines share once,
-    naming them."""
-    named: dict[str, list[str]] = {}
-    for engine in engines:
-        note = unit_scale_note(engine.accuracy) if engine.accuracy and engine.known_by and not engine.unread else None
-        if note:
-            named.setdefault(note, []).append(engine.engine)
-    return [f"{_engines(names)}: {note}" for note, names in named.items()]
+def sequences_to_judge(thresholds: Thresholds, comparisons: int) -> int:
+    """The fewest held-out sequences whose sign-flip test can reach Holm's first bound, rate / comparisons: n
+    sequences give no p-value below 2^-n."""
+    return max(1, math.ceil(math.log2(max(comparisons, 1) / thresholds.false_alarm_rate)))
 
 
-def unit_scale_note(accuracy: Accuracy) -> str | None:
-    """How these scales compare with unit scales where the verdict found nothing worse: the leading measure's
-    interval, and when it cannot tell the two apart, about how many held-out tokens would."""
-    by = {d.measure: d for d in accuracy.versus_unit}
-    kl = by.get("kl_mean")
-    if kl is not None and kl.sequences < MIN_PAIRED_SEQUENCES:
-        return (f"{kl.sequences} held-out sequences are too few to compare these scales with unit scales (a paired "
-                f"interval needs at least {MIN_PAIRED_SEQUENCES}; --num-samples)")
-    if kl is None or kl.says_worse():
-        return None
+def engine_unit_scale_notes(engines: Sequence[EngineResult], thresholds: Thresholds) -> list[str]:
+    """How each comparison of the family came out where the verdict found nothing worse, a note several engines
+    share said once, naming them."""
+    family = unit_comparisons(engines)
+    needed = sequences_to_judge(thresholds, len(family))
+    return [f"{_engines(c.engines)}: {unit_scale_note(c.kl, needed)}"
+            for c, warns in zip(family, _warned(family, thresholds)) if not warns]
+
+
+def unit_scale_note(kl: PairedDifference, needed: int) -> str:
+    """How these scales compare with unit scales on mean KL where the verdict found nothing worse: the interval,
+    and when it cannot tell the two apart, about how many held-out tokens would; `needed`: the fewest sequences
+    the family's test can judge on."""
+    if kl.sequences < needed:
+        return (f"{kl.sequences} held-out sequences are too few to compare these scales with unit scales (this many "
+                f"comparisons at this false-alarm rate need at least {needed}; --num-samples)")
+    if kl.says_worse():
+        return ("unit scales give a lower mean KL on this text, by less than the verdict warns about (not significant "
+                "over the whole family, or within fp8 rounding): " + describe_difference(kl))
     if kl.says_better():
         return "these scales do better than unit scales: " + describe_difference(kl)
-    needed = kl.tokens_to_tell()
-    more = f"; about {needed} held-out tokens would tell them apart (--num-samples)" if needed else ""
+    more_tokens = kl.tokens_to_tell()
+    more = f"; about {more_tokens} held-out tokens would tell them apart (--num-samples)" if more_tokens else ""
     return "on this text these scales and unit scales cannot be told apart: " + describe_difference(kl) + more
 
 

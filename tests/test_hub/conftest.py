@@ -122,7 +122,7 @@ def report(out: Path) -> VerifyReport:
                                       ppl_bf16=10.137, ppl_fp8=10.2302, ppl_fp8_unit=10.9133, kl_mean=0.00131,
                                       kl_max=0.0351, top1_agreement=0.9871, kl_mean_unit=0.0021, kl_max_unit=0.051,
                                       top1_agreement_unit=0.981, versus_unit=(PairedDifference(
-                                          "kl_mean", 0.00131, 0.0021, -0.00079, -0.00101, -0.00058, 16, 4096),)))),
+                                          "kl_mean", 0.00131, 0.0021, -0.00079, -0.00101, -0.00058, 16, 4096, 1.0),)))),
         ),
     )
 
