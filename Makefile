@@ -27,13 +27,13 @@ $(STAMP): pyproject.toml
 # margin, llm-compressor's observer; held-out PPL, KL, top-1, sequences lost, fp8kv_arith_mc accuracy; few
 # samples, about 10 minutes on 2 cores), then the default path: calibrate on text the model writes itself and
 # verify on held-out text it writes to other instructions. docs/real-model.md keeps the measured tables.
-# A WARN (exit 1) is shown rather than failed on (SmolLM2 measured PASS on today's engine releases; its 3 KV
-# heads WARN only with --engine vllm-tpu@0.10.1.1, whose torch_xla kernel they do not tile); a FAIL (exit 3)
-# or an error still stops make.
+# A verdict other than PASS is explained by bench/demo_verdict.py: a WARN about one engine's path alone (these
+# scales worse than scale 1.0 on its arithmetic) is reported and the demo goes on; a WARN about the scales
+# themselves, a FAIL or an error stops make.
 demo: $(STAMP)
 	$(BIN)/python bench/real_model.py --calib-samples 16 --heldout-samples 8 --task-items 60
 	$(BIN)/fp8kv calibrate smollm2 --dataset generated --num-samples 16 --seq-len 256 --out out/demo --overwrite
-	$(BIN)/fp8kv verify out/demo --dataset generated --num-samples 8 || test $$? -eq 1
+	$(BIN)/fp8kv verify out/demo --dataset generated --num-samples 8 || $(BIN)/python bench/demo_verdict.py out/demo
 
 # ruff and mypy first (seconds), then every test, the slow ones included (`pytest -m "not slow"` for a quick run).
 test: $(STAMP)

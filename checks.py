@@ -30,10 +30,12 @@ _QK_NORM = re.compile(r"self_attn\.(k_norm|k_layernorm|key_layernorm)\.weight$")
 
 @dataclass(frozen=True)
 class Finding:
-    """One finding: `level` is FAIL, WARN or INFO (INFO never changes the verdict)."""
+    """One finding: `level` is FAIL, WARN or INFO (INFO never changes the verdict); `engines`: the engine releases
+    it is about alone (none: it is about the scales or the checkpoint, whatever serves them)."""
 
     level: str
     message: str
+    engines: tuple[str, ...] = ()
 
 
 def check_readout(readout: ScaleReadout, provenance: Provenance | None = None,

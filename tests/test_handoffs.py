@@ -29,7 +29,7 @@ DIGEST = CheckpointDigest({"model.layers.0.self_attn.k_scale": "sha256:" + "0" *
 def _report(**changes) -> VerifyReport:
     static = StaticSummary(("compressed-tensors",), {"compressed-tensors": True}, True, "tensor", (0, 1), (), ())
     fields = dict(checkpoint="/ckpt", digest=DIGEST, device="cpu", convention="compressed-tensors",
-                  kv_dtype="fp8_e4m3", thresholds=Thresholds(0.01, 1e-4, 1.25, 1.01), static=static,
+                  kv_dtype="fp8_e4m3", thresholds=Thresholds(0.01, 1e-4, 1.25, 0.05), static=static,
                   scales=(ScaleRow(0, 0.5, 0.25), ScaleRow(1, (0.5, 0.75), (0.25, 0.125))), verdict="FAIL",
                   exit_code=3, timings_s={"total": 0.5}, reasons=(Finding(FAIL, "held-out checks skipped"),))
     return VerifyReport(**{**fields, **changes})
@@ -57,7 +57,7 @@ def test_a_report_without_held_out_checks_round_trips_and_leaves_optional_sectio
     data = json.loads(report.to_json())
     assert not {"query", "generation_details", "fidelity"} & set(data)
     assert data["accuracy"] is None and data["layers"] == [] and data["digest"] == DIGEST.to_json()
-    assert data["reasons"] == [{"level": "FAIL", "message": "held-out checks skipped"}]
+    assert data["reasons"] == [{"level": "FAIL", "message": "held-out checks skipped", "engines": []}]
     assert VerifyReport.from_json(report.to_json()) == report
 
 

@@ -15,7 +15,7 @@ from fp8kv.json_fields import to_json_value
 from fp8kv.checks import FAIL, INFO, WARN, Finding
 from fp8kv.verify.verdict import (
     Thresholds, UnitComparison, accuracy_reasons, engine_accuracy_reasons, engine_unit_scale_notes, heldout_reasons,
-    load_thresholds, unit_scale_reasons, verdict,
+    load_thresholds, unit_scale_reasons, verdict, warned_engines,
 )
 from fp8kv.verify.verdict import describe_difference as describe
 
@@ -230,6 +230,12 @@ def test_each_engine_is_judged_on_its_own_runs_and_a_shared_finding_names_every_
     assert found[0].message.startswith("engines a@1, b@2: mean KL to the bf16 cache 0.06 nats exceeds the bound")
     assert found[1].message.startswith("engines a@1, b@2: calibrated scales do worse than unit scales: mean KL 0.06")
     # a@1 and b@2 share one comparison and c@3 has another: a family of two
-    assert found[1].message.endswith("over 2 comparisons (Holm)")
+    assert "significant at a 5% false-alarm rate over 2 comparisons (Holm). On those engines, serve this model with a " \
+           "bf16 cache or at scale 1.0" in found[1].message
+    assert [r.engines for r in found] == [("a@1", "b@2"), ("a@1", "b@2")]
+    assert warned_engines(found) is None  # a FAIL is a FAIL
+    assert warned_engines(found[1:]) == ("a@1", "b@2")
+    assert warned_engines(found[1:] + [Finding(WARN, "layer 3: 0.020% of V values saturate")]) is None  # the scales'
+    assert warned_engines([Finding(INFO, "x", ("c@3",))]) is None  # a PASS
     assert engine_unit_scale_notes([engine("c@3", better), engine("d@4", better, unread="x")], load_thresholds()) == [
         "engine c@3: these scales do better than unit scales: " + describe(better.versus_unit[0])]

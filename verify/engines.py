@@ -40,8 +40,9 @@ def engine_reasons(results: list[EngineResult], worst_ratio: float, fp8_max: flo
                 if r.first_nonfinite_layer is not None else ""
             reasons.append(Finding(FAIL, f"engine {r.engine} (past the fp8 maximum it stores {model.above_range}): "
                                         f"{r.nan_rows} of {r.rows} logit rows NaN/inf, {r.sequences_lost} of "
-                                        f"{r.sequences} sequences lost{where}. " + headroom_fix(worst_ratio, fp8_max, headroom)))
+                                        f"{r.sequences} sequences lost{where}. " + headroom_fix(worst_ratio, fp8_max, headroom),
+                                   (r.engine,)))
         if model.released and r.unread:
             reasons.append(Finding(INFO, f"engine {r.engine} does not run these scales: {r.unread}. Its fp8 cache "
-                                        f"runs at scale 1.0 (perplexity there {r.ppl:.4f}, the unit-scale figure)"))
+                                        f"runs at scale 1.0 (perplexity there {r.ppl:.4f}, the unit-scale figure)", (r.engine,)))
     return reasons

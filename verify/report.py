@@ -29,7 +29,7 @@ from fp8kv.verify.results import (
     Accuracy, EngineResult, Fidelity, GenerationDetails, GenerationMatch, LayerCheck, PairedDifference, QueryCost,
     Readback, StaticSummary,
 )
-from fp8kv.verify.verdict import Thresholds, engine_unit_scale_notes
+from fp8kv.verify.verdict import Thresholds, engine_unit_scale_notes, warned_engines
 
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "scales.png"
 # (label, key, is a share) of the accuracy rows.
@@ -315,6 +315,10 @@ def show(result: Any, json_output: bool = False) -> None:
               + (", at scale 1.0 (not read)" if e.unread else ""))
     for note in engine_unit_scale_notes(held.engines, report.thresholds):
         print(f"  note: {note}")
+    alone = warned_engines(report.reasons)
+    if alone:
+        print(f"  the WARN is about {', '.join(alone)} alone: every other engine judged runs these scales without a "
+              "finding")
     query = held.query
     if query:
         print(f"  with Q quantized by q_scale: kl_mean {fmt_number(query.kl_mean)} "

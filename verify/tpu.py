@@ -33,4 +33,4 @@ def tpu_kernel_reasons(device_kind: str, geometry: AttentionGeometry, calls: Map
                                          "layer and has no other path")
     ran = ", ".join(f"{name} ({count} calls)" for name, count in others.items())
     return [Finding(FAIL, f"engine {judged}: {why}. On this TPU verify ran {ran} instead of the kernel, so its "
-                          "numbers are not that engine's")]
+                          "numbers are not that engine's", (judged,))]

@@ -75,10 +75,19 @@ def _flatten(data: dict[str, Any], source: str) -> dict[str, float]:
     return values
 
 
-def verdict(reasons: list[Finding]) -> Verdict:
+def verdict(reasons: Sequence[Finding]) -> Verdict:
     """FAIL if any reason fails, else WARN if any warns, else PASS."""
     levels = {r.level for r in reasons}
     return "FAIL" if FAIL in levels else "WARN" if WARN in levels else "PASS"
+
+
+def warned_engines(reasons: Sequence[Finding]) -> tuple[str, ...] | None:
+    """The engines a WARN verdict is about alone: every WARN names the engines it is about, and nothing FAILs. None
+    when the verdict is not WARN or a warning is about the scales themselves."""
+    warnings = [r for r in reasons if r.level == WARN]
+    if verdict(reasons) != "WARN" or not all(r.engines for r in warnings):
+        return None
+    return tuple(dict.fromkeys(name for r in warnings for name in r.engines))
 
 
 def heldout_reasons(layers: list[LayerCheck], thresholds: Thresholds, fp8_max: float,
@@ -163,7 +172,7 @@ def engine_accuracy_reasons(engines: Sequence[EngineResult], thresholds: Thresho
         assert engine.accuracy is not None  # judged
         for reason in accuracy_reasons(engine.accuracy, {}, thresholds):
             named.setdefault((reason.level, reason.message), []).append(engine.engine)
-    found = [Finding(level, f"{_engines(names)}: {message}") for (level, message), names in named.items()]
+    found = [Finding(level, f"{_engines(names)}: {message}", tuple(names)) for (level, message), names in named.items()]
     return found + unit_scale_reasons(unit_comparisons(engines), thresholds)
 
 
@@ -210,11 +219,20 @@ def unit_scale_reasons(family: Sequence[UnitComparison], thresholds: Thresholds)
     the unit-scale KL, by more than `UNIT_KL_NOISE` (fp8 rounding alone moves KL that much, the same way on
     every sequence)."""
     rate, tests = thresholds.false_alarm_rate, "comparison" if len(family) == 1 else "comparisons"
-    return [Finding(WARN, (f"{_engines(c.engines)}: " if c.engines else "")
-                    + "calibrated scales do worse than unit scales: " + describe_difference(c.kl)
-                    + f"; p = {c.kl.p_worse:.2g}, significant at a {rate:.0%} false-alarm rate over {len(family)} "
-                    + f"{tests} (Holm)")
+    return [Finding(WARN, _worse_than_unit(c, f"{rate:.0%} false-alarm rate over {len(family)} {tests}"), c.engines)
             for c, warns in zip(family, _warned(family, thresholds)) if warns]
+
+
+def _worse_than_unit(comparison: UnitComparison, family: str) -> str:
+    """The WARN's line: who, the comparison, its significance in the `family`, and what a user of the engine does."""
+    names, kl = comparison.engines, comparison.kl
+    line = (f"calibrated scales do worse than unit scales: {describe_difference(kl)}; p = {kl.p_worse:.2g}, "
+            f"significant at a {family} (Holm)")
+    if not names:
+        return line
+    where = "that engine" if len(names) == 1 else "those engines"
+    return (f"{_engines(names)}: {line}. On {where}, serve this model with a bf16 cache or at scale 1.0 (the source "
+            "checkpoint), or recalibrate on text like what it serves")
 
 
 def holm(p_values: list[float], rate: float) -> list[bool]:
