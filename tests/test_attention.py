@@ -194,3 +194,48 @@ def test_unknown_numerics_are_refused():
     q, kv_pages, meta, _ = _ragged_batch(torch.bfloat16)
     with pytest.raises(Fp8kvError, match="unknown attention numerics 'bf16'; choose one of float32, xla-reference"):
         ragged_paged_attention(q, kv_pages, **meta, numerics="bf16")
+
+
+def _one_sequence(keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> dict:
+    """One query over len(keys) cached tokens of one KV head of width HEAD_DIM (a one-page sequence)."""
+    kv_pages = torch.zeros(2, PAGE_SIZE, 2, HEAD_DIM)
+    kv_pages[1, : len(keys), 0], kv_pages[1, : len(keys), 1] = keys, values
+    return dict(q=query.reshape(1, 1, HEAD_DIM).to(torch.bfloat16), kv_pages=kv_pages.to(torch.float8_e4m3fn),
+                kv_lens=torch.tensor([len(keys)], dtype=torch.int32), page_indices=torch.tensor([[1]], dtype=torch.int32),
+                cu_q_lens=torch.tensor([0, 1], dtype=torch.int32), num_seqs=torch.tensor([1], dtype=torch.int32))
+
+
+def test_vllm_cpu_amx_numerics_read_e4m3_subnormals_as_zero_and_normals_exactly():
+    """One cached token reads V back (its weight is 1): on vLLM CPU's amx path every e4m3 subnormal code reads as
+    0 and every normal one exactly; the float32 path reads both."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = codes[torch.isfinite(codes)]
+    for start in range(0, len(finite), HEAD_DIM):
+        value = torch.zeros(HEAD_DIM)
+        chunk = finite[start : start + HEAD_DIM]
+        value[: len(chunk)] = chunk
+        batch = _one_sequence(torch.zeros(1, HEAD_DIM), value[None], torch.ones(HEAD_DIM))
+        amx = ragged_paged_attention(**batch, k_scale=1.0, v_scale=0.5, numerics="vllm-cpu-amx")[0, 0].float()
+        exact = ragged_paged_attention(**batch, k_scale=1.0, v_scale=0.5)[0, 0].float()
+        expected = torch.where(value.abs() < 2.0**-6, 0.0, value) * 0.5
+        assert torch.equal(amx, expected.to(torch.bfloat16).float())
+        assert torch.equal(exact, (value * 0.5).to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("k8", [0.5, 2.0, 256.0])
+def test_vllm_cpu_amx_numerics_lose_a_query_key_product_below_two_to_the_minus_6(k8):
+    """Two cached tokens, K read through the softmax weight of a one-hot query: the product q * k8 counts from
+    exactly 2^-6 and is lost below it, whatever the scale; V tells the two tokens apart."""
+    keys = torch.zeros(2, HEAD_DIM)
+    keys[1, 0] = k8
+    values = torch.zeros(2, HEAD_DIM)
+    values[1, 1] = 1.0
+    for q0, kept in ((2.0**-6 / k8, True), (2.0**-6 / k8 * (1 - 2.0**-8), False)):  # the next bf16 below
+        query = torch.zeros(HEAD_DIM)
+        query[0] = q0
+        batch = _one_sequence(keys, values, query)
+        assert float(batch["q"][0, 0, 0]) == q0  # held exactly in bf16
+        k_scale = 4096.0  # a score large enough that whether q * k8 counts moves the softmax
+        out = ragged_paged_attention(**batch, k_scale=k_scale, v_scale=1.0, numerics="vllm-cpu-amx")[0, 0, 1]
+        expected = torch.softmax(torch.tensor([0.0, q0 * k8 * k_scale if kept else 0.0]), 0)[1]
+        torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=0, atol=0)
