@@ -501,8 +501,8 @@ def transformers_attention(model: torch.nn.Module, attention: str | None = None)
 
 def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The checkpoint's language model (`checkpoint.load.load_language_model`) on `device`, running the paged
-    attention where it can; shareable between runners. On CPU a 16-bit model's linear layers sum in float32
-    (`runtime.linear`): a GPU's arithmetic, at float32's speed."""
+    attention where it can; shareable between runners. On a CPU without a fast kernel for its dtype a 16-bit
+    model's linear layers sum in float32 (`runtime.linear`): a GPU's arithmetic, at float32's speed."""
     _register()
     name = "auto" if dtype is None else {d: n for n, d in MODEL_DTYPES.items()}[dtype]
     model = load_language_model(model_dir, device, name, paged_attention=ATTN_IMPLEMENTATION)

@@ -1,5 +1,5 @@
-"""On CPU the runtime's 16-bit linear layers sum in float32 and round once: a GPU's bf16 GEMM, with or without the
-CPU's bf16 instructions."""
+"""On CPU the runtime's 16-bit linear layers sum in float32 and round once, a GPU's bf16 GEMM: through float32 where
+the CPU has no fast 16-bit kernel, through PyTorch's where it has."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_a_16_bit_linear_is_its_exact_sum_rounded_once(dtype, rows):
     layer = torch.nn.Linear(576, 1536, bias=True).to(dtype)
     x = torch.randn(rows, 576).to(dtype)
     native = layer(x)
-    sum_linears_in_float32(layer)
+    sum_linears_in_float32(layer, fast=lambda dtype: False)
     assert type(layer) is Float32SumLinear
     ours = layer(x)
     assert ours.dtype == dtype
@@ -48,14 +48,26 @@ def test_float32_layers_and_subclasses_keep_their_forward():
         pass
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), QuantizedLinear(4, 4).to(torch.bfloat16))
-    sum_linears_in_float32(model)
+    sum_linears_in_float32(model, fast=lambda dtype: False)
     assert [type(m) for m in model] == [torch.nn.Linear, QuantizedLinear]
 
 
-def test_the_cpu_runtime_sums_a_bf16_checkpoint_in_float32_with_its_own_weights(tmp_path):
+def test_a_cpu_with_a_fast_16_bit_kernel_keeps_it_for_that_dtype_only():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4).to(torch.bfloat16), torch.nn.Linear(4, 4).to(torch.float16))
+    sum_linears_in_float32(model, fast=lambda dtype: dtype == torch.bfloat16)
+    assert [type(m) for m in model] == [torch.nn.Linear, Float32SumLinear]
+
+
+def test_the_cpu_runtime_sums_a_bf16_checkpoint_in_float32_with_its_own_weights(tmp_path, monkeypatch):
+    from fp8kv.runtime import linear
+
     model_dir = make_checkpoint("qwen3", tmp_path / "qwen3", dtype=torch.bfloat16)
-    runtime = load_model(model_dir, torch.device("cpu"))
     source = load_language_model(model_dir, torch.device("cpu"), "auto")
+    fast = load_model(model_dir, torch.device("cpu"))
+    expected = torch.nn.Linear if linear.has_16_bit_kernel(torch.bfloat16) else Float32SumLinear
+    assert {type(m) for m in fast.modules() if isinstance(m, torch.nn.Linear)} == {expected}
+    monkeypatch.setattr(linear, "has_16_bit_kernel", lambda dtype: False)  # a CPU without one
+    runtime = load_model(model_dir, torch.device("cpu"))
     linears = [m for m in runtime.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is Float32SumLinear for m in linears)
     theirs = source.state_dict()
