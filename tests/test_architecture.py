@@ -38,8 +38,9 @@ PACKAGE = "fp8kv"
 
 
 def product_modules() -> list[Path]:
-    skip = {"tests", "bench", "build", ".venv"}
-    return sorted(p for p in ROOT.rglob("*.py") if not skip & set(p.relative_to(ROOT).parts))
+    skip = {"tests", "bench", "build"}
+    return sorted(p for p in ROOT.rglob("*.py")  # hidden folders (.venv, .venv-newest) hold no fp8kv module
+                  if not any(part in skip or part.startswith(".") for part in p.relative_to(ROOT).parts))
 
 
 def module_name(path: Path) -> str:

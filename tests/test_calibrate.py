@@ -18,6 +18,7 @@ from fp8kv.checkpoint.artifacts import PROVENANCE_FILE
 from fp8kv.checkpoint.provenance import Provenance
 from fp8kv.errors import Fp8kvError
 from fp8kv.tools.factory import ARCHITECTURES, make_checkpoint
+from fp8kv.transformers_cache import cache_kwargs
 
 E4M3_MAX = 448.0
 
@@ -36,7 +37,7 @@ def cache_amax(model_dir, samples: list[list[int]]) -> torch.Tensor:
     with torch.no_grad():
         for sample in samples:
             cache = DynamicCache()  # no config: every layer keeps all its tokens
-            model(input_ids=torch.tensor([sample]), cache=cache, use_cache=True)
+            model(input_ids=torch.tensor([sample]), **cache_kwargs(model, cache))
             amax = torch.stack(
                 [torch.stack([layer.keys.abs().amax(dim=(0, 2, 3)), layer.values.abs().amax(dim=(0, 2, 3))])
                  for layer in cache.layers]

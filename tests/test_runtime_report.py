@@ -10,8 +10,6 @@ import pytest
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-import torch_xla  # noqa: E402
-
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
 from fp8kv.data import DataRequest  # noqa: E402
 from fp8kv.engine_models import RELEASED  # noqa: E402
@@ -58,17 +56,17 @@ def test_models_attending_outside_the_paged_function_report_what_ran(model_type,
 
 def test_engine_attention_names_the_arithmetic_a_model_attending_in_its_own_code_keeps(tmp_path):
     text = _text(tmp_path)
-    src = make_zoo_checkpoint("falcon", tmp_path / "falcon")
+    src = make_zoo_checkpoint("bloom", tmp_path / "bloom")
     data = DataRequest(str(text), num_samples=2, seq_len=16)
     calibrate(CalibrationRequest(model=str(src), out=tmp_path / "calibrated", data=data, batch_size=2))
     result = verify(VerifyRequest(tmp_path / "calibrated", data=data, batch_size=2, num_prompts=1, prompt_len=8,
                                   new_tokens=2, device="cpu", report_dir=tmp_path / "report",
                                   engines=("vllm-cuda", "vllm-tpu"), engine_attention=True))
-    # vllm-tpu would attend as the Pallas kernel does, but falcon's own attention code runs for every engine
+    # vllm-tpu would attend as the Pallas kernel does, but bloom's own attention code runs for every engine
     assert {e.engine: e.attention for e in result.report.held_out.engines} == {"vllm-cuda@0.34.0": "bfloat16",
                                                                                "vllm-tpu@0.10.1.1": "bfloat16"}
     notes = [r.message for r in result.report.reasons if r.level == "INFO" and "--engine-attention" in r.message]
-    assert notes == ["--engine-attention: falcon attends in its own code or over MLA latents, so every engine model "
+    assert notes == ["--engine-attention: bloom attends in its own code or over MLA latents, so every engine model "
                      "attends in bfloat16 here and only its write is its own"]
 
 
@@ -82,6 +80,7 @@ def test_the_paged_function_reports_torch_or_torch_xla_by_calls(tmp_path):
 
 def _fake_tpu(monkeypatch):
     """A TPU v6 faked on XLA:CPU; the kernel is stood in for by torch_xla's reference (it needs a real TPU)."""
+    import torch_xla
     import torch_xla.experimental.custom_kernel as custom_kernel
 
     tpu = RuntimeDevice("tpu", torch_xla.device())

@@ -10,9 +10,6 @@ import torch
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-import torch_xla  # noqa: E402
-import torch_xla.experimental.custom_kernel as custom_kernel  # noqa: E402
-
 from fp8kv.errors import Fp8kvError  # noqa: E402
 from fp8kv.tools.factory import make_checkpoint  # noqa: E402
 from fp8kv.runtime import device as runtime_device  # noqa: E402
@@ -22,12 +19,20 @@ from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version  # n
 from fp8kv.runtime.runner import PagedModelRunner  # noqa: E402
 
 
+@pytest.fixture
+def torch_xla():
+    """torch_xla (the `tpu` extra), imported by the tests that use it, so the others run where it is not installed."""
+    import torch_xla
+
+    return torch_xla
+
+
 def _attach_google_pci_device(monkeypatch) -> None:
     """What a TPU host shows before torch_xla is asked: a PCI device of Google's vendor id."""
     monkeypatch.setattr(runtime_device, "_google_pci_device", lambda: True)
 
 
-def test_tpu_version_comes_from_torch_xla_tpu(monkeypatch):
+def test_tpu_version_comes_from_torch_xla_tpu(monkeypatch, torch_xla):
     _attach_google_pci_device(monkeypatch)
     monkeypatch.setattr(torch_xla.tpu, "num_available_chips", lambda: 4)
     monkeypatch.setattr(torch_xla.tpu, "version", lambda: 6)
@@ -37,7 +42,7 @@ def test_tpu_version_comes_from_torch_xla_tpu(monkeypatch):
     assert tpu_version() == 0
 
 
-def test_device_tpu_says_what_is_missing(monkeypatch):
+def test_device_tpu_says_what_is_missing(monkeypatch, torch_xla):
     _attach_google_pci_device(monkeypatch)
     monkeypatch.setattr(torch_xla.tpu, "num_available_chips", lambda: 0)
     with pytest.raises(Fp8kvError, match=r"^device 'tpu' requested but no TPU chips are attached to this host"):
@@ -67,8 +72,10 @@ def test_kernel_support_follows_the_kernels_head_tiling(generation, kv_heads, dt
 
 
 @pytest.mark.parametrize("arch,windows,cap", [("llama", [None, None], None), ("gemma2", [16, None], 50.0)])
-def test_faked_tpu_calls_the_kernel_as_vllm_does(arch, windows, cap, monkeypatch, tmp_path):
+def test_faked_tpu_calls_the_kernel_as_vllm_does(arch, windows, cap, monkeypatch, tmp_path, torch_xla):
     """A TPU v6 faked: auto picks torch_xla's function with use_kernel and static float scales."""
+    import torch_xla.experimental.custom_kernel as custom_kernel
+
     model = make_checkpoint(arch, tmp_path / arch)
     monkeypatch.setattr(runtime_runner, "resolve_device", lambda choice: RuntimeDevice("tpu", torch_xla.device()))
     monkeypatch.setattr(runtime_runner, "tpu_version", lambda: 6)
@@ -103,7 +110,7 @@ def test_faked_tpu_calls_the_kernel_as_vllm_does(arch, windows, cap, monkeypatch
     torch.testing.assert_close(logits, cpu.step([(cpu.start()[0], prompt)])[0], rtol=1e-4, atol=1e-4)
 
 
-def test_kernel_is_not_used_where_its_heads_do_not_tile(monkeypatch, tmp_path):
+def test_kernel_is_not_used_where_its_heads_do_not_tile(monkeypatch, tmp_path, torch_xla):
     model = make_checkpoint("llama", tmp_path / "llama")
     monkeypatch.setattr(runtime_runner, "resolve_device", lambda choice: RuntimeDevice("tpu", torch_xla.device()))
     monkeypatch.setattr(runtime_runner, "tpu_version", lambda: 6)
