@@ -276,12 +276,13 @@ def stored_weights(source: SourceCheckpoint, model: torch.nn.Module) -> StoredWe
     """Where each model tensor comes from: a vision-language checkpoint's `language_model.model.` is the
     model's `model.language_model.`; experts stored one by one become one fused tensor per layer."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_converters, apply_renamings
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     mapping = get_model_conversion_mapping(model)
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
     converters = [t for t in mapping if isinstance(t, WeightConverter)]
-    targets = {stored: (file, apply_converters(apply_renamings(stored, renamings), converters)[0])
+    # every renaming, then at most one converter, as loading does; transformers 5.17 to 5.20 have no other public way
+    targets = {stored: (file, rename_source_key(stored, renamings, converters)[0])
                for stored, file in source.weight_map.items()}
     return StoredWeights(source.path, model, mapping, targets)
 
