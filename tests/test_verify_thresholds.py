@@ -182,18 +182,18 @@ def test_a_pass_says_when_calibrated_and_unit_scales_cannot_be_told_apart_and_wh
     from fp8kv.verify.verdict import sequences_to_judge, unit_scale_note
 
     noisy = _paired("kl_mean", 0.0105, 0.0104, 0.002)
-    note = unit_scale_note(noisy, 8)
+    note = unit_scale_note(noisy, 8, "not significant")
     assert note.startswith("on this text these scales and unit scales cannot be told apart: mean KL 0.0105 vs 0.0104, "
                            "difference +0.0001, 95 % interval [-")
     needed = noisy.tokens_to_tell()
     assert needed is not None and needed > noisy.tokens and f"about {needed} held-out tokens" in note
-    better = unit_scale_note(_paired("kl_mean", 0.0104, 0.0143, 0.001), 8)
+    better = unit_scale_note(_paired("kl_mean", 0.0104, 0.0143, 0.001), 8, "not significant")
     assert better.startswith("these scales do better than unit scales: mean KL 0.0104 vs 0.0143")
     # 7 comparisons at 5 %: Holm's first bound is 0.05 / 7, and n sequences give no p-value below 2^-n
     assert sequences_to_judge(load_thresholds(), 7) == 8 and sequences_to_judge(load_thresholds(), 1) == 5
     few = _paired("kl_mean", 0.02, 0.01, sequences=4)
     assert unit_scale_reasons([UnitComparison(few)], load_thresholds()) == []  # 4 sequences: p >= 1/16
-    assert unit_scale_note(few, 8) == ("4 held-out sequences are too few to compare these scales with unit scales "
+    assert unit_scale_note(few, 8, "not significant") == ("4 held-out sequences are too few to compare these scales with unit scales "
                                        "(this many comparisons at this false-alarm rate need at least 8; --num-samples)")
 
 
@@ -239,3 +239,9 @@ def test_each_engine_is_judged_on_its_own_runs_and_a_shared_finding_names_every_
     assert warned_engines([Finding(INFO, "x", ("c@3",))]) is None  # a PASS
     assert engine_unit_scale_notes([engine("c@3", better), engine("d@4", better, unread="x")], load_thresholds()) == [
         "engine c@3: these scales do better than unit scales: " + describe(better.versus_unit[0])]
+    # significant and consistent, but a tenth above the unit-scale KL: a note that says why it is let pass
+    slightly = replace(ACCURACY, versus_unit=(_paired("kl_mean", 0.0110, 0.0100, 0.0001),))
+    (note,) = engine_unit_scale_notes([engine("c@3", slightly)], load_thresholds())
+    assert note.startswith("engine c@3: unit scales give a lower mean KL on this text (1.10x the unit-scale KL, "
+                           "within the 1.25x the verdict allows): mean KL 0.011 vs 0.01")
+    assert engine_accuracy_reasons([engine("c@3", slightly)], load_thresholds()) == []

@@ -248,9 +248,21 @@ def holm(p_values: list[float], rate: float) -> list[bool]:
 
 def _warned(family: Sequence[UnitComparison], thresholds: Thresholds) -> list[bool]:
     """Per comparison: significant in the family and past the least effect worth a warning."""
-    significant = holm([c.kl.p_worse for c in family], thresholds.false_alarm_rate)
-    return [s and c.kl.ours > c.kl.theirs * thresholds.unit_kl_ratio and c.kl.difference > UNIT_KL_NOISE
-            for c, s in zip(family, significant)]
+    return [not _tolerated(c, significant, thresholds)
+            for c, significant in zip(family, holm([c.kl.p_worse for c in family], thresholds.false_alarm_rate))]
+
+
+def _tolerated(comparison: UnitComparison, significant: bool, thresholds: Thresholds) -> str:
+    """Why the verdict lets a comparison pass where these scales may do worse, or "" where it warns."""
+    kl = comparison.kl
+    if not significant:
+        return f"not significant at a {thresholds.false_alarm_rate:.0%} false-alarm rate over the family (p = {kl.p_worse:.2g})"
+    if not kl.ours > kl.theirs * thresholds.unit_kl_ratio:
+        return (f"{kl.ours / kl.theirs:.2f}x the unit-scale KL, within the {thresholds.unit_kl_ratio:g}x the verdict "
+                "allows")
+    if not kl.difference > UNIT_KL_NOISE:
+        return f"within fp8 rounding's {UNIT_KL_NOISE:g} nats"
+    return ""
 
 
 def describe_difference(d: PairedDifference) -> str:
@@ -278,20 +290,20 @@ def engine_unit_scale_notes(engines: Sequence[EngineResult], thresholds: Thresho
     share said once, naming them."""
     family = unit_comparisons(engines)
     needed = sequences_to_judge(thresholds, len(family))
-    return [f"{_engines(c.engines)}: {unit_scale_note(c.kl, needed)}"
-            for c, warns in zip(family, _warned(family, thresholds)) if not warns]
+    significant = holm([c.kl.p_worse for c in family], thresholds.false_alarm_rate)
+    tolerated = [_tolerated(c, s, thresholds) for c, s in zip(family, significant)]
+    return [f"{_engines(c.engines)}: {unit_scale_note(c.kl, needed, why)}" for c, why in zip(family, tolerated) if why]
 
 
-def unit_scale_note(kl: PairedDifference, needed: int) -> str:
-    """How these scales compare with unit scales on mean KL where the verdict found nothing worse: the interval,
-    and when it cannot tell the two apart, about how many held-out tokens would; `needed`: the fewest sequences
-    the family's test can judge on."""
+def unit_scale_note(kl: PairedDifference, needed: int, tolerated: str) -> str:
+    """How these scales compare with unit scales on mean KL where the verdict found nothing worse (`tolerated`: why):
+    the interval, and when it cannot tell the two apart, about how many held-out tokens would; `needed`: the
+    fewest sequences the family's test can judge on."""
     if kl.sequences < needed:
         return (f"{kl.sequences} held-out sequences are too few to compare these scales with unit scales (this many "
                 f"comparisons at this false-alarm rate need at least {needed}; --num-samples)")
     if kl.says_worse():
-        return ("unit scales give a lower mean KL on this text, by less than the verdict warns about (not significant "
-                "over the whole family, or within fp8 rounding): " + describe_difference(kl))
+        return f"unit scales give a lower mean KL on this text ({tolerated}): " + describe_difference(kl)
     if kl.says_better():
         return "these scales do better than unit scales: " + describe_difference(kl)
     more_tokens = kl.tokens_to_tell()
