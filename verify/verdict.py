@@ -220,7 +220,7 @@ def unit_scale_reasons(family: Sequence[UnitComparison], thresholds: Thresholds)
     every sequence)."""
     rate, tests = thresholds.false_alarm_rate, "comparison" if len(family) == 1 else "comparisons"
     return [Finding(WARN, _worse_than_unit(c, f"{rate:.0%} false-alarm rate over {len(family)} {tests}"), c.engines)
-            for c, warns in zip(family, _warned(family, thresholds)) if warns]
+            for c, tolerated in zip(family, _tolerances(family, thresholds)) if not tolerated]
 
 
 def _worse_than_unit(comparison: UnitComparison, family: str) -> str:
@@ -246,10 +246,11 @@ def holm(p_values: list[float], rate: float) -> list[bool]:
     return rejected
 
 
-def _warned(family: Sequence[UnitComparison], thresholds: Thresholds) -> list[bool]:
-    """Per comparison: significant in the family and past the least effect worth a warning."""
-    return [not _tolerated(c, significant, thresholds)
-            for c, significant in zip(family, holm([c.kl.p_worse for c in family], thresholds.false_alarm_rate))]
+def _tolerances(family: Sequence[UnitComparison], thresholds: Thresholds) -> list[str]:
+    """Per comparison, why the verdict lets it pass (`_tolerated`); "" where it is significant in the family and
+    past the least effect worth a warning."""
+    significant = holm([c.kl.p_worse for c in family], thresholds.false_alarm_rate)
+    return [_tolerated(c, s, thresholds) for c, s in zip(family, significant)]
 
 
 def _tolerated(comparison: UnitComparison, significant: bool, thresholds: Thresholds) -> str:
@@ -290,9 +291,8 @@ def engine_unit_scale_notes(engines: Sequence[EngineResult], thresholds: Thresho
     share said once, naming them."""
     family = unit_comparisons(engines)
     needed = sequences_to_judge(thresholds, len(family))
-    significant = holm([c.kl.p_worse for c in family], thresholds.false_alarm_rate)
-    tolerated = [_tolerated(c, s, thresholds) for c, s in zip(family, significant)]
-    return [f"{_engines(c.engines)}: {unit_scale_note(c.kl, needed, why)}" for c, why in zip(family, tolerated) if why]
+    return [f"{_engines(c.engines)}: {unit_scale_note(c.kl, needed, why)}"
+            for c, why in zip(family, _tolerances(family, thresholds)) if why]
 
 
 def unit_scale_note(kl: PairedDifference, needed: int, tolerated: str) -> str:
