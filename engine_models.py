@@ -96,6 +96,19 @@ def swapped(k: ScaleMap, v: ScaleMap) -> tuple[ScaleMap, ScaleMap]:
     return v, k
 
 
+# What a release's own loader held in every attention layer, run on a tiny checkpoint of one model class (the
+# loader matrix, bench/probe_loaders.py): the file's values bit for bit, the file's values rounded (kept in the
+# model's dtype), 1.0, no scale at all (the layer runs 1.0), anything else; or the engine did not start on it.
+HOLDS_FILE, HOLDS_ROUNDED, HOLDS_ONE, HOLDS_NONE, HOLDS_OTHER, NOT_STARTED = (
+    "file", "rounded", "1.0", "none", "other", "does not start")
+HOLDS = (HOLDS_FILE, HOLDS_ROUNDED, HOLDS_ONE, HOLDS_NONE, HOLDS_OTHER, NOT_STARTED)
+# the held scales that reach the cache, so a route fp8kv may name
+REACHES_CACHE = (HOLDS_FILE, HOLDS_ROUNDED)
+# the loader matrix's row for the uncalibrated source checkpoint: does the engine start on it at all
+SOURCE = "source"
+_HELD_WORDS = {HOLDS_ONE: "held 1.0 in every attention layer", HOLDS_NONE: "held no scale (its layers run 1.0)",
+               HOLDS_OTHER: "held values other than the file's", NOT_STARTED: "did not start"}
+
 _EVIDENCE = {"run": "its own code run here", "loaded": "its own loader run here",
              "compiled": "its program compiled here for the accelerator, the compiled operations evaluated",
              "packaged": "read from its published package", "read": "read from source"}
@@ -110,12 +123,23 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class LoaderHeld:
+    """The model classes for which a release's loader held `holds` (HOLDS) with `convention`'s scales."""
+
+    convention: str
+    holds: str
+    architectures: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Release:
     """The releases of one engine a model covers, what decides its behaviour there, and how fp8kv knows it.
 
     `versions` are the first and last release checked (None: read at `commit` only); `conventions` are the
     fp8kv conventions whose scales reach the cache; `unread_architectures` are architectures whose scales are never
     read (a model path that keeps 1.0); `unread` says why scales do not reach the cache where they may not.
+    `loader` is what its own loader held per convention (or SOURCE) and model class (the loader matrix, recorded in
+    tests/golden/`loaders`); `load_check` is the `fp8kv load-check --engine` that runs it.
     """
 
     engine: str
@@ -130,6 +154,14 @@ class Release:
     per_head: bool
     superseded_by: str | None
     unread: str
+    loader: tuple[LoaderHeld, ...] = ()
+    loaders: str | None = None
+    load_check: str | None = None
+
+    def held(self, architecture: str, convention: str) -> str | None:
+        """What this release's loader held for `architecture` with `convention`'s scales (None: not run)."""
+        return next((row.holds for row in self.loader
+                     if row.convention == convention and architecture in row.architectures), None)
 
     @property
     def label(self) -> str:
@@ -159,11 +191,13 @@ class Release:
 
 @dataclass(frozen=True)
 class CheckpointTraits:
-    """What of a checkpoint decides whether an engine release reads its scales."""
+    """What of a checkpoint decides whether an engine release reads its scales, and its folder (for the commands
+    fp8kv prints)."""
 
     architectures: tuple[str, ...]
     conventions: tuple[str, ...]
     per_head: bool
+    folder: str = "DIR"
 
 
 @dataclass(frozen=True)
@@ -194,6 +228,8 @@ class EngineModel:
     fix: str = ""  # a bug model: what the engine must change
     release: Release | None = None
     unread: str = ""
+    unchecked: str = ""  # this release's loader has not been run on this checkpoint's model class: what to run
+    starts: bool = True  # False: its loader did not start on this model class with these scales
 
     @property
     def released(self) -> bool:
@@ -234,20 +270,81 @@ class EngineModel:
         return self.cache if self.cache and name in KV_DTYPES else name
 
     def for_checkpoint(self, traits: CheckpointTraits) -> EngineModel:
-        """This release serving a checkpoint with `traits`: at scale 1.0, saying why, where its scales would not
-        reach the cache (a convention it does not read, a model path that never reads them, per-head scales on an
-        engine that takes one per layer)."""
+        """This release serving a checkpoint with `traits`: at scale 1.0, saying why and naming the route that
+        reaches the cache, where its scales would not (a convention it does not read, a model path that never reads
+        them, per-head scales on an engine that takes one per layer, its loader holding another value for this model
+        class); `unchecked` where its loader has not been run on this model class."""
         release = self.release
         if release is None or self.ignores_scales:
             return self
-        why = ""
+        why, held = "", None
         if not set(traits.conventions) & set(release.conventions):
             why = release.unread or f"it reads none of the conventions this checkpoint holds ({', '.join(traits.conventions)})"
         elif set(traits.architectures) & set(release.unread_architectures):
             why = release.unread
         elif traits.per_head and not release.per_head:
             why = "it takes one k_scale and v_scale per layer, not the per-head scales this checkpoint holds"
-        return replace(self, loads=ignored, unread=why) if why else self
+        elif release.loader:
+            held = _held(release, traits)
+            if held is None:
+                return replace(self, unchecked=_unchecked(release, traits))
+            if held not in REACHES_CACHE:
+                why = _not_held(release, traits, held)
+        if not why:
+            return self
+        if not traits.per_head:  # the loader matrix knows one scale per layer: its routes are for those
+            why = f"{why}; {route(release, traits)}"
+        return replace(self, loads=ignored, unread=why, starts=held != NOT_STARTED)
+
+
+def _held(release: Release, traits: CheckpointTraits) -> str | None:
+    """What `release`'s loader held for this checkpoint's model class and conventions (the first that reaches the
+    cache, else the first recorded); None where its loader has not been run on that class, or did not start on it
+    even without scales (the probe's machine could not run it: nothing is known of its scales)."""
+    found = [held for architecture in traits.architectures for convention in traits.conventions
+             if (held := release.held(architecture, convention)) is not None
+             and release.held(architecture, SOURCE) != NOT_STARTED]
+    return next((held for held in found if held in REACHES_CACHE), found[0] if found else None)
+
+
+def _engine_label(release: Release) -> str:
+    return f"{release.engine} {release.covered}"
+
+
+def _not_held(release: Release, traits: CheckpointTraits, held: str) -> str:
+    architecture = ", ".join(traits.architectures)
+    said = (f"its loader {_HELD_WORDS[held]} on {architecture} with {' and '.join(traits.conventions)} scales "
+            f"(run here, tests/golden/{release.loaders})")
+    return said + (", while it starts on the same model without scales" if held == NOT_STARTED else "")
+
+
+def _unchecked(release: Release, traits: CheckpointTraits) -> str:
+    architecture = ", ".join(traits.architectures) or "this model"
+    ran = any(release.held(a, SOURCE) == NOT_STARTED for a in traits.architectures)
+    why = "did not start on" if ran else "has not been run on"
+    return (f"{_engine_label(release)}'s loader {why} {architecture} here (tests/golden/{release.loaders}), so "
+            f"whether it holds these scales is unchecked: fp8kv load-check {traits.folder} --engine "
+            f"{release.load_check} --python ENGINE_VENV/bin/python")
+
+
+def route(release: Release, traits: CheckpointTraits) -> str:
+    """The way this checkpoint's scales reach a cache, as fp8kv's loader matrix knows it: another format for this
+    release, else another engine release whose loader holds them, else a plain 'none'."""
+    for convention in _CONVERTIBLE:
+        if convention not in traits.conventions and any(release.held(a, convention) in REACHES_CACHE
+                                                        for a in traits.architectures):
+            return (f"its loader holds this model's scales in {convention}: fp8kv convert {traits.folder} --to "
+                    f"{convention} --out {traits.folder}-{convention}")
+    others = [m.release for m in RELEASE_MODELS if m.release and m.release is not release and m.release.loader
+              and not m.release.superseded_by
+              and any(m.release.held(a, c) in REACHES_CACHE for a in traits.architectures for c in traits.conventions)]
+    if others:
+        return "serve it with " + " or ".join(_engine_label(other) for other in others) + ", whose loader holds them"
+    return f"no format or engine release fp8kv has run holds this model's scales ({_engine_label(release)} runs 1.0)"
+
+
+# the formats `fp8kv convert --to` writes that a loader matrix records, in the order a route is offered
+_CONVERTIBLE = ("compressed-tensors", "modelopt", "vllm-json")
 
 
 _SATURATES = "±MAX (saturating conversion)"
@@ -259,10 +356,15 @@ _PAST_MAX = {"saturates": (True, _SATURATES), "clamps": (True, _CLAMPS), "nan": 
 def _release_model(row: dict[str, Any]) -> EngineModel:
     """One row of configs/engines.toml as an engine model, named `engine@newest release covered`."""
     versions = (row["first"], row["last"]) if "first" in row else None
+    loader = tuple(LoaderHeld(convention, holds, tuple(classes))
+                   for convention, outcomes in row.get("loader", {}).items() for holds, classes in outcomes.items())
+    unknown = {held.holds for held in loader} - set(HOLDS)
+    assert not unknown, f"configs/engines.toml: {row['engine']} loader outcomes {unknown} are none of {HOLDS}"
     release = Release(row["engine"], versions, row.get("commit"), row.get("path", ""), row["decided_by"],
                       row["evidence"], row.get("golden"), tuple(row["scales"]),
                       tuple(row.get("unread_architectures", ())), row["per_head"],
-                      row.get("superseded_by"), row.get("unread", ""))
+                      row.get("superseded_by"), row.get("unread", ""), loader, row.get("loaders"),
+                      row.get("load_check"))
     saturate, above_range = _PAST_MAX[row["past_max"]]
     return EngineModel(f"{release.engine}@{release.label}", WRITES[row["write"]], saturate, row["source"],
                        above_range, truncates=row.get("truncates", False),
@@ -349,6 +451,13 @@ def engine_model(name: str) -> EngineModel:
 DEFAULT_ENGINE = engine_model(VLLM_TPU).name
 # `fp8kv eval` scores whole task suites per engine: by default vLLM on a GPU and SGLang, as released today.
 EVAL_ENGINES = (engine_model("vllm-cuda").name, engine_model("sglang").name)
+
+
+def loader_release(load_check: str, version: str) -> Release | None:
+    """The release row with a loader matrix that `fp8kv load-check --engine load_check` found at `version` (None:
+    fp8kv has run no loader matrix of that release)."""
+    return next((m.release for m in RELEASE_MODELS if m.release and m.release.loader
+                 and m.release.load_check == load_check and m.release.covers(version)), None)
 
 
 def engine_of(name: str) -> str:

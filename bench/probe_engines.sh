@@ -27,4 +27,7 @@ test -x bench/.sglang-venv/bin/python || bash bench/sglang_venv.sh
 test -x bench/.vllm-venv/bin/python || bash bench/vllm_venv.sh
 "$PY" bench/load_check_golden.py
 
+# Both engines' own loaders on every zoo architecture they have, per fp8kv output format (about 10 minutes)
+"$PY" bench/probe_loaders.py
+
 git -C "$ROOT" status --short tests/golden

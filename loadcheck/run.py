@@ -13,12 +13,15 @@ import os
 import struct
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, get_args
 
 from fp8kv.checkpoint.reader import ScaleReadout, read_kv_scales
 from fp8kv.console import markdown_table
+from fp8kv.engine_models import (
+    HOLDS_FILE, HOLDS_NONE, HOLDS_ONE, HOLDS_OTHER, HOLDS_ROUNDED, REACHES_CACHE, CheckpointTraits, loader_release, route,
+)
 from fp8kv.errors import Fp8kvError, UsageError
 from fp8kv.inspection import Scale, scale_rows
 from fp8kv.json_fields import checked, json_object, to_json_value, typed
@@ -28,6 +31,8 @@ from fp8kv.options import LoadEngine
 LOAD_ENGINES: tuple[str, ...] = get_args(LoadEngine)
 PROBES = Path(__file__).parent / "probes"
 DEFAULT_TIMEOUT_S = 600.0
+# "rounded": every held value within one bf16 step of the file's (the engine kept it in the model's dtype)
+_BF16_STEP = 2.0**-8
 # How each engine's --kv-cache-dtype spells fp8kv's kv dtype: vLLM says "fp8" for e4m3, SGLang uses fp8kv's names.
 _KV_CACHE_DTYPE = {"vllm": VLLM_KV_CACHE_DTYPE, "sglang": {kv: kv for kv in VLLM_KV_CACHE_DTYPE}}
 # The engine's process gets only what running it needs: never a token or key from this one.
@@ -77,11 +82,28 @@ class LoadCheckReport:
     checkpoint: str
     layers: tuple[LayerLoad, ...]
     warnings: tuple[str, ...]
+    route: str = ""  # where the file's scales do not reach the cache: the way that does, from fp8kv's loader matrix
 
     @property
     def ok(self) -> bool:
         """Whether every layer holds the file's scales (the CLI exits 3 when not)."""
         return bool(self.layers) and all(layer.matches for layer in self.layers)
+
+    @property
+    def holds(self) -> str:
+        """What the attention layers hold, over all of them: HOLDS_FILE, HOLDS_ROUNDED, HOLDS_ONE, HOLDS_NONE or
+        HOLDS_OTHER."""
+        layers = self.layers
+        if all(row.held_k is None and row.held_v is None for row in layers):
+            return HOLDS_NONE
+        if self.ok:
+            return HOLDS_FILE
+        if all(row.holds_one for row in layers):
+            return HOLDS_ONE
+        if layers and all(row.comparable and _close(row.file_k, row.held_k) and _close(row.file_v, row.held_v)
+                          for row in layers):
+            return HOLDS_ROUNDED
+        return HOLDS_OTHER
 
 
 def load_check(checkpoint: Path, engine: str, python: Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> LoadCheckReport:
@@ -91,7 +113,14 @@ def load_check(checkpoint: Path, engine: str, python: Path, timeout_s: float = D
         raise UsageError(f"--engine {engine!r}: load-check runs {' or '.join(LOAD_ENGINES)}")
     readout = read_kv_scales(checkpoint)
     answer = _run_probe(engine, Path(python), readout, timeout_s)
-    return _report(engine, readout, answer, Path(python))
+    report = report_from(engine, readout, answer, Path(python))
+    release = loader_release(engine, report.engine_version)
+    # the matrix knows one scale per layer: no route for per-head scales
+    if readout.scales is None or readout.scales.strategy != "tensor" or report.holds in REACHES_CACHE or not release:
+        return report
+    traits = CheckpointTraits(tuple(readout.source.config.get("architectures") or ()), tuple(readout.conventions),
+                              False, str(readout.source.path))
+    return replace(report, route=route(release, traits))
 
 
 def _run_probe(engine: str, python: Path, readout: ScaleReadout, timeout_s: float) -> dict[str, Any]:
@@ -128,8 +157,8 @@ def _engine_env() -> dict[str, str]:
     return passed | _OFFLINE_ENV
 
 
-def _report(engine: str, readout: ScaleReadout, answer: dict[str, Any], python: Path) -> LoadCheckReport:
-    """The probe's answer set against the file's scales, layer by layer over both."""
+def report_from(engine: str, readout: ScaleReadout, answer: dict[str, Any], python: Path) -> LoadCheckReport:
+    """A probe's answer (its JSON object) set against the file's scales, layer by layer over both."""
     try:
         held = {typed(row, "layer", int): (_scale(row, "k_scale"), _scale(row, "v_scale"))
                 for row in typed(answer, "layers", list)}
@@ -158,11 +187,19 @@ def _shape(scale: Scale | None) -> int | None:
     return None if scale is None else 1 if isinstance(scale, float) else len(scale)
 
 
+def _values(scale: Scale | None) -> tuple[float, ...]:
+    return () if scale is None else (scale,) if isinstance(scale, float) else scale
+
+
+def _close(a: Scale | None, b: Scale | None) -> bool:
+    """Within one bf16 step of each other, value by value."""
+    return all(abs(x - y) <= _BF16_STEP * abs(x) for x, y in zip(_values(a), _values(b), strict=True))
+
+
 def _same(a: Scale | None, b: Scale | None) -> bool:
     """Bit for bit (a float32 is exact in a double, so an engine's float32 compares through its double's bytes)."""
     def bits(scale: Scale | None) -> list[bytes]:
-        values = () if scale is None else (scale,) if isinstance(scale, float) else scale
-        return [struct.pack("<d", x) for x in values]
+        return [struct.pack("<d", x) for x in _values(scale)]
 
     return bits(a) == bits(b)
 
@@ -181,6 +218,7 @@ def render(report: LoadCheckReport) -> str:
     lines = [f"{report.engine} {report.engine_version} (torch {report.torch_version}) loaded {report.checkpoint}"]
     lines += [markdown_table(head, rows)] if rows else []
     lines += [f"warning: {note}" for note in report.warnings]
+    lines += [f"route: {report.route}"] if report.route else []
     return "\n".join([*lines, summary(report)])
 
 

@@ -287,7 +287,7 @@ class EngineTotals:
     def result(self, model: EngineModel, runner: PagedModelRunner) -> EngineResult:
         scores = self.totals.ours
         nan_rows = sum(s.bad_rows for s in scores)
-        verdict = (FAIL if nan_rows else PASS) if model.released else BUG
+        verdict = (FAIL if nan_rows or not model.starts else PASS) if model.released else BUG
         accuracy = self.totals.summary()
         return EngineResult(model.name, accuracy.ppl_fp8, nan_rows, sum(self.totals.rows),
                             sum(s.bad_rows > 0 for s in scores), len(scores), first_nonfinite_layer(runner),

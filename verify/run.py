@@ -136,10 +136,12 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     xla = resolve_device(request.device).is_xla
     compiles_before = xla_cost.compiles() if xla else None
     announce(progress, f"loading the model and the fp8 runtime ({device})")
+    serving = serving_models(request.engines, static)
+    reasons += loader_reasons(serving)
     runners = accuracy.Runners.open(
         source.path, scales, kv_layers, device=request.device, page_size=request.page_size,
         max_model_len=longest, max_num_seqs=max(request.batch_size, 2 * len(prompts)),
-        engines=serving_models(request.engines, static), engine_attention=request.engine_attention,
+        engines=serving, engine_attention=request.engine_attention,
     )
     timings["load_runners"] = time.perf_counter() - clock
     if request.engine_attention and (xla or not runners.fp8.runs_ragged):
@@ -198,8 +200,17 @@ def serving_models(names: tuple[str, ...], static: StaticResult) -> tuple[Engine
     readout = static.readout
     assert readout.scales is not None  # runnable implies scales
     architectures = readout.source.config.get("architectures") or ()
-    traits = CheckpointTraits(tuple(architectures), tuple(readout.conventions), readout.scales.strategy != "tensor")
+    traits = CheckpointTraits(tuple(architectures), tuple(readout.conventions), readout.scales.strategy != "tensor",
+                              str(readout.source.path))
     return tuple(engine_model(name).for_checkpoint(traits) for name in names)
+
+
+def loader_reasons(models: tuple[EngineModel, ...]) -> list[Finding]:
+    """FAIL for each engine release whose own loader did not start on this model class with these scales (a
+    calibrated output must never keep a model from serving); INFO for each whose loader fp8kv has not run on it."""
+    reasons = [Finding(FAIL, f"engine {m.name} does not start on this checkpoint: {m.unread}", (m.name,))
+               for m in models if not m.starts]
+    return reasons + [Finding(INFO, f"engine {m.name}: {m.unchecked}", (m.name,)) for m in models if m.unchecked]
 
 
 def _query_cost(request: VerifyRequest, runners: accuracy.Runners, scales: KVScales, samples: list[list[int]],

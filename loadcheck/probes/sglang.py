@@ -3,27 +3,29 @@
 A standalone script for SGLang's python (stdlib, torch and sglang only; fp8kv is not installed there):
 
     PYTHON loadcheck/probes/sglang.py CHECKPOINT_DIR [--quantization-param-path FILE] [--kv-cache-dtype fp8_e4m3]
+    PYTHON loadcheck/probes/sglang.py --each LOADS.jsonl      # several loads in one process (probe_io.py)
+    PYTHON loadcheck/probes/sglang.py --architectures         # the model classes SGLang has
 
 It goes the way a scheduler process does: `ServerArgs`, the runtime context published from it, a world of one
-rank on gloo, `ModelConfig.from_server_args`, the loader's `LoadConfig`, `model_loader.get_model`, then
-`load_kv_cache_scales` (which reads a `--quantization-param-path` file). No forward pass runs, so the CUDA
-kernels are never needed. Stdout carries one JSON object:
+rank on gloo (once per process), `ModelConfig.from_server_args`, the loader's `LoadConfig`,
+`model_loader.get_model`, then `load_kv_cache_scales` (which reads a `--quantization-param-path` file). No forward
+pass runs, so the CUDA kernels are never needed. Stdout carries one JSON object:
 
     {"engine": "sglang", "version", "torch", "layers": [{"layer", "k_scale", "v_scale", "k_scale_float",
      "v_scale_float"}], "warnings": [...]}
 
 `k_scale`/`v_scale` are what each `RadixAttention` holds (a float32 tensor read as a Python float, exact, or
 the float a param file assigned), `*_float` the Python floats its kernels read (null when unset). On failure
-it exits 1 with one stderr line naming what is missing.
+it exits 1 with SGLang's own error line last on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
-import re
 import socket
 import sys
 import types
@@ -33,26 +35,11 @@ from typing import Any
 # finds this script instead of the package.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != _HERE]
-# Log lines worth keeping: what SGLang says about KV scales and the fp8 cache.
-_SCALE_LOG = re.compile(r"scal|kv.cache|kv_cache|fp8", re.IGNORECASE)
-
-
-class _Collector(logging.Handler):
-    """Keeps SGLang's log lines about scales, each once, in the order they came."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            message = record.getMessage()
-        except Exception:  # a malformed record must not end the probe
-            return
-        if record.levelno >= logging.INFO and _SCALE_LOG.search(message):
-            line = f"{record.levelname}: {message.strip()}"
-            if line not in self.lines:
-                self.lines.append(line)
+_IO_SPEC = importlib.util.spec_from_file_location("probe_io", os.path.join(_HERE, "probe_io.py"))
+assert _IO_SPEC is not None and _IO_SPEC.loader is not None
+probe_io = importlib.util.module_from_spec(_IO_SPEC)
+_IO_SPEC.loader.exec_module(probe_io)
+_started: list[bool] = []
 
 
 def _free_port() -> int:
@@ -110,82 +97,81 @@ def held_scales(model: Any) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda row: row["layer"])
 
 
-def load(checkpoint: str, quantization_param_path: str | None, kv_cache_dtype: str) -> Any:
-    """The model SGLang's loader builds from `checkpoint`, its scales as a scheduler would have them."""
+def _start_world() -> None:
+    """A world of one rank, once per process (SGLang refuses to initialise its groups twice)."""
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+
+    if _started:
+        return
+    init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
+                                 distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+    initialize_model_parallel()
+    _started.append(True)
+
+
+def load(checkpoint: str, quantization_param_path: str | None = None,
+         kv_cache_dtype: str = "fp8_e4m3") -> dict[str, Any]:
+    """What SGLang's loader builds from `checkpoint`, its scales as a scheduler would have them: the probe's JSON
+    object (less its warnings)."""
+    # SGLang takes a path that is not a folder for a Hub id, and this machine reaches no Hub.
+    if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+        raise FileNotFoundError(f"no checkpoint at {checkpoint} (no config.json)")
+    if quantization_param_path and not os.path.isfile(quantization_param_path):
+        raise FileNotFoundError(f"no --quantization-param-path file {quantization_param_path}")
+    import sglang
     import torch
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.model_executor.model_runner_components.load_model_utils import load_kv_cache_scales
     from sglang.srt.model_loader import get_model
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.runtime_context import get_model as model_settings
     from sglang.srt.server_args import ServerArgs
 
-    server_args = ServerArgs(model_path=checkpoint, device="cpu", kv_cache_dtype=kv_cache_dtype,
+    _stub_cuda_only_imports()
+    server_args = ServerArgs(model_path=os.path.abspath(checkpoint), device="cpu", kv_cache_dtype=kv_cache_dtype,
                              quantization_param_path=quantization_param_path, skip_tokenizer_init=True,
                              tp_size=1)
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
-    init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
-    initialize_model_parallel()
+    _start_world()
     model_config = ModelConfig.from_server_args(server_args)
     load_config = LoadConfig(load_format=server_args.load_format, download_dir=server_args.download_dir)
     with torch.device("cpu"):
         model = get_model(model_config=model_config, load_config=load_config, device_config=DeviceConfig("cpu"))
     load_kv_cache_scales(model=model, kv_cache_dtype=model_settings().kv_cache_dtype)
-    return model
+    return {"engine": "sglang", "version": sglang.__version__, "torch": torch.__version__,
+            "layers": held_scales(model)}
+
+
+def architectures() -> dict[str, Any]:
+    """The model classes SGLang's registry serves with a model of its own."""
+    import sglang
+    from sglang.srt.models.registry import ModelRegistry
+
+    return {"engine": "sglang", "version": sglang.__version__,
+            "architectures": sorted(ModelRegistry.get_supported_archs())}
 
 
 def main() -> int:
     options = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    options.add_argument("checkpoint")
+    options.add_argument("checkpoint", nargs="?")
     options.add_argument("--quantization-param-path", default=None)
     options.add_argument("--kv-cache-dtype", default="fp8_e4m3")
+    options.add_argument("--each", help="a file of loads, one JSON object per line")
+    options.add_argument("--architectures", action="store_true", help="print the model classes SGLang has")
     args = options.parse_args()
-    # SGLang takes a path that is not a folder for a Hub id, and this machine reaches no Hub.
-    if not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
-        print(f"sglang probe: no checkpoint at {args.checkpoint} (no config.json)", file=sys.stderr)
-        return 1
-    if args.quantization_param_path and not os.path.isfile(args.quantization_param_path):
-        print(f"sglang probe: no --quantization-param-path file {args.quantization_param_path}", file=sys.stderr)
-        return 1
-
-    # Stdout is for the one JSON object: everything SGLang prints or logs goes to stderr, at the fd level too.
-    result_out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    collector = _Collector()
-    logging.getLogger().addHandler(collector)
-    logging.getLogger().setLevel(logging.INFO)
-
-    try:
-        import sglang
-        import torch
-
-        _stub_cuda_only_imports()
-        model = load(os.path.abspath(args.checkpoint), args.quantization_param_path, args.kv_cache_dtype)
-        layers = held_scales(model)
-    except ModuleNotFoundError as exc:
-        print(f"sglang probe: missing module {exc.name!r} ({exc})", file=sys.stderr)
-        return 1
-    except Exception as exc:  # report what SGLang raised, in one line
-        text = " ".join(str(exc).split())[:400]
-        print(f"sglang probe: load failed: {type(exc).__name__}: {text}", file=sys.stderr)
-        return 1
-    if not layers:
-        print("sglang probe: the loaded model has no RadixAttention layer", file=sys.stderr)
-        return 1
-    result = {"engine": "sglang", "version": sglang.__version__, "torch": torch.__version__, "layers": layers,
-              "warnings": collector.lines}
-    with result_out:
-        result_out.write(json.dumps(result) + "\n")
-    return 0
+    if args.architectures:
+        print(json.dumps(architectures()))
+        return 0
+    if (args.checkpoint is None) == (args.each is None):
+        options.error("give a CHECKPOINT_DIR or --each FILE")
+    log = probe_io.EngineLog("sglang")
+    logging.getLogger().setLevel(logging.INFO)  # SGLang's INFO lines say which scales it loaded
+    single = {"checkpoint": args.checkpoint, "quantization_param_path": args.quantization_param_path,
+              "kv_cache_dtype": args.kv_cache_dtype}
+    return probe_io.answer(load, log, single, args.each)
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stderr.flush()
-    # SGLang leaves threads and a gloo group behind; exit without waiting on them.
-    os._exit(code)
+    probe_io.exit_now(main())

@@ -2,20 +2,26 @@
 
 Runs in vLLM's Python, not fp8kv's (vLLM pins its own torch), and imports nothing from fp8kv:
 
-    ENGINE_PYTHON loadcheck/probes/vllm.py CHECKPOINT_DIR [--kv-cache-dtype fp8]
+    ENGINE_PYTHON loadcheck/probes/vllm.py CHECKPOINT_DIR [--kv-cache-dtype fp8] [--dtype auto]
+    ENGINE_PYTHON loadcheck/probes/vllm.py --each LOADS.jsonl      # several loads in one process (probe_io.py)
+    ENGINE_PYTHON loadcheck/probes/vllm.py --architectures         # the model classes vLLM has
 
-stdout: {"engine": "vllm", "version", "torch", "layers": [{"layer", "name", "k_scale", "v_scale", "q_scale"}],
-"warnings": [vLLM's warnings about scales and the KV cache]}; vLLM's own log goes to stderr. A failure exits 1
-with one line on stderr (the last). vLLM keeps process-wide state: one load per process.
+It goes the way vLLM's CPU worker does: `EngineArgs(...).create_engine_config()` (where vLLM inspects the
+architecture and refuses what it cannot serve), a world of one rank on gloo, then `model_loader.get_model`, which
+loads the weights and runs each quant method's `process_weights_after_loading`; the KV cache and the engine core
+are never started. stdout: {"engine": "vllm", "version", "torch", "layers": [{"layer", "name", "k_scale",
+"v_scale", "q_scale"}], "warnings": [vLLM's log lines about scales and the KV cache]}; vLLM's own log goes to
+stderr. A failure exits 1 with vLLM's own error line last on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import logging
 import os
 import re
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,14 +29,13 @@ from typing import Any
 # This file is named vllm.py, and Python puts its folder first on sys.path: `import vllm` would import it.
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _HERE]
+_IO_SPEC = importlib.util.spec_from_file_location("probe_io", _HERE / "probe_io.py")
+assert _IO_SPEC is not None and _IO_SPEC.loader is not None
+probe_io = importlib.util.module_from_spec(_IO_SPEC)
+_IO_SPEC.loader.exec_module(probe_io)
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
-_SCALE_LOG = re.compile(r"scal|kv.cache|k_scale|MLA", re.IGNORECASE)
-
-
-class _Loaded(Exception):
-    """Raised once the weights are processed: what the layers hold is known, the rest of start-up is not needed
-    (and a CPU without AVX-512 refuses an fp8 cache after this point)."""
+_started: list[bool] = []
 
 
 def held_scales(model: Any) -> list[dict[str, Any]]:
@@ -52,82 +57,81 @@ def held_scales(model: Any) -> list[dict[str, Any]]:
     return sorted(layers, key=lambda row: row["layer"])
 
 
-def _capture_warnings(into: list[str]) -> None:
-    """Keep vLLM's warnings about scales and the KV cache, each once. A record factory sees every record however
-    vLLM reconfigures its handlers later."""
-    make_record = logging.getLogRecordFactory()
-
-    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
-        record = make_record(*args, **kwargs)
-        if record.name.startswith("vllm") and record.levelno >= logging.WARNING:
-            message = record.getMessage()
-            if _SCALE_LOG.search(message) and message not in into:
-                into.append(message)
-        return record
-
-    logging.setLogRecordFactory(factory)
+def _called_here(function: Any) -> Any:
+    return function()
 
 
-def load(checkpoint: str, kv_cache_dtype: str, dtype: str) -> dict[str, Any]:
-    """Load `checkpoint` in this process and return the probe's JSON object."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: the spy sees it
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_world() -> None:
+    """A world of one rank once per process (vLLM refuses to initialise it twice), and its model-parallel groups
+    for the current config (an MoE model needs an expert-parallel group a dense one does not get)."""
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed.parallel_state import destroy_model_parallel
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+    if not _started:
+        # what vLLM's CPU model runner does first: torch.accelerator calls in the shared loader become no-ops
+        _set_torch_accelerator_to_noop()
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        _started.append(True)
+    destroy_model_parallel()
+    ensure_model_parallel_initialized(1, 1)
+
+
+def load(checkpoint: str, kv_cache_dtype: str = "fp8", dtype: str = "auto") -> dict[str, Any]:
+    """Load `checkpoint` in this process and return the probe's JSON object (less its warnings)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    warnings: list[str] = []
-    _capture_warnings(warnings)
     import vllm  # first: a python without vllm is told so before torch takes seconds to import
     import torch
-    from vllm.model_executor.model_loader import base_loader
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model
+    from vllm.model_executor.models import registry
 
-    held: list[list[dict[str, Any]]] = []
-    original = base_loader.process_weights_after_loading
+    # vLLM inspects each model class in a subprocess so the inspection cannot initialise CUDA in its own process;
+    # on a CPU there is none, and a fresh vLLM import per class (seconds each) would be most of a loader matrix
+    registry._run_in_subprocess = _called_here
 
-    def spy(model: Any, model_config: Any, target_device: Any) -> None:
-        original(model, model_config, target_device)
-        held.append(held_scales(model))
-        raise _Loaded
-
-    base_loader.process_weights_after_loading = spy
-    try:
-        vllm.LLM(model=checkpoint, kv_cache_dtype=kv_cache_dtype, dtype=dtype, enforce_eager=True, max_model_len=128,
-                 max_num_seqs=1, skip_tokenizer_init=True)
-    except Exception as exc:  # _Loaded, however vLLM wraps it; anything else before it is vLLM refusing the load
-        if not held:
-            raise RuntimeError(f"vLLM did not load {checkpoint}: {_last_line(str(exc)) or type(exc).__name__}") from exc
-    if not held:
-        raise RuntimeError(f"vLLM started without processing the weights of {checkpoint}")
-    return {"engine": "vllm", "version": vllm.__version__, "torch": torch.__version__, "layers": held[0],
-            "warnings": warnings}
+    config = EngineArgs(model=checkpoint, kv_cache_dtype=kv_cache_dtype, dtype=dtype, enforce_eager=True,
+                        max_model_len=128, max_num_seqs=1, skip_tokenizer_init=True).create_engine_config()
+    with set_current_vllm_config(config):
+        _start_world()
+        model = get_model(vllm_config=config)
+    return {"engine": "vllm", "version": vllm.__version__, "torch": torch.__version__, "layers": held_scales(model)}
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1][:300] if lines else ""
+def architectures() -> dict[str, Any]:
+    """The model classes vLLM's registry serves with a model of its own."""
+    import vllm
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    return {"engine": "vllm", "version": vllm.__version__, "architectures": sorted(ModelRegistry.get_supported_archs())}
 
 
 def main() -> int:
     options = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    options.add_argument("checkpoint")
+    options.add_argument("checkpoint", nargs="?")
     options.add_argument("--kv-cache-dtype", default="fp8")
     options.add_argument("--dtype", default="auto")  # the model's own, as `vllm serve` takes it
+    options.add_argument("--each", help="a file of loads, one JSON object per line")
+    options.add_argument("--architectures", action="store_true", help="print the model classes vLLM has")
     args = options.parse_args()
-    # Only the JSON object goes to stdout: everything else printed to fd 1 (vLLM's, torch's, C code's) goes to stderr.
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    try:
-        result = load(args.checkpoint, args.kv_cache_dtype, args.dtype)
-    except ModuleNotFoundError as exc:
-        print(f"no module named {exc.name}", file=sys.stderr)
-        return 1
-    except Exception as exc:  # one line for fp8kv to show; vLLM's log above it has the detail
-        print(_last_line(str(exc)) or type(exc).__name__, file=sys.stderr)
-        return 1
-    out.write(json.dumps(result) + "\n")
-    out.flush()
-    return 0
+    if args.architectures:
+        print(json.dumps(architectures()))
+        return 0
+    if (args.checkpoint is None) == (args.each is None):
+        options.error("give a CHECKPOINT_DIR or --each FILE")
+    log = probe_io.EngineLog("vllm")
+    single = {"checkpoint": args.checkpoint, "kv_cache_dtype": args.kv_cache_dtype, "dtype": args.dtype}
+    return probe_io.answer(load, log, single, args.each)
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stderr.flush()
-    os._exit(code)  # a half-started engine: its exit handlers have nothing to shut down, and can hang
+    probe_io.exit_now(main())
