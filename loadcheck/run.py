@@ -129,7 +129,8 @@ def _run_probe(engine: str, python: Path, readout: ScaleReadout, timeout_s: floa
         raise Fp8kvError(f"{python}: no such file; give --python the python of a venv with {engine} installed")
     if python.is_dir() or not os.access(python, os.X_OK):
         raise Fp8kvError(f"{python}: not an executable python")
-    command = [str(python), str(PROBES / f"{engine}.py"), str(readout.source.path),
+    # absolute, not resolved: the engine runs in a scratch folder, and a venv's python is a link that must stay one
+    command = [str(python.absolute()), str(PROBES / f"{engine}.py"), str(readout.source.path),
                "--kv-cache-dtype", _KV_CACHE_DTYPE[engine][readout.kv_dtype]]
     with tempfile.TemporaryDirectory(prefix="fp8kv-load-check-") as scratch:  # whatever the engine leaves in its cwd
         try:
@@ -236,6 +237,8 @@ def summary(report: LoadCheckReport) -> str:
     if not layers:
         return f"{engine} reported no attention layers: nothing to compare"
     text = f"{sum(row.matches for row in layers)} of {len(layers)} layers hold the file's value"
+    if report.holds == HOLDS_ROUNDED:
+        text += f"; every layer holds it rounded (within a bf16 step: {engine} keeps it in the model's dtype)"
     ones = sum(row.holds_one for row in layers)
     if not any(row.file_k is not None for row in layers):
         text += f"; the checkpoint has no KV scales and {ones} hold 1.0" if ones else "; the checkpoint has no KV scales"

@@ -210,3 +210,31 @@ def test_verify_fails_an_engine_that_does_not_start_and_names_an_unchecked_one()
     assert [(r.level, r.message.split(":")[0]) for r in reasons] == [
         ("FAIL", f"engine {model.name} does not start on this checkpoint"), ("INFO", f"engine {model.name}")]
     assert "no format or engine release fp8kv has run holds this model's scales" in reasons[0].message
+
+
+def test_load_check_names_the_route_and_a_rounded_hold(tmp_path):
+    from fp8kv.checkpoint.kvscales import KVScales
+    from fp8kv.checkpoint.writer import write_checkpoint
+    from fp8kv.loadcheck.run import load_check, render
+    from fp8kv.tools.factory import make_checkpoint
+
+    folder = write_checkpoint(make_checkpoint("llama", tmp_path / "src"), tmp_path / "ct",
+                              KVScales.from_floats(k={0: 0.0123, 1: 0.0456}, v={0: 0.0789, 1: 0.0321}))
+    python = tmp_path / "python"
+
+    def held(k: list[float], v: list[float]) -> None:
+        layers = [{"layer": i, "k_scale": k[i], "v_scale": v[i]} for i in range(2)]
+        answer = {"engine": "vllm", "version": "0.32.0", "torch": "2.13.0+cpu", "warnings": [], "layers": layers}
+        python.write_text(f"#!{sys.executable}\nimport sys; print({json.dumps(json.dumps(answer))})\n")
+        python.chmod(0o755)
+
+    held([1.0, 1.0], [1.0, 1.0])
+    report = load_check(folder, "vllm", python)
+    assert report.holds == "1.0"
+    assert report.route == (f"its loader holds this model's scales in modelopt: fp8kv convert {folder} --to modelopt "
+                            f"--out {folder}-modelopt")
+    assert f"route: {report.route}" in render(report)
+    held([0.01229858398, 0.045654296875], [0.0791015625, 0.0321044921875])
+    report = load_check(folder, "vllm", python)
+    assert report.holds == "rounded" and not report.route
+    assert render(report).endswith("every layer holds it rounded (within a bf16 step: vllm keeps it in the model's dtype)")
