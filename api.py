@@ -43,6 +43,9 @@ from fp8kv.checkpoint.writer import MODES, check_output, check_weight_method, wr
 from fp8kv.data import Batch, DataRequest, make_batches, pad_id, tokenize_texts
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import AttentionGeometry, LatentCache
+from fp8kv.loadcheck import live
+from fp8kv.loadcheck.live import EngineScaleCheck, HeldCopy, render_engine_check
+from fp8kv.loadcheck.run import LayerLoad
 from fp8kv.observe import KVStatistics, ObservationStep, Progress, fold_update, observe, query_observer_for
 from fp8kv.options import DEFAULT_MODE, LAST_BATCH, Strategy
 from fp8kv.progress import StageProgress
@@ -55,9 +58,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = [
-    "Batch", "CalibrationRequest", "CalibrationResult", "DataRequest", "Fp8kvError", "KVScales", "KVStatistics",
-    "LiveObservation", "ScaleSet", "ScaleTable", "VerifyRequest", "VerifyResult", "calibrate", "model_geometry",
-    "observe_model", "observing", "save_scales", "scales_from", "verify",
+    "Batch", "CalibrationRequest", "CalibrationResult", "DataRequest", "EngineScaleCheck", "Fp8kvError", "HeldCopy",
+    "KVScales", "KVStatistics", "LayerLoad", "LiveObservation", "ScaleSet", "ScaleTable", "VerifyRequest",
+    "VerifyResult", "calibrate", "check_engine_scales", "model_geometry", "observe_model", "observing",
+    "render_engine_check", "save_scales", "scales_from", "send_scales", "verify",
 ]
 
 BatchLike = Union[Batch, tuple[torch.Tensor, torch.Tensor], Mapping[str, Any]]
@@ -248,6 +252,36 @@ def _write(scales: ScaleSet, folder: Path, out: Path, convention: str, mode: str
     )
     return write_checkpoint(source.path, out, scales.scales, convention=convention, mode=mode, overwrite=overwrite,
                             record=record)
+
+
+def send_scales(engine: Any, scales: ScaleSet | KVScales) -> None:
+    """Hand per-tensor K/V scales to every attention layer of a running vLLM engine (`vllm.LLM`) through
+    `engine.collective_rpc`, every copy vLLM keeps, tensors in place; then reset its prefix cache, whose blocks
+    were quantized with the old scales. Q scales are not sent.
+
+    Call it between rollouts, with no request running. With vLLM's engine core in a process of its own, set
+    `VLLM_ALLOW_INSECURE_SERIALIZATION=1` before the engine starts, so that the function reaches the workers
+    (fp8kv must be importable there too).
+    """
+    live.send_scales(engine, _kv_scales(scales))
+
+
+def check_engine_scales(engine: Any, sent: ScaleSet | KVScales) -> EngineScaleCheck:
+    """What every attention layer of a running vLLM engine holds, read through `engine.collective_rpc` from every
+    worker and every copy vLLM keeps, against `sent` (the scales last handed over, or loaded).
+
+    After a weight update, a `reload_weights`, a `sleep`/`wake_up`: `ok` says whether the scales survived, and
+    `render_engine_check` what each layer holds instead.
+    """
+    return live.check_engine_scales(engine, _kv_scales(sent))
+
+
+def _kv_scales(scales: ScaleSet | KVScales) -> KVScales:
+    if isinstance(scales, ScaleSet):
+        return scales.scales
+    if isinstance(scales, KVScales):
+        return scales
+    raise Fp8kvError(f"scales: expected a ScaleSet (from scales_from) or KVScales, got {type(scales).__name__}")
 
 
 class LiveObservation:
