@@ -8,6 +8,7 @@ section (a folder converted from scales fp8kv did not calibrate) drops its rows.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from fp8kv.geometry import read_json
 from fp8kv.json_fields import to_json_value
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.kernel_rule import FP8_HEAD_RULE
+from fp8kv.serving import Serving, asked, serving, traits_of
 from fp8kv.verify.report import PLOT, REPORT_JSON, VerifyReport, engine_sources, engine_table
 
 REPORT_FILE = Path(VERIFY_DIR) / REPORT_JSON
@@ -127,7 +129,7 @@ def render_card(out_dir: str | Path, *, repo_id: str | None = None, base_model: 
         _scales(out, prov, report),
         _verify(out, report),
         _task_scores(out),
-        _serve(str(repo_id or out.name), prov, COMPRESSION_CONFIG in (_quiet_json(out / "config.json") or {})),
+        _serve(str(repo_id or out.name), out, prov, COMPRESSION_CONFIG in (_quiet_json(out / "config.json") or {})),
         _limitations(prov),
     ]
     body = public_text("\n\n".join(s for s in sections if s) + "\n")
@@ -353,34 +355,54 @@ def _kv_dtype(prov: Provenance) -> str:
     return prov.kv_dtype if prov.kv_dtype in FP8_MAX else DEFAULT_KV_DTYPE
 
 
-def _serve(model: str, prov: Provenance, kv_only_block: bool) -> str:
+# The serve command of each group of engines: (heading, engines whose loader must hold the scales, command); a
+# group is shown with the releases of it that hold them. vLLM has no flag for a scale file: vllm-json only on SGLang.
+_COMMANDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("vLLM on GPU or CPU", ("vllm-cuda", "vllm-triton", "vllm-cpu"), "vllm serve {model} --kv-cache-dtype {vllm}"),
+    ("vLLM on TPU (`pip install vllm-tpu`, which runs tpu-inference 0.32; its JAX kernel pads the KV heads, so the "
+     "head rule under Limitations is only vLLM's older torch_xla backend's); `MODEL_IMPL_TYPE=vllm` runs vLLM's "
+     "model code", ("tpu-inference-vllm",), "MODEL_IMPL_TYPE=vllm vllm serve {model} --kv-cache-dtype {vllm}"),
+    ("SGLang", ("sglang",), "python -m sglang.launch_server --model-path {model} --kv-cache-dtype {sglang}"),
+)
+
+
+def _serve(model: str, out: Path, prov: Provenance, kv_only_block: bool) -> str:
+    """Serve commands for the engines whose loader holds this model's scales; the others named, each with why."""
+    convention = prov.format or "compressed-tensors"
+    served = serving(replace(traits_of(out, convention, bool(prov.per_head)), folder=model))
+    parts = ["## How to serve", "The scales are only used when the KV cache is FP8, so pass the KV-cache dtype."]
+    if convention == "vllm-json":
+        parts[1] = f"The scales are in `{VLLM_JSON_FILE}`, vLLM's legacy scale file. {vllm_json_readers(VLLM_JSON_FILE)}."
+    parts += _serve_commands(model, prov, convention, served)
+    named = [s for s in served if not s.reaches]
+    if named:
+        parts.append(f"Not served with these scales ({asked(served[0].traits)}):\n\n"
+                     + "\n".join(f"- {s.line}" for s in named))
+    parts.append("To confirm an engine holds these scales, run its own loader on this folder: `fp8kv load-check DIR "
+                 "--engine vllm|sglang --python ENGINE_PYTHON` prints the scale each attention layer holds next to "
+                 "the file's.")
+    if kv_only_block:
+        parts.append(f"transformers loads this model as its source, with an unquantized cache: it does not read "
+                     f"`{COMPRESSION_CONFIG}`, where the scales are declared, and reports `k_scale`/`v_scale` as "
+                     "unexpected keys.")
+    return "\n\n".join(parts)
+
+
+def _serve_commands(model: str, prov: Provenance, convention: str, served: tuple[Serving, ...]) -> list[str]:
+    """Each group of `_COMMANDS` with a release whose loader holds the scales, headed by those releases."""
+    holding = {s.engine: s.model.name for s in served if s.reaches}
+    if convention == "vllm-json":  # the scales live in a file only SGLang still reads
+        holding = {engine: name for engine, name in holding.items() if engine == "sglang"}
     sglang_dtype = _kv_dtype(prov)
-    vllm_dtype = VLLM_KV_CACHE_DTYPE[sglang_dtype]
-    transformers = (f"\n\ntransformers loads this model as its source, with an unquantized cache: it does not read "
-                    f"`{COMPRESSION_CONFIG}`, where the scales are declared, and reports `k_scale`/`v_scale` as "
-                    "unexpected keys.") if kv_only_block else ""
-    if prov.format == "vllm-json":  # the scales live in a file only SGLang still reads
-        return (
-            "## How to serve\n\n"
-            f"The scales are in `{VLLM_JSON_FILE}`, vLLM's legacy scale file. {vllm_json_readers(VLLM_JSON_FILE)}.\n\n"
-            f"SGLang:\n\n```bash\npython -m sglang.launch_server --model-path {model} --kv-cache-dtype "
-            f"{sglang_dtype} --quantization-param-path {VLLM_JSON_FILE}\n```"
-        )
-    return (
-        "## How to serve\n\n"
-        "The scales are only used when the KV cache is FP8, so pass the KV-cache dtype.\n\n"
-        f"vLLM on GPU:\n\n```bash\nvllm serve {model} --kv-cache-dtype {vllm_dtype}\n```\n\n"
-        "vLLM on TPU (`pip install vllm-tpu`, which runs tpu-inference 0.32; its JAX kernel pads the KV heads, so the "
-        "head rule under Limitations is only vLLM's older torch_xla backend's). tpu-inference's default JAX models "
-        "of Llama, Qwen and Gemma run the cache at scale 1.0 whatever the checkpoint holds; `MODEL_IMPL_TYPE=vllm` "
-        "runs vLLM's model code, which reads these scales:"
-        f"\n\n```bash\nMODEL_IMPL_TYPE=vllm vllm serve {model} --kv-cache-dtype {vllm_dtype}\n```\n\n"
-        "SGLang 0.5.19 or later (earlier releases drop compressed-tensors KV scales at load):"
-        f"\n\n```bash\npython -m sglang.launch_server --model-path {model} --kv-cache-dtype {sglang_dtype}\n```\n\n"
-        "To confirm an engine holds these scales, run its own loader on this folder: `fp8kv load-check DIR --engine "
-        "vllm|sglang --python ENGINE_PYTHON` prints the scale each attention layer holds next to the file's."
-        + transformers
-    )
+    found = []
+    for heading, engines, command in _COMMANDS:
+        releases = [holding[engine] for engine in engines if engine in holding]
+        line = command.format(model=model, vllm=VLLM_KV_CACHE_DTYPE[sglang_dtype], sglang=sglang_dtype)
+        if convention == "vllm-json":
+            line += f" --quantization-param-path {VLLM_JSON_FILE}"
+        if releases:
+            found.append(f"{heading} ({', '.join(releases)}):\n\n```bash\n{line}\n```")
+    return found
 
 
 def _limitations(prov: Provenance) -> str:

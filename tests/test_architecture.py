@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"engine_models"},
     {"checkpoint"},
     {"data", "observe", "runtime"},
-    {"checks"},
+    {"checks", "serving"},
     {"inspection", "calibrate"},
     {"verify", "loadcheck"},
     {"conformance"},

@@ -25,6 +25,7 @@ from fp8kv.inspection import scale_rows
 from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
 from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime import xla_cost
+from fp8kv.serving import loss_line
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, engines, fidelity, generation, heldout
 from fp8kv.verify.request import VerifyRequest, check_verify_request
@@ -208,9 +209,8 @@ def serving_models(names: tuple[str, ...], static: StaticResult) -> tuple[Engine
 def loader_reasons(models: tuple[EngineModel, ...]) -> list[Finding]:
     """FAIL for each engine release whose own loader did not start on this model class with these scales (a
     calibrated output must never keep a model from serving); INFO for each whose loader fp8kv has not run on it."""
-    reasons = [Finding(FAIL, f"engine {m.name} does not start on this checkpoint: {m.unread}", (m.name,))
-               for m in models if not m.starts]
-    return reasons + [Finding(INFO, f"engine {m.name}: {m.unchecked}", (m.name,)) for m in models if m.unchecked]
+    reasons = [Finding(FAIL, f"engine {loss_line(m)}", (m.name,)) for m in models if not m.starts]
+    return reasons + [Finding(INFO, f"engine {loss_line(m)}", (m.name,)) for m in models if m.unchecked]
 
 
 def _query_cost(request: VerifyRequest, runners: accuracy.Runners, scales: KVScales, samples: list[list[int]],

@@ -92,7 +92,8 @@ def test_card_shows_provenance_scales_and_report_numbers(verified_dir: Path) -> 
 def test_card_serve_commands(verified_dir: Path) -> None:
     text = render_card(verified_dir, repo_id="me/llama-fp8kv")
     assert "vllm serve me/llama-fp8kv --kv-cache-dtype fp8\n" in text
-    assert text.count("vllm serve me/llama-fp8kv --kv-cache-dtype fp8\n") == 2  # GPU and TPU
+    assert text.count("vllm serve me/llama-fp8kv --kv-cache-dtype fp8\n") == 2  # GPU or CPU, and TPU
+    assert "vLLM on GPU or CPU (vllm-cuda@0.34.0, vllm-triton@0.34.0, vllm-cpu@0.32.0):" in text
     assert "pip install vllm-tpu" in text
     assert "python -m sglang.launch_server --model-path me/llama-fp8kv --kv-cache-dtype fp8_e4m3" in text
     assert ("transformers loads this model as its source, with an unquantized cache: it does not read "
@@ -115,14 +116,18 @@ def test_card_shows_the_scales_the_file_holds_when_it_changed_after_calibration(
            "file's, as verify read them; amax and saturation are calibration's." in text
 
 
-def test_card_of_a_vllm_json_folder_serves_it_where_the_file_is_read(calibrated_dir: Path) -> None:
-    """vLLM no longer reads kv_cache_scales.json: a `vllm serve` line would run the cache at scale 1.0."""
+def test_card_of_a_vllm_json_folder_serves_it_nowhere_and_names_the_route(calibrated_dir: Path) -> None:
+    """vLLM no longer reads kv_cache_scales.json, and SGLang 0.5.23's loader holds one value per layer in K and V
+    that its attention does not run as written: no serve command, the convert that works named."""
     _edit_provenance(calibrated_dir, format="vllm-json")
     text = render_card(calibrated_dir, repo_id="me/x")
     assert "in the vllm-json convention (a scale file SGLang reads)" in text
-    assert ("python -m sglang.launch_server --model-path me/x --kv-cache-dtype fp8_e4m3 --quantization-param-path "
-            "kv_cache_scales.json") in text
-    assert "vllm serve" not in text and "vLLM no longer does (0.32 runs the folder at scale 1.0)" in text
+    assert "sglang.launch_server" not in text and "```bash\nvllm serve" not in text
+    assert "vLLM no longer does (0.32 runs the folder at scale 1.0)" in text
+    assert ("\n- sglang@0.5.23 does not run these scales: it reads compressed-tensors, ModelOpt and Quark scales (a "
+            "vllm-json file only with --quantization-param-path, which no model class's attention then reads as it "
+            "writes); its loader holds this model's scales in compressed-tensors: fp8kv convert me/x --to "
+            "compressed-tensors --out me/x-compressed-tensors\n") in text
 
 
 def test_card_without_report_says_not_verified_and_has_no_plot(calibrated_dir: Path) -> None:

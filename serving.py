@@ -1,0 +1,108 @@
+"""Which released engines serve a checkpoint's scales: per engine release, what its own loader holds for this model
+class and format, as `EngineModel.for_checkpoint` resolves it from the loader matrix, in the one line that
+calibrate's closing lines, the model card and verify print.
+
+    for line in serving_lines(serving(traits_of(out, "compressed-tensors", per_head=False))): print(line)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fp8kv.engine_models import (
+    HOLDS_ROUNDED, RELEASED, REACHES_CACHE, CheckpointTraits, EngineModel, engine_model, engine_of,
+)
+from fp8kv.errors import Fp8kvError
+from fp8kv.geometry import read_json
+
+# a release with a loader matrix holds the scales, one without reads the convention by its row
+HOLDS, READS, NOT_RUN, NOT_STARTED, UNCHECKED = "holds", "reads", "not run", "does not start", "unchecked"
+
+
+@dataclass(frozen=True)
+class Serving:
+    """One engine release serving a checkpoint (`model`, resolved for it) and the traits it was resolved for."""
+
+    model: EngineModel
+    traits: CheckpointTraits
+
+    @property
+    def engine(self) -> str:
+        return engine_of(self.model.name)
+
+    @property
+    def outcome(self) -> str:
+        """HOLDS or READS (the scales reach its cache), NOT_RUN (1.0), NOT_STARTED or UNCHECKED."""
+        if not self.model.starts:
+            return NOT_STARTED
+        if self.model.ignores_scales:
+            return NOT_RUN
+        if self.model.unchecked:
+            return UNCHECKED
+        release = self.model.release
+        return HOLDS if release is not None and release.loader else READS
+
+    @property
+    def reaches(self) -> bool:
+        """Whether the scales reach this engine's cache as far as fp8kv knows (never for an unchecked class)."""
+        return self.outcome in (HOLDS, READS)
+
+    @property
+    def line(self) -> str:
+        """What this release does with the scales, in one line naming it; a loss names the route that works."""
+        if not self.reaches:
+            return loss_line(self.model)
+        name, release, traits = self.model.name, self.model.release, self.traits
+        assert release is not None  # only a released engine model reaches a cache
+        formats = " and ".join(traits.conventions)
+        if self.outcome == READS:
+            return f"{name} reads {formats} scales: {release.known_by}, its loader not run per model class here"
+        held = {release.held(a, c) for a in traits.architectures for c in traits.conventions} & set(REACHES_CACHE)
+        values = "the file's values rounded to the model's dtype" if held == {HOLDS_ROUNDED} else "the file's values"
+        return (f"{name}'s loader holds {values} in every attention layer of {', '.join(traits.architectures)} with "
+                f"{formats} scales (run here, tests/golden/{release.loaders})")
+
+
+def loss_line(model: EngineModel) -> str:
+    """What a release resolved for a checkpoint (`EngineModel.for_checkpoint`) does instead of running its scales,
+    naming the release, why, and the route that works; verify's findings say the same."""
+    if not model.starts:
+        return f"{model.name} does not start on this checkpoint: {model.unread}"
+    if model.ignores_scales:
+        return f"{model.name} does not run these scales: {model.unread}"
+    assert model.unchecked, f"{model.name} runs the checkpoint's scales"
+    return f"{model.name}: {model.unchecked}"
+
+
+def traits_of(folder: str | Path, convention: str, per_head: bool) -> CheckpointTraits:
+    """The traits that decide what each release's loader does with `folder`'s scales: config.json's model classes,
+    the convention the scales are written in, whether they are per KV head."""
+    path = Path(folder)
+    try:
+        architectures = read_json(path / "config.json").get("architectures")
+    except Fp8kvError:  # no readable config: no model class, so every loader matrix says unchecked
+        architectures = None
+    names = tuple(a for a in architectures if isinstance(a, str)) if isinstance(architectures, list) else ()
+    return CheckpointTraits(names, (convention,), per_head, str(path))
+
+
+def serving(traits: CheckpointTraits, names: tuple[str, ...] = RELEASED) -> tuple[Serving, ...]:
+    """Each of `names` (default: the newest release of every engine still released) resolved for `traits`."""
+    return tuple(Serving(engine_model(name).for_checkpoint(traits), traits) for name in names)
+
+
+def serving_lines(served: tuple[Serving, ...]) -> list[str]:
+    """One line per engine release: those whose cache gets the scales first, then the losses with their routes."""
+    return [s.line for s in served if s.reaches] + [s.line for s in served if not s.reaches]
+
+
+def asked(traits: CheckpointTraits) -> str:
+    """The model class and format the releases were resolved for, as a phrase."""
+    classes = ", ".join(traits.architectures) or "a model class config.json does not name"
+    return f"{classes}, {' and '.join(traits.conventions)}"
+
+
+def serving_heading(traits: CheckpointTraits) -> str:
+    """The line above the engine lines."""
+    return f"what each engine release does with these scales ({asked(traits)}):"
