@@ -142,3 +142,15 @@ def test_a_folder_without_a_model_class_is_unchecked(tmp_path):
     assert sglang.line == (f"sglang@0.5.23: sglang 0.5.23's loader has not been run on this model here "
                            f"({SGLANG_MATRIX}), so whether it holds these scales is unchecked: "
                            f"fp8kv load-check {tmp_path} --engine sglang --python ENGINE_VENV/bin/python")
+
+
+def test_readme_serve_table_says_per_architecture_and_links_the_loader_matrix():
+    root = Path(__file__).parents[1]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    serve = readme[readme.index("## Serve the output"):]
+    serve = serve[:serve.index("\n## ", 1)]
+    anchor = "docs/engines.md#which-scales-reach-the-cache-per-architecture"
+    assert "| engine | first release that runs fp8kv's scales, per architecture | serve with |" in serve
+    assert f"[loader matrix]({anchor})" in serve
+    # the anchor GitHub makes of the section's heading
+    assert "\n## Which scales reach the cache, per architecture\n" in (root / "docs" / "engines.md").read_text()
