@@ -17,7 +17,7 @@ from fp8kv.cli import app
 
 REPO = Path(fp8kv.__file__).parent
 # Repository folders that are not part of the package.
-NOT_PACKAGED = {".venv", ".git", ".ci", "tests", "bench", "tools", "build", "dist", "out", "__pycache__"}
+NOT_PACKAGED = {".venv", ".git", ".ci", "tests", "bench", "probes", "tools", "build", "dist", "out", "__pycache__"}
 
 
 def _commands() -> list[str]:
