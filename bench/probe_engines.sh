@@ -30,4 +30,7 @@ test -x bench/.vllm-venv/bin/python || bash bench/vllm_venv.sh
 # Both engines' own loaders on every zoo architecture they have, per fp8kv output format (about 10 minutes)
 "$PY" bench/probe_loaders.py
 
+# vLLM's CUDA wheel of the CPU build's release: the Python its loader runs, file for file against the CPU wheel's
+"$PY" bench/vllm_cuda_python.py
+
 git -C "$ROOT" status --short tests/golden
