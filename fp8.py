@@ -29,6 +29,8 @@ assert all(torch.finfo(dtype).max == FP8_MAX[name] and str(dtype) == f"torch.{TO
 OVERFLOW_BYTE = {"fp8_e4m3": 0x7F, "fp8_e5m2": 0x7C}
 NAN_BYTE = {"fp8_e4m3": 0x7F, "fp8_e5m2": 0x7F}
 _KV_DTYPE_OF = {dtype: name for name, dtype in FP8_DTYPES.items()}
+# The bits that, all set, make a code non-finite (the sign bit aside).
+_NONFINITE_BITS = {"fp8_e4m3": 0x7F, "fp8_e5m2": 0x7C}
 
 
 def canonical_cache_dtype(name: str) -> str:
@@ -79,6 +81,17 @@ def _special_values(kv: str, device: torch.device) -> tuple[torch.Tensor, ...]:
     """
     bytes_ = [NAN_BYTE[kv], OVERFLOW_BYTE[kv], NAN_BYTE[kv] | 0x80, OVERFLOW_BYTE[kv] | 0x80]
     return tuple(torch.tensor([b], dtype=torch.uint8).view(FP8_DTYPES[kv]).to(device) for b in bytes_)
+
+
+def nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """Where `x` holds NaN or ±inf. An fp8 tensor off XLA is read from its bytes (every exponent bit set: e4m3fn's
+    one such code with every mantissa bit set is its NaN; e5m2's are inf and NaN): widening each value to float32
+    first costs several times the quantizing write on a CPU. XLA views no fp8 tensor as bytes without a trip
+    through the host."""
+    if not is_fp8(x.dtype) or x.device.type == "xla":
+        return ~torch.isfinite(x.float())
+    special = _NONFINITE_BITS[_KV_DTYPE_OF[x.dtype]]
+    return (x.view(torch.uint8) & special) == special
 
 
 def truncate_to_fp8(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, as_engine_model
-from fp8kv.fp8 import is_fp8
+from fp8kv.fp8 import is_fp8, nonfinite
 
 SCRATCH_PAGE = 0
 
@@ -279,7 +279,7 @@ class PagedKVCache(PagedLayers):
             self.clamped[row] += over.unflatten(1, (heads, 2)).sum(dim=(0, 1, 3))
             if self.forward is not None:
                 self.forward.over.add_(over.flatten(1).sum(1))
-        bad = ~torch.isfinite(stored.float()) & mask
+        bad = nonfinite(stored) & mask
         self.nonfinite[row] += bad.unflatten(1, (heads, 2)).sum(dim=(0, 1, 3))
         self.written[row] += valid.sum() * heads * self._head_dims[row]
 

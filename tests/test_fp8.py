@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, to_fp8, truncate_to_fp8
+from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, nonfinite, to_fp8, truncate_to_fp8
 from fp8kv.kvdtypes import FP8_MAX
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -73,3 +73,12 @@ def test_fp8_max_and_vllm_spelling():
     assert FP8_MAX == {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
     assert set(FP8_DTYPES.values()) == {E4M3, E5M2}
     assert canonical_cache_dtype("fp8") == "fp8_e4m3"
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_nonfinite_reads_every_fp8_code_as_its_float_value_does(dtype):
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    assert torch.equal(nonfinite(codes), ~torch.isfinite(codes.float()))
+    assert int(nonfinite(codes).sum()) == (2 if dtype == torch.float8_e4m3fn else 8)  # ±NaN; ±inf and 6 NaNs
+    wide = torch.tensor([1.0, float("nan"), float("inf"), -3.0], dtype=torch.bfloat16)
+    assert nonfinite(wide).tolist() == [False, True, True, False]

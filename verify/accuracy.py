@@ -17,6 +17,7 @@ values clamped at ±MAX and any NaN/inf stored.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -190,6 +191,12 @@ class ScoredSample:
     logp: torch.Tensor
     bad_rows: int
 
+    @functools.cached_property
+    def top1(self) -> torch.Tensor:
+        """Each row's most likely token, computed once: a reference is scored against every runner. (Its
+        probabilities are not kept: on a 262k vocabulary they would double what a batch's references hold.)"""
+        return self.logp.argmax(-1)
+
     @classmethod
     def of(cls, logits: torch.Tensor) -> ScoredSample:
         logits = logits.float()
@@ -213,7 +220,7 @@ class SequenceScore:
     @classmethod
     def of(cls, ids: list[int], sample: ScoredSample, reference: ScoredSample) -> SequenceScore:
         kl = token_kl(reference.logp, sample.logp)  # [L]; NaN logits give NaN
-        top1 = int((sample.logp.argmax(-1) == reference.logp.argmax(-1)).sum())
+        top1 = int((sample.top1 == reference.top1).sum())
         return cls(float(kl.sum()), float(kl.max()), top1, sequence_nll(ids, sample.logp), sample.bad_rows)
 
 
