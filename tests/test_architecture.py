@@ -38,7 +38,7 @@ PACKAGE = "fp8kv"
 
 
 def product_modules() -> list[Path]:
-    skip = {"tests", "bench", "build"}
+    skip = {"tests", "bench", "probes", "build"}
     return sorted(p for p in ROOT.rglob("*.py")  # hidden folders (.venv, .venv-newest) hold no fp8kv module
                   if not any(part in skip or part.startswith(".") for part in p.relative_to(ROOT).parts))
 
