@@ -29,8 +29,10 @@ assert all(torch.finfo(dtype).max == FP8_MAX[name] and str(dtype) == f"torch.{TO
 OVERFLOW_BYTE = {"fp8_e4m3": 0x7F, "fp8_e5m2": 0x7C}
 NAN_BYTE = {"fp8_e4m3": 0x7F, "fp8_e5m2": 0x7F}
 _KV_DTYPE_OF = {dtype: name for name, dtype in FP8_DTYPES.items()}
-# The bits that, all set, make a code non-finite (the sign bit aside).
+# The bits that, all set, make a code non-finite (the sign bit aside), and the largest magnitude code that is not NaN
+# (e4m3fn: 448; e5m2: inf).
 _NONFINITE_BITS = {"fp8_e4m3": 0x7F, "fp8_e5m2": 0x7C}
+_LAST_NOT_NAN = {"fp8_e4m3": 0x7E, "fp8_e5m2": 0x7C}
 
 
 def canonical_cache_dtype(name: str) -> str:
@@ -92,6 +94,22 @@ def nonfinite(x: torch.Tensor) -> torch.Tensor:
         return ~torch.isfinite(x.float())
     special = _NONFINITE_BITS[_KV_DTYPE_OF[x.dtype]]
     return (x.view(torch.uint8) & special) == special
+
+
+def reads_differently(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Where two tensors of one dtype hold values that read differently: a NaN reads as any NaN, -0 as +0. fp8
+    off XLA compares canonical bytes (every NaN one code, every zero one code), for the reason `nonfinite` gives."""
+    if not is_fp8(a.dtype) or a.device.type == "xla":
+        wide_a, wide_b = a.float(), b.float()
+        return (wide_a != wide_b) & ~(wide_a.isnan() & wide_b.isnan())
+    return _canonical_code(a) != _canonical_code(b)
+
+
+def _canonical_code(x: torch.Tensor) -> torch.Tensor:
+    code = x.view(torch.uint8)
+    magnitude = code & 0x7F
+    code = torch.where(magnitude > _LAST_NOT_NAN[_KV_DTYPE_OF[x.dtype]], 0x7F, code)
+    return torch.where(magnitude == 0, 0, code)
 
 
 def truncate_to_fp8(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, as_engine_model
-from fp8kv.fp8 import is_fp8, nonfinite
+from fp8kv.fp8 import is_fp8, nonfinite, reads_differently
 
 SCRATCH_PAGE = 0
 
@@ -315,11 +315,10 @@ def shadow_differences(shadows: tuple[EngineModel, ...], x: torch.Tensor, scale:
 
     Values compare as the attention reads them (a NaN equals a NaN); `mask` (broadcast to `x`) marks real tokens.
     """
-    held = stored.float()
     counts = []
     for shadow in shadows:
-        other = shadow.write(x, scale, stored.dtype).float()
-        counts.append(((other != held) & ~(other.isnan() & held.isnan()) & mask).flatten(1).sum(1))
+        other = shadow.write(x, scale, stored.dtype)
+        counts.append((reads_differently(other, stored) & mask).flatten(1).sum(1))
     return torch.stack(counts)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, nonfinite, to_fp8, truncate_to_fp8
+from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, nonfinite, reads_differently, to_fp8, truncate_to_fp8
 from fp8kv.kvdtypes import FP8_MAX
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -82,3 +82,13 @@ def test_nonfinite_reads_every_fp8_code_as_its_float_value_does(dtype):
     assert int(nonfinite(codes).sum()) == (2 if dtype == torch.float8_e4m3fn else 8)  # ±NaN; ±inf and 6 NaNs
     wide = torch.tensor([1.0, float("nan"), float("inf"), -3.0], dtype=torch.bfloat16)
     assert nonfinite(wide).tolist() == [False, True, True, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_two_codes_read_differently_exactly_where_their_values_do(dtype):
+    a = torch.arange(256, dtype=torch.uint8).repeat_interleave(256).view(dtype)
+    b = torch.arange(256, dtype=torch.uint8).repeat(256).view(dtype)
+    wide_a, wide_b = a.float(), b.float()
+    assert torch.equal(reads_differently(a, b), (wide_a != wide_b) & ~(wide_a.isnan() & wide_b.isnan()))
+    assert not reads_differently(torch.tensor([0x00, 0x7F], dtype=torch.uint8).view(dtype),
+                                 torch.tensor([0x80, 0xFF], dtype=torch.uint8).view(dtype)).any()  # ±0, ±NaN
