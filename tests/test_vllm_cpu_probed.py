@@ -102,6 +102,7 @@ def test_scale_differences_have_the_engines_sign_and_interval(predicted, better,
 # --- what the attention reads back for every code ---
 
 READ = json.loads((PROBED / "read.json").read_text())
+READ_NUMERICS = {"vec": "float32"}  # fp8kv's attention arithmetic per path whose reads are predicted
 READ_CASES = [(isa, case) for isa, result in READ["paths"].items() if result["ran"]
               for case, found in result["caches"].items() if "refused" not in found]
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -111,7 +112,8 @@ def _decoded(values: list) -> torch.Tensor:
     return torch.tensor([float(x) for x in values])  # "nan", "inf" spelled out
 
 
-def _attend(codes: torch.Tensor, query: torch.Tensor, dtype: torch.dtype, k_scale: float, v_scale: float) -> torch.Tensor:
+def _attend(codes: torch.Tensor, query: torch.Tensor, dtype: torch.dtype, k_scale: float, v_scale: float,
+            numerics: str) -> torch.Tensor:
     """fp8kv's attention of one query per sequence over its cached tokens: `codes` `[sequences, tokens, 2, D]` uint8
     (K, V), `query` `[sequences, D]`; the output `[sequences, D]` in float32."""
     sequences, tokens = codes.shape[:2]
@@ -120,19 +122,19 @@ def _attend(codes: torch.Tensor, query: torch.Tensor, dtype: torch.dtype, k_scal
         query[:, None], pages, torch.full((sequences,), tokens, dtype=torch.int32),
         torch.arange(sequences, dtype=torch.int32)[:, None], torch.arange(sequences + 1, dtype=torch.int32),
         torch.tensor([sequences], dtype=torch.int32), sm_scale=READ["meta"]["sm_scale"], k_scale=k_scale,
-        v_scale=v_scale, numerics=PREDICTED["vec"][1])
+        v_scale=v_scale, numerics=numerics)
     return out[:, 0].float()
 
 
-def _v_read(cache: str, query_dtype: torch.dtype, scale: float) -> torch.Tensor:
+def _v_read(cache: str, query_dtype: torch.dtype, scale: float, numerics: str) -> torch.Tensor:
     """Every code as the one cached token's V, read with weight 1."""
     dim = READ["meta"]["head_dim"]
     codes = torch.zeros(4, 1, 2, dim, dtype=torch.uint8)
     codes[:, 0, 1] = torch.arange(256, dtype=torch.uint8).view(4, dim)
-    return _attend(codes, torch.zeros(4, dim, dtype=query_dtype), FP8[cache], 1.0, scale).flatten()
+    return _attend(codes, torch.zeros(4, dim, dtype=query_dtype), FP8[cache], 1.0, scale, numerics).flatten()
 
 
-def _k_read(cache: str, query_dtype: torch.dtype, scale: float) -> torch.Tensor:
+def _k_read(cache: str, query_dtype: torch.dtype, scale: float, numerics: str) -> torch.Tensor:
     """Every code as the first of two cached tokens' K, on dimension code % D, read as that token's softmax weight."""
     dim = READ["meta"]["head_dim"]
     rows, dims = torch.arange(256), torch.arange(256) % dim
@@ -141,11 +143,18 @@ def _k_read(cache: str, query_dtype: torch.dtype, scale: float) -> torch.Tensor:
     codes[:, 0, 1] = torch.ones(1, dtype=FP8[cache]).view(torch.uint8)  # V = 1.0 on the first token, 0 on the second
     query = torch.zeros(256, dim, dtype=query_dtype)
     query[rows, dims] = 1.0
-    return _attend(codes, query, FP8[cache], scale, 1.0)[:, 0]
+    return _attend(codes, query, FP8[cache], scale, 1.0, numerics)[:, 0]
 
 
 def _nan_codes(cache: str) -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8).view(FP8[cache]).float().isnan()
+
+
+def test_every_path_read_has_a_prediction():
+    ran = {isa for isa, result in READ["paths"].items() if result["ran"]}
+    assert "vec" in ran and ran <= set(READ_NUMERICS), ran
+    for isa, result in READ["paths"].items():
+        assert result["ran"] or result["reason"], isa  # a path not run says why
 
 
 @pytest.mark.parametrize("isa, case", READ_CASES)
@@ -160,10 +169,10 @@ def test_every_code_reads_back_as_the_engine_reads_it(isa, case):
     skip = nan if cache == "fp8" else torch.zeros(256, dtype=torch.bool)
     atol = 2.0**-23  # measured 1.2e-7 (float32 queries), 6e-39 (bf16 queries)
     for scale_name, values in found["v"]["read"].items():
-        theirs, mine = _decoded(values), _v_read(cache, query_dtype, float(scale_name))
+        theirs, mine = _decoded(values), _v_read(cache, query_dtype, float(scale_name), READ_NUMERICS[isa])
         torch.testing.assert_close(mine[~skip], theirs[~skip], rtol=0, atol=0, equal_nan=True, msg=f"V {scale_name}")
     for scale_name, values in found["k"]["read"].items():
-        theirs, mine = _decoded(values), _k_read(cache, query_dtype, float(scale_name))
+        theirs, mine = _decoded(values), _k_read(cache, query_dtype, float(scale_name), READ_NUMERICS[isa])
         torch.testing.assert_close(mine[~skip], theirs[~skip], rtol=0, atol=atol, equal_nan=True, msg=f"K {scale_name}")
 
 
