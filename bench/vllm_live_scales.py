@@ -32,6 +32,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import common  # bench/common.py
+
 PROMPTS = ("The list type is a mutable sequence of items.",
            "Use the with statement to open a file and read its lines.",
            "A dictionary maps hashable keys to arbitrary values.")
@@ -241,10 +243,7 @@ def main() -> int:
                "reload": run_stage("reload", spec, args.timeout)}
     result["machine"]["load_average_after"] = os.getloadavg()
     print(report(result))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    common.write_json(args.out, result)
     return 0
 
 

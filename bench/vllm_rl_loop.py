@@ -42,6 +42,8 @@ from fp8kv import api
 from fp8kv.json_fields import to_json_value
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT, BUNDLED_MODEL_DIR
 
+import common  # bench/common.py
+
 ROLLOUT_PROMPT_TOKENS = 24
 ROLLOUT_NEW_TOKENS = 32
 SCORED_TOKENS = 64
@@ -257,10 +259,7 @@ def main() -> int:
             print("\n".join(step_lines(record)), flush=True)
     result["machine"]["load_average_after"] = os.getloadavg()
     print(report(result))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    common.write_json(args.out, result)
     return 0
 
 
