@@ -70,9 +70,14 @@ def loss_line(model: EngineModel) -> str:
     if not model.starts:
         return f"{model.name} does not start on this checkpoint: {model.unread}"
     if model.ignores_scales:
-        return f"{model.name} does not run these scales: {model.unread}"
+        return not_run(model.name, model.unread)
     assert model.unchecked, f"{model.name} runs the checkpoint's scales"
     return f"{model.name}: {model.unchecked}"
+
+
+def not_run(name: str, why: str) -> str:
+    """A release whose cache runs at 1.0 with this checkpoint, and why (verify's engine rows record `why`)."""
+    return f"{name} does not run these scales: {why}"
 
 
 def traits_of(folder: str | Path, convention: str, per_head: bool) -> CheckpointTraits:
