@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -252,3 +254,17 @@ def test_a_prefill_over_random_codes_is_the_engines(isa, case):
         mine = _mixed_read(found, query_dtype, float(scale_name), READ_NUMERICS[isa])
         atol = 5e-7 if query_dtype == torch.float32 and float(scale_name) != 1.0 else 0.0
         torch.testing.assert_close(mine, torch.tensor(values), rtol=0, atol=atol, msg=f"{case} scale {scale_name}")
+
+
+def test_a_path_this_cpu_cannot_run_is_one_line_and_exit_4(tmp_path):
+    """The runs probe decides from the CPU's flags before it imports an engine, so fp8kv's own Python runs it."""
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    if "amx_tile" in flags:
+        pytest.skip("this CPU has AMX tiles: the amx path runs here")
+    probe = Path(__file__).parents[1] / "probes" / "vllm_cpu_runs.py"
+    done = subprocess.run([sys.executable, str(probe), "--isa", "amx", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 4, done.stderr
+    assert done.stdout.splitlines() == ["vllm-cpu amx: this CPU lacks amx_tile, amx_bf16; vLLM's fp8 cache cannot run "
+                                        "that path here"]
+    assert not list(tmp_path.iterdir())
