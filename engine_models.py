@@ -139,7 +139,8 @@ class Release:
     fp8kv conventions whose scales reach the cache; `unread_architectures` are architectures whose scales are never
     read (a model path that keeps 1.0); `unread` says why scales do not reach the cache where they may not.
     `loader` is what its own loader held per convention (or SOURCE) and model class (the loader matrix, recorded in
-    tests/golden/`loaders`); `load_check` is the `fp8kv load-check --engine` that runs it.
+    tests/golden/`loaders`); `load_check` is the `fp8kv load-check --engine` that runs it; `loader_from` names the row
+    whose matrix it takes over (the same loader code in another build of the release).
     """
 
     engine: str
@@ -157,6 +158,7 @@ class Release:
     loader: tuple[LoaderHeld, ...] = ()
     loaders: str | None = None
     load_check: str | None = None
+    loader_from: str | None = None  # the release row whose loader matrix this one takes over
 
     def held(self, architecture: str, convention: str) -> str | None:
         """What this release's loader held for `architecture` with `convention`'s scales (None: not run)."""
@@ -284,7 +286,7 @@ class EngineModel:
             why = release.unread
         elif traits.per_head and not release.per_head:
             why = "it takes one k_scale and v_scale per layer, not the per-head scales this checkpoint holds"
-        elif release.loader:
+        elif release.loader and not traits.per_head:  # the loader matrix knows one scale per layer
             held = _held(release, traits)
             if held is None:
                 return replace(self, unchecked=_unchecked(release, traits))
@@ -364,7 +366,7 @@ def _release_model(row: dict[str, Any]) -> EngineModel:
                       row["evidence"], row.get("golden"), tuple(row["scales"]),
                       tuple(row.get("unread_architectures", ())), row["per_head"],
                       row.get("superseded_by"), row.get("unread", ""), loader, row.get("loaders"),
-                      row.get("load_check"))
+                      row.get("load_check"), row.get("loader_from"))
     saturate, above_range = _PAST_MAX[row["past_max"]]
     return EngineModel(f"{release.engine}@{release.label}", WRITES[row["write"]], saturate, row["source"],
                        above_range, truncates=row.get("truncates", False),
@@ -374,7 +376,19 @@ def _release_model(row: dict[str, Any]) -> EngineModel:
 
 def _read_releases() -> tuple[EngineModel, ...]:
     rows = tomllib.loads(files("fp8kv.configs").joinpath(RELEASES_FILE).read_text(encoding="utf-8"))["release"]
-    return tuple(_release_model(row) for row in rows)
+    models = [_release_model(row) for row in rows]
+    by_name = {model.name: model for model in models}
+    return tuple(_lent_loader(model, row, by_name) for model, row in zip(models, rows))
+
+
+def _lent_loader(model: EngineModel, row: dict[str, Any], by_name: dict[str, EngineModel]) -> EngineModel:
+    """A row with `loader_from`: the loader matrix of the row it names, for `loader_formats` (and the source)."""
+    lender = by_name[row["loader_from"]].release if "loader_from" in row else None
+    if lender is None or model.release is None:
+        return model
+    formats = {SOURCE, *row["loader_formats"]}
+    loader = tuple(held for held in lender.loader if held.convention in formats)
+    return replace(model, release=replace(model.release, loader=loader))
 
 
 RELEASE_MODELS = _read_releases()
@@ -456,8 +470,10 @@ EVAL_ENGINES = (engine_model("vllm-cuda").name, engine_model("sglang").name)
 def loader_release(load_check: str, version: str) -> Release | None:
     """The release row with a loader matrix that `fp8kv load-check --engine load_check` found at `version` (None:
     fp8kv has run no loader matrix of that release)."""
-    return next((m.release for m in RELEASE_MODELS if m.release and m.release.loader
-                 and m.release.load_check == load_check and m.release.covers(version)), None)
+    rows = [m.release for m in RELEASE_MODELS if m.release and m.release.loader
+            and m.release.load_check == load_check and m.release.covers(version)]
+    # the row whose own loader made the matrix before one that takes it over
+    return min(rows, key=lambda release: release.loader_from is not None, default=None)
 
 
 def engine_of(name: str) -> str:

