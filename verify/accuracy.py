@@ -7,7 +7,9 @@ writes are the same arithmetic share a runner; an engine whose write differs reu
 sequence in which fp8's cache saw it write each value alike, and a non-saturating engine its saturating
 twin's of every sequence in which no value passed the fp8 maximum). By default every engine
 attends with fp8kv's float32 attention, so engines are told apart by the bytes they write alone;
-`engine_attention` also reproduces each engine's attention arithmetic (one more runner per arithmetic).
+`engine_attention` also reproduces each engine's attention arithmetic (one more runner per arithmetic); a
+hardware path's attention (vLLM CPU's amx) is always reproduced: one more runner at these scales and one at unit
+scales, over the same write.
 Each engine is also run at unit scales with its own write, what its scales are compared with (the
 unit-scale runner wherever that write is exact at 1.0). Every held-out sample is prefilled on each; the
 logits give perplexity, KL(bf16 || fp8) of every next-token distribution and top-1 agreement, per
@@ -69,11 +71,12 @@ class Runners:
         common = dict(device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs, page_size=page_size,
                       model=model)
         k, v = runtime_scales(scales, kv_layers)
-        # the torch attention reproduces an engine's attention arithmetic on request; torch_xla's runs its own, and
-        # a model attending in its own code or over MLA latents keeps its own (each runner's `arithmetic` says which)
-        own = (engine_attention and not resolve_device(device).is_xla
-               and runs_ragged_attention(model, AttentionGeometry.from_dir(model_dir)))
-        numerics = (lambda m: m.attention) if own else (lambda m: None)
+        # the torch attention reproduces a hardware path's attention always and an engine's on request; torch_xla's
+        # runs its own, and a model attending in its own code or over MLA latents keeps its own (each runner's
+        # `arithmetic` says which)
+        ragged = (not resolve_device(device).is_xla
+                  and runs_ragged_attention(model, AttentionGeometry.from_dir(model_dir)))
+        numerics = (lambda m: m.numerics(engine_attention)) if ragged else (lambda m: None)
         engine_models = {model.name: model for model in map(as_engine_model, engines)}
         key = {name: engine.write_key(numerics(engine)) for name, engine in engine_models.items()}
         reference = engine_model(DEFAULT_ENGINE)  # on fp8kv's own float32 attention
@@ -300,7 +303,7 @@ class EngineTotals:
                             sum(s.bad_rows > 0 for s in scores), len(scores), first_nonfinite_layer(runner),
                             model.source, verdict, runner.arithmetic,
                             model.unread or ("its fp8 cache runs at scale 1.0" if model.ignores_scales else ""),
-                            model.release.known_by if model.release else "", accuracy)
+                            model.known_by, accuracy, model.path.selected_by if model.path else "")
 
 
 def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor, ref_probs: torch.Tensor | None = None) -> torch.Tensor:

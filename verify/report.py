@@ -219,8 +219,9 @@ def versus_unit_table(accuracy: Accuracy) -> str:
 
 
 def engine_sources(engines: tuple[EngineResult, ...]) -> str:
-    """One list item per engine model: the engine, version and file it reproduces."""
-    return "\n".join(f"- {e.engine}: {e.source}" + (f" ({e.known_by})" if e.known_by else "") for e in engines)
+    """One list item per engine model: the engine, version and file it reproduces, and what selects a hardware path."""
+    return "\n".join(f"- {e.engine}: {e.source}" + (f"; this path is taken for {e.selected_by}" if e.selected_by else "")
+                     + (f" ({e.known_by})" if e.known_by else "") for e in engines)
 
 
 def engine_table(engines: tuple[EngineResult, ...]) -> str:

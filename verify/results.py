@@ -183,6 +183,7 @@ class EngineResult:
     known_by: str = ""  # how fp8kv knows what this release does ("": a bug model)
     # against the bf16 cache, and these scales against this engine's own write at unit scales
     accuracy: Accuracy | None = None
+    selected_by: str = ""  # a hardware path of its release (the name's /PATH): what makes the release take it
 
 
 @dataclass(frozen=True)

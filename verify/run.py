@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from fp8kv.data import CalibrationData
-from fp8kv.engine_models import VLLM_TPU, CheckpointTraits, EngineModel, engine_model, engine_of
+from fp8kv.engine_models import (
+    VLLM_TPU, CheckpointTraits, EngineModel, engine_model, engine_of, judged_paths, release_name,
+)
 from fp8kv.data import load_tokenizer
 from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.checkpoint.artifacts import VERIFY_DIR, check_writable_location, is_fp8kv_output
@@ -145,11 +147,10 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
         engines=serving, engine_attention=request.engine_attention,
     )
     timings["load_runners"] = time.perf_counter() - clock
-    if request.engine_attention and (xla or not runners.fp8.runs_ragged):
-        why = ("torch_xla's attention runs on an XLA device" if runners.fp8.runs_ragged
-               else f"{source.geometry.model_type} attends in its own code or over MLA latents")
-        reasons.append(Finding(INFO, f"--engine-attention: {why}, so every engine model attends in "
-                                     f"{runners.fp8.arithmetic} here and only its write is its own"))
+    if xla or not runners.fp8.runs_ragged:
+        reasons += _own_attention_notes(request.engine_attention, serving, runners.fp8.arithmetic,
+                                        "torch_xla's attention runs on an XLA device" if runners.fp8.runs_ragged
+                                        else f"{source.geometry.model_type} attends in its own code or over MLA latents")
 
     readback = accuracy.readback(runners.fp8, scales)
     if not readback.equal:
@@ -195,22 +196,38 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
     return measured_all, reasons, timings
 
 
+def _own_attention_notes(engine_attention: bool, serving: tuple[EngineModel, ...], arithmetic: str,
+                         why: str) -> list[Finding]:
+    """INFO where no engine's attention arithmetic can be reproduced here (`why`): for --engine-attention, and for
+    each hardware path whose read would differ."""
+    notes = [Finding(INFO, f"--engine-attention: {why}, so every engine model attends in {arithmetic} here and only "
+                           "its write is its own")] if engine_attention else []
+    return notes + [Finding(INFO, f"engine {m.name}: {why}, so this path's attention ({m.attention}) is not "
+                                  f"reproduced: it attends in {arithmetic} here, like the release's other paths",
+                            (m.name,)) for m in serving if m.path is not None and m.attention]
+
+
 def serving_models(names: tuple[str, ...], static: StaticResult) -> tuple[EngineModel, ...]:
-    """The engine models of `names` as each would serve this checkpoint: at scale 1.0 where its scales would not
-    reach that release's cache (a convention it does not read, a model path that never reads them)."""
+    """The engine models of `names` as each would serve this checkpoint, every hardware path of a release on its own
+    (`judged_paths`): at scale 1.0 where its scales would not reach that release's cache (a convention it does not
+    read, a model path that never reads them)."""
     readout = static.readout
     assert readout.scales is not None  # runnable implies scales
     architectures = readout.source.config.get("architectures") or ()
     traits = CheckpointTraits(tuple(architectures), tuple(readout.conventions), readout.scales.strategy != "tensor",
                               str(readout.source.path))
-    return tuple(engine_model(name).for_checkpoint(traits) for name in names)
+    models = {path.name: path for name in names for path in judged_paths(engine_model(name))}
+    return tuple(model.for_checkpoint(traits) for model in models.values())
 
 
 def loader_reasons(models: tuple[EngineModel, ...]) -> list[Finding]:
     """FAIL for each engine release whose own loader did not start on this model class with these scales (a
-    calibrated output must never keep a model from serving); INFO for each whose loader fp8kv has not run on it."""
-    reasons = [Finding(FAIL, f"engine {loss_line(m)}", (m.name,)) for m in models if not m.starts]
-    return reasons + [Finding(INFO, f"engine {loss_line(m)}", (m.name,)) for m in models if m.unchecked]
+    calibrated output must never keep a model from serving); INFO for each whose loader fp8kv has not run on it. A
+    loader is the release's, whatever path reads the cache: one line per release, naming it."""
+    releases = {(release_name(m.name), m.starts, m.unchecked): replace(m, name=release_name(m.name))
+                for m in models}.values()
+    reasons = [Finding(FAIL, f"engine {loss_line(m)}", (m.name,)) for m in releases if not m.starts]
+    return reasons + [Finding(INFO, f"engine {loss_line(m)}", (m.name,)) for m in releases if m.unchecked]
 
 
 def _query_cost(request: VerifyRequest, runners: accuracy.Runners, scales: KVScales, samples: list[list[int]],
