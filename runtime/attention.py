@@ -225,7 +225,7 @@ def _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, wo
     """Scores, mask, softmax and P·V step by step in `work`'s dtype: `[S, Qm, kv_heads, group, D]` out; `flush`:
     vLLM CPU AMX's products, each below `AMX_FLUSH` lost."""
     kv_heads = k.shape[2]
-    qk = _amx_scores(qs, k) if flush else torch.einsum("sqhgd,slhd->shgql", qs, k)
+    qk = _amx_scores(qs, k, allowed) if flush else torch.einsum("sqhgd,slhd->shgql", qs, k)
     scores = qk * (sm_scale * _head_scale(k_scale, 3) if late else sm_scale)
     if cap:
         scores = cap * torch.tanh(scores / cap)
@@ -234,7 +234,7 @@ def _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, wo
         sink = sinks.to(work).reshape(1, kv_heads, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = _softmax(torch.cat([scores, sink], dim=-1))[..., :-1]
     elif flush:
-        return _amx_values(scores, v) * _head_scale(v_scale, 2)
+        return _amx_values(scores, v, allowed) * _head_scale(v_scale, 2)
     else:
         probs = _softmax(scores)
     out = torch.einsum("shgql,slhd->sqhgd", probs, v)  # [S, Qm, kv_heads, group, D]
@@ -246,22 +246,40 @@ def _flush(x: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(x.abs() < AMX_FLUSH, 0.0)
 
 
-def _amx_scores(qs: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def _amx_scores(qs: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """Q·K of `qs` `[S, Qm, kv_heads, group, D]` and raw `k` `[S, L, kv_heads, D]` with each product q_d * k_d
-    flushed: `[S, kv_heads, group, Qm, L]`, summed in float32."""
+    flushed: `[S, kv_heads, group, Qm, L]`, summed in float32; 0 past the last key any query of a block of
+    `AMX_QUERY_ROWS` may see (`allowed` `[S, Qm, L]`: the mask fills those scores anyway)."""
     keys = k.permute(0, 2, 1, 3)[:, :, None, None]  # [S, kv_heads, 1, 1, L, D]
-    return torch.cat([_flush(chunk.permute(0, 2, 3, 1, 4)[..., None, :] * keys).sum(-1)
-                      for chunk in qs.split(AMX_QUERY_ROWS, dim=1)], dim=3)
+    out = qs.new_zeros(*keys.shape[:2], qs.shape[3], qs.shape[1], k.shape[1])
+    for start, seen in _blocks(allowed):
+        chunk = qs[:, start : start + AMX_QUERY_ROWS].permute(0, 2, 3, 1, 4)[..., None, :]
+        out[..., start : start + AMX_QUERY_ROWS, :seen] = _flush(chunk * keys[..., :seen, :]).sum(-1)
+    return out
 
 
-def _amx_values(scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _amx_values(scores: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """P·V of the masked `scores` `[S, kv_heads, group, Qm, L]` over raw `v` `[S, L, kv_heads, D]`: p = exp(score -
     max) in bf16, each product p * v_d flushed, summed in float32 and divided by the row sum of p:
-    `[S, Qm, kv_heads, group, D]`."""
+    `[S, Qm, kv_heads, group, D]`. Keys no query of a block sees are skipped: their p is exactly 0 (every row sees
+    a key, so its max is a real score)."""
     p = torch.exp(scores - scores.amax(dim=-1, keepdim=True)).to(torch.bfloat16).float()
     values = v.permute(0, 2, 1, 3)[:, :, None, None]  # [S, kv_heads, 1, 1, L, D]
-    out = torch.cat([_flush(chunk[..., None] * values).sum(-2) for chunk in p.split(AMX_QUERY_ROWS, dim=3)], dim=3)
+    out = v.new_zeros(*p.shape[:-1], v.shape[-1])
+    for start, seen in _blocks(allowed):
+        chunk = p[..., start : start + AMX_QUERY_ROWS, :seen, None]
+        out[..., start : start + AMX_QUERY_ROWS, :] = _flush(chunk * values[..., :seen, :]).sum(-2)
     return (out / p.sum(-1, keepdim=True)).permute(0, 3, 1, 2, 4)
+
+
+def _blocks(allowed: torch.Tensor) -> list[tuple[int, int]]:
+    """Per block of `AMX_QUERY_ROWS` queries of `allowed` `[S, Qm, L]`: its first query and the number of keys up to
+    the last that any of its queries may see (a causal prefill's first blocks see few: half the products skipped)."""
+    seen = allowed.any(0)  # [Qm, L]
+    keys = torch.arange(1, seen.shape[-1] + 1, device=allowed.device)
+    last = (seen * keys).amax(-1)  # [Qm] keys up to the last one seen
+    return [(start, int(last[start : start + AMX_QUERY_ROWS].max()))
+            for start in range(0, seen.shape[0], AMX_QUERY_ROWS)]
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:
