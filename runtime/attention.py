@@ -246,6 +246,12 @@ def _flush(x: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(x.abs() < AMX_FLUSH, 0.0)
 
 
+def _flushed_sum(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sum over `dim` of the products a * b an AMX tile keeps: zero where |a * b| is below `AMX_FLUSH`."""
+    products = a * b
+    return products.masked_fill_(products.abs() < AMX_FLUSH, 0.0).sum(dim)
+
+
 def _amx_scores(qs: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """Q·K of `qs` `[S, Qm, kv_heads, group, D]` and raw `k` `[S, L, kv_heads, D]` with each product q_d * k_d
     flushed: `[S, kv_heads, group, Qm, L]`, summed in float32; 0 past the last key any query of a block of
@@ -254,7 +260,9 @@ def _amx_scores(qs: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> tor
     out = qs.new_zeros(*keys.shape[:2], qs.shape[3], qs.shape[1], k.shape[1])
     for start, seen in _blocks(allowed):
         chunk = qs[:, start : start + AMX_QUERY_ROWS].permute(0, 2, 3, 1, 4)[..., None, :]
-        out[..., start : start + AMX_QUERY_ROWS, :seen] = _flush(chunk * keys[..., :seen, :]).sum(-1)
+        for seq, head in _sequence_heads(out):  # one sequence and KV head at a time: the products stay in cache
+            out[seq, head, ..., start : start + AMX_QUERY_ROWS, :seen] = _flushed_sum(
+                chunk[seq, head], keys[seq, head, ..., :seen, :], -1)
     return out
 
 
@@ -267,9 +275,16 @@ def _amx_values(scores: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) ->
     values = v.permute(0, 2, 1, 3)[:, :, None, None]  # [S, kv_heads, 1, 1, L, D]
     out = v.new_zeros(*p.shape[:-1], v.shape[-1])
     for start, seen in _blocks(allowed):
-        chunk = p[..., start : start + AMX_QUERY_ROWS, :seen, None]
-        out[..., start : start + AMX_QUERY_ROWS, :] = _flush(chunk * values[..., :seen, :]).sum(-2)
+        for seq, head in _sequence_heads(out):
+            out[seq, head, ..., start : start + AMX_QUERY_ROWS, :] = _flushed_sum(
+                p[seq, head, ..., start : start + AMX_QUERY_ROWS, :seen, None], values[seq, head, ..., :seen, :], -2)
     return (out / p.sum(-1, keepdim=True)).permute(0, 3, 1, 2, 4)
+
+
+def _sequence_heads(out: torch.Tensor) -> list[tuple[int, int]]:
+    """Every (sequence, KV head) of `out` `[S, kv_heads, ...]`: the unit the AMX arithmetic's products are formed
+    in, about 4x faster than all at once, whose temporaries are hundreds of MB."""
+    return [(seq, head) for seq in range(out.shape[0]) for head in range(out.shape[1])]
 
 
 def _blocks(allowed: torch.Tensor) -> list[tuple[int, int]]:
