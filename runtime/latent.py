@@ -20,7 +20,7 @@ import torch
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, as_engine_model
-from fp8kv.fp8 import is_fp8
+from fp8kv.fp8 import is_fp8, nonfinite
 from fp8kv.geometry import LatentCache
 from fp8kv.runtime.cache import PagedLayers, Scale, layer_scales, shadow_differences, shadow_models
 
@@ -86,7 +86,7 @@ class LatentPagedCache(PagedLayers):
             self.clamped[row] += over.sum()
             if self.forward is not None:
                 self.forward.over.add_(over.sum(1))
-        self.nonfinite[row] += (~torch.isfinite(stored.float()) & mask).sum()
+        self.nonfinite[row] += (nonfinite(stored) & mask).sum()
         self.written[row] += valid.sum() * self.latent.width
         if self.forward is not None and self.shadows and is_fp8(self.dtype):
             self.forward.shadow_diffs.add_(shadow_differences(self.shadows, vectors, scale, stored, mask))
