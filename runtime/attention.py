@@ -41,6 +41,7 @@ XLA_REFERENCE = "torch_xla.ragged_paged_attention (reference)"
 # over its 2^-120 decoding bias; also e4m3's smallest normal, so its subnormal codes read as 0.
 AMX_FLUSH = 2.0 ** -6
 AMX_QUERY_ROWS = 32  # queries whose elementwise products are held at once: [S, heads, 32, keys, head_dim]
+_BELOW_AMX_FLUSH = float(torch.nextafter(torch.tensor(AMX_FLUSH), torch.tensor(0.0)))  # the float32 before it
 
 
 def ragged_paged_attention(
@@ -246,10 +247,11 @@ def _flush(x: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(x.abs() < AMX_FLUSH, 0.0)
 
 
-def _flushed_sum(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
-    """The sum over `dim` of the products a * b an AMX tile keeps: zero where |a * b| is below `AMX_FLUSH`."""
-    products = a * b
-    return products.masked_fill_(products.abs() < AMX_FLUSH, 0.0).sum(dim)
+def _flushed_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The sum over the last axis of the products a * b an AMX tile keeps: zero where |a * b| is below `AMX_FLUSH`.
+    hardshrink zeroes |x| <= its bound in one pass (a third of the time of abs, compare and fill); float32 products
+    are exact, so a bound one float32 step below `AMX_FLUSH` keeps exactly those at or above it."""
+    return torch.nn.functional.hardshrink(a * b, _BELOW_AMX_FLUSH).sum(-1)
 
 
 def _amx_scores(qs: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -262,7 +264,7 @@ def _amx_scores(qs: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> tor
         chunk = qs[:, start : start + AMX_QUERY_ROWS].permute(0, 2, 3, 1, 4)[..., None, :]
         for seq, head in _sequence_heads(out):  # one sequence and KV head at a time: the products stay in cache
             out[seq, head, ..., start : start + AMX_QUERY_ROWS, :seen] = _flushed_sum(
-                chunk[seq, head], keys[seq, head, ..., :seen, :], -1)
+                chunk[seq, head], keys[seq, head, ..., :seen, :])
     return out
 
 
@@ -272,12 +274,12 @@ def _amx_values(scores: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) ->
     `[S, Qm, kv_heads, group, D]`. Keys no query of a block sees are skipped: their p is exactly 0 (every row sees
     a key, so its max is a real score)."""
     p = torch.exp(scores - scores.amax(dim=-1, keepdim=True)).to(torch.bfloat16).float()
-    values = v.permute(0, 2, 1, 3)[:, :, None, None]  # [S, kv_heads, 1, 1, L, D]
+    values = v.permute(0, 2, 3, 1)[:, :, None, None]  # [S, kv_heads, 1, 1, D, L]: summed along its last axis
     out = v.new_zeros(*p.shape[:-1], v.shape[-1])
     for start, seen in _blocks(allowed):
         for seq, head in _sequence_heads(out):
             out[seq, head, ..., start : start + AMX_QUERY_ROWS, :] = _flushed_sum(
-                p[seq, head, ..., start : start + AMX_QUERY_ROWS, :seen, None], values[seq, head, ..., :seen, :], -2)
+                p[seq, head, ..., start : start + AMX_QUERY_ROWS, None, :seen], values[seq, head, ..., :seen])
     return (out / p.sum(-1, keepdim=True)).permute(0, 3, 1, 2, 4)
 
 
