@@ -8,6 +8,7 @@ stored in pages `page_indices[s]`. Queries are aligned to the end of their KV (c
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Literal, get_args
 
@@ -247,11 +248,22 @@ def _flush(x: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(x.abs() < AMX_FLUSH, 0.0)
 
 
-def _flushed_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _flushed_sum(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """The sum over the last axis of the products a * b an AMX tile keeps: zero where |a * b| is below `AMX_FLUSH`.
-    hardshrink zeroes |x| <= its bound in one pass (a third of the time of abs, compare and fill); float32 products
-    are exact, so a bound one float32 step below `AMX_FLUSH` keeps exactly those at or above it."""
-    return torch.nn.functional.hardshrink(a * b, _BELOW_AMX_FLUSH).sum(-1)
+
+    The products are formed in `scratch` (flat float32, reused from call to call: a fresh temporary of a few MB
+    costs its page faults each time, about 7x the arithmetic). hardshrink zeroes |x| <= its bound in one pass;
+    float32 products of bf16 and fp8 values are exact, so a bound one float32 step below `AMX_FLUSH` keeps exactly
+    the products at or above it."""
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    products = scratch[: math.prod(shape)].view(shape)
+    torch.mul(a, b, out=products)
+    return torch.hardshrink(products, _BELOW_AMX_FLUSH, out=products).sum(-1)
+
+
+def _scratch(like: torch.Tensor, group: int, keys: int, dim: int) -> torch.Tensor:
+    """Room for one block's products: `group` heads x `AMX_QUERY_ROWS` queries x `keys` x `dim`."""
+    return like.new_empty(group * AMX_QUERY_ROWS * keys * dim)
 
 
 def _amx_scores(qs: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -260,11 +272,12 @@ def _amx_scores(qs: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> tor
     `AMX_QUERY_ROWS` may see (`allowed` `[S, Qm, L]`: the mask fills those scores anyway)."""
     keys = k.permute(0, 2, 1, 3)[:, :, None, None]  # [S, kv_heads, 1, 1, L, D]
     out = qs.new_zeros(*keys.shape[:2], qs.shape[3], qs.shape[1], k.shape[1])
+    scratch = _scratch(qs, qs.shape[3], k.shape[1], k.shape[-1])
     for start, seen in _blocks(allowed):
         chunk = qs[:, start : start + AMX_QUERY_ROWS].permute(0, 2, 3, 1, 4)[..., None, :]
         for seq, head in _sequence_heads(out):  # one sequence and KV head at a time: the products stay in cache
             out[seq, head, ..., start : start + AMX_QUERY_ROWS, :seen] = _flushed_sum(
-                chunk[seq, head], keys[seq, head, ..., :seen, :])
+                chunk[seq, head], keys[seq, head, ..., :seen, :], scratch)
     return out
 
 
@@ -274,12 +287,13 @@ def _amx_values(scores: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) ->
     `[S, Qm, kv_heads, group, D]`. Keys no query of a block sees are skipped: their p is exactly 0 (every row sees
     a key, so its max is a real score)."""
     p = torch.exp(scores - scores.amax(dim=-1, keepdim=True)).to(torch.bfloat16).float()
-    values = v.permute(0, 2, 3, 1)[:, :, None, None]  # [S, kv_heads, 1, 1, D, L]: summed along its last axis
+    values = v.permute(0, 2, 3, 1).contiguous()[:, :, None, None]  # [S, kv_heads, 1, 1, D, L]: summed along L
     out = v.new_zeros(*p.shape[:-1], v.shape[-1])
+    scratch = _scratch(v, p.shape[2], v.shape[1], v.shape[-1])
     for start, seen in _blocks(allowed):
         for seq, head in _sequence_heads(out):
             out[seq, head, ..., start : start + AMX_QUERY_ROWS, :] = _flushed_sum(
-                p[seq, head, ..., start : start + AMX_QUERY_ROWS, None, :seen], values[seq, head, ..., :seen])
+                p[seq, head, ..., start : start + AMX_QUERY_ROWS, None, :seen], values[seq, head, ..., :seen], scratch)
     return (out / p.sum(-1, keepdim=True)).permute(0, 3, 1, 2, 4)
 
 
