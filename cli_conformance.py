@@ -50,7 +50,7 @@ def reference_command(
     if pack.same_as_correct:
         typer.echo(f"note: on these prompts {', '.join(pack.same_as_correct)} give the correct log-probabilities; "
                    "this pack cannot tell them apart (lower --scale-factor)", err=True)
-    typer.echo(f"Serve {out}/model, write its prompt log-probabilities as JSONL (bench/vllm_logprobs.py does it "
+    typer.echo(f"Serve {out}/model, write its prompt log-probabilities as JSONL (probes/vllm_logprobs.py does it "
                f"for vLLM), then: fp8kv conformance check {out} ENGINE.jsonl; the same served with a bf16 cache, "
                "given as --bf16-answers, separates the engine's own arithmetic from its fp8 write")
 

@@ -97,7 +97,7 @@ def swapped(k: ScaleMap, v: ScaleMap) -> tuple[ScaleMap, ScaleMap]:
 
 
 # What a release's own loader held in every attention layer, run on a tiny checkpoint of one model class (the
-# loader matrix, bench/probe_loaders.py): the file's values bit for bit, the file's values rounded (kept in the
+# loader matrix, probes/probe_loaders.py): the file's values bit for bit, the file's values rounded (kept in the
 # model's dtype), 1.0, no scale at all (the layer runs 1.0), anything else; or the engine did not start on it.
 HOLDS_FILE, HOLDS_ROUNDED, HOLDS_ONE, HOLDS_NONE, HOLDS_OTHER, NOT_STARTED = (
     "file", "rounded", "1.0", "none", "other", "does not start")
@@ -508,7 +508,7 @@ def engine_model(name: str) -> EngineModel:
             return replace(model, name=f"{engine}@{version}")
     checked = "; ".join(f"{m.name} covers {m.release.covered}" for m in rows if m.release)
     raise Fp8kvError(f"{engine} {version} is not a release fp8kv has checked ({checked}); "
-                     "bench/probe_engines.sh checks a new one")
+                     "probes/probe_engines.sh checks a new one")
 
 
 DEFAULT_ENGINE = engine_model(VLLM_TPU).name

@@ -45,12 +45,3 @@ def write_results(name: str, rows: list[dict[str, Any]], args: argparse.Namespac
     print(f"wrote {path}")
     return path
 
-
-def write_json(path: Path | None, result: dict[str, Any]) -> None:
-    """A script's whole result to `path` (its --out; nothing where None), for the scripts that run in an engine's
-    venv, where write_results' torch is the engine's."""
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")

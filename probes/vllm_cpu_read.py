@@ -1,6 +1,6 @@
 """What vLLM CPU's attention reads back for every fp8 code, per attention path, written as a golden file.
 
-Runs in vLLM's venv (bench/vllm_venv.sh builds it):
+Runs in vLLM's venv (probes/vllm_venv.sh builds it):
 
     bench/.vllm-venv/bin/python probes/vllm_cpu_read.py
 

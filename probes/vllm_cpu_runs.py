@@ -1,6 +1,6 @@
 """vLLM CPU's own prompt log-probabilities on a fixed pack, per attention path, written as golden files.
 
-Runs in vLLM's venv (bench/vllm_venv.sh builds it, with fp8kv installed there editable):
+Runs in vLLM's venv (probes/vllm_venv.sh builds it, with fp8kv installed there editable):
 
     bench/.vllm-venv/bin/python probes/vllm_cpu_runs.py --isa vec [--dtype bfloat16]
 

@@ -1,5 +1,5 @@
 """Each engine release row (configs/engines.toml) against what the release's own code did, as its probe recorded it
-under tests/golden/ (`bench/probe_engines.sh` writes them again for a new release); no engine is installed here."""
+under tests/golden/ (`probes/probe_engines.sh` writes them again for a new release); no engine is installed here."""
 
 from __future__ import annotations
 

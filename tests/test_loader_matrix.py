@@ -1,5 +1,5 @@
 """The loader matrix: what each engine release's own loader held per model class and fp8kv format, as
-bench/probe_loaders.py recorded it under tests/golden/, against configs/engines.toml and docs/engines.md; and what
+probes/probe_loaders.py recorded it under tests/golden/, against configs/engines.toml and docs/engines.md; and what
 verify makes of it (`EngineModel.for_checkpoint`). No engine is installed here."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ LENT = [m for m in RELEASE_MODELS if m.release and m.release.loader_from]
 
 
 def _probe_loaders() -> Any:
-    """bench/probe_loaders.py, which wrote the golden files and prints the rows of the toml and the docs."""
-    spec = importlib.util.spec_from_file_location("probe_loaders", GOLDEN.parents[1] / "bench" / "probe_loaders.py")
+    """probes/probe_loaders.py, which wrote the golden files and prints the rows of the toml and the docs."""
+    spec = importlib.util.spec_from_file_location("probe_loaders", GOLDEN.parents[1] / "probes" / "probe_loaders.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)

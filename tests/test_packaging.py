@@ -77,6 +77,7 @@ def test_install_has_only_the_fp8kv_package_at_top_level(installed: Path) -> Non
     assert not generic, f"generic top-level names installed: {sorted(generic)}"
     assert not (installed / "fp8kv" / "tests").exists()
     assert not (installed / "fp8kv" / "bench").exists()
+    assert not (installed / "fp8kv" / "probes").exists()
     assert not (installed / "fp8kv" / "tools").exists()  # the model builders are development tools
 
 

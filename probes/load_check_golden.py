@@ -1,7 +1,7 @@
 """What vLLM's own loader holds for fp8kv's outputs, through `load_check`, pinned as a golden file.
 
-    bench/vllm_venv.sh                                  # once: bench/.vllm-venv with vLLM's CPU build
-    .venv/bin/python bench/load_check_golden.py [--smollm2]
+    probes/vllm_venv.sh                                 # once: bench/.vllm-venv with vLLM's CPU build
+    .venv/bin/python probes/load_check_golden.py [--smollm2]
 
 Cases: a tiny bf16 factory llama calibrated by fp8kv (compressed-tensors), the same folder with its scale
 tensors removed (the negative control: the engine must hold 1.0), its `convert --to vllm-json` and
@@ -34,8 +34,8 @@ from fp8kv.loadcheck.run import LoadCheckReport, load_check, to_json
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT
 from fp8kv.tools.factory import make_checkpoint
 
-BENCH = Path(__file__).parent
-GOLDEN = BENCH.parent / "tests" / "golden"
+REPO = Path(__file__).parent.parent
+GOLDEN = REPO / "tests" / "golden"
 
 
 def calibrated(source: str | Path, out: Path) -> Path:
@@ -79,7 +79,7 @@ def engine_python_version(python: Path) -> str:
 def main() -> int:
     options = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     options.add_argument("--engine", default="vllm")
-    options.add_argument("--python", type=Path, default=BENCH / ".vllm-venv" / "bin" / "python")
+    options.add_argument("--python", type=Path, default=REPO / "bench" / ".vllm-venv" / "bin" / "python")
     options.add_argument("--smollm2", action="store_true", help="add SmolLM2-135M (needs the demo extra)")
     args = options.parse_args()
     results: dict[str, tuple[LoadCheckReport, float]] = {}
@@ -96,8 +96,8 @@ def main() -> int:
         args.engine: first.engine_version, "torch": first.torch_version,
         "python": engine_python_version(args.python), "machine": platform.machine(), "cpus": os.cpu_count(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": " ".join([".venv/bin/python", "bench/load_check_golden.py", *sys.argv[1:]]),
-        "engine_python": str(args.python.relative_to(BENCH.parent) if args.python.is_relative_to(BENCH.parent)
+        "command": " ".join([".venv/bin/python", "probes/load_check_golden.py", *sys.argv[1:]]),
+        "engine_python": str(args.python.relative_to(REPO) if args.python.is_relative_to(REPO)
                              else args.python),
     }
     golden = {"provenance": provenance, "cases": {

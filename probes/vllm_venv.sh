@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Builds bench/.vllm-venv: vLLM's CPU build in a venv of its own, for bench/vllm_load_check.py.
+# Builds bench/.vllm-venv: vLLM's CPU build in a venv of its own, for probes/vllm_load_check.py
+# and the other vLLM CPU probes (probes/README.md).
 # vLLM 0.32 pins torch 2.13.0 and fp8kv's venv runs torch 2.9.0 (torch_xla's pin), so the two cannot share one.
 # The vision/audio packages vLLM lists are left out: they are for multimodal inputs, and PyPI's builds of
 # them fail to import beside a CPU torch.
 set -euo pipefail
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-VENV="${VLLM_VENV:-$HERE/.vllm-venv}"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VLLM_VENV:-$REPO/bench/.vllm-venv}"
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0+cpu}"
 PY="$VENV/bin/python"

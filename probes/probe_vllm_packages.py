@@ -8,7 +8,7 @@ from its own files, what decides fp8kv's vLLM engine models:
 - `vllm` (the CUDA build): the torch it pins, the Triton cache write's division and whether the KV-cache method
   takes per-tensor scales only.
 
-    .venv/bin/python bench/probe_vllm_packages.py            # rewrites tests/golden/vllm-releases.json
+    .venv/bin/python probes/probe_vllm_packages.py            # rewrites tests/golden/vllm-releases.json
 
 The CUDA kernels are compiled into the wheel; their source is read at a commit (configs/engines.toml says which).
 """
@@ -116,7 +116,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         record = {
-            "probe": "bench/probe_vllm_packages.py",
+            "probe": "probes/probe_vllm_packages.py",
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "evidence": "packaged: read from each release's files as published, not run",
             "vllm-tpu": {v: tpu_release(download("vllm-tpu", v, Path(tmp))) for v in TPU_RELEASES},

@@ -5,8 +5,8 @@
 # About 11 GB: torch's CUDA build and SGLang's CUDA kernel packages, which loading never runs; all of them install
 # on a machine without a GPU, so nothing is left out.
 set -euo pipefail
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-VENV="${SGLANG_VENV:-$HERE/.sglang-venv}"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${SGLANG_VENV:-$REPO/bench/.sglang-venv}"
 SGLANG_VERSION="${SGLANG_VERSION:-0.5.23}"
 TORCH_VERSION="${TORCH_VERSION:-2.14.1}"
 PY="$VENV/bin/python"

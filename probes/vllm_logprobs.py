@@ -3,7 +3,7 @@
 Runs in a Python with vLLM (its own venv: vLLM pins another torch than fp8kv's), on the machine whose
 engine is checked:
 
-    VLLM_ATTENTION_BACKEND=FLASH_ATTN python bench/vllm_logprobs.py PACK --out ENGINE.jsonl
+    VLLM_ATTENTION_BACKEND=FLASH_ATTN python probes/vllm_logprobs.py PACK --out ENGINE.jsonl
 
 vLLM loads PACK/model with an fp8 KV cache and scores every prompt of PACK/pack.json (its token ids,
 no sampling); each output line is {"id": PROMPT_ID, "logprobs": [...]}: the log-probability of every

@@ -1,10 +1,10 @@
 """The loader matrix: what each engine's own loader holds, per model class and fp8kv output format, written to
 tests/golden/loaders-ENGINE-VERSION.json.
 
-    .venv/bin/python bench/probe_loaders.py                  # both engines, every zoo architecture they have
-    .venv/bin/python bench/probe_loaders.py --engine sglang llama qwen2      # one engine, these model types
+    .venv/bin/python probes/probe_loaders.py                  # both engines, every zoo architecture they have
+    .venv/bin/python probes/probe_loaders.py --engine sglang llama qwen2      # one engine, these model types
 
-Each engine runs in its own venv (bench/vllm_venv.sh, bench/sglang_venv.sh). First each engine's registry says which
+Each engine runs in its own venv (probes/vllm_venv.sh, probes/sglang_venv.sh). First each engine's registry says which
 model classes it has (`loadcheck/probes/ENGINE.py --architectures`); every zoo architecture (tools/zoo.py: each
 causal LM of the installed transformers, built tiny) whose class one of them has is built, calibrated by fp8kv
 (compressed-tensors, the default) and converted with `convert --to modelopt` and `--to vllm-json`. Then one
@@ -263,7 +263,7 @@ def main() -> int:
     engines = args.engine or sorted(ENGINES)
     for engine in engines:
         if not ENGINES[engine]["python"].exists():
-            print(f"no {engine} venv at {ENGINES[engine]['python']}: run bench/{engine}_venv.sh", file=sys.stderr)
+            print(f"no {engine} venv at {ENGINES[engine]['python']}: run probes/{engine}_venv.sh", file=sys.stderr)
             return 2
     from fp8kv.tools.zoo import causal_lm_types
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
@@ -297,7 +297,7 @@ def main() -> int:
             "provenance": {
                 "python": engine_python_version(engine), "machine": platform.machine(), "cpus": os.cpu_count(),
                 "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                "command": " ".join([".venv/bin/python", "bench/probe_loaders.py", *sys.argv[1:]]),
+                "command": " ".join([".venv/bin/python", "probes/probe_loaders.py", *sys.argv[1:]]),
                 "probe": f"loadcheck/probes/{engine}.py --each: the engine's own loader, one process",
                 "matrix_wall_s": round(total_s, 1), "build_wall_s": round(build_s, 1),
                 "build_s": {b.model_type: b.seconds for b in built},

@@ -7,9 +7,9 @@ what decides fp8kv's `sglang@VERSION` engine models:
 - whether its compressed-tensors config gives RadixAttention a KV-cache quant method, the only path on which the
   checkpoint's kv_cache_scheme scales are loaded.
 
-    .venv/bin/python bench/probe_sglang_packages.py          # rewrites tests/golden/sglang-releases.json
+    .venv/bin/python probes/probe_sglang_packages.py          # rewrites tests/golden/sglang-releases.json
 
-What SGLang's loader then holds is run, not read, for one release: bench/probe_sglang.py.
+What SGLang's loader then holds is run, not read, for one release: probes/probe_sglang.py.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ CONFIG = "sglang/srt/layers/quantization/compressed_tensors/compressed_tensors.p
 SATURATING_TORCH = (2, 12)
 PROVENANCE = {
     "source": "the package index, wheels fetched without dependencies and read, not installed",
-    "command": "bench/probe_sglang_packages.py: python -m pip download --no-deps sglang==VERSION -d TMP/VERSION; "
+    "command": "probes/probe_sglang_packages.py: python -m pip download --no-deps sglang==VERSION -d TMP/VERSION; "
                "then read the wheel's *.dist-info/METADATA (Requires-Dist: torch, Requires-Python) and " + CONFIG,
     "built": "the newest timestamp of the wheel's METADATA entry (the build, not the upload date)",
     "pinned_torch_saturates": "derived from the pin, not run per release: torch >= 2.12 saturates bf16 -> "

@@ -1,10 +1,10 @@
 """Load checkpoints in vLLM and print the k/v (and q) scale each attention layer holds against the file's.
 
-Runs in vLLM's own venv (bench/vllm_venv.sh builds bench/.vllm-venv), not fp8kv's:
+Runs in vLLM's own venv (probes/vllm_venv.sh builds bench/.vllm-venv), not fp8kv's:
 
-    bench/.vllm-venv/bin/python bench/vllm_load_check.py MANIFEST.json --out RESULTS.json
+    bench/.vllm-venv/bin/python probes/vllm_load_check.py MANIFEST.json --out RESULTS.json
 
-MANIFEST is a JSON list of cases, as bench/vllm_loading.py writes it:
+MANIFEST is a JSON list of cases, as probes/vllm_loading.py writes it:
 `{"name", "path", "file": {layer: {"k": s, "v": s, "q": s or null}}, "engine_args": {...}}`.
 Each case loads in a child process (vLLM keeps process-wide state, and a refused load must not end
 the run). The held scales are read when vLLM's loader has finished processing the weights

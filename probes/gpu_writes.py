@@ -10,7 +10,7 @@
 
 Prints a table and writes $OUT/gpu_writes.json; exits 1 when vllm-cuda or sglang differ from their models.
 
-    python bench/gpu_writes.py --out results/gpu_writes.json
+    python probes/gpu_writes.py --out results/gpu_writes.json
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Hand new K/V scales to a running vLLM engine (`fp8kv.api.send_scales`) and check what its attention layers
 hold (`fp8kv.api.check_engine_scales`), and what vLLM's own weight reload does to them.
 
-Runs in vLLM's own venv (bench/vllm_venv.sh builds bench/.vllm-venv) with fp8kv installed there
+Runs in vLLM's own venv (probes/vllm_venv.sh builds bench/.vllm-venv) with fp8kv installed there
 (`bench/.vllm-venv/bin/pip install --no-deps -e .`), on two fp8kv folders of one model that differ only in their
 K/V scales:
 
     .venv/bin/fp8kv calibrate bundled --out OLD --dataset bundled --num-samples 16 --seq-len 128 --headroom 1.25
     .venv/bin/fp8kv calibrate bundled --out NEW --dataset bundled --num-samples 16 --seq-len 128 --headroom 2
-    bench/.vllm-venv/bin/python bench/vllm_live_scales.py OLD NEW --out bench/results/vllm_live_scales.json
+    bench/.vllm-venv/bin/python probes/vllm_live_scales.py OLD NEW --out bench/results/vllm_live_scales.json
 
 1. live: an engine started on OLD (fp8 cache, eager) scores the prompts; NEW's scales go to every worker through
    `collective_rpc`; the engine scores them again. `--kv-cache-dtype bfloat16` rehearses the RPC on a bf16 cache,
@@ -32,7 +32,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import common  # bench/common.py
+from outputs import write_json  # probes/outputs.py
 
 PROMPTS = ("The list type is a mutable sequence of items.",
            "Use the with statement to open a file and read its lines.",
@@ -243,7 +243,7 @@ def main() -> int:
                "reload": run_stage("reload", spec, args.timeout)}
     result["machine"]["load_average_after"] = os.getloadavg()
     print(report(result))
-    common.write_json(args.out, result)
+    write_json(args.out, result)
     return 0
 
 

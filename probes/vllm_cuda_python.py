@@ -5,7 +5,7 @@ after) and compares every `.py` file's sha256 in its RECORD with the installed C
 lists where the loader path branches on the platform: the `current_platform` lines of the files the matrix's loads
 run through.
 
-    .venv/bin/python bench/vllm_cuda_python.py     # rewrites tests/golden/vllm-cuda-python-0.32.0.json
+    .venv/bin/python probes/vllm_cuda_python.py     # rewrites tests/golden/vllm-cuda-python-0.32.0.json
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-SITE = next((HERE / ".vllm-venv" / "lib").glob("python3*/site-packages"))
+REPO = Path(__file__).resolve().parents[1]
+SITE = next((REPO / "bench" / ".vllm-venv" / "lib").glob("python3*/site-packages"))
 # the files a scale's load runs through: the KV-cache method, the attention layer that takes it, the name remapping,
 # the quantization configs fp8kv writes, the platform-dependent start-up check
 LOADER_PATH = ("vllm/model_executor/layers/quantization/kv_cache.py", "vllm/model_executor/layers/attention/attention.py",
@@ -70,7 +70,7 @@ def main() -> None:
         "only_cpu": sorted(set(cpu) - set(cuda)), "only_cuda_by_folder": groups,
         "platform_branches": {path: platform_lines(path) for path in LOADER_PATH},
     }
-    out = HERE.parent / "tests" / "golden" / f"vllm-cuda-python-{version}.json"
+    out = REPO / "tests" / "golden" / f"vllm-cuda-python-{version}.json"
     out.write_text(json.dumps(golden, indent=2) + "\n", encoding="utf-8")
     print(f"{out}: {len(shared)} shared .py files, {len(golden['differ'])} differ: {golden['differ']}")
 

@@ -3,7 +3,7 @@ from the policy's rollouts handed to the running engine after every weight updat
 
 Runs in vLLM's venv with fp8kv installed there (`pip install --no-deps -e .`; docs/vllm-live-scales.md):
 
-    bench/.vllm-venv/bin/python bench/vllm_rl_loop.py --out bench/results/vllm_rl_loop.json
+    bench/.vllm-venv/bin/python probes/vllm_rl_loop.py --out bench/results/vllm_rl_loop.json
 
 The policy is the bundled model in float32. The engine starts on a folder `fp8kv.api.save_scales` wrote from the
 policy and the scales of its first rollouts. Then, per step:
@@ -42,7 +42,7 @@ from fp8kv import api
 from fp8kv.json_fields import to_json_value
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT, BUNDLED_MODEL_DIR
 
-import common  # bench/common.py
+from outputs import write_json  # probes/outputs.py
 
 ROLLOUT_PROMPT_TOKENS = 24
 ROLLOUT_NEW_TOKENS = 32
@@ -259,7 +259,7 @@ def main() -> int:
             print("\n".join(step_lines(record)), flush=True)
     result["machine"]["load_average_after"] = os.getloadavg()
     print(report(result))
-    common.write_json(args.out, result)
+    write_json(args.out, result)
     return 0
 
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Builds bench/.llmcompressor-venv: llm-compressor 0.14 from the package index in a venv of its own, as its users
 # install it (torch's CUDA build and NVIDIA's libraries included, though no GPU runs here), for
-# bench/install_beside_engines.py.
+# probes/install_beside_engines.py.
 set -euo pipefail
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-VENV="${LLMCOMPRESSOR_VENV:-$HERE/.llmcompressor-venv}"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${LLMCOMPRESSOR_VENV:-$REPO/bench/.llmcompressor-venv}"
 LLMCOMPRESSOR_VERSION="${LLMCOMPRESSOR_VERSION:-0.14.*}"
 PY="$VENV/bin/python"
 # A cached copy of every wheel beside a venv of several GB has filled disks before.

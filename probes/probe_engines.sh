@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs every engine probe again and rewrites the golden files under tests/golden/, which the test suite checks
 # configs/engines.toml against: a new engine release is one run of this script and a diff. Each engine is built
-# from the package index in a venv of its own under bench/ (never fp8kv's, whose torch torch_xla pins); a venv
-# that exists is reused. About 17 GB of venvs in all; the SGLang one is most of it.
+# from the package index in a venv of its own, bench/.ENGINE-venv (built by probes/ENGINE_venv.sh; never fp8kv's,
+# whose torch torch_xla pins); a venv that exists is reused. About 17 GB of venvs in all; the SGLang one is most of it.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(dirname "$HERE")"
@@ -10,27 +10,27 @@ PY="$ROOT/.venv/bin/python"
 cd "$ROOT"
 
 # vLLM and vllm-tpu: their published packages, read without installing them
-"$PY" bench/probe_vllm_packages.py
+"$PY" probes/probe_vllm_packages.py
 
 # tpu-inference: its write run on JAX's CPU backend and compiled for TPU v5e and v6e
-test -x bench/.tpu-inference-venv/bin/python || bash bench/tpu_inference_venv.sh
-bench/.tpu-inference-venv/bin/python bench/probe_tpu_inference.py
+test -x bench/.tpu-inference-venv/bin/python || bash probes/tpu_inference_venv.sh
+bench/.tpu-inference-venv/bin/python probes/probe_tpu_inference.py
 
 # SGLang's releases: each wheel's torch pin and compressed-tensors KV-scale loader, read without installing them
-"$PY" bench/probe_sglang_packages.py
+"$PY" probes/probe_sglang_packages.py
 
 # SGLang: its own loader on each fp8kv output format
-test -x bench/.sglang-venv/bin/python || bash bench/sglang_venv.sh
-"$PY" bench/probe_sglang.py
+test -x bench/.sglang-venv/bin/python || bash probes/sglang_venv.sh
+"$PY" probes/probe_sglang.py
 
 # vLLM's CPU build: its own loader through fp8kv load-check
-test -x bench/.vllm-venv/bin/python || bash bench/vllm_venv.sh
-"$PY" bench/load_check_golden.py
+test -x bench/.vllm-venv/bin/python || bash probes/vllm_venv.sh
+"$PY" probes/load_check_golden.py
 
 # Both engines' own loaders on every zoo architecture they have, per fp8kv output format (about 10 minutes)
-"$PY" bench/probe_loaders.py
+"$PY" probes/probe_loaders.py
 
 # vLLM's CUDA wheel of the CPU build's release: the Python its loader runs, file for file against the CPU wheel's
-"$PY" bench/vllm_cuda_python.py
+"$PY" probes/vllm_cuda_python.py
 
 git -C "$ROOT" status --short tests/golden

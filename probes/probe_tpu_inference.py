@@ -1,9 +1,9 @@
 """Runs tpu-inference's own fp8 KV-cache write and records what it does, for fp8kv's tests to check against.
 
-Runs in the venv bench/tpu_inference_venv.sh builds (tpu-inference without vLLM, JAX, libtpu); no TPU needed:
+Runs in the venv probes/tpu_inference_venv.sh builds (tpu-inference without vLLM, JAX, libtpu); no TPU needed:
 
-    bash bench/tpu_inference_venv.sh
-    bench/.tpu-inference-venv/bin/python bench/probe_tpu_inference.py [--out-dir tests/golden]
+    bash probes/tpu_inference_venv.sh
+    bench/.tpu-inference-venv/bin/python probes/probe_tpu_inference.py [--out-dir tests/golden]
 
 Writes tpu-inference-<version>.json and .safetensors into --out-dir:
   - `cpu/scale=S`: the bytes tpu-inference's `quantize_kv` stores on JAX's CPU backend for every bf16 bit pattern;

@@ -1,9 +1,9 @@
 """Does fp8kv's `vllm-cpu` engine model store the bytes vLLM's CPU build stores? Asked of vLLM's own kernel.
 
-Runs in vLLM's venv (bench/vllm_venv.sh), with the repository importable as `fp8kv` (bench/cpu_conformance.sh
+Runs in vLLM's venv (probes/vllm_venv.sh), with the repository importable as `fp8kv` (probes/cpu_conformance.sh
 sets that up), on an x86 CPU with AVX-512 or AMX (vLLM's CPU fp8 cache needs one):
 
-    bench/.vllm-venv/bin/python bench/vllm_cpu_write.py --out bench/results/vllm_cpu_write.json
+    bench/.vllm-venv/bin/python probes/vllm_cpu_write.py --out bench/results/vllm_cpu_write.json
 
 Feeds K/V values of every magnitude (and the edge cases: ±MAX, past it, ±inf, NaN, ±0, subnormals) through
 `cpu_attn_reshape_and_cache`, the op vLLM's CPU attention writes its cache with, for e4m3 and e5m2 caches,
@@ -131,7 +131,7 @@ def run_isa(isa: str, count: int) -> tuple[list[dict], str | None]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=200_000, help="Random values per case (edge cases added).")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "vllm_cpu_write.json")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "bench" / "results" / "vllm_cpu_write.json")
     parser.add_argument("--child", choices=ISAS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

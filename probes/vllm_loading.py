@@ -1,9 +1,9 @@
 """Does vLLM load what fp8kv writes? Tiny checkpoints of every architecture family, calibrated, converted to
-every format, each loaded by vLLM itself (bench/vllm_load_check.py, in vLLM's own venv), which reports the
+every format, each loaded by vLLM itself (probes/vllm_load_check.py, in vLLM's own venv), which reports the
 scale every attention layer holds against the file's.
 
-    bench/vllm_venv.sh                      # once: bench/.vllm-venv with vLLM's CPU build
-    .venv/bin/python bench/vllm_loading.py  # prints the table, writes bench/results/vllm_loading.json
+    probes/vllm_venv.sh                     # once: bench/.vllm-venv with vLLM's CPU build
+    .venv/bin/python probes/vllm_loading.py # prints the table, writes bench/results/vllm_loading.json
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from fp8kv.models import BUNDLED_CALIBRATION_TEXT
 from fp8kv.tools.factory import make_checkpoint
 from fp8kv.tools.zoo import make_zoo_checkpoint
 
-BENCH = Path(__file__).parent
+HERE = Path(__file__).parent
+BENCH = HERE.parent / "bench"  # its results/ and the vLLM venv (probes/vllm_venv.sh)
 RESULTS = BENCH / "results" / "vllm_loading.json"
 FACTORY = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
 ZOO = ("gpt2", "gpt_neox", "falcon", "deepseek_v3")  # transformers' own tiny configs; deepseek_v3 is MLA
@@ -150,7 +151,7 @@ def main() -> int:
         show(args.show)
         return 0
     if not Path(args.vllm_python).exists():
-        print(f"{args.vllm_python}: not found; build it with bench/vllm_venv.sh", file=sys.stderr)
+        print(f"{args.vllm_python}: not found; build it with probes/vllm_venv.sh", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.work or tmp)
@@ -159,7 +160,7 @@ def main() -> int:
         manifest.write_text(json.dumps(loads, indent=2))
         args.results.parent.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PJRT_DEVICE")}
-        subprocess.run([args.vllm_python, str(BENCH / "vllm_load_check.py"), str(manifest), "--out", str(args.results)],
+        subprocess.run([args.vllm_python, str(HERE / "vllm_load_check.py"), str(manifest), "--out", str(args.results)],
                        check=True, env=env)
     results = json.loads(args.results.read_text())
     results["rows"] += refused

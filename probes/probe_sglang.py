@@ -1,8 +1,8 @@
 """Record which KV scales SGLang's own loader holds for each fp8kv output format: tests/golden/sglang-VERSION.json.
 
-Runs in fp8kv's venv; SGLang runs in its own (bench/sglang_venv.sh builds bench/.sglang-venv):
+Runs in fp8kv's venv; SGLang runs in its own (probes/sglang_venv.sh builds bench/.sglang-venv):
 
-    .venv/bin/python bench/probe_sglang.py [--sglang-python bench/.sglang-venv/bin/python] [--out FILE]
+    .venv/bin/python probes/probe_sglang.py [--sglang-python bench/.sglang-venv/bin/python] [--out FILE]
 
 It writes a tiny llama checkpoint (tools/factory.py), calibrates it with `fp8kv calibrate` on the bundled corpus,
 converts the result with `fp8kv convert --to modelopt` and `--to vllm-json`, and makes two negative controls (the
@@ -241,7 +241,7 @@ def main() -> int:
     options.add_argument("--timeout", type=int, default=600, help="seconds for one probe run")
     args = options.parse_args()
     if not args.sglang_python.exists():
-        print(f"no SGLang python at {args.sglang_python}: run bench/sglang_venv.sh", file=sys.stderr)
+        print(f"no SGLang python at {args.sglang_python}: run probes/sglang_venv.sh", file=sys.stderr)
         return 2
 
     import torch

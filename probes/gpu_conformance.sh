@@ -10,10 +10,10 @@
 #   VLLM_PY  a Python with vLLM's CUDA build (its own venv: vLLM pins another torch than fp8kv)
 #   PYTHON   fp8kv's Python (torch with CUDA, transformers, safetensors; default: .venv or python3)
 # Not run in the session that wrote it (no GPU was lent); about 5 minutes for a 135M model.
-#   run: MODEL=/data/smollm2-135m VLLM_PY=/opt/vllm/bin/python bash bench/gpu_conformance.sh
+#   run: MODEL=/data/smollm2-135m VLLM_PY=/opt/vllm/bin/python bash probes/gpu_conformance.sh
 set -euo pipefail
 NAME=conformance
-source "$(dirname "$0")/machine_env.sh"
+source "$(dirname "$0")/../bench/machine_env.sh"
 : "${MODEL:?set MODEL to a real checkpoint folder}" "${VLLM_PY:?set VLLM_PY to a Python with vLLM (CUDA)}"
 nvidia-smi --query-gpu=name,memory.total --format=csv || true
 "$VLLM_PY" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
@@ -23,10 +23,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv || true
 SOURCE="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["source"]["path"])' "$WORK/calibrated/fp8kv.json")"
 status=0
 for backend in FLASH_ATTN TRITON_ATTN; do
-    VLLM_ATTENTION_BACKEND=$backend "$VLLM_PY" "$REPO/bench/vllm_logprobs.py" "$WORK/pack" \
+    VLLM_ATTENTION_BACKEND=$backend "$VLLM_PY" "$REPO/probes/vllm_logprobs.py" "$WORK/pack" \
         --out "$OUT/vllm-$backend.jsonl"
     # the same prompts with a bf16 cache on the pack's source model: this backend's arithmetic alone
-    VLLM_ATTENTION_BACKEND=$backend "$VLLM_PY" "$REPO/bench/vllm_logprobs.py" "$WORK/pack" --model "$SOURCE" \
+    VLLM_ATTENTION_BACKEND=$backend "$VLLM_PY" "$REPO/probes/vllm_logprobs.py" "$WORK/pack" --model "$SOURCE" \
         --kv-cache-dtype auto --out "$OUT/vllm-$backend-bf16.jsonl"
     "$PY" -m fp8kv conformance check "$WORK/pack" "$OUT/vllm-$backend.jsonl" \
         --bf16-answers "$OUT/vllm-$backend-bf16.jsonl" --json > "$OUT/conformance-$backend.json" || status=$?

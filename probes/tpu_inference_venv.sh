@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Builds bench/.tpu-inference-venv: tpu-inference and the JAX it runs on, for bench/probe_tpu_inference.py.
+# Builds bench/.tpu-inference-venv: tpu-inference and the JAX it runs on, for probes/probe_tpu_inference.py.
 # jax 0.11.2 needs Python 3.12 and fp8kv's venv pins jax 0.7.1 (torch_xla's), so the two cannot share one.
 # tpu-inference goes in without its dependencies: they are vLLM and its stack (gigabytes), and the probe only
 # reads the package's files and runs its quantization module on JAX. libtpu is there to compile for TPU
 # topologies ahead of time (no TPU needed), never to run on one.
 set -euo pipefail
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-VENV="${TPU_INFERENCE_VENV:-$HERE/.tpu-inference-venv}"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${TPU_INFERENCE_VENV:-$REPO/bench/.tpu-inference-venv}"
 TPU_INFERENCE_VERSION="${TPU_INFERENCE_VERSION:-0.32.0}"
 JAX_VERSION="${JAX_VERSION:-0.11.2}"
 LIBTPU_VERSION="${LIBTPU_VERSION:-0.0.48}"
