@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -227,7 +228,29 @@ def test_a_logit_row_is_bad_when_any_logit_is_nan_or_inf_and_only_then():
     logits[3, 4] = float("-inf")
     logits[4, 0], logits[4, 1] = float("inf"), float("-inf")
     logits[5] = 3e38  # finite, though their sum is not
-    assert ScoredSample.of(logits).bad_rows == 4
+    assert ScoredSample.of([0] * 6, logits).bad_rows == 4
+
+def test_scoring_a_sequence_row_block_by_row_block_gives_the_whole_sequence_figures(monkeypatch):
+    from fp8kv.verify import accuracy
+
+    monkeypatch.setattr(accuracy, "ROW_BLOCK_ELEMENTS", 3 * 50)  # blocks of 3 rows: 7 rows end in a short block
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (7,)).tolist()
+    ref_logits, logits = torch.randn(7, 50), torch.randn(7, 50)
+    reference = accuracy.ScoredSample.of(ids, ref_logits)
+    ref_logp, logp = torch.log_softmax(ref_logits, -1), torch.log_softmax(logits, -1)
+    assert torch.equal(reference.logp, ref_logp) and reference.nll == accuracy.sequence_nll(ids, ref_logp)
+
+    score = accuracy.SequenceScore.of(ids, logits, reference)
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).double()  # the whole sequence at once
+    assert math.isclose(score.kl_sum, float(kl.sum()), rel_tol=1e-6) and math.isclose(score.kl_max, float(kl.max()))
+    assert math.isclose(score.nll, accuracy.sequence_nll(ids, logp), rel_tol=1e-12)
+    assert score.top1 == int((logp.argmax(-1) == ref_logp.argmax(-1)).sum()) and score.bad_rows == 0
+
+    logits[4, 9] = float("nan")
+    broken = accuracy.SequenceScore.of(ids, logits, reference)
+    assert math.isnan(broken.kl_sum) and math.isnan(broken.kl_max) and broken.bad_rows == 1
+
 
 def test_scales_divided_by_four_are_flagged_per_layer(calibrated, texts, tmp_path):
     from fp8kv.checkpoint.convert import convert_checkpoint

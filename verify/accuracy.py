@@ -19,7 +19,6 @@ values clamped at ±MAX and any NaN/inf stored.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -184,28 +183,59 @@ class NextTokenLoss:
         return math.exp(self.nll / max(self.predicted, 1)) if math.isfinite(self.nll) else math.nan
 
 
+# Logit rows scored at a time, as many as fill about 8 MB of float32 (8 rows of a 262k vocabulary, 42 of 49k):
+# each row block's log-softmax, exp and KL temporaries stay in the CPU's cache, where they run about 4x faster
+# than over a whole sequence's [L, vocab] (237 rows of 262k: 111 ms against 422 ms, the same sums).
+ROW_BLOCK_ELEMENTS = 1 << 21
+
+
+def _row_blocks(rows: int, vocab: int) -> list[slice]:
+    step = max(1, ROW_BLOCK_ELEMENTS // vocab)
+    return [slice(start, start + step) for start in range(0, rows, step)]
+
+
+def _bad_rows(logits: torch.Tensor) -> int:
+    """Rows of `logits` with a NaN/inf: only rows whose sum is not finite can hold one (or finite logits summing
+    past float32's range)."""
+    suspects = logits[~torch.isfinite(logits.sum(-1))]
+    return int((~torch.isfinite(suspects)).any(-1).sum())
+
+
+def _block_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """KL(ref || other) of each row of a row block, float32: exp(ref) * (ref - other) summed. (kl_div with a log
+    target computes the same sums, but over row blocks it takes about 4x as long: 400 ms against 111 ms for 237
+    rows of 262k.)"""
+    return (ref_logp - logp).mul_(ref_logp.exp()).sum(-1)
+
+
+def _next_token_logp(ids: list[int], logp: torch.Tensor, rows: slice) -> torch.Tensor:
+    """The log-probability row block `rows` of `logp` gives each token of `ids` after its row."""
+    start = rows.start
+    targets = torch.tensor(ids[start + 1 : start + len(logp) + 1], dtype=torch.long)
+    return logp[: len(targets)].gather(1, targets[:, None])[:, 0]
+
+
 @dataclass(frozen=True)
 class ScoredSample:
-    """One sample's logits as the totals read them: log-probabilities [L, vocab] and rows with a NaN/inf logit.
-
-    float32 log-softmax: KL agrees with float64 to ~3e-5 relative on 32k vocabularies at a third of the time.
+    """The bf16 cache's logits for one sequence as every runner is scored against them: log-probabilities
+    [L, vocab] (float32 log-softmax: KL agrees with float64 to ~3e-5 relative on 32k vocabularies at a third of
+    the time), each row's most likely token, the sequence's negative log-likelihood and its rows with a NaN/inf
+    logit. (Its probabilities are not kept: on a 262k vocabulary they would double what a batch's references hold.)
     """
 
     logp: torch.Tensor
+    top1: torch.Tensor
+    nll: float
     bad_rows: int
 
-    @functools.cached_property
-    def top1(self) -> torch.Tensor:
-        """Each row's most likely token, computed once: a reference is scored against every runner. (Its
-        probabilities are not kept: on a 262k vocabulary they would double what a batch's references hold.)"""
-        return self.logp.argmax(-1)
-
     @classmethod
-    def of(cls, logits: torch.Tensor) -> ScoredSample:
-        logits = logits.float()
-        # only rows whose sum is not finite can hold a NaN/inf (or finite logits summing past float32's range)
-        suspects = logits[~torch.isfinite(logits.sum(-1))]
-        return cls(torch.log_softmax(logits, dim=-1), int((~torch.isfinite(suspects)).any(-1).sum()))
+    def of(cls, ids: list[int], logits: torch.Tensor) -> ScoredSample:
+        logp = torch.empty(logits.shape, dtype=torch.float32)
+        token_logp = []
+        for rows in _row_blocks(*logits.shape):
+            logp[rows] = torch.log_softmax(logits[rows].float(), dim=-1)
+            token_logp.append(_next_token_logp(ids, logp[rows], rows))
+        return cls(logp, logp.argmax(-1), -float(torch.cat(token_logp).double().sum()), _bad_rows(logits))
 
 
 @dataclass(frozen=True)
@@ -221,10 +251,22 @@ class SequenceScore:
     bad_rows: int
 
     @classmethod
-    def of(cls, ids: list[int], sample: ScoredSample, reference: ScoredSample) -> SequenceScore:
-        kl = token_kl(reference.logp, sample.logp)  # [L]; NaN logits give NaN
-        top1 = int((sample.top1 == reference.top1).sum())
-        return cls(float(kl.sum()), float(kl.max()), top1, sequence_nll(ids, sample.logp), sample.bad_rows)
+    def of(cls, ids: list[int], logits: torch.Tensor, reference: ScoredSample) -> SequenceScore:
+        """Score `logits` [L, vocab] one row block at a time: no [L, vocab] temporary is made."""
+        kl, top1, token_logp = [], 0, []
+        for rows in _row_blocks(*logits.shape):
+            logp = torch.log_softmax(logits[rows].float(), dim=-1)
+            kl.append(_block_kl(reference.logp[rows], logp))  # NaN logits give NaN
+            top1 += int((logp.argmax(-1) == reference.top1[rows]).sum())
+            token_logp.append(_next_token_logp(ids, logp, rows))
+        kls = torch.cat(kl).double()
+        return cls(float(kls.sum()), float(kls.max()), top1, -float(torch.cat(token_logp).double().sum()),
+                   _bad_rows(logits))
+
+    @classmethod
+    def reference(cls, sample: ScoredSample) -> SequenceScore:
+        """The bf16 cache scored against itself."""
+        return cls(0.0, 0.0, len(sample.top1), sample.nll, sample.bad_rows)
 
 
 @dataclass
@@ -307,9 +349,8 @@ class EngineTotals:
 
 
 def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-    """KL(ref || other) of each row, float64 `[L]`, from log-probabilities `[L, vocab]`: exp(ref) * (ref - other)
-    in one pass with one temporary (a fifth faster than the three a written-out product makes, bit for bit)."""
-    return torch.nn.functional.kl_div(logp, ref_logp, reduction="none", log_target=True).sum(-1).double()
+    """KL(ref || other) of each row, float64 `[L]`, from log-probabilities `[L, vocab]`."""
+    return torch.cat([_block_kl(ref_logp[rows], logp[rows]) for rows in _row_blocks(*logp.shape)]).double()
 
 
 def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int,
@@ -329,8 +370,8 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
         batch = samples[start : start + batch_size]
         # Only the reference's log-probabilities outlive a prefill: every other runner's logits are scored as they
         # come, so a batch holds two vocabularies of logits at a time, not one per runner.
-        references = [ScoredSample.of(out) for out in prefill(runners.bf16, batch)]
-        ran = {id(runners.bf16): _Prefill([SequenceScore.of(ids, ref, ref) for ids, ref in zip(batch, references)],
+        references = [ScoredSample.of(ids, out) for ids, out in zip(batch, prefill(runners.bf16, batch))]
+        ran = {id(runners.bf16): _Prefill([SequenceScore.reference(ref) for ref in references],
                                           list(runners.bf16.sequence_writes()))}
         for runner in (runners.fp8, runners.unit):
             if id(runner) not in ran:
@@ -374,7 +415,7 @@ class _Prefill:
         todo = [i for i, lent in enumerate(borrowed) if lent is None]
         logits = prefill(runner, [batch[i] for i in todo]) if todo else []
         writes = runner.sequence_writes() if todo else []
-        scored = {i: SequenceScore.of(batch[i], ScoredSample.of(out), references[i]) for i, out in zip(todo, logits)}
+        scored = {i: SequenceScore.of(batch[i], out, references[i]) for i, out in zip(todo, logits)}
         wrote = dict(zip(todo, writes))
         return cls([lent if lent is not None else scored[i] for i, lent in enumerate(borrowed)],
                    [wrote.get(i) for i in range(len(batch))])
