@@ -317,16 +317,19 @@ class PagedModelRunner:
         return self.allocator.lengths[seq_id]
 
     @torch.no_grad()  # not inference_mode: torch_xla 2.9 cannot set version counters of inference tensors
-    def step(self, batch: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
+    def step(self, batch: Sequence[tuple[int, Sequence[int]]],
+             logits_dtype: torch.dtype | None = torch.float32) -> list[torch.Tensor]:
         """Append tokens to sequences and run the model once over all of them.
 
         `batch` lists `(seq_id, new_token_ids)`; a prompt (prefill), one token (decode) or a chunk
-        may be mixed freely. Returns float32 CPU logits `[len(new_token_ids), vocab]` per entry.
+        may be mixed freely. Returns CPU logits `[len(new_token_ids), vocab]` per entry, in `logits_dtype`
+        (None: the model's own, for a caller that converts a few rows at a time: a prefill's float32 logits on a
+        262k vocabulary are 2 GB, whose conversion alone takes 0.7 s).
         """
         self._check_batch(batch)
         self._forwards = []
         if self.cache_view:
-            return [self._cache_view_step(seq_id, tokens) for seq_id, tokens in batch]
+            return [self._cache_view_step(seq_id, tokens, logits_dtype) for seq_id, tokens in batch]
         ids, positions, meta = self._prepare(batch)
         step = PagedStep(self.cache, meta, self.backend, self.use_kernel, self.numerics, self.calls, self.q_scales)
         counts = self.cache.start_forward(ids.shape[1])
@@ -336,7 +339,7 @@ class PagedModelRunner:
         finally:
             _ACTIVE_STEP.reset(bound)
         self._sync()  # cut the graph here: cache writes and logits of this step, one compile per shape
-        logits = logits[0].float().cpu()
+        logits = logits[0].to(logits_dtype or logits.dtype).cpu()
         bounds = meta.cu_q_lens.cpu().tolist()[: len(batch) + 1]
         self._forwards.append((counts, bounds))
         return [logits[bounds[i] : bounds[i + 1]] for i in range(len(batch))]
@@ -351,8 +354,8 @@ class PagedModelRunner:
                                                                     for shadow, row in zip(self.cache.shadows, diffs)}))
         return writes
 
-    def _cache_view_step(self, seq_id: int, tokens: Sequence[int]) -> torch.Tensor:
-        """One sequence's forward on a cache view of its pages: float32 CPU logits `[len(tokens), vocab]`."""
+    def _cache_view_step(self, seq_id: int, tokens: Sequence[int], logits_dtype: torch.dtype | None) -> torch.Tensor:
+        """One sequence's forward on a cache view of its pages: CPU logits `[len(tokens), vocab]`."""
 
         past, dev = self.length(seq_id), self.device
         slots = torch.tensor(self.allocator.extend(seq_id, len(tokens)), dtype=torch.int64).to(dev)
@@ -364,7 +367,7 @@ class PagedModelRunner:
         self._forwards.append((self.cache.start_forward(len(tokens)), [0, len(tokens)]))
         logits = self.model(input_ids=ids, position_ids=positions, **cache_kwargs(self.model, cache)).logits
         self._sync()
-        return logits[0].float().cpu()
+        return logits[0].to(logits_dtype or logits.dtype).cpu()
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy decoding of each prompt (batched prefill, then batched decode); frees its sequences."""

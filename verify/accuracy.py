@@ -231,11 +231,13 @@ class ScoredSample:
     @classmethod
     def of(cls, ids: list[int], logits: torch.Tensor) -> ScoredSample:
         logp = torch.empty(logits.shape, dtype=torch.float32)
-        token_logp = []
+        token_logp, bad_rows = [], 0
         for rows in _row_blocks(*logits.shape):
-            logp[rows] = torch.log_softmax(logits[rows].float(), dim=-1)
+            block = logits[rows].float()
+            logp[rows] = torch.log_softmax(block, dim=-1)
             token_logp.append(_next_token_logp(ids, logp[rows], rows))
-        return cls(logp, logp.argmax(-1), -float(torch.cat(token_logp).double().sum()), _bad_rows(logits))
+            bad_rows += _bad_rows(block)
+        return cls(logp, logp.argmax(-1), -float(torch.cat(token_logp).double().sum()), bad_rows)
 
 
 @dataclass(frozen=True)
@@ -252,16 +254,17 @@ class SequenceScore:
 
     @classmethod
     def of(cls, ids: list[int], logits: torch.Tensor, reference: ScoredSample) -> SequenceScore:
-        """Score `logits` [L, vocab] one row block at a time: no [L, vocab] temporary is made."""
-        kl, top1, token_logp = [], 0, []
+        """Score `logits` [L, vocab] (any float dtype) one row block at a time: no [L, vocab] temporary is made."""
+        kl, top1, token_logp, bad_rows = [], 0, [], 0
         for rows in _row_blocks(*logits.shape):
-            logp = torch.log_softmax(logits[rows].float(), dim=-1)
+            block = logits[rows].float()
+            logp = torch.log_softmax(block, dim=-1)
             kl.append(_block_kl(reference.logp[rows], logp))  # NaN logits give NaN
             top1 += int((logp.argmax(-1) == reference.top1[rows]).sum())
             token_logp.append(_next_token_logp(ids, logp, rows))
+            bad_rows += _bad_rows(block)
         kls = torch.cat(kl).double()
-        return cls(float(kls.sum()), float(kls.max()), top1, -float(torch.cat(token_logp).double().sum()),
-                   _bad_rows(logits))
+        return cls(float(kls.sum()), float(kls.max()), top1, -float(torch.cat(token_logp).double().sum()), bad_rows)
 
     @classmethod
     def reference(cls, sample: ScoredSample) -> SequenceScore:
@@ -370,7 +373,7 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
         batch = samples[start : start + batch_size]
         # Only the reference's log-probabilities outlive a prefill: every other runner's logits are scored as they
         # come, so a batch holds two vocabularies of logits at a time, not one per runner.
-        references = [ScoredSample.of(ids, out) for ids, out in zip(batch, prefill(runners.bf16, batch))]
+        references = [ScoredSample.of(ids, out) for ids, out in zip(batch, prefill(runners.bf16, batch, None))]
         ran = {id(runners.bf16): _Prefill([SequenceScore.reference(ref) for ref in references],
                                           list(runners.bf16.sequence_writes()))}
         for runner in (runners.fp8, runners.unit):
@@ -413,7 +416,7 @@ class _Prefill:
         its reference (the bf16 cache's) as its logits arrive."""
         borrowed = borrowed or [None] * len(batch)
         todo = [i for i, lent in enumerate(borrowed) if lent is None]
-        logits = prefill(runner, [batch[i] for i in todo]) if todo else []
+        logits = prefill(runner, [batch[i] for i in todo], None) if todo else []
         writes = runner.sequence_writes() if todo else []
         scored = {i: SequenceScore.of(batch[i], out, references[i]) for i, out in zip(todo, logits)}
         wrote = dict(zip(todo, writes))
@@ -456,10 +459,12 @@ def query_cost(model_dir: Path, runners: Runners, scales: KVScales, samples: lis
                      max(scales.q_value(i) for i in layers), kl_mean_kv_only)
 
 
-def prefill(runner: PagedModelRunner, batch: list[list[int]]) -> list[torch.Tensor]:
-    """Prefill `batch` as one step (the sequences packed into one row) and free it; float32 logits per sequence."""
+def prefill(runner: PagedModelRunner, batch: list[list[int]],
+            logits_dtype: torch.dtype | None = torch.float32) -> list[torch.Tensor]:
+    """Prefill `batch` as one step (the sequences packed into one row) and free it; logits per sequence in
+    `logits_dtype` (None: the model's own)."""
     seqs = [runner.start()[0] for _ in batch]
-    logits = runner.step(list(zip(seqs, batch)))
+    logits = runner.step(list(zip(seqs, batch)), logits_dtype)
     for seq in seqs:
         runner.free(seq)
     return logits
