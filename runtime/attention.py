@@ -43,6 +43,7 @@ XLA_REFERENCE = "torch_xla.ragged_paged_attention (reference)"
 AMX_FLUSH = 2.0 ** -6
 AMX_QUERY_ROWS = 32  # queries whose elementwise products are held at once: [S, heads, 32, keys, head_dim]
 _BELOW_AMX_FLUSH = float(torch.nextafter(torch.tensor(AMX_FLUSH), torch.tensor(0.0)))  # the float32 before it
+_EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, just above float32's smallest normal
 
 
 def ragged_paged_attention(
@@ -286,7 +287,11 @@ def _amx_values(scores: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) ->
     max) in bf16, each product p * v_d flushed, summed in float32 and divided by the row sum of p:
     `[S, Qm, kv_heads, group, D]`. Keys no query of a block sees are skipped: their p is exactly 0 (every row sees
     a key, so its max is a real score)."""
-    p = torch.exp(scores - scores.amax(dim=-1, keepdim=True)).to(torch.bfloat16).float()
+    # exp of an argument below about -87.3 (a subnormal or zero result, as every masked score gives) takes a path
+    # about 20x slower; a p that small never changes the output: each product with an fp8 value is below
+    # AMX_FLUSH, and the row sum, whose largest term is 1, cannot hold it
+    shifted = (scores - scores.amax(dim=-1, keepdim=True)).clamp_(min=_EXP_FLOOR)
+    p = torch.exp(shifted).to(torch.bfloat16).float()
     values = v.permute(0, 2, 3, 1).contiguous()[:, :, None, None]  # [S, kv_heads, 1, 1, D, L]: summed along L
     out = v.new_zeros(*p.shape[:-1], v.shape[-1])
     scratch = _scratch(v, p.shape[2], v.shape[1], v.shape[-1])
