@@ -8,9 +8,10 @@ attention_mask)` over the same right-padded batches. calibrate's goal is 0.9x it
 command runs `--repeats` times, interleaved; medians of wall time and of CPU time (user + system, from
 the child's resource usage) are reported with the load average (`uptime`) before and after. On a
 machine others load, the CPU-time ratio is the steadier one; `--threads 1` makes it steadier still.
-Writes bench/results/real_process.json (another `--model`: real_process-NAME.json).
+Writes bench/results/real_process.json (another `--model`: real_process-NAME.json; `--engine E`: -E added).
 
     .venv/bin/python bench/real_process.py [--model smollm2] [--samples 32] [--seq-len 256] [--repeats 3] [--threads N]
+        [--engine vllm-cuda]
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def main() -> int:
     options.add_argument("--repeats", type=int, default=3)
     options.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of every process (default: unset)")
     options.add_argument("--device", default="cpu", help="recorded only: every process runs on the CPU")
+    options.add_argument("--engine", default=None, help="verify's --engine (default: every released engine)")
     args = options.parse_args()
     folder = resolve_model(args.model)  # a GGUF is converted once, before anything is timed
     python = [sys.executable]
@@ -83,7 +85,8 @@ def main() -> int:
         "plain forward (held-out tokens)": [*python, "-c", PLAIN, str(folder), str(BUNDLED_HELDOUT_TEXT),
                                             str(args.heldout_samples), str(args.seq_len), str(args.batch_size)],
         "fp8kv verify": [*python, "-m", "fp8kv", "verify", str(out), "--dataset", str(BUNDLED_HELDOUT_TEXT),
-                         "--num-samples", str(args.heldout_samples), *shape],
+                         "--num-samples", str(args.heldout_samples), *shape,
+                         *(["--engine", args.engine] if args.engine else [])],
     }
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     if args.threads:
@@ -106,7 +109,8 @@ def main() -> int:
         return {name: median[name] / median[plain] for name, plain in reference.items()}
 
     wall_ratio, cpu_ratio = ratios(wall), ratios(cpu)
-    print(f"\n{args.model}: {args.samples} calibration / {args.heldout_samples} held-out samples x {args.seq_len} tokens, "
+    label = f"{args.model} --engine {args.engine}" if args.engine else args.model
+    print(f"\n{label}: {args.samples} calibration / {args.heldout_samples} held-out samples x {args.seq_len} tokens, "
           f"batch {args.batch_size}, threads {args.threads or 'default'}, median of {args.repeats}\n"
           f"load before: {before}\nload after:  {after}\n")
     print("| process | wall s (median) | CPU s (median) | x plain, wall | x plain, CPU | goal |\n|---|---|---|---|---|---|")
@@ -118,6 +122,8 @@ def main() -> int:
     rows = [{"process": name, "wall_s": wall[name], "cpu_s": cpu[name], "wall_ratio": wall_ratio.get(name),
              "cpu_ratio": cpu_ratio.get(name), "goal": goals.get(name)} for name in commands]
     results = "real_process" if args.model == options.get_default("model") else f"real_process-{Path(args.model).name}"
+    if args.engine:
+        results += f"-{args.engine.replace(',', '+').replace('/', '-')}"
     common.write_results(results, rows, args, load_before=before, load_after=after)
     return 0
 
