@@ -45,6 +45,25 @@ def test_a_bf16_checkpoint_runs_in_bf16(arch, tmp_path):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-2 * scale)
 
 
+def test_a_step_hands_over_the_models_own_logits_when_asked(tmp_path):
+    """verify's scorer converts a few rows at a time, so its prefills take the bf16 logits as the model made them."""
+    model_dir = make_checkpoint("llama", tmp_path / "llama", dtype=torch.bfloat16)
+    runner = PagedModelRunner(model_dir, device="cpu", cache_dtype="bf16", page_size=4, max_model_len=32,
+                              max_num_seqs=len(PROMPTS))
+
+    def prefill(**dtype):
+        seqs = [runner.start()[0] for _ in PROMPTS]
+        logits = runner.step(list(zip(seqs, PROMPTS)), **dtype)
+        for seq in seqs:
+            runner.free(seq)
+        return logits
+
+    default, own = prefill(), prefill(logits_dtype=None)
+    for as_float, as_made in zip(default, own):
+        assert as_float.dtype == torch.float32 and as_made.dtype == torch.bfloat16
+        assert torch.equal(as_made.float(), as_float)
+
+
 def test_a_bf16_checkpoint_stays_bf16_on_xla(tmp_path):
     model_dir = make_checkpoint("llama", tmp_path / "llama", dtype=torch.bfloat16)
     scales = {0: 0.05, 1: 0.05}
