@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -162,7 +162,7 @@ def _same_bits(value: float | tuple[float, ...] | torch.Tensor, stored: torch.Te
 def sequence_nll(ids: list[int], logp: torch.Tensor) -> float:
     """The negative log-likelihood of each token of `ids` [L] given the ones before it, summed, from the sample's
     log-probabilities [L, vocab]."""
-    return -float(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).double().sum())
+    return -float(_next_token_logp(ids, logp, slice(0, len(logp))).double().sum())
 
 
 @dataclass
@@ -215,6 +215,29 @@ def _next_token_logp(ids: list[int], logp: torch.Tensor, rows: slice) -> torch.T
     return logp[: len(targets)].gather(1, targets[:, None])[:, 0]
 
 
+class _LogSoftmaxBlocks:
+    """The float32 log-softmax of one sequence's `logits` [L, vocab] (any float dtype), one row block at a time
+    (`(rows, logp)` pairs), gathering on the way what every score of the sequence needs: each next token's
+    log-probability (`nll`, once iterated) and the rows with a NaN/inf logit (`bad_rows`)."""
+
+    def __init__(self, ids: list[int], logits: torch.Tensor) -> None:
+        self.ids, self.logits = ids, logits
+        self.bad_rows = 0
+        self._token_logp: list[torch.Tensor] = []
+
+    def __iter__(self) -> Iterator[tuple[slice, torch.Tensor]]:
+        for rows in _row_blocks(*self.logits.shape):
+            block = self.logits[rows].float()
+            logp = torch.log_softmax(block, dim=-1)
+            self._token_logp.append(_next_token_logp(self.ids, logp, rows))
+            self.bad_rows += _bad_rows(block)
+            yield rows, logp
+
+    @property
+    def nll(self) -> float:
+        return -float(torch.cat(self._token_logp).double().sum())
+
+
 @dataclass(frozen=True)
 class ScoredSample:
     """The bf16 cache's logits for one sequence as every runner is scored against them: log-probabilities
@@ -230,14 +253,10 @@ class ScoredSample:
 
     @classmethod
     def of(cls, ids: list[int], logits: torch.Tensor) -> ScoredSample:
-        logp = torch.empty(logits.shape, dtype=torch.float32)
-        token_logp, bad_rows = [], 0
-        for rows in _row_blocks(*logits.shape):
-            block = logits[rows].float()
-            logp[rows] = torch.log_softmax(block, dim=-1)
-            token_logp.append(_next_token_logp(ids, logp[rows], rows))
-            bad_rows += _bad_rows(block)
-        return cls(logp, logp.argmax(-1), -float(torch.cat(token_logp).double().sum()), bad_rows)
+        logp, blocks = torch.empty(logits.shape, dtype=torch.float32), _LogSoftmaxBlocks(ids, logits)
+        for rows, block_logp in blocks:
+            logp[rows] = block_logp
+        return cls(logp, logp.argmax(-1), blocks.nll, blocks.bad_rows)
 
 
 @dataclass(frozen=True)
@@ -255,16 +274,12 @@ class SequenceScore:
     @classmethod
     def of(cls, ids: list[int], logits: torch.Tensor, reference: ScoredSample) -> SequenceScore:
         """Score `logits` [L, vocab] (any float dtype) one row block at a time: no [L, vocab] temporary is made."""
-        kl, top1, token_logp, bad_rows = [], 0, [], 0
-        for rows in _row_blocks(*logits.shape):
-            block = logits[rows].float()
-            logp = torch.log_softmax(block, dim=-1)
+        kl, top1, blocks = [], 0, _LogSoftmaxBlocks(ids, logits)
+        for rows, logp in blocks:
             kl.append(_block_kl(reference.logp[rows], logp))  # NaN logits give NaN
             top1 += int((logp.argmax(-1) == reference.top1[rows]).sum())
-            token_logp.append(_next_token_logp(ids, logp, rows))
-            bad_rows += _bad_rows(block)
         kls = torch.cat(kl).double()
-        return cls(float(kls.sum()), float(kls.max()), top1, -float(torch.cat(token_logp).double().sum()), bad_rows)
+        return cls(float(kls.sum()), float(kls.max()), top1, blocks.nll, blocks.bad_rows)
 
     @classmethod
     def reference(cls, sample: ScoredSample) -> SequenceScore:
