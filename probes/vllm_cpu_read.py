@@ -10,7 +10,8 @@ is read by its attention (`cpu_attention_with_kv_cache`) at several scales:
 - V: one query over one cached token; the softmax weight is 1, so the output is the code's value as read x scale;
 - K: one query over two cached tokens, the first holding the code in K and 1.0 in V, the second zeros, the query
   1.0 on the code's dimension: the output is the first token's softmax weight, sigmoid(k8 x scale x sm_scale);
-- mixed (e4m3): a causal prefill of 32 tokens over random codes, two query heads on one KV head, at two scales.
+- mixed (e4m3): causal prefills over random codes at two scales: 32 tokens with two query heads on one KV head of
+  width 32, and 81 tokens with three query heads on each of two KV heads of width 64.
 Codes the write does not store (NaN, inf, -0) are then set by hand at the place the write puts that
 element (found by writing a one-hot through it). Each path runs in a child process, so a path this CPU cannot run (AMX without AMX
 tiles: an illegal instruction) is recorded with what it raised or the signal it died of, not written as a result.
@@ -156,45 +157,50 @@ def read_k(isa: str, cache: str, query_dtype: str) -> dict[str, Any]:
     return {"written_codes": written, "read": reads}
 
 
-MIXED_TOKENS, MIXED_HEADS, MIXED_DIM = BLOCK, 2, 32  # one block; two query heads share one KV head
+# causal prefills over random codes, (tokens, KV heads, query heads per KV head, head dim): one block of one head
+# sums each key and head dimension in one AMX tile instruction; the long one spans several 32-key and 32-dim
+# instructions, a partial block and grouped heads, where the order of the tiles' sums shows
+MIXED = {"mixed": (BLOCK, 1, 2, 32), "mixed-long": (2 * BLOCK + 17, 2, 3, HEAD_DIM)}
 MIXED_SCALES = (1.0, 0.0123)
 
 
-def read_mixed(isa: str, query_dtype: str) -> dict[str, Any]:
-    """A causal prefill of 32 tokens over random finite e4m3 codes (no -0): where the scales enter and how the
-    softmax and P.V are summed show here, which one-token reads cannot. The inputs go into the file with the
-    outputs: codes as hex `[token, K/V, dim]`, queries as multiples of 1/64 (exact in bf16)."""
+def read_mixed(isa: str, query_dtype: str, tokens: int, kv_heads: int, group: int, dim: int) -> dict[str, Any]:
+    """A causal prefill over random finite e4m3 codes (no -0): where the scales enter and how the softmax and P.V
+    are summed show here, which one-token reads cannot. The inputs go into the file with the outputs: codes as hex
+    `[token, KV head, K/V, dim]`, queries `[token, head, dim]` as multiples of 1/64 (exact in bf16)."""
     import torch
     from vllm import _custom_ops as ops
 
     generator = torch.Generator().manual_seed(0)
-    shape = (MIXED_TOKENS, 2, MIXED_DIM)
+    shape = (tokens, kv_heads, 2, dim)
     codes = torch.randint(0, 0x7F, shape, generator=generator, dtype=torch.uint8)  # 0x7f, NaN, left out
     codes |= torch.randint(0, 2, shape, generator=generator, dtype=torch.uint8) << 7
     codes[codes == 0x80] = 0
     values = codes.view(torch.float8_e4m3fn).float()
-    q64 = torch.randint(-16, 17, (MIXED_TOKENS, MIXED_HEADS, MIXED_DIM), generator=generator)
+    q64 = torch.randint(-16, 17, (tokens, kv_heads * group, dim), generator=generator)
     query = (q64 / 64).to(getattr(torch, query_dtype))
-    whole = torch.zeros(1, 1, 2 * BLOCK, MIXED_DIM, dtype=torch.uint8)
+    blocks = -(-tokens // BLOCK)
+    whole = torch.zeros(blocks, kv_heads, 2 * BLOCK, dim, dtype=torch.uint8)
     key, value = whole.chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(values[:, None, 0].contiguous(), values[:, None, 1].contiguous(), key, value,
-                                   torch.arange(MIXED_TOKENS), isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="fp8")
-    starts, lens = torch.tensor([0, MIXED_TOKENS], dtype=torch.int32), torch.tensor([MIXED_TOKENS], dtype=torch.int32)
+    ops.cpu_attn_reshape_and_cache(values[:, :, 0].contiguous(), values[:, :, 1].contiguous(), key, value,
+                                   torch.arange(tokens), isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="fp8")
+    starts, lens = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
     reads = {}
     for scale in MIXED_SCALES:
         meta = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1, num_heads=MIXED_HEADS, num_kv_heads=1, head_dim=MIXED_DIM, seq_lens=lens, dtype=query.dtype,
-            query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
-            kv_cache_dtype="fp8")
+            num_reqs=1, num_heads=kv_heads * group, num_kv_heads=kv_heads, head_dim=dim, seq_lens=lens,
+            dtype=query.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa,
+            enable_kv_split=False, kv_cache_dtype="fp8")
         output = torch.zeros_like(query)
         ops.cpu_attention_with_kv_cache(
             query=query, key_cache=key, value_cache=value, output=output, query_start_loc=starts, seq_lens=lens,
-            scale=MIXED_DIM**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
-            block_table=torch.zeros(1, 1, dtype=torch.int32), softcap=0.0, scheduler_metadata=meta, s_aux=None,
-            k_scale=scale, v_scale=scale, kv_cache_dtype="fp8")
+            scale=dim**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=0.0, scheduler_metadata=meta,
+            s_aux=None, k_scale=scale, v_scale=scale, kv_cache_dtype="fp8")
         reads[f"{scale!r}"] = [float(x) for x in output.float().flatten()]
-    return {"codes_hex": bytes(codes.flatten().tolist()).hex(), "q_64ths": q64.flatten().tolist(),
-            "sm_scale": MIXED_DIM**-0.5, "read": reads}
+    return {"tokens": tokens, "kv_heads": kv_heads, "heads": kv_heads * group, "dim": dim,
+            "codes_hex": bytes(codes.flatten().tolist()).hex(), "q_64ths": q64.flatten().tolist(),
+            "sm_scale": dim**-0.5, "read": reads}
 
 
 def child(isa: str) -> dict[str, Any]:
@@ -209,7 +215,7 @@ def child(isa: str) -> dict[str, Any]:
             try:
                 found = {"v": read_v(isa, cache, query_dtype), "k": read_k(isa, cache, query_dtype)}
                 if cache == "fp8":
-                    found["mixed"] = read_mixed(isa, query_dtype)
+                    found |= {name: read_mixed(isa, query_dtype, *shape) for name, shape in MIXED.items()}
                 results[f"{cache}/{query_dtype}"] = found
             except Exception as exc:  # the point is to record what the engine refuses, whatever it raises
                 results[f"{cache}/{query_dtype}"] = {"refused": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}

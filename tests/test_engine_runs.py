@@ -56,14 +56,14 @@ def test_the_vec_path_is_reproduced_token_by_token(prompts):
 
 def test_the_amx_path_is_its_flushing_attention_not_the_exact_one(prompts):
     """bf16 model, `amx` path: at unit scales many small q*k and p*v terms are lost to the AMX tiles' flush of
-    running sums below 2^-6 in fp8 units. fp8kv's `vllm-cpu-amx` arithmetic lands nearer the engine's unit-scale
+    partial sums below 2^-6 in fp8 units. fp8kv's `vllm-cpu-amx` arithmetic lands nearer the engine's unit-scale
     run than the exact float32 attention does, and with calibrated scales (where little is lost) agrees on top-1
     within a point."""
     engine_unit = _engine_run("bfloat16-fp8-unit")
     flushed = _ours(prompts, torch.bfloat16, "fp8", "vllm-cpu-amx", False).gaps(engine_unit)
     exact = _ours(prompts, torch.bfloat16, "fp8", "float32", False).gaps(engine_unit)
-    assert flushed.mean() < exact.mean() * 0.9, (flushed.mean(), exact.mean())  # measured 0.040 against 0.053
+    assert flushed.mean() < exact.mean() * 0.9, (flushed.mean(), exact.mean())  # measured 0.029 against 0.054
     ours_bf16 = _ours(prompts, torch.bfloat16, "bf16", "float32", False)
     calibrated = _ours(prompts, torch.bfloat16, "fp8", "vllm-cpu-amx", True)
     engine = _agreement(_engine_run("bfloat16-fp8-calibrated"), _engine_run("bfloat16-bf16cache"))
-    assert abs(_agreement(calibrated, ours_bf16) - engine) < 0.01  # measured 93.94 % against 93.66 %
+    assert abs(_agreement(calibrated, ours_bf16) - engine) < 0.01  # measured 94.16 % against 93.66 %

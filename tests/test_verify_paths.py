@@ -1,7 +1,7 @@
 """verify judges every hardware path of a release: vLLM CPU 0.32's `vec` and `amx` read one write two ways.
 
 Scales x16 push the outlier model's ordinary K/V values into e4m3's subnormals: every rounding engine keeps them
-(its KL moves by under 1 %), but the `amx` path reads subnormal codes as 0 and flushes running sums below 2^-6 in
+(its KL moves by under 1 %), but the `amx` path reads subnormal codes as 0 and flushes partial sums below 2^-6 in
 fp8 units, so there these scales do worse than unit scales. Good calibrated scales gain no WARN from the path.
 """
 

@@ -54,8 +54,8 @@ PREDICTED = {
     # the EPYC: 3.77x measured on an Intel Xeon with AMX (0.61 against 0.16), hence 4.
     ("vec", "bfloat16"): Prediction("float32", 4.0, 0.01),
     # a bfloat16 model on a CPU with AMX tiles: the same bf16 roundings before the write, and the tiles' flushed
-    # running sums. Measured: largest fp8 gap 2.0x the bf16 caches' (0.39 against 0.19; mean 0.040 at unit scales,
-    # where the exact float32 attention lands 0.054 away), top-1 at most 0.44 points apart.
+    # sums. Measured: largest fp8 gap 2.3x the bf16 caches' (0.45 against 0.19; mean 0.029 at unit scales, where
+    # the exact float32 attention lands 0.054 away), top-1 at most 0.50 points apart.
     ("amx", "bfloat16"): Prediction("vllm-cpu-amx", 3.5, 0.01),
 }
 # (better, worse): the top-1 differences whose sign and interval fp8kv must reproduce
@@ -122,12 +122,14 @@ def _difference(runs: dict[str, PromptScores], better: str, worse: str) -> Paire
 
 
 @pytest.mark.parametrize("better, worse", DIFFERENCES)
-def test_scale_differences_have_the_engines_sign_and_interval(predicted, better, worse):
-    """Calibrated against unit scales (vec: +0.12 points [-0.61, +0.92], a difference within noise here, taken
-    with its sign), and calibrated / 8 against calibrated (-68 points: the clamp)."""
+def test_scale_differences_fall_inside_the_engines_interval(predicted, better, worse):
+    """Calibrated against unit scales and calibrated / 8 against calibrated (-68 points: the clamp), each inside
+    the engine's own 95 % interval, which fixes the sign wherever that interval excludes 0. Where it holds 0 the
+    sign is noise: on `amx` the engine gives -0.09 points [-0.95, +0.71] for calibrated against unit, and fp8kv,
+    whose attention matches the engine's to the bit on recorded inputs, +0.03: 4 of 3218 tokens apart, from the
+    bf16 model computed by another GEMM before the cache write."""
     engine, ours, _ = predicted
     theirs, mine = _difference(engine, better, worse), _difference(ours, better, worse)
-    assert math.copysign(1, mine.difference) == math.copysign(1, theirs.difference), (mine, theirs)
     assert theirs.low <= mine.difference <= theirs.high, (mine, theirs)
 
 
@@ -252,39 +254,37 @@ def test_every_path_of_the_write_stores_what_fp8kvs_model_stores():
 
 
 def _mixed_read(found: dict, query_dtype: torch.dtype, scale: float, numerics: str) -> torch.Tensor:
-    """fp8kv's attention over the mixed case's own inputs: one causal prefill, `[tokens * heads * dim]` float32."""
+    """fp8kv's attention over a mixed case's own inputs: one causal prefill, `[tokens * heads * dim]` float32."""
+    tokens, kv_heads, dim = found["tokens"], found["kv_heads"], found["dim"]
     codes = torch.tensor(list(bytes.fromhex(found["codes_hex"])), dtype=torch.uint8)
-    q64 = torch.tensor(found["q_64ths"], dtype=torch.float32)
-    tokens, dim = READ["meta"]["block_size"], len(codes) // (2 * READ["meta"]["block_size"])
-    pages = codes.view(1, tokens, 2, dim).view(torch.float8_e4m3fn)  # one KV head: [page, token, K/V, dim]
-    query = (q64 / 64).view(tokens, -1, dim).to(query_dtype)
+    pages = codes.view(1, tokens, 2 * kv_heads, dim).view(torch.float8_e4m3fn)  # [page, token, K/V per head, dim]
+    query = (torch.tensor(found["q_64ths"], dtype=torch.float32) / 64).view(tokens, found["heads"], dim)
     out = ragged_paged_attention(
-        query, pages, torch.tensor([tokens], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+        query.to(query_dtype), pages, torch.tensor([tokens], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
         torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), sm_scale=found["sm_scale"],
         k_scale=scale, v_scale=scale, numerics=numerics)
     return out.float().flatten()
 
 
-@pytest.mark.parametrize("isa, case", [c for c in READ_CASES if c[1].startswith("fp8/")])
-def test_a_prefill_over_random_codes_is_the_engines(isa, case):
-    """Many keys, grouped heads, scales off 1. `vec`: fp8kv's attention gives the engine's outputs, exactly at scale
-    1 and with bf16 queries; with float32 queries at another scale within 3e-7 (where the scale enters differs).
-    `amx`: its flushed running sums bring fp8kv to within a bf16 step or two of the engine, where the exact
-    float32 attention is further off (measured mean |d| 0.0046 against 0.012 at scale 1, where scores spread over
-    hundreds and the bf16 rounding of p decides; 2e-6 against 3e-4 at 0.0123); largest gap 0.45 % of the largest
-    output."""
-    found = READ["paths"][isa]["caches"][case]["mixed"]
+@pytest.mark.parametrize("isa, case, prefill", [(*c, m) for c in READ_CASES if c[1].startswith("fp8/")
+                                                for m in ("mixed", "mixed-long")])
+def test_a_prefill_over_random_codes_is_the_engines(isa, case, prefill):
+    """Many keys, grouped heads, scales off 1: fp8kv's attention gives the engine's outputs. With bf16 queries
+    exactly but for at most one output in 10,000, one bf16 step away (measured: 1 of 31,104 on `amx` at scale 0.0123,
+    where a float32 row sum in another order rounds the other way); with float32 queries within 5e-7 (where the
+    scale enters differs; 4.8e-7 measured). On `amx` that takes the tiles' own order of flushed sums (even and odd
+    chains per 32 terms): with one running sum instead, 174 of the short prefill's 2048 outputs differed."""
+    found = READ["paths"][isa]["caches"][case][prefill]
     query_dtype = getattr(torch, case.split("/")[1])
     for scale_name, values in found["read"].items():
         theirs = torch.tensor(values)
         mine = _mixed_read(found, query_dtype, float(scale_name), READ_NUMERICS[isa])
-        if isa == "amx":
-            exact = _mixed_read(found, query_dtype, float(scale_name), "float32")
-            assert (mine - theirs).abs().mean() <= (exact - theirs).abs().mean() / 2, scale_name
-            assert (mine - theirs).abs().max() <= theirs.abs().max() * 2.0**-7, scale_name
+        if query_dtype == torch.float32:
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=5e-7, msg=f"{case} {prefill} scale {scale_name}")
             continue
-        atol = 5e-7 if query_dtype == torch.float32 and float(scale_name) != 1.0 else 0.0
-        torch.testing.assert_close(mine, theirs, rtol=0, atol=atol, msg=f"{case} scale {scale_name}")
+        apart = mine != theirs
+        assert int(apart.sum()) <= len(theirs) // 10_000, (prefill, scale_name, int(apart.sum()))
+        assert bool(((mine - theirs).abs() <= theirs.abs() * 2.0**-7)[apart].all()), (prefill, scale_name)
 
 
 def test_a_path_this_cpu_cannot_run_is_one_line_and_exit_4(tmp_path):
