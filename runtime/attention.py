@@ -33,7 +33,8 @@ Scale = float | torch.Tensor | None
 #   sm_scale, p = exp(score - max) before the row sum) is flushed to zero, in the order the tiles add
 #   (`_tile_sum`): a small term is lost unless it joins a large sum. Raw K and V, bf16 q and p in the products,
 #   p's row sum in float32, scales after QK and P·V.
-#   The kernel's running max is taken as the row's final one, which flushes a little more than a block-wise max.
+#   The kernel keeps a running max and rescales only when it grows by more than 8; taking the row's final one
+#   instead changes 46 of 2.4 million outputs by one bf16 step over 2048 tokens whose later keys score higher.
 AttentionNumerics = Literal["float32", "xla-reference", "pallas-kernel", "vllm-cpu-amx"]
 NUMERICS: tuple[str, ...] = get_args(AttentionNumerics)
 # What the runtime report names, one count per call of the function that ran.
