@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_cpu_runs import CANNOT_RUN, GOLDEN, _isa_on_worker, machine, missing_flags
+from vllm_cpu_runs import CANNOT_RUN, GOLDEN, isa_on_worker, machine, missing_flags
 
 OUT = GOLDEN / "probed" / "smollm2-amx-layers.safetensors"
 PROMPTS = GOLDEN / "runs" / "smollm2-generated-heldout-ids.jsonl"
@@ -68,7 +68,7 @@ def capture(model: Path, ids: list[int]) -> tuple[dict[str, Any], list[str], flo
         ops.cpu_attn_reshape_and_cache, ops.cpu_attention_with_kv_cache = write, attend
     if calls["write"] != layers or kept["q0"].shape[0] != len(ids):  # one token sampled: no decode step runs
         raise SystemExit(f"expected one prefill of {len(ids)} tokens, saw {calls}")
-    isa = sorted({path for worker in llm.collective_rpc(_isa_on_worker) for path in worker})
+    isa = sorted({path for worker in llm.collective_rpc(isa_on_worker) for path in worker})
     return kept, isa, float(kept["scales"][0])
 
 

@@ -60,7 +60,7 @@ def missing_flags(isa: str) -> list[str]:
     return [flag for flag in PATHS[isa][1] if flag not in cpu_flags()]
 
 
-def _isa_on_worker(worker: Any) -> list[str]:
+def isa_on_worker(worker: Any) -> list[str]:
     """Run on each worker: the attention path every attention layer was handed (`isa`), sorted, one per path."""
     return sorted({layer.isa for layer in worker.get_model().modules() if hasattr(layer, "isa")})
 
@@ -102,7 +102,7 @@ def child(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
     prompts = [json.loads(line)["ids"] for line in IDS.read_text().splitlines() if line.strip()]
     llm = LLM(model=str(BUNDLED_MODEL_DIR), dtype=spec["dtype"], kv_cache_dtype=spec["kv_cache_dtype"],
               enforce_eager=True, max_model_len=max(map(len, prompts)) + 8, max_num_seqs=len(prompts), seed=0)
-    isa = sorted({path for worker in llm.collective_rpc(_isa_on_worker) for path in worker})
+    isa = sorted({path for worker in llm.collective_rpc(isa_on_worker) for path in worker})
     tensors = load_file(SCALES)  # compressed-tensors names: model.layers.N.self_attn.k_scale
     runs = {}
     for run, divisor in spec["runs"].items():
