@@ -8,6 +8,7 @@ stored in pages `page_indices[s]`. Queries are aligned to the end of their KV (c
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import Literal, get_args
 
@@ -254,9 +255,15 @@ def _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, wo
     return out * _head_scale(v_scale, 2) if late else out
 
 
-def _flush(x: torch.Tensor, floor: float) -> torch.Tensor:
-    """What an AMX tile takes of `x`: zero where |x| is below `floor`."""
-    return x.masked_fill(x.abs() < floor, 0.0)
+def _flush(x: torch.Tensor, floor: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """What an AMX tile takes of `x`: zero where |x| is below `floor` (into `out` where given, in place if `x`)."""
+    return torch.hardshrink(x, _below(floor), out=out)
+
+
+@functools.cache
+def _below(floor: float) -> float:
+    """The float32 just below `floor`: hardshrink zeroes |x| up to its bound, `floor` itself kept."""
+    return float(torch.nextafter(torch.tensor(floor), torch.tensor(0.0)))
 
 
 def _tile_sum(terms: list[tuple[torch.Tensor, torch.Tensor]], floor: float, out: torch.Tensor) -> torch.Tensor:
@@ -266,16 +273,15 @@ def _tile_sum(terms: list[tuple[torch.Tensor, torch.Tensor]], floor: float, out:
     results below `floor` in magnitude is a float32 subnormal the tile flushes to zero, so a small product is kept
     only when it joins a large sum in its own chain. Float32 products of bf16 and fp8 values are exact, so each
     step rounds once, as the fused add does. A step is a whole block's worth of rows at once."""
-    below = float(torch.nextafter(torch.tensor(floor), torch.tensor(0.0)))  # hardshrink zeroes |x| <= its bound
     out.zero_()
     even, odd = torch.empty_like(out), torch.empty_like(out)
     for start in range(0, len(terms), AMX_TILE_DEPTH):
         for chain, first in ((even, start), (odd, start + 1)):
             chain.zero_()
             for a, b in terms[first : start + AMX_TILE_DEPTH : 2]:
-                torch.hardshrink(chain.addcmul_(a, b), below, out=chain)
-        torch.hardshrink(even.add_(odd), below, out=even)
-        torch.hardshrink(out.add_(even), below, out=out)
+                _flush(chain.addcmul_(a, b), floor, out=chain)
+        _flush(even.add_(odd), floor, out=even)
+        _flush(out.add_(even), floor, out=out)
     return out
 
 
