@@ -22,10 +22,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_cpu_runs import CANNOT_RUN, GOLDEN, isa_on_worker, machine, missing_flags
+from vllm_cpu_runs import CANNOT_RUN, IDS, OUT, isa_on_worker, machine, missing_flags
 
-OUT = GOLDEN / "probed" / "smollm2-amx-layers.safetensors"
-PROMPTS = GOLDEN / "runs" / "smollm2-generated-heldout-ids.jsonl"
+PROMPTS = IDS["smollm2"]
 LAYERS = (0, 29)  # the first, where most values sit near the flush, and the last
 
 
@@ -74,7 +73,7 @@ def capture(model: Path, ids: list[int]) -> tuple[dict[str, Any], list[str], flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=Path, default=OUT / "smollm2-amx-layers.safetensors")
     args = parser.parse_args()
     lacking = missing_flags("amx")
     if lacking:
