@@ -237,22 +237,28 @@ def _fused_float32(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
 
 def _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work, floor=None) -> torch.Tensor:
     """Scores, mask, softmax and P·V step by step in `work`'s dtype: `[S, Qm, kv_heads, group, D]` out; `floor`:
-    vLLM CPU AMX's sums, each partial sum below it flushed (`amx_flush`, `_tile_sum`)."""
-    kv_heads = k.shape[2]
-    qk = _amx_scores(qs, k, allowed, floor) if floor is not None else torch.einsum("sqhgd,slhd->shgql", qs, k)
-    scores = qk * (sm_scale * _head_scale(k_scale, 3) if late else sm_scale)
-    if cap:
-        scores = cap * torch.tanh(scores / cap)
-    scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(work).min)
-    if sinks is not None:  # one extra logit per head in the softmax, dropped afterwards
-        sink = sinks.to(work).reshape(1, kv_heads, -1, 1, 1).expand(*scores.shape[:-1], 1)
-        probs = _softmax(torch.cat([scores, sink], dim=-1))[..., :-1]
-    elif floor is not None:
-        return _amx_values(scores, v, allowed, floor) * _head_scale(v_scale, 2)
-    else:
-        probs = _softmax(scores)
+    vLLM CPU AMX's sums, each partial sum below it flushed (`amx_flush`, `_amx_attention`)."""
+    score_scale = sm_scale * _head_scale(k_scale, 3) if late else sm_scale
+    if floor is not None:
+        return _amx_attention(qs, k, v, allowed, score_scale, cap, sinks, floor) * _head_scale(v_scale, 2)
+    scores = _masked(torch.einsum("sqhgd,slhd->shgql", qs, k) * score_scale, allowed, cap)
+    probs = _softmax(scores) if sinks is None else _softmax(_with_sinks(scores, sinks))[..., :-1]
     out = torch.einsum("shgql,slhd->sqhgd", probs, v)  # [S, Qm, kv_heads, group, D]
     return out * _head_scale(v_scale, 2) if late else out
+
+
+def _masked(scores: torch.Tensor, allowed: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """`scores` `[S, kv_heads, group, Q, L]` soft-capped where `cap`, and the lowest value where `allowed` `[S, Q, L]`
+    hides the key."""
+    if cap:
+        scores = cap * torch.tanh(scores / cap)
+    return scores.masked_fill(~allowed[:, None, None], torch.finfo(scores.dtype).min)
+
+
+def _with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """`scores` with one more logit per head, its sink, after the last key (the softmax's extra term)."""
+    sink = sinks.to(scores.dtype).reshape(1, scores.shape[1], -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1)
 
 
 def _flush(x: torch.Tensor, floor: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -285,39 +291,44 @@ def _tile_sum(terms: list[tuple[torch.Tensor, torch.Tensor]], floor: float, out:
     return out
 
 
-def _amx_scores(qs: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, floor: float) -> torch.Tensor:
-    """Q·K of `qs` `[S, Qm, kv_heads, group, D]` and raw `k` `[S, L, kv_heads, D]` summed over D as the tiles sum
-    it (`_tile_sum`): `[S, kv_heads, group, Qm, L]`; 0 past the last key any query of a block of `AMX_QUERY_ROWS`
-    may see (`allowed` `[S, Qm, L]`: the mask fills those scores anyway)."""
+def _amx_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                   score_scale: float | torch.Tensor, cap: float | None, sinks: torch.Tensor | None,
+                   floor: float) -> torch.Tensor:
+    """vLLM CPU amx's attention of `qs` `[S, Qm, kv_heads, group, D]` over raw `k`, `v` `[S, L, kv_heads, D]`, one
+    block of `AMX_QUERY_ROWS` queries at a time over the keys up to the last one any of them sees (`_blocks`: a
+    causal prefill's first blocks see few, and no score of a key no query of a block sees is formed): Q·K summed
+    over D as the tiles sum it (`_tile_sum`), times `score_scale`, soft-capped, masked; then P·V (`_amx_values`), or
+    with `sinks` the float32 softmax and P·V. `[S, Qm, kv_heads, group, D]`, before the V scale."""
     keys = k.permute(3, 0, 2, 1).contiguous()[:, :, :, None, None]  # [D, S, kv_heads, 1, 1, L]
-    out = qs.new_zeros(k.shape[0], k.shape[2], qs.shape[3], qs.shape[1], k.shape[1])
+    values = v.permute(1, 0, 2, 3)[:, :, :, None, None]  # [L, S, kv_heads, 1, 1, D]
+    out = v.new_empty(qs.shape)
     for start, seen in _blocks(allowed):
+        rows = slice(start, start + AMX_QUERY_ROWS)
         # [D, S, kv_heads, group, Q, 1]: one q_d column per term of the sum
-        block = qs[:, start : start + AMX_QUERY_ROWS].permute(4, 0, 2, 3, 1).contiguous()[..., None]
-        sums = qs.new_empty(*block.shape[1:-1], seen)
-        out[..., start : start + AMX_QUERY_ROWS, :seen] = _tile_sum(
-            [(q_d, k_d[..., :seen]) for q_d, k_d in zip(block, keys)], floor, sums)
+        block = qs[:, rows].permute(4, 0, 2, 3, 1).contiguous()[..., None]
+        qk = _tile_sum([(q_d, k_d[..., :seen]) for q_d, k_d in zip(block, keys)], floor,
+                       qs.new_empty(*block.shape[1:-1], seen))
+        scores = _masked(qk * score_scale, allowed[:, rows, :seen], cap)  # [S, kv_heads, group, Q, seen]
+        if sinks is None:
+            out[:, rows] = _amx_values(scores, values[:seen], floor)
+        else:
+            probs = _softmax(_with_sinks(scores, sinks))[..., :seen]
+            out[:, rows] = torch.einsum("shgql,slhd->sqhgd", probs, v[:, :seen])
     return out
 
 
-def _amx_values(scores: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, floor: float) -> torch.Tensor:
-    """P·V of the masked `scores` `[S, kv_heads, group, Qm, L]` over raw `v` `[S, L, kv_heads, D]`: p = exp(score -
-    max), its bf16 rounding times v summed over the keys as the tiles sum it (`_tile_sum`), divided by the row sum
-    of p in float32: `[S, Qm, kv_heads, group, D]`. Keys no query of a block sees are skipped: their p is exactly 0
-    (every row sees a key, so its max is a real score)."""
+def _amx_values(scores: torch.Tensor, values: torch.Tensor, floor: float) -> torch.Tensor:
+    """P·V of one block's masked `scores` `[S, kv_heads, group, Q, L]` over raw `values` `[L, S, kv_heads, 1, 1, D]`:
+    p = exp(score - max), its bf16 rounding times v summed over the keys as the tiles sum it (`_tile_sum`), divided
+    by the row sum of p in float32: `[S, Q, kv_heads, group, D]`."""
     # exp of an argument below about -87.3 (a subnormal or zero result, as every masked score gives) takes a path
     # about 20x slower; a p that small never changes the output: each product with an fp8 value is below
     # `floor`, and the row sum, whose largest term is 1, cannot hold it
-    shifted = (scores - scores.amax(dim=-1, keepdim=True)).clamp_(min=_EXP_FLOOR)
-    p = torch.exp(shifted)
-    p_tiles = p.to(torch.bfloat16).float()  # what the tiles multiply; the row sum adds p itself
-    values = v.permute(1, 0, 2, 3)[:, :, :, None, None]  # [L, S, kv_heads, 1, 1, D]
-    out = v.new_empty(*p.shape[:-1], v.shape[-1])
-    for start, seen in _blocks(allowed):
-        block = p_tiles[..., start : start + AMX_QUERY_ROWS, :seen].permute(4, 0, 1, 2, 3).contiguous()[..., None]
-        out[..., start : start + AMX_QUERY_ROWS, :] = _tile_sum(
-            list(zip(block, values)), floor, v.new_empty(*block.shape[1:-1], v.shape[-1]))
-    return (out / p.sum(-1, keepdim=True)).permute(0, 3, 1, 2, 4)
+    p = torch.exp((scores - scores.amax(dim=-1, keepdim=True)).clamp_(min=_EXP_FLOOR))
+    # what the tiles multiply, one column per key; the row sum adds p itself
+    p_tiles = p.to(torch.bfloat16).float().permute(4, 0, 1, 2, 3)[..., None]
+    sums = _tile_sum(list(zip(p_tiles, values)), floor, values.new_empty(*p.shape[:-1], values.shape[-1]))
+    return (sums / p.sum(-1, keepdim=True)).permute(0, 3, 1, 2, 4)
 
 
 def _blocks(allowed: torch.Tensor) -> list[tuple[int, int]]:
