@@ -33,6 +33,18 @@ def larger_llama(root: Path) -> Path:
 LARGER_LLAMA_NAME = "factory llama 8x1024, vocab 32k"
 
 
+def gemma3_shape(root: Path) -> Path:
+    """Gemma-3-270M's shape with random bf16 weights, the 262k-vocabulary model the verify timings measure: 18 layers,
+    hidden 640, 4 query heads on 1 KV head of 256 dims, MLP 2048, sliding window 512."""
+    import torch
+
+    from fp8kv.tools.factory import make_checkpoint
+
+    return make_checkpoint("gemma3", root / "gemma3-shape", num_layers=18, hidden_size=640, num_heads=4,
+                           num_kv_heads=1, head_dim=256, intermediate_size=2048, vocab_size=262144,
+                           dtype=torch.bfloat16, sliding_window=512)
+
+
 def write_results(name: str, rows: list[dict[str, Any]], args: argparse.Namespace, **meta: Any) -> Path:
     """bench/results/NAME.json with the rows and what they were measured on."""
     import torch  # here, not at the top: the benchmarks of torch-free commands keep their own process torch-free

@@ -10,7 +10,7 @@ the child's resource usage) are reported with the load average (`uptime`) before
 machine others load, the CPU-time ratio is the steadier one; `--threads 1` makes it steadier still.
 Writes bench/results/real_process.json (another `--model`: real_process-NAME.json; `--engine E`: -E added).
 
-    .venv/bin/python bench/real_process.py [--model smollm2] [--samples 32] [--seq-len 256] [--repeats 3] [--threads N]
+    .venv/bin/python bench/real_process.py [--model smollm2 | gemma3-shape] [--samples 32] [--seq-len 256] [--repeats 3] [--threads N]
         [--engine vllm-cuda]
 """
 
@@ -45,6 +45,9 @@ with torch.no_grad():
 """
 
 
+GEMMA3_SHAPE = "gemma3-shape"  # --model: common.gemma3_shape, built in the temporary folder
+
+
 def timed(command: list[str], env: dict[str, str]) -> tuple[float, float]:
     """Wall and CPU seconds of one command, which must exit 0 (verify: with any verdict, 0, 1 or 3)."""
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -63,7 +66,7 @@ def load() -> str:
 
 def main() -> int:
     options = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    options.add_argument("--model", default="smollm2")
+    options.add_argument("--model", default="smollm2", help=f"a model fp8kv resolves, or {GEMMA3_SHAPE}")
     options.add_argument("--samples", type=int, default=32, help="calibration samples")
     options.add_argument("--heldout-samples", type=int, default=16, help="verify's held-out samples")
     options.add_argument("--seq-len", type=int, default=256)
@@ -73,9 +76,11 @@ def main() -> int:
     options.add_argument("--device", default="cpu", help="recorded only: every process runs on the CPU")
     options.add_argument("--engine", default=None, help="verify's --engine (default: every released engine)")
     args = options.parse_args()
-    folder = resolve_model(args.model)  # a GGUF is converted once, before anything is timed
+    work = Path(tempfile.mkdtemp(prefix="fp8kv-real-process-"))
+    # a GGUF is converted once, and the Gemma shape built once, before anything is timed
+    folder = common.gemma3_shape(work) if args.model == GEMMA3_SHAPE else resolve_model(args.model)
     python = [sys.executable]
-    out = Path(tempfile.mkdtemp(prefix="fp8kv-real-process-")) / "calibrated"
+    out = work / "calibrated"
     shape = ["--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--quiet"]
     commands = {
         "plain forward (calibration tokens)": [*python, "-c", PLAIN, str(folder), str(BUNDLED_CALIBRATION_TEXT),
