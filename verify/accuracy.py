@@ -210,6 +210,22 @@ def _block_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     return (ref_logp - logp).mul_(ref_logp.exp()).sum(-1)
 
 
+def _agrees_with(logp: torch.Tensor, top1: torch.Tensor) -> torch.Tensor:
+    """Per row of `logp` `[rows, vocab]`, whether its argmax is `top1` `[rows]`, exactly as argmax answers (the first
+    of tied largest values; a NaN counts as largest): whether the value at `top1` beats the largest of the others,
+    found by a max over the row with that one value set aside for it (a tenth of argmax's time on a 262k
+    vocabulary, whose index-tracking pass is not vectorized). A row where neither is larger, a tie or a NaN, asks
+    argmax itself. `logp` is left as it was."""
+    at = top1[:, None]
+    own = logp.gather(1, at)
+    others = logp.scatter_(1, at, -math.inf).amax(-1, keepdim=True)
+    logp.scatter_(1, at, own)
+    agrees, unsure = (own > others)[:, 0], ~((own > others) | (own < others))[:, 0]
+    if unsure.any():
+        agrees[unsure] = logp[unsure].argmax(-1) == top1[unsure]
+    return agrees
+
+
 def _next_token_logp(ids: list[int], logp: torch.Tensor, rows: slice) -> torch.Tensor:
     """The log-probability row block `rows` of `logp` gives each token of `ids` after its row."""
     start = rows.start
@@ -279,7 +295,7 @@ class SequenceScore:
         kl, top1, blocks = [], 0, _LogSoftmaxBlocks(ids, logits)
         for rows, logp in blocks:
             kl.append(_block_kl(reference.logp[rows], logp))  # NaN logits give NaN
-            top1 += int((logp.argmax(-1) == reference.top1[rows]).sum())
+            top1 += int(_agrees_with(logp, reference.top1[rows]).sum())
         kls = torch.cat(kl).double()
         return cls(float(kls.sum()), float(kls.max()), top1, blocks.nll, blocks.bad_rows)
 
