@@ -230,6 +230,22 @@ def test_a_logit_row_is_bad_when_any_logit_is_nan_or_inf_and_only_then():
     logits[5] = 3e38  # finite, though their sum is not
     assert ScoredSample.of([0] * 6, logits).bad_rows == 4
 
+def test_top1_agreement_is_argmaxs_answer_on_ties_nan_and_infinities():
+    from fp8kv.verify.accuracy import _agrees_with
+
+    torch.manual_seed(0)
+    for trial in range(200):
+        rows, vocab = int(torch.randint(1, 9, ())), int(torch.randint(1, 40, ()))
+        logp = torch.randint(-3, 3, (rows, vocab)).float() * 0.5  # coarse values: ties at the top are common
+        for every, value in ((3, float("nan")), (5, float("-inf")), (7, float("inf"))):
+            if trial % every == 0:
+                logp[torch.rand(rows, vocab) < 0.1] = value
+        top1 = logp.argmax(-1) if trial % 2 else torch.randint(0, vocab, (rows,))
+        before = logp.clone()
+        assert torch.equal(_agrees_with(logp, top1), logp.argmax(-1) == top1), trial
+        assert torch.equal(logp.view(torch.int32), before.view(torch.int32))  # left as it was, NaN included
+
+
 def test_scoring_a_sequence_row_block_by_row_block_gives_the_whole_sequence_figures(monkeypatch):
     from fp8kv.verify import accuracy
 
