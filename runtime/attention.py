@@ -187,7 +187,7 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     if fused and _finite(k, v):
         out = _fused_float32(qs, k, v, allowed, sm_scale)
     else:
-        out = _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work, floor)
+        out = _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, floor)
     out = out.flatten(2, 3)  # [S, Qm, q_heads, D]
     flat = torch.zeros(tokens + 1, q_heads, dim, dtype=torch.float32, device=device)
     flat = flat.index_put((rows.flatten(),), out.float().flatten(0, 1))
@@ -210,7 +210,7 @@ def _whole_prompts(q, kv_pages, page_indices, q_lens, cu_q_lens, sm_scale, k_sca
             out = _fused_float32(qs, k, v, None, sm_scale)
         else:
             causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None]
-            out = _unfused(qs, k, v, causal, sm_scale, k_scale, v_scale, None, None, False, torch.float32)
+            out = _unfused(qs, k, v, causal, sm_scale, k_scale, v_scale, None, None, False)
         flat[start : start + n] = out[0].flatten(1, 2)
     return flat.to(q.dtype)
 
@@ -237,9 +237,9 @@ def _fused_float32(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     return out.transpose(1, 2).unflatten(2, (kv_heads, group))
 
 
-def _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, work, floor=None) -> torch.Tensor:
-    """Scores, mask, softmax and P·V step by step in `work`'s dtype: `[S, Qm, kv_heads, group, D]` out; `floor`:
-    vLLM CPU AMX's sums, each partial sum below it flushed (`amx_flush`, `_amx_attention`)."""
+def _unfused(qs, k, v, allowed, sm_scale, k_scale, v_scale, cap, sinks, late, floor=None) -> torch.Tensor:
+    """Scores, mask, softmax and P·V step by step in the dtype of `qs`, `k` and `v`: `[S, Qm, kv_heads, group, D]`
+    out; `floor`: vLLM CPU AMX's sums, each partial sum below it flushed (`amx_flush`, `_amx_attention`)."""
     score_scale = sm_scale * _head_scale(k_scale, 3) if late else sm_scale
     if floor is not None:
         return _amx_attention(qs, k, v, allowed, score_scale, cap, sinks, floor) * _head_scale(v_scale, 2)
