@@ -230,6 +230,7 @@ def test_a_logit_row_is_bad_when_any_logit_is_nan_or_inf_and_only_then():
     logits[5] = 3e38  # finite, though their sum is not
     assert ScoredSample.of([0] * 6, logits).bad_rows == 4
 
+
 def test_top1_agreement_is_argmaxs_answer_on_ties_nan_and_infinities():
     from fp8kv.verify.accuracy import _agrees_with
 

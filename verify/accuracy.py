@@ -220,7 +220,8 @@ def _agrees_with(logp: torch.Tensor, top1: torch.Tensor) -> torch.Tensor:
     own = logp.gather(1, at)
     others = logp.scatter_(1, at, -math.inf).amax(-1, keepdim=True)
     logp.scatter_(1, at, own)
-    agrees, unsure = (own > others)[:, 0], ~((own > others) | (own < others))[:, 0]
+    agrees = (own > others)[:, 0]
+    unsure = ~(agrees | (own < others)[:, 0])
     if unsure.any():
         agrees[unsure] = logp[unsure].argmax(-1) == top1[unsure]
     return agrees
