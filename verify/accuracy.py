@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 import torch
 
 from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.data import repeated_prefixes
 from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, as_engine_model, engine_model, ignored
 from fp8kv.runtime.cache import Scale
 from fp8kv.runtime.device import resolve_device
@@ -394,40 +395,46 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
                      progress: Callable[[int, int], None] | None = None) -> tuple[Accuracy, list[EngineResult]]:
     """Prefill every sample on every runner (`batch_size` sequences per step) and compare logits.
 
+    A row whose context an earlier sample holds (`repeated_prefixes`: a chat template's first tokens) is scored in
+    that sample alone: sixteen samples repeating one prediction are one piece of evidence, and counted sixteen
+    times they would narrow every interval over sequences; a sample holding nothing new is left out.
     An engine's runner prefills only the sequences whose bytes it may write differently from a runner that ran
     already (`_borrowed`), and takes that runner's score of the others. Returns the comparison with the bf16
     cache and one result per engine model.
     """
+    new = [(ids, repeated) for ids, repeated in zip(samples, repeated_prefixes(samples)) if repeated < len(ids)]
+    samples, skips = [ids for ids, _ in new], [repeated for _, repeated in new]
     totals = _Totals()
     engine_totals = {engine: EngineTotals(_Totals(paired=runners.unit_engines.get(engine, runners.unit)
                                                   is not runner)) for engine, runner in runners.engines.items()}
     # saturating engines first: a non-saturating one may reuse its twin's scores
     order = sorted(runners.engines, key=lambda name: name in runners.twins)
     for start in range(0, len(samples), batch_size):
-        batch = samples[start : start + batch_size]
+        batch, skip = samples[start : start + batch_size], skips[start : start + batch_size]
         # Only the reference's log-probabilities outlive a prefill: every other runner's logits are scored as they
         # come, so a batch holds two vocabularies of logits at a time, not one per runner.
-        references = [ScoredSample.of(ids, out) for ids, out in zip(batch, prefill(runners.bf16, batch, None))]
+        references = [ScoredSample.of(ids[n:], out[n:])
+                      for ids, n, out in zip(batch, skip, prefill(runners.bf16, batch, None))]
         ran = {id(runners.bf16): _Prefill([SequenceScore.reference(ref) for ref in references],
                                           list(runners.bf16.sequence_writes()))}
         for runner in (runners.fp8, runners.unit):
             if id(runner) not in ran:
-                ran[id(runner)] = _Prefill.of(runner, batch, references)
+                ran[id(runner)] = _Prefill.of(runner, batch, skip, references)
         for engine in order:
             runner = runners.engines[engine]
             if id(runner) not in ran:
-                ran[id(runner)] = _Prefill.of(runner, batch, references, _borrowed(engine, runners, ran))
+                ran[id(runner)] = _Prefill.of(runner, batch, skip, references, _borrowed(engine, runners, ran))
         for runner in runners.unit_engines.values():
             if id(runner) not in ran:
-                ran[id(runner)] = _Prefill.of(runner, batch, references)
+                ran[id(runner)] = _Prefill.of(runner, batch, skip, references)
         del references  # before the next batch's reference prefill, which would otherwise hold two batches' worth
-        for i, ids in enumerate(batch):
+        for i, (ids, n) in enumerate(zip(batch, skip)):
             by_runner = {key: run.scores[i] for key, run in ran.items()}
             bf16_nll = by_runner[id(runners.bf16)].nll
-            totals.add(len(ids), bf16_nll, by_runner[id(runners.fp8)], by_runner[id(runners.unit)])
+            totals.add(len(ids) - n, bf16_nll, by_runner[id(runners.fp8)], by_runner[id(runners.unit)])
             for engine, runner in runners.engines.items():
                 unit = runners.unit_engines.get(engine, runners.unit)
-                engine_totals[engine].add(len(ids), bf16_nll, by_runner[id(runner)], by_runner[id(unit)])
+                engine_totals[engine].add(len(ids) - n, bf16_nll, by_runner[id(runner)], by_runner[id(unit)])
         if progress is not None:
             progress(start + len(batch), len(samples))
     results = [engine_totals[e].result(runners.models.get(e) or engine_model(e), runners.engines[e])
@@ -444,15 +451,15 @@ class _Prefill:
     writes: list[SequenceWrites | None]
 
     @classmethod
-    def of(cls, runner: PagedModelRunner, batch: list[list[int]], references: list[ScoredSample],
+    def of(cls, runner: PagedModelRunner, batch: list[list[int]], skip: list[int], references: list[ScoredSample],
            borrowed: list[SequenceScore | None] | None = None) -> _Prefill:
         """Prefill the sequences of `batch` that `borrowed` has no score for (all, without it), scoring each against
-        its reference (the bf16 cache's) as its logits arrive."""
+        its reference (the bf16 cache's) as its logits arrive, from the row after its first `skip` tokens."""
         borrowed = borrowed or [None] * len(batch)
         todo = [i for i, lent in enumerate(borrowed) if lent is None]
         logits = prefill(runner, [batch[i] for i in todo], None) if todo else []
         writes = runner.sequence_writes() if todo else []
-        scored = {i: SequenceScore.of(batch[i], out, references[i]) for i, out in zip(todo, logits)}
+        scored = {i: SequenceScore.of(batch[i][skip[i]:], out[skip[i]:], references[i]) for i, out in zip(todo, logits)}
         wrote = dict(zip(todo, writes))
         return cls([lent if lent is not None else scored[i] for i, lent in enumerate(borrowed)],
                    [wrote.get(i) for i in range(len(batch))])
