@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fp8kv.data import CalibrationData, DataRequest, load_calibration_data
+from fp8kv.data import CalibrationData, DataRequest, load_calibration_data, repeated_prefixes
 from fp8kv.observe import KVStatistics
 from fp8kv.calibrate.pipeline import CalibrationRequest, observe_whole_model
 from fp8kv.data import load_tokenizer
@@ -110,9 +110,13 @@ class Scores:
 
 
 def compare(samples: list[list[int]], run: Run, reference: Run) -> Scores:
-    """Perplexity of `run`, and its KL / top-1 against `reference` over every token of every sample."""
+    """Perplexity of `run`, and its KL / top-1 against `reference`, each prediction once as verify counts it (a
+    sample's rows after a prefix an earlier sample began with); a sample that is all such a prefix is left out."""
     loss, kl_sum, agree, tokens, lost, per_sample = NextTokenLoss(), 0.0, 0, 0, 0, []
-    for ids, logits, ref_logits in zip(samples, run.logits, reference.logits):
+    for ids, logits, ref_logits, repeated in zip(samples, run.logits, reference.logits, repeated_prefixes(samples)):
+        if repeated == len(ids):
+            continue
+        ids, logits, ref_logits = ids[repeated:], logits[repeated:], ref_logits[repeated:]
         logp, ref = torch.log_softmax(logits, -1), torch.log_softmax(ref_logits, -1)
         lost += int(not bool(torch.isfinite(logits).all()))
         loss.add(ids, logp)

@@ -79,7 +79,7 @@ def test_a_checkpoint_calibrated_by_fp8kv_passes(calibrated, texts, tmp_path):
     assert VerifyReport.from_json(text).to_json() == text  # the round trip keeps every key, value and their order
     report = json.loads(text)
     assert list(report) == ["checkpoint", "digest", "device", "convention", "kv_dtype", "thresholds", "static",
-                            "scales", "text_source", "num_samples", "num_tokens", "accuracy", "generation", "readback",
+                            "scales", "text_source", "num_samples", "num_tokens", "num_repeated", "accuracy", "generation", "readback",
                             "layers", "runtime", "engines", "generation_details", "fidelity", "verdict", "exit_code", "timings_s",
                             "reasons"]
     assert report["verdict"] == "PASS" and report["convention"] == "compressed-tensors"
@@ -99,8 +99,8 @@ def test_a_checkpoint_calibrated_by_fp8kv_passes(calibrated, texts, tmp_path):
     assert list(engines) == list(JUDGED)
     # every row but those whose context an earlier sample holds (here the samples' shared first tokens)
     samples = load_calibration_data(_request(calibrated, texts).data, load_tokenizer(calibrated, False)).samples
-    rows = report["num_tokens"] - sum(repeated_prefixes(samples))
-    assert 0 < sum(repeated_prefixes(samples)) < 4 * 4
+    rows = report["num_tokens"] - report["num_repeated"]
+    assert report["num_repeated"] == sum(repeated_prefixes(samples)) and 0 < report["num_repeated"] < 4 * 4
     for e in engines.values():  # nothing reaches MAX: no engine stores a NaN
         assert (e["nan_rows"], e["sequences_lost"], e["first_nonfinite_layer"]) == (0, 0, None)
         assert e["sequences"] == 4 and e["rows"] == rows and e["verdict"] == "PASS"

@@ -454,7 +454,8 @@ class _Prefill:
     def of(cls, runner: PagedModelRunner, batch: list[list[int]], skip: list[int], references: list[ScoredSample],
            borrowed: list[SequenceScore | None] | None = None) -> _Prefill:
         """Prefill the sequences of `batch` that `borrowed` has no score for (all, without it), scoring each against
-        its reference (the bf16 cache's) as its logits arrive, from the row after its first `skip` tokens."""
+        its reference (the bf16 cache's) as its logits arrive, from its row `skip[i]` on (the rows before repeat an
+        earlier sample's)."""
         borrowed = borrowed or [None] * len(batch)
         todo = [i for i, lent in enumerate(borrowed) if lent is None]
         logits = prefill(runner, [batch[i] for i in todo], None) if todo else []

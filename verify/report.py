@@ -47,6 +47,7 @@ class HeldOut:
     text_source: str | None = None
     num_samples: int = 0
     num_tokens: int = 0
+    num_repeated: int = 0  # tokens whose prediction an earlier sample makes too (its first tokens): scored there alone
     accuracy: Accuracy | None = None
     generation: GenerationMatch | None = None
     readback: Readback | None = None
@@ -136,7 +137,8 @@ def render_markdown(report: VerifyReport) -> str:
         parts.append("\n".join(f"- **{r.level}**: {r.message}" for r in report.reasons))
     held = report.held_out
     setup = [("Device", report.device), ("Convention", report.convention), ("KV dtype", report.kv_dtype),
-             ("Held-out text", held.text_source), ("Samples", held.num_samples), ("Tokens", held.num_tokens)]
+             ("Held-out text", held.text_source), ("Samples", held.num_samples), ("Tokens", held.num_tokens),
+             ("Of them, predictions an earlier sample makes too (scored once)", held.num_repeated)]
     if held.readback:
         setup.append(("Runtime scales equal the file's (float32 bits)", "yes" if held.readback.equal else "NO"))
     fid = held.fidelity

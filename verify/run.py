@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fp8kv.data import CalibrationData
+from fp8kv.data import CalibrationData, repeated_prefixes
 from fp8kv.engine_models import (
     VLLM_TPU, CheckpointTraits, EngineModel, engine_model, engine_of, judged_paths, release_name,
 )
@@ -67,7 +67,8 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     reasons, held_out, timings = list(static.reasons), HeldOut(), {}
     if static.runnable:
         tokenizer, data = _heldout_text(request, static, runtime.kind, progress)
-        held_out = HeldOut(heldout.text_source(data), len(data.samples), data.num_tokens)
+        held_out = HeldOut(heldout.text_source(data), len(data.samples), data.num_tokens,
+                           sum(repeated_prefixes(data.samples)))
         try:
             held_out, found, timings = _heldout_checks(request, static, tokenizer, data, runtime.kind, thresholds,
                                                        held_out, progress)
