@@ -6,6 +6,7 @@
 set -euo pipefail
 NAME=gpu
 source "$(dirname "$0")/machine_env.sh"
+needs_cuda
 "$PY" -c "import torch, transformers, safetensors, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
 df -h "$WORK" | tail -1

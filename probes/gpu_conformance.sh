@@ -14,6 +14,7 @@
 set -euo pipefail
 NAME=conformance
 source "$(dirname "$0")/../bench/machine_env.sh"
+needs_cuda
 : "${MODEL:?set MODEL to a real checkpoint folder}" "${VLLM_PY:?set VLLM_PY to a Python with vLLM (CUDA)}"
 nvidia-smi --query-gpu=name,memory.total --format=csv || true
 "$VLLM_PY" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"

@@ -8,6 +8,7 @@
 set -euo pipefail
 NAME=writes
 source "$(dirname "$0")/../bench/machine_env.sh"
+needs_cuda
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
 nvidia-smi --query-gpu=name,compute_cap --format=csv || true
 "$PY" "$REPO/probes/gpu_writes.py" --out "$OUT/gpu_writes.json"
