@@ -8,6 +8,7 @@ samples on every run, and batched with right padding that the observer masks out
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import logging
@@ -140,16 +141,20 @@ def repeated_prefixes(samples: list[list[int]]) -> list[int]:
     """Per sample, its longest prefix that an earlier sample begins with too (0 for the first). Chat samples share
     their template's first tokens (SmolLM2's generated text: 24 of them), and a sample's prediction after a prefix
     an earlier sample holds is the same prediction made again."""
+    earlier: list[tuple[int, ...]] = []  # sorted: the one sharing most with a sample sits next to it
     longest = []
-    for i, sample in enumerate(samples):
-        shared = 0
-        for earlier in samples[:i]:
-            n = 0
-            while n < min(len(sample), len(earlier)) and sample[n] == earlier[n]:
-                n += 1
-            shared = max(shared, n)
-        longest.append(shared)
+    for sample in map(tuple, samples):
+        at = bisect.bisect_left(earlier, sample)
+        longest.append(max((_shared(sample, earlier[i]) for i in (at - 1, at) if 0 <= i < len(earlier)), default=0))
+        earlier.insert(at, sample)
     return longest
+
+
+def _shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def samples_seen(samples: Iterable[list[int]], digests: Iterable[str]) -> int:
