@@ -1,7 +1,8 @@
 """How often verify raises a false alarm on good checkpoints, and how often it catches damaged ones.
 
 Good: `fp8kv calibrate` with the default margin on `--calib-seeds` draws of the bundled calibration text, each
-verified on `--heldout-seeds` draws of the held-out split (every released engine). Damaged, from the first good
+verified on `--heldout-seeds` draws of each `--texts` (every released engine): the bundled held-out split, and
+`generated`, the model's own answers through its chat template, whose samples share the template's first tokens. Damaged, from the first good
 calibration of each model, written as another tool would write them (the same folder without fp8kv.json, its
 scale tensors rewritten): every scale x0.25 (clipping), every scale x16 (values pushed toward e4m3's subnormals),
 one layer's K and V scales swapped; and through fp8kv's own writer, llm-compressor's default observer (the last
@@ -11,7 +12,7 @@ Prints, per model and case, how many runs PASS / WARN / FAIL and how many WARNed
 than unit scales (the comparison `false_alarm_rate` holds), and writes bench/results/verify_false_alarms.json.
 
     .venv/bin/python bench/verify_false_alarms.py [--models bundled,bundled-outliers] [--calib-seeds 3]
-        [--heldout-seeds 4] [--samples 16] [--seq-len 128]
+        [--heldout-seeds 4] [--samples 16] [--seq-len 128] [--texts bundled,generated]
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def damaged_copy(calibrated: Path, out: Path, damage: Damage) -> Path:
     return out
 
 
-def outcome(model_dir: Path, report: Path, heldout_seed: int, args: argparse.Namespace) -> dict:
-    data = DataRequest("bundled", num_samples=args.samples, seq_len=args.seq_len, seed=heldout_seed)
+def outcome(model_dir: Path, report: Path, text: str, heldout_seed: int, args: argparse.Namespace) -> dict:
+    data = DataRequest(text, num_samples=args.samples, seq_len=args.seq_len, seed=heldout_seed)
     clock = time.perf_counter()
     result = verify(VerifyRequest(model_dir, data=data, report_dir=report, device="cpu"))
     reasons = [r for r in result.report.reasons if r.level in ("WARN", "FAIL")]
@@ -88,22 +89,26 @@ def run_model(model: str, root: Path, args: argparse.Namespace) -> list[dict]:
     damaged = [("damaged", name, damaged_copy(good[0][2], root / f"{model}-{i}", damage))
                for i, (name, damage) in enumerate(DAMAGES.items())]
     damaged.append(("damaged", "llm-compressor's observer", observer))
-    for kind, case, folder in good + damaged:
-        for heldout_seed in range(args.heldout_seeds):
-            row = outcome(folder, root / "reports" / f"{folder.name}-{heldout_seed}", heldout_seed, args)
-            rows.append({"model": model, "kind": kind, "case": case, "heldout_seed": heldout_seed, **row})
-            print(f"  {model} {case} held-out seed {heldout_seed}: {row['verdict']} ({row['seconds']:.0f} s)")
+    for text in args.texts.split(","):
+        for kind, case, folder in good + damaged:
+            for heldout_seed in range(args.heldout_seeds):
+                row = outcome(folder, root / "reports" / f"{folder.name}-{text}-{heldout_seed}", text, heldout_seed,
+                              args)
+                rows.append({"model": model, "text": text, "kind": kind, "case": case, "heldout_seed": heldout_seed,
+                             **row})
+                print(f"  {model} {case} {text} held-out seed {heldout_seed}: {row['verdict']} "
+                      f"({row['seconds']:.0f} s)")
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | checkpoint | case | runs | PASS | WARN | FAIL | WARN: worse than unit scales |",
-             "|---|---|---|---|---|---|---|---|"]
-    cases = dict.fromkeys((r["model"], r["kind"], r["case"]) for r in rows)
-    for model, kind, case in cases:
-        chosen = [r for r in rows if (r["model"], r["kind"], r["case"]) == (model, kind, case)]
+    lines = ["| model | held-out text | checkpoint | case | runs | PASS | WARN | FAIL | WARN: worse than unit scales |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    cases = dict.fromkeys((r["model"], r["text"], r["kind"], r["case"]) for r in rows)
+    for model, text, kind, case in cases:
+        chosen = [r for r in rows if (r["model"], r["text"], r["kind"], r["case"]) == (model, text, kind, case)]
         count = {v: sum(r["verdict"] == v for r in chosen) for v in ("PASS", "WARN", "FAIL")}
-        lines.append(f"| {model} | {kind} | {case} | {len(chosen)} | {count['PASS']} | {count['WARN']} | "
+        lines.append(f"| {model} | {text} | {kind} | {case} | {len(chosen)} | {count['PASS']} | {count['WARN']} | "
                      f"{count['FAIL']} | {sum(r['unit_warning'] for r in chosen)} |")
     good = [r for r in rows if r["kind"] == "good"]
     lines.append(f"\nGood checkpoints: {sum(r['verdict'] != 'PASS' for r in good)} of {len(good)} runs not PASS, "
@@ -120,6 +125,7 @@ def main() -> None:
     options.add_argument("--heldout-seeds", type=int, default=4)
     options.add_argument("--samples", type=int, default=16)
     options.add_argument("--seq-len", type=int, default=128)
+    options.add_argument("--texts", default="bundled", help="held-out texts, comma-separated: bundled, generated")
     args = options.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="fp8kv-false-alarms-") as root:
