@@ -5,8 +5,9 @@ a bf16 cache and fp8 at unit and at fp8kv's calibrated scales; bfloat16 models r
 `vec`) against fp8kv's runtime on the same ids with the engine's write, under the exact float32 attention and
 under `vllm-cpu-amx`. Per row: mean and 99th-percentile |delta log p| from the engine's run, top-1 agreement with
 the same side's bf16 cache, and per arithmetic the calibrated-minus-unit top-1 difference with its 95 % interval
-beside the engine's. As verify scores them, a position whose tokens before it an earlier prompt began with (SmolLM2's
-chat template: 24 tokens in every prompt) counts once, in the first prompt. Prints the table, writes bench/results/engine_runs_check.json.
+beside the engine's. As verify scores them, a position whose tokens before it an earlier prompt began with
+(SmolLM2's chat template: 24 tokens in every prompt) counts once, in the first prompt. Prints the table, writes
+bench/results/engine_runs_check.json.
 
     .venv/bin/python bench/engine_runs_check.py [--models bundled,smollm2]
 """

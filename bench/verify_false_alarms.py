@@ -2,11 +2,11 @@
 
 Good: `fp8kv calibrate` with the default margin on `--calib-seeds` draws of the bundled calibration text, each
 verified on `--heldout-seeds` draws of each `--texts` (every released engine): the bundled held-out split, and
-`generated`, the model's own answers through its chat template, whose samples share the template's first tokens. Damaged, from the first good
-calibration of each model, written as another tool would write them (the same folder without fp8kv.json, its
-scale tensors rewritten): every scale x0.25 (clipping), every scale x16 (values pushed toward e4m3's subnormals),
-one layer's K and V scales swapped; and through fp8kv's own writer, llm-compressor's default observer (the last
-batch's amax, batch 1, no margin). Each damaged folder is verified on the same held-out draws.
+`generated`, the model's own answers through its chat template, whose samples share the template's first tokens.
+Damaged, from the first good calibration of each model, written as another tool would write them (the same folder
+without fp8kv.json, its scale tensors rewritten): every scale x0.25 (clipping), every scale x16 (values pushed
+toward e4m3's subnormals), one layer's K and V scales swapped; and through fp8kv's own writer, llm-compressor's
+default observer (the last batch's amax, batch 1, no margin). Each damaged folder is verified on the same held-out draws.
 
 Prints, per model and case, how many runs PASS / WARN / FAIL and how many WARNed that calibrated scales do worse
 than unit scales (the comparison `false_alarm_rate` holds), and writes bench/results/verify_false_alarms.json.

