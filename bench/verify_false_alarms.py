@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from fp8kv.calibrate.pipeline import CalibrationRequest, calibrate
 from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, VERIFY_DIR
 from fp8kv.checkpoint.conventions import SCALES_FILE
-from fp8kv.data import DataRequest
+from fp8kv.data import GENERATED_DATASET, DataRequest
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT
 from fp8kv.verify.request import VerifyRequest
 from fp8kv.verify.run import verify
@@ -39,6 +39,7 @@ from fp8kv.verify.verdict import load_thresholds
 import common  # bench/common.py
 
 UNIT_WARNING = "calibrated scales do worse than unit scales"
+TEXTS = ("bundled", GENERATED_DATASET)  # --texts: the held-out texts every checkpoint can be verified on
 Damage = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
@@ -125,8 +126,11 @@ def main() -> None:
     options.add_argument("--heldout-seeds", type=int, default=4)
     options.add_argument("--samples", type=int, default=16)
     options.add_argument("--seq-len", type=int, default=128)
-    options.add_argument("--texts", default="bundled", help="held-out texts, comma-separated: bundled, generated")
+    options.add_argument("--texts", default="bundled", help=f"held-out texts, comma-separated: {', '.join(TEXTS)}")
     args = options.parse_args()
+    unknown = set(args.texts.split(",")) - set(TEXTS)
+    if unknown:
+        options.error(f"--texts: {', '.join(sorted(unknown))} is not one of {', '.join(TEXTS)}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="fp8kv-false-alarms-") as root:
         for model in args.models.split(","):
