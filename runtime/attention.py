@@ -8,7 +8,6 @@ stored in pages `page_indices[s]`. Queries are aligned to the end of their KV (c
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from typing import Literal, get_args
 
@@ -17,6 +16,7 @@ import torch
 from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import is_fp8
 from fp8kv.kvdtypes import FP8_MAX
+from fp8kv.runtime.amx_tiles import flush, tile_matmul
 from fp8kv.runtime.kernel_rule import heads_tile
 
 BACKENDS = ("auto", "torch", "xla")
@@ -33,7 +33,7 @@ Scale = float | torch.Tensor | None
 #   applies the inverse bias x the scale once in float32. So every subnormal code reads as 0, and every partial
 #   sum of q_d * k_d or p * v_d terms below the format's smallest normal in fp8 units (`amx_flush`: q before
 #   sm_scale, p = exp(score - max) before the row sum) is flushed to zero, in the order the tiles add
-#   (`_tile_sum`): a small term is lost unless it joins a large sum. Raw K and V, bf16 q and p in the products,
+#   (`amx_tiles.tile_matmul`): a small term is lost unless it joins a large sum. Raw K and V, bf16 q and p in the products,
 #   p's row sum in float32, scales after QK and P·V.
 #   The kernel keeps a running max and rescales only when it grows by more than 8; taking the row's final one
 #   instead changes 46 of 2.4 million outputs by one bf16 step over 2048 tokens whose later keys score higher.
@@ -53,7 +53,6 @@ def amx_flush(cache_dtype: torch.dtype) -> float:
 
 
 AMX_QUERY_ROWS = 32  # queries whose sums are formed at once: [S, kv_heads, group, 32, keys or head_dim]
-AMX_TILE_DEPTH = 32  # terms one AMX tile instruction sums: 16 bf16 pairs, head dims for Q·K, keys for P·V
 _EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, just above float32's smallest normal
 LARGEST_FP8 = max(FP8_MAX.values())  # no fp8 code of any format holds a larger raw value
 
@@ -176,7 +175,7 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     k, v = gather_kv(kv_pages, page_indices, kv_lens, None if late else k_scale, None if late else v_scale)
     k, v = k.to(work), v.to(work)  # [S, L, kv_heads, D]
     if floor is not None:
-        qs, k, v = qs.to(torch.bfloat16).float(), _flush(k, floor), _flush(v, floor)
+        qs, k, v = qs.to(torch.bfloat16).float(), flush(k, floor), flush(v, floor)
     positions = (kv_lens - q_lens)[:, None] + j  # [S, Qm] absolute position of each query
     keys = torch.arange(k.shape[1], device=device)
     allowed = keys <= positions[..., None]  # [S, Qm, L]
@@ -254,7 +253,7 @@ def _masked(scores: torch.Tensor, allowed: torch.Tensor, cap: float | None) -> t
     hides the key."""
     if cap:
         scores = cap * torch.tanh(scores / cap)
-    return scores.masked_fill(~allowed[:, None, None], torch.finfo(scores.dtype).min)
+    return torch.where(allowed[:, None, None], scores, torch.finfo(scores.dtype).min)
 
 
 def _with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -263,56 +262,27 @@ def _with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     return torch.cat([scores, sink], dim=-1)
 
 
-def _flush(x: torch.Tensor, floor: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """What an AMX tile takes of `x`: zero where |x| is below `floor` (into `out` where given, in place if `x`)."""
-    return torch.hardshrink(x, _below(floor), out=out)
-
-
-@functools.cache
-def _below(floor: float) -> float:
-    """The float32 just below `floor`: hardshrink zeroes |x| up to its bound, `floor` itself kept."""
-    return float(torch.nextafter(torch.tensor(floor), torch.tensor(0.0)))
-
-
-def _tile_sum(terms: list[tuple[torch.Tensor, torch.Tensor]], floor: float, out: torch.Tensor) -> torch.Tensor:
-    """The sum of the products a * b of `terms`, in order, as AMX tiles accumulate it, into `out` (zeroed first).
-    One tile instruction (TDPBF16PS) takes `AMX_TILE_DEPTH` terms: it runs the even and the odd ones as two fused
-    multiply-add chains from zero, adds the two chains, then adds that to the running total. Every one of those
-    results below `floor` in magnitude is a float32 subnormal the tile flushes to zero, so a small product is kept
-    only when it joins a large sum in its own chain. Float32 products of bf16 and fp8 values are exact, so each
-    step rounds once, as the fused add does. A step is a whole block's worth of rows at once."""
-    out.zero_()
-    even, odd = torch.empty_like(out), torch.empty_like(out)
-    for start in range(0, len(terms), AMX_TILE_DEPTH):
-        for chain, first in ((even, start), (odd, start + 1)):
-            chain.zero_()
-            for a, b in terms[first : start + AMX_TILE_DEPTH : 2]:
-                _flush(chain.addcmul_(a, b), floor, out=chain)
-        _flush(even.add_(odd), floor, out=even)
-        _flush(out.add_(even), floor, out=out)
-    return out
-
-
 def _amx_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                    score_scale: float | torch.Tensor, cap: float | None, sinks: torch.Tensor | None,
                    floor: float) -> torch.Tensor:
     """vLLM CPU amx's attention of `qs` `[S, Qm, kv_heads, group, D]` over raw `k`, `v` `[S, L, kv_heads, D]`, one
     block of `AMX_QUERY_ROWS` queries at a time over the keys up to the last one any of them sees (`_blocks`: a
     causal prefill's first blocks see few, and no score of a key no query of a block sees is formed): Q·K summed
-    over D as the tiles sum it (`_tile_sum`), times `score_scale`, soft-capped, masked; then P·V (`_amx_values`), or
-    with `sinks` the float32 softmax and P·V. `[S, Qm, kv_heads, group, D]`, before the V scale."""
-    keys = k.permute(3, 0, 2, 1).contiguous()[:, :, :, None, None]  # [D, S, kv_heads, 1, 1, L]
-    values = v.permute(1, 0, 2, 3)[:, :, :, None, None]  # [L, S, kv_heads, 1, 1, D]
+    over D as the tiles sum it (`tile_matmul`), times `score_scale`, soft-capped, masked; then P·V (`_amx_values`),
+    or with `sinks` the float32 softmax and P·V. `[S, Qm, kv_heads, group, D]`, before the V scale."""
+    sequences, _, kv_heads, group, dim = qs.shape
+    # one product per sequence and KV head: its group's queries as rows, the head's keys or values as columns
+    queries = qs.permute(0, 2, 3, 1, 4)  # [S, kv_heads, group, Qm, D]
+    keys = k.permute(0, 2, 3, 1).flatten(0, 1).contiguous()  # [S*kv_heads, D, L]
+    values = v.permute(0, 2, 1, 3).flatten(0, 1).contiguous()  # [S*kv_heads, L, D]
     out = v.new_empty(qs.shape)
     for start, seen in _blocks(allowed):
         rows = slice(start, start + AMX_QUERY_ROWS)
-        # [D, S, kv_heads, group, Q, 1]: one q_d column per term of the sum
-        block = qs[:, rows].permute(4, 0, 2, 3, 1).contiguous()[..., None]
-        qk = _tile_sum([(q_d, k_d[..., :seen]) for q_d, k_d in zip(block, keys)], floor,
-                       qs.new_empty(*block.shape[1:-1], seen))
+        block = queries[:, :, :, rows]
+        qk = tile_matmul(block.flatten(0, 1).flatten(1, 2), keys[..., :seen], floor).view(*block.shape[:-1], seen)
         scores = _masked(qk * score_scale, allowed[:, rows, :seen], cap)  # [S, kv_heads, group, Q, seen]
         if sinks is None:
-            out[:, rows] = _amx_values(scores, values[:seen], floor)
+            out[:, rows] = _amx_values(scores, values[:, :seen], floor)
         else:
             probs = _softmax(_with_sinks(scores, sinks))[..., :seen]
             out[:, rows] = torch.einsum("shgql,slhd->sqhgd", probs, v[:, :seen])
@@ -320,20 +290,20 @@ def _amx_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
 
 
 def _amx_values(scores: torch.Tensor, values: torch.Tensor, floor: float) -> torch.Tensor:
-    """P·V of one block's masked `scores` `[S, kv_heads, group, Q, L]` over raw `values` `[L, S, kv_heads, 1, 1, D]`:
-    p = exp(score - max), its bf16 rounding times v summed over the keys as the tiles sum it (`_tile_sum`), divided
+    """P·V of one block's masked `scores` `[S, kv_heads, group, Q, L]` over raw `values` `[S*kv_heads, L, D]`:
+    p = exp(score - max), its bf16 rounding times v summed over the keys as the tiles sum it (`tile_matmul`), divided
     by the row sum of p in float32: `[S, Q, kv_heads, group, D]`."""
     # exp of an argument below about -87.3 (a subnormal or zero result, as every masked score gives) takes a path
     # about 20x slower; a p that small never changes the output: each product with an fp8 value is below
     # `floor`, and the row sum, whose largest term is 1, cannot hold it
     p = torch.exp((scores - scores.amax(dim=-1, keepdim=True)).clamp_(min=_EXP_FLOOR))
-    # What the tiles multiply, one column per key; the row sum adds p itself. A product below floor x 2^-24 never
-    # changes a sum (a chain at 0 flushes it; one at floor or above holds it under half an ulp), and so is every
-    # product of a p below that over the largest fp8 value: zeroed, those p (every masked key's, the far keys')
-    # spare the CPU its slow subnormal products, a fifth of a unit-scale SmolLM2 prefill, bit for bit the same
+    # What the tiles multiply; the row sum adds p itself. A product below floor x 2^-24 never changes a sum (a chain
+    # at 0 flushes it; one at floor or above holds it under half an ulp), and so is every product of a p below that
+    # over the largest fp8 value: zeroed, those p (every masked key's, the far keys') spare the CPU its slow
+    # subnormal products, a fifth of a unit-scale SmolLM2 prefill, bit for bit the same
     p_tiles = p.to(torch.bfloat16).float()
-    p_tiles = p_tiles.masked_fill_(p_tiles < floor * 2.0**-24 / LARGEST_FP8, 0.0).permute(4, 0, 1, 2, 3)[..., None]
-    sums = _tile_sum(list(zip(p_tiles, values)), floor, values.new_empty(*p.shape[:-1], values.shape[-1]))
+    p_tiles = p_tiles.masked_fill_(p_tiles < floor * 2.0**-24 / LARGEST_FP8, 0.0)
+    sums = tile_matmul(p_tiles.flatten(0, 1).flatten(1, 2), values, floor).view(*p.shape[:-1], values.shape[-1])
     return (sums / p.sum(-1, keepdim=True)).permute(0, 3, 1, 2, 4)
 
 

@@ -26,7 +26,7 @@ from fp8kv.checkpoint.load import WeightsMismatch
 from fp8kv.inspection import scale_rows
 from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
 from fp8kv.progress import StageProgress, announce, stage_callback
-from fp8kv.runtime import xla_cost
+from fp8kv.runtime import amx_tiles, xla_cost
 from fp8kv.serving import loss_line
 from fp8kv.runtime.device import resolve_device
 from fp8kv.verify import accuracy, engines, fidelity, generation, heldout
@@ -153,6 +153,7 @@ def _heldout_checks(request: VerifyRequest, static: StaticResult, tokenizer: Any
                                         "torch_xla's attention runs on an XLA device" if runners.fp8.runs_ragged
                                         else f"{source.geometry.model_type} attends in its own code or over MLA latents")
 
+    reasons += _slow_tile_sums_note(runners)
     readback = accuracy.readback(runners.fp8, scales)
     if not readback.equal:
         reasons.append(Finding(FAIL, "the runtime's scales differ from the file's: "
@@ -206,6 +207,15 @@ def _own_attention_notes(engine_attention: bool, serving: tuple[EngineModel, ...
     return notes + [Finding(INFO, f"engine {m.name}: {why}, so this path's attention ({m.attention}) is not "
                                   f"reproduced: it attends in {arithmetic} here, like the release's other paths",
                             (m.name,)) for m in serving if m.path is not None and m.attention]
+
+
+def _slow_tile_sums_note(runners: accuracy.Runners) -> list[Finding]:
+    """INFO where an engine path's flushing tile sums run in torch, not compiled: the same figures, slower."""
+    paths = [name for name, runner in runners.engines.items() if runner.arithmetic == "vllm-cpu-amx"]
+    route = amx_tiles.tile_sums_route() if paths else ""
+    return [Finding(INFO, f"engine {', '.join(paths)}: its flushing tile sums run in {route}: the same figures, each "
+                          "attention call about 3x slower than through the compiled kernel", tuple(paths))
+            ] if route.startswith("torch") else []
 
 
 def serving_models(names: tuple[str, ...], static: StaticResult) -> tuple[EngineModel, ...]:
