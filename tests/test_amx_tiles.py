@@ -92,8 +92,15 @@ def test_without_a_compiler_torch_sums_and_says_why(fresh_build, monkeypatch) ->
     assert not fresh_build.exists() or not any(fresh_build.iterdir())
 
 
-def test_the_amx_attention_is_the_same_through_either_route(fresh_build, monkeypatch) -> None:
-    """A ragged prefill of three sequences over an fp8 cache, per-head scales: the same bits compiled and in torch."""
+@pytest.mark.parametrize("cache, extras", [
+    (E4M3, {}),
+    (torch.float8_e5m2, {}),  # its floor is 2^-14
+    (E4M3, {"soft_cap": 30.0, "sliding_window": 24}),
+    (E4M3, {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5])}),  # gpt-oss: Q·K only through the tiles
+])
+def test_the_amx_attention_is_the_same_through_either_route(cache, extras, fresh_build, monkeypatch) -> None:
+    """A ragged prefill of three sequences (one continuing its cached context) over an fp8 cache, per-head scales:
+    the same bits compiled and in torch."""
     g = torch.Generator().manual_seed(0)
     kv_heads, group, dim, page = 2, 3, 40, 16
     q_lens, kv_lens = [37, 5, 64], [37, 20, 64]
@@ -106,11 +113,12 @@ def test_the_amx_attention_is_the_same_through_either_route(fresh_build, monkeyp
         first += count
     batch = dict(
         q=(torch.randn(sum(q_lens), kv_heads * group, dim, generator=g)).to(torch.bfloat16),
-        kv_pages=pages.to(E4M3), kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        kv_pages=pages.to(cache), kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
         page_indices=torch.tensor(indices, dtype=torch.int32),
         cu_q_lens=torch.tensor([0, 37, 42, 106], dtype=torch.int32), num_seqs=torch.tensor([3], dtype=torch.int32),
         sm_scale=dim**-0.5, k_scale=torch.tensor([0.5, 0.02]), v_scale=torch.tensor([0.25, 1.0]),
-        numerics="vllm-cpu-amx")
+        numerics="vllm-cpu-amx", **extras)
     routed = ragged_paged_attention(**batch)
+    assert torch.isfinite(routed).all()
     monkeypatch.setattr(amx_tiles, "_kernel", lambda: None)
     assert torch.equal(ragged_paged_attention(**batch), routed)

