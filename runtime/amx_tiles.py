@@ -49,7 +49,7 @@ def _below(floor: float) -> float:
 def tile_matmul(a: torch.Tensor, w: torch.Tensor, floor: float) -> torch.Tensor:
     """`a` `[B, M, T]` (bf16 values) times `w` `[B, T, N]` (fp8 values, any strides), float32, each sum over T formed as
     the tiles form it, flushing below `floor` (a power of two): `[B, M, N]`."""
-    kernel = _kernel()
+    kernel, _ = _kernel()
     if kernel is None:
         return torch_tile_matmul(a, w, floor)
     batches, rows, terms = a.shape
@@ -85,18 +85,23 @@ def torch_tile_matmul(a: torch.Tensor, w: torch.Tensor, floor: float) -> torch.T
 
 def tile_sums_route() -> str:
     """How `tile_matmul` sums on this machine: the compiled kernel, or torch and why."""
-    return "compiled kernel" if _kernel() is not None else f"torch ({_build()[1]})"
+    kernel, how = _kernel()
+    return "compiled kernel" if kernel is not None else f"torch ({how})"
 
 
 @functools.cache
-def _kernel() -> Callable[..., None] | None:
-    library, _ = _build()
+def _kernel() -> tuple[Callable[..., None] | None, str]:
+    """The kernel's function (None where there is none) and how it came or why not."""
+    library, how = _build()
     if library is None:
-        return None
-    function = ctypes.CDLL(str(library)).tile_matmul
+        return None, how
+    try:
+        function = ctypes.CDLL(str(library)).tile_matmul
+    except (OSError, AttributeError) as error:  # not a library of this machine's, or not this kernel's
+        return None, f"{library} does not load: {error}"
     function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5 + [ctypes.c_float] + [ctypes.c_long] * 2
     function.restype = None
-    return function
+    return function, how
 
 
 @functools.cache
@@ -108,6 +113,10 @@ def _build() -> tuple[Path | None, str]:
                                      _cpu()])).hexdigest()
     library = cache_root() / "kernels" / f"amx_tiles-{key[:16]}.so"
     if library.is_file():
+        # loading a library runs its code: only one no one else could have written
+        status = library.stat()
+        if hasattr(os, "getuid") and (status.st_uid != os.getuid() or status.st_mode & 0o022):
+            return None, f"{library} is not yours alone to write: not loaded"
         return library, "cached"
     try:
         library.parent.mkdir(parents=True, exist_ok=True)

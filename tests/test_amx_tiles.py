@@ -120,5 +120,31 @@ def test_the_amx_attention_is_the_same_through_either_route(cache, extras, fresh
         numerics="vllm-cpu-amx", **extras)
     routed = ragged_paged_attention(**batch)
     assert torch.isfinite(routed).all()
-    monkeypatch.setattr(amx_tiles, "_kernel", lambda: None)
+    monkeypatch.setattr(amx_tiles, "_kernel", lambda: (None, "in torch on purpose"))
     assert torch.equal(ragged_paged_attention(**batch), routed)
+
+
+@pytest.fixture
+def fake_compiler(tmp_path, monkeypatch):
+    """A "compiler" that writes a library of junk bytes wherever -o says."""
+    script = tmp_path / "fake-cc"
+    script.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\necho junk > "$2"\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("CC", str(script))
+
+
+def test_a_library_that_does_not_load_leaves_the_sums_to_torch(fresh_build, fake_compiler) -> None:
+    route = amx_tiles.tile_sums_route()
+    assert route.startswith(f"torch ({fresh_build}/amx_tiles-") and ".so does not load: " in route
+    a, w = _operands(1, 4, 8, 16, seed=7)
+    assert torch.equal(tile_matmul(a, w, FLOOR), torch_tile_matmul(a, w, FLOOR))
+
+
+def test_a_library_others_could_have_written_is_never_loaded(fresh_build, fake_compiler) -> None:
+    """Loading a library runs its code: one in the cache that another user could have replaced is left alone."""
+    library, how = amx_tiles._build()
+    assert how == "built" and library is not None
+    library.chmod(0o666)
+    for memoized in (amx_tiles._build, amx_tiles._kernel):
+        memoized.cache_clear()
+    assert amx_tiles.tile_sums_route() == f"torch ({library} is not yours alone to write: not loaded)"
