@@ -1,8 +1,9 @@
 """GGUF files as MODEL: transformers dequantizes one into a normal model, saved once as a safetensors folder.
 
 transformers reads GGUF itself (`gguf_file=`, with the `gguf` package), dequantizing every tensor.
-The folder it becomes lives in fp8kv's cache (`cache_folder.cache_root`), named by the file's sha256, with
-`GgufOrigin` beside it; every later run reuses it. The GGUF itself is never modified. `smollm2` names the real model the `demo` extra installs.
+The folder it becomes lives in fp8kv's cache (`$FP8KV_CACHE`, else `$XDG_CACHE_HOME/fp8kv`, else
+`~/.cache/fp8kv`), named by the file's sha256, with `GgufOrigin` beside it; every later run reuses
+it. The GGUF itself is never modified. `smollm2` names the real model the `demo` extra installs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fp8kv.cache_folder import cache_root
 from fp8kv.checkpoint.artifacts import GGUF_ORIGIN_FILE
 from fp8kv.errors import Fp8kvError
 
@@ -53,6 +53,13 @@ class GgufOrigin:
     @classmethod
     def from_json(cls, text: str) -> GgufOrigin:
         return cls(**json.loads(text))
+
+
+def cache_root() -> Path:
+    """fp8kv's own cache folder."""
+    if os.environ.get("FP8KV_CACHE"):
+        return Path(os.environ["FP8KV_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "fp8kv"
 
 
 def is_gguf(model: str) -> bool:

@@ -9,26 +9,22 @@ step rounds once.
 Each step depends on the one before, so in torch every term is two passes over the whole output
 (`torch_tile_matmul`). A small C kernel (amx_tiles.c) runs the same steps in the CPU's vector registers, one
 instruction a step, the same bits: the whole amx attention call of a SmolLM2-shaped prefill (8 x 256 tokens, 2 cores)
-takes 27 ms against 82 ms in torch and 12 ms for the exact float32 read (bench/bench_amx_attention.py). It is built
-once per CPU with the system's C compiler (`$CC`, else `cc`) into fp8kv's cache; where none builds (no compiler,
-not x86 with fused multiply-add), torch sums them (`tile_sums_route` says which).
+takes 27 ms against 82 ms in torch and 12 ms for the exact float32 read (bench/bench_amx_attention.py). Each process
+builds it with the system's C compiler (`$CC`, else `cc`) on first use; where it does not build (no compiler, not
+x86 with fused multiply-add), torch sums them (`tile_sums_route` says which).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
-
-from fp8kv.cache_folder import cache_root
 
 AMX_TILE_DEPTH = 32  # terms one AMX tile instruction sums: 16 bf16 pairs, head dims for Q·K, keys for P·V
 KERNEL_SOURCE = Path(__file__).with_name("amx_tiles.c")
@@ -91,58 +87,25 @@ def tile_sums_route() -> str:
 
 @functools.cache
 def _kernel() -> tuple[Callable[..., None] | None, str]:
-    """The kernel's function (None where there is none) and how it came or why not."""
-    library, how = _build()
-    if library is None:
-        return None, how
-    try:
-        function = ctypes.CDLL(str(library)).tile_matmul
-    except (OSError, AttributeError) as error:  # not a library of this machine's, or not this kernel's
-        return None, f"{library} does not load: {error}"
+    """The kernel's function (None where there is none) and how it came or why not. Each process builds its own
+    (0.3 s) in a private temporary folder, gone before the sums run: nothing is written anywhere else, and no
+    library another process could have replaced is ever loaded."""
+    compiler = os.environ.get("CC") or "cc"
+    with tempfile.TemporaryDirectory(prefix="fp8kv-amx-tiles-") as scratch:
+        library = Path(scratch) / "amx_tiles.so"
+        try:
+            subprocess.run([compiler, *COMPILE_FLAGS, "-o", str(library), str(KERNEL_SOURCE)], check=True,
+                           capture_output=True, timeout=120)
+            function = ctypes.CDLL(str(library)).tile_matmul  # stays mapped once its file is gone
+        except (OSError, AttributeError, subprocess.SubprocessError) as error:
+            return None, f"{compiler} {' '.join(COMPILE_FLAGS)}: {_reason(error)}"
     function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5 + [ctypes.c_float] + [ctypes.c_long] * 2
     function.restype = None
-    return function, how
+    return function, "built"
 
 
-@functools.cache
-def _build() -> tuple[Path | None, str]:
-    """The kernel's shared library, built on first use (None where it does not build), and what happened."""
-    compiler = os.environ.get("CC") or "cc"
-    # a library built for one CPU may not run on another: the CPU's own flags name it too
-    key = hashlib.sha256(b"\0".join([KERNEL_SOURCE.read_bytes(), compiler.encode(), " ".join(COMPILE_FLAGS).encode(),
-                                     _cpu()])).hexdigest()
-    library = cache_root() / "kernels" / f"amx_tiles-{key[:16]}.so"
-    if library.is_file():
-        # loading a library runs its code: only one no one else could have written
-        status = library.stat()
-        if hasattr(os, "getuid") and (status.st_uid != os.getuid() or status.st_mode & 0o022):
-            return None, f"{library} is not yours alone to write: not loaded"
-        return library, "cached"
-    try:
-        library.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-            built = Path(scratch) / library.name
-            subprocess.run([compiler, *COMPILE_FLAGS, "-o", str(built), str(KERNEL_SOURCE)], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(built, library)  # whole or absent: another process may be building it too
-    except (OSError, subprocess.SubprocessError) as error:
-        return None, f"{compiler} {' '.join(COMPILE_FLAGS)}: {_reason(error)}"
-    return library, "built"
-
-
-def _reason(error: OSError | subprocess.SubprocessError) -> str:
+def _reason(error: OSError | AttributeError | subprocess.SubprocessError) -> str:
     if isinstance(error, subprocess.CalledProcessError):
         lines = (error.stderr or b"").decode(errors="replace").strip().splitlines()
         return lines[-1] if lines else f"exit {error.returncode}"
     return str(error)
-
-
-def _cpu() -> bytes:
-    """What names this CPU's instruction set: its flags on Linux, the platform elsewhere."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.encode()
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}".encode()

@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"errors", "json_fields"},
     {"options", "configs"},
     {"kvdtypes"},
-    {"fp8", "geometry", "console", "progress", "models", "transformers_cache", "cache_folder"},
+    {"fp8", "geometry", "console", "progress", "models", "transformers_cache"},
     {"engine_models"},
     {"checkpoint"},
     {"data", "observe", "runtime"},
