@@ -45,7 +45,7 @@ def _below(floor: float) -> float:
 def tile_matmul(a: torch.Tensor, w: torch.Tensor, floor: float) -> torch.Tensor:
     """`a` `[B, M, T]` (bf16 values) times `w` `[B, T, N]` (fp8 values, any strides), float32, each sum over T formed as
     the tiles form it, flushing below `floor` (a power of two): `[B, M, N]`."""
-    kernel, _ = _kernel()
+    kernel, _ = _kernel() if a.device.type == "cpu" else (None, "")  # the kernel reads host memory
     if kernel is None:
         return torch_tile_matmul(a, w, floor)
     batches, rows, terms = a.shape
@@ -53,7 +53,7 @@ def tile_matmul(a: torch.Tensor, w: torch.Tensor, floor: float) -> torch.Tensor:
     # w scaled so that the floor is float32's smallest normal, where the CPU's flush-to-zero mode flushes: a power
     # of two, and fp8 values keep every bit of theirs as float32 subnormals
     scale = torch.finfo(torch.float32).smallest_normal / floor
-    a, w = a.contiguous(), w * scale
+    a, w = a.float().contiguous(), w.float() * scale
     out = a.new_empty(batches, rows, columns)
     # one thread: torch's own threads spin a while after each of its operations, and a second thread of sums
     # between them runs no faster

@@ -79,6 +79,13 @@ def test_the_kernel_builds_where_it_can_and_leaves_no_file(fresh_build) -> None:
     assert not list(fresh_build.iterdir())
 
 
+def test_tensors_off_the_cpu_are_summed_by_torch(fresh_build) -> None:
+    """The kernel reads host memory: a GPU's tensors (here the meta device, which holds no data) go to torch."""
+    a, w = _operands(2, 6, 33, 20, seed=5)
+    out = tile_matmul(a.to("meta"), w.to("meta"), FLOOR)
+    assert out.device.type == "meta" and out.shape == (2, 6, 20)
+
+
 def test_without_a_compiler_torch_sums_and_says_why(fresh_build, monkeypatch) -> None:
     monkeypatch.setenv("CC", "/nonexistent/cc")
     route = amx_tiles.tile_sums_route()
