@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import subprocess
 import tempfile
@@ -44,8 +45,9 @@ def _below(floor: float) -> float:
 
 def tile_matmul(a: torch.Tensor, w: torch.Tensor, floor: float) -> torch.Tensor:
     """`a` `[B, M, T]` (bf16 values) times `w` `[B, T, N]` (fp8 values, any strides), float32, each sum over T formed as
-    the tiles form it, flushing below `floor` (a power of two): `[B, M, N]`."""
-    kernel, _ = _kernel() if a.device.type == "cpu" else (None, "")  # the kernel reads host memory
+    the tiles form it, flushing below `floor`: `[B, M, N]`."""
+    # the kernel reads host memory, and scales by powers of two alone (every floor of an fp8 format is one)
+    kernel, _ = _kernel() if a.device.type == "cpu" and math.frexp(floor)[0] == 0.5 else (None, "")
     if kernel is None:
         return torch_tile_matmul(a, w, floor)
     batches, rows, terms = a.shape

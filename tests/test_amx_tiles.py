@@ -86,6 +86,12 @@ def test_tensors_off_the_cpu_are_summed_by_torch(fresh_build) -> None:
     assert out.device.type == "meta" and out.shape == (2, 6, 20)
 
 
+def test_a_floor_not_a_power_of_two_is_summed_by_torch(fresh_build) -> None:
+    """Scaling w to put such a floor on float32's smallest normal would round it: torch sums it instead."""
+    a, w = _operands(2, 6, 33, 20, seed=5)
+    assert torch.equal(tile_matmul(a, w, 0.01), torch_tile_matmul(a, w, 0.01))
+
+
 def test_without_a_compiler_torch_sums_and_says_why(fresh_build, monkeypatch) -> None:
     monkeypatch.setenv("CC", "/nonexistent/cc")
     route = amx_tiles.tile_sums_route()
