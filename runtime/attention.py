@@ -33,8 +33,8 @@ Scale = float | torch.Tensor | None
 #   applies the inverse bias x the scale once in float32. So every subnormal code reads as 0, and every partial
 #   sum of q_d * k_d or p * v_d terms below the format's smallest normal in fp8 units (`amx_flush`: q before
 #   sm_scale, p = exp(score - max) before the row sum) is flushed to zero, in the order the tiles add
-#   (`amx_tiles.tile_matmul`): a small term is lost unless it joins a large sum. Raw K and V, bf16 q and p in the products,
-#   p's row sum in float32, scales after QK and P·V.
+#   (`amx_tiles.tile_matmul`): a small term is lost unless it joins a large sum. Raw K and V, bf16 q and p in the
+#   products, p's row sum in float32, scales after QK and P·V.
 #   The kernel keeps a running max and rescales only when it grows by more than 8; taking the row's final one
 #   instead changes 46 of 2.4 million outputs by one bf16 step over 2048 tokens whose later keys score higher.
 AttentionNumerics = Literal["float32", "xla-reference", "pallas-kernel", "vllm-cpu-amx"]
@@ -270,7 +270,6 @@ def _amx_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: 
     causal prefill's first blocks see few, and no score of a key no query of a block sees is formed): Q·K summed
     over D as the tiles sum it (`tile_matmul`), times `score_scale`, soft-capped, masked; then P·V (`_amx_values`),
     or with `sinks` the float32 softmax and P·V. `[S, Qm, kv_heads, group, D]`, before the V scale."""
-    sequences, _, kv_heads, group, dim = qs.shape
     # one product per sequence and KV head: its group's queries as rows, the head's keys or values as columns
     queries = qs.permute(0, 2, 3, 1, 4)  # [S, kv_heads, group, Qm, D]
     keys = k.permute(0, 2, 3, 1).flatten(0, 1).contiguous()  # [S*kv_heads, D, L]
