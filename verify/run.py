@@ -210,8 +210,10 @@ def _own_attention_notes(engine_attention: bool, serving: tuple[EngineModel, ...
 
 
 def _slow_tile_sums_note(runners: accuracy.Runners) -> list[Finding]:
-    """INFO where an engine path's flushing tile sums run in torch, not compiled: the same figures, slower."""
-    paths = [name for name, runner in runners.engines.items() if runner.arithmetic == "vllm-cpu-amx"]
+    """INFO where an engine path's flushing tile sums run in torch on the CPU, not compiled: the same figures,
+    slower. (A GPU's tensors always sum in torch.)"""
+    paths = [name for name, runner in runners.engines.items()
+             if runner.arithmetic == "vllm-cpu-amx" and runner.device.type == "cpu"]
     route = amx_tiles.tile_sums_route() if paths else ""
     return [Finding(INFO, f"engine {', '.join(paths)}: its flushing tile sums run in {route}: the same figures, each "
                           "attention call about 3x slower than through the compiled kernel", tuple(paths))
