@@ -1,7 +1,7 @@
 /* Sums as vLLM CPU's AMX tiles form them (amx_tiles.py states the order and calls this through ctypes).
 
    out[b, m, n] = the sum over t of a[b, m, t] * w[b, t, n], float32, with w scaled so that the tiles' flush floor
-   is float32's smallest normal: each tile of DEPTH terms is summed as two chains from zero, the even terms and the
+   is float32's smallest normal: each tile of `depth` terms is summed as two chains from zero, the even terms and the
    odd ones; each fused multiply-add of a chain, the chains' sum and the running total is rounded once, and the
    CPU's flush-to-zero mode turns every result below the smallest normal into zero. x86 detects that after
    rounding, as the tiles' flush of a rounded sum does, so one instruction does a step's add, rounding and flush.
@@ -16,7 +16,6 @@
 #include <immintrin.h>
 #include <string.h>
 
-#define DEPTH 32
 /* one vector register of floats: wider vectors than the CPU's are split into slow pieces */
 #if defined(__AVX512F__)
 #define LANES 16
@@ -43,11 +42,12 @@ static inline vf columns(const float *w, long count) {
 
 /* ROWS rows of a (stride T) against COUNT (at most LANES) columns of w (stride `stride`), into sums[0..ROWS) */
 #define ROW_SUMS(NAME, ROWS, COUNT)                                                                             \
-    static inline void NAME(const float *a, long T, const float *w, long stride, long count, vf *sums) {        \
+    static inline void NAME(const float *a, long T, const float *w, long stride, long count, long depth,       \
+                            vf *sums) {                                                                         \
         (void)count; /* the whole-vector kernels know it */                                                     \
         vf total[ROWS] = {{0}};                                                                                 \
-        for (long t0 = 0; t0 < T; t0 += DEPTH) {                                                               \
-            long t1 = t0 + DEPTH < T ? t0 + DEPTH : T;                                                          \
+        for (long t0 = 0; t0 < T; t0 += depth) {                                                               \
+            long t1 = t0 + depth < T ? t0 + depth : T;                                                          \
             vf even[ROWS] = {{0}}, odd[ROWS] = {{0}};                                                           \
             long t = t0;                                                                                        \
             for (; t + 1 < t1; t += 2) {                                                                        \
@@ -72,13 +72,14 @@ ROW_SUMS(one_row, 1, LANES)
 ROW_SUMS(four_rows_last, 4, count)
 ROW_SUMS(one_row_last, 1, count)
 
-/* Rows [first, last) of the B * M rows of out [B, M, N], each sum times `unscale` (a power of two: exact); a is
-   [B, M, T]; w[b, t, n] lies at w + b * batch_stride + t * row_stride + n. */
-void tile_matmul(const float *a, const float *w, float *out, long M, long T, long N, long batch_stride,
-                 long row_stride, float unscale, long first, long last) {
+/* out [B, M, N], each sum times `unscale` (a power of two: exact), tiles of `depth` terms; a is [B, M, T];
+   w[b, t, n] lies at w + b * batch_stride + t * row_stride + n. */
+void tile_matmul(const float *a, const float *w, float *out, long B, long M, long T, long N, long batch_stride,
+                 long row_stride, long depth, float unscale) {
     unsigned int mode = _mm_getcsr();
     _mm_setcsr(mode | _MM_FLUSH_ZERO_ON);
-    for (long row = first; row < last;) {
+    long last = B * M;
+    for (long row = 0; row < last;) {
         long batch = row / M;
         long end = (batch + 1) * M < last ? (batch + 1) * M : last;
         const float *wb = w + batch * batch_stride;
@@ -88,14 +89,15 @@ void tile_matmul(const float *a, const float *w, float *out, long M, long T, lon
             vf sums[4];
             long r = row;
             for (; r + 4 <= end; r += 4) {
-                (count == LANES ? four_rows : four_rows_last)(a + r * T, T, wb + n, row_stride, count, sums);
+                (count == LANES ? four_rows : four_rows_last)(a + r * T, T, wb + n, row_stride, count, depth,
+                                                              sums);
                 for (int i = 0; i < 4; i++) {
                     sums[i] *= unscale;
                     memcpy(out + (r + i) * N + n, &sums[i], bytes);
                 }
             }
             for (; r < end; r++) {
-                (count == LANES ? one_row : one_row_last)(a + r * T, T, wb + n, row_stride, count, sums);
+                (count == LANES ? one_row : one_row_last)(a + r * T, T, wb + n, row_stride, count, depth, sums);
                 sums[0] *= unscale;
                 memcpy(out + r * N + n, &sums[0], bytes);
             }

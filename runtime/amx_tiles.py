@@ -59,8 +59,8 @@ def tile_matmul(a: torch.Tensor, w: torch.Tensor, floor: float) -> torch.Tensor:
     out = a.new_empty(batches, rows, columns)
     # one thread: torch's own threads spin a while after each of its operations, and a second thread of sums
     # between them runs no faster
-    kernel(a.data_ptr(), w.data_ptr(), out.data_ptr(), rows, terms, columns, w.stride(0), w.stride(1), 1 / scale, 0,
-           batches * rows)
+    kernel(a.data_ptr(), w.data_ptr(), out.data_ptr(), batches, rows, terms, columns, w.stride(0), w.stride(1),
+           AMX_TILE_DEPTH, 1 / scale)
     return out
 
 
@@ -101,7 +101,7 @@ def _kernel() -> tuple[Callable[..., None] | None, str]:
             function = ctypes.CDLL(str(library)).tile_matmul  # stays mapped once its file is gone
         except (OSError, AttributeError, subprocess.SubprocessError) as error:
             return None, f"{compiler} {' '.join(COMPILE_FLAGS)}: {_reason(error)}"
-    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5 + [ctypes.c_float] + [ctypes.c_long] * 2
+    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 7 + [ctypes.c_float]
     function.restype = None
     return function, "built"
 
