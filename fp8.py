@@ -33,6 +33,10 @@ _KV_DTYPE_OF = {dtype: name for name, dtype in FP8_DTYPES.items()}
 # (e4m3fn: 448; e5m2: inf).
 _NONFINITE_BITS = {"fp8_e4m3": 0x7F, "fp8_e5m2": 0x7C}
 _LAST_NOT_NAN = {"fp8_e4m3": 0x7E, "fp8_e5m2": 0x7C}
+# Per dtype, a same-width integer view and its exponent bits, all set in a NaN or ±inf and nowhere else
+_EXPONENT_BITS = {**{dtype: (torch.uint8, _NONFINITE_BITS[name]) for name, dtype in FP8_DTYPES.items()},
+                  torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+                  torch.float32: (torch.int32, 0x7F800000)}
 
 
 def canonical_cache_dtype(name: str) -> str:
@@ -86,14 +90,15 @@ def _special_values(kv: str, device: torch.device) -> tuple[torch.Tensor, ...]:
 
 
 def nonfinite(x: torch.Tensor) -> torch.Tensor:
-    """Where `x` holds NaN or ±inf. An fp8 tensor off XLA is read from its bytes (every exponent bit set: e4m3fn's
-    one such code with every mantissa bit set is its NaN; e5m2's are inf and NaN): widening each value to float32
-    first costs several times the quantizing write on a CPU. XLA views no fp8 tensor as bytes without a trip
-    through the host."""
-    if not is_fp8(x.dtype) or x.device.type == "xla":
+    """Where `x` holds NaN or ±inf, read from its bits off XLA: every exponent bit set (e4m3fn's one such code with
+    every mantissa bit set is its NaN; e5m2's are inf and NaN). torch's isfinite is several times slower on a CPU
+    (on bf16 and float32 alike: 0.9 against 0.2 ms for a prefill layer's K and V), and an fp8 tensor would first be
+    widened to float32. XLA views no tensor's bits without a trip through the host."""
+    bits = _EXPONENT_BITS.get(x.dtype)
+    if bits is None or x.device.type == "xla":
         return ~torch.isfinite(x.float())
-    special = _NONFINITE_BITS[_KV_DTYPE_OF[x.dtype]]
-    return (x.view(torch.uint8) & special) == special
+    view, exponent = bits
+    return (x.view(view) & exponent) == exponent
 
 
 def reads_differently(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

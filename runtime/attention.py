@@ -198,20 +198,38 @@ def _whole_prompts(q, kv_pages, page_indices, q_lens, cu_q_lens, sm_scale, k_sca
     sequence over exactly its tokens, rather than every sequence padded to the longest."""
     tokens, q_heads, dim = q.shape
     kv_heads = kv_pages.shape[2] // 2
-    flat = torch.zeros(tokens, q_heads, dim, dtype=torch.float32, device=q.device)
+    out = torch.zeros(tokens, q_heads, dim, dtype=q.dtype, device=q.device)
     for s, (start, n) in enumerate(zip(cu_q_lens.tolist(), q_lens.tolist())):
         if not n:
             continue
-        k, v = gather_kv(kv_pages, page_indices[s : s + 1], q_lens[s : s + 1], k_scale, v_scale)
-        k, v = k[:, :n], v[:, :n]  # [1, n, kv_heads, D]
+        k, v = _prompt_kv(kv_pages, page_indices[s], n, k_scale, v_scale)
         qs = q[start : start + n].float()[None].unflatten(2, (kv_heads, q_heads // kv_heads))
         if _finite(k, v):
-            out = _fused_float32(qs, k, v, None, sm_scale)
+            attended = _fused_float32(qs, k, v, None, sm_scale)
         else:
             causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None]
-            out = _unfused(qs, k, v, causal, sm_scale, k_scale, v_scale, None, None, False)
-        flat[start : start + n] = out[0].flatten(1, 2)
-    return flat.to(q.dtype)
+            attended = _unfused(qs, k, v, causal, sm_scale, k_scale, v_scale, None, None, False)
+        out[start : start + n] = attended[0].flatten(1, 2)  # rounded once to q's dtype
+    return out
+
+
+def _prompt_kv(kv_pages: torch.Tensor, pages: torch.Tensor, n: int, k_scale: Scale,
+               v_scale: Scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `n` cached tokens of one sequence whose pages are `pages` `[pages_per_seq]`, K and V dequantized in
+    float32 `[1, n, kv_heads, D]`: what `gather_kv` gives up to `n`, reading only the pages that hold them and
+    converting K and V once each."""
+    page_size = kv_pages.shape[1]
+    fp8 = is_fp8(kv_pages.dtype)  # CPU torch 2.9 cannot gather fp8 (this path never runs on XLA)
+    source = kv_pages.view(torch.uint8) if fp8 else kv_pages
+    rows = source[pages[: -(-n // page_size)].long()].flatten(0, 1)[:n]  # [n, 2*kv_heads, D]
+    if fp8:
+        rows = rows.view(kv_pages.dtype)
+
+    def dequantized(half: torch.Tensor, scale: Scale) -> torch.Tensor:
+        wide = half.to(torch.float32, copy=True)
+        return wide if scale is None else wide.mul_(_head_scale(scale, 1))
+
+    return dequantized(rows[None, :, 0::2], k_scale), dequantized(rows[None, :, 1::2], v_scale)
 
 
 def _finite(k: torch.Tensor, v: torch.Tensor) -> bool:

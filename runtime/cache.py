@@ -269,18 +269,22 @@ class PagedKVCache(PagedLayers):
         self._store(row, slots, stored)
 
     def _count(self, row: int, kv: torch.Tensor, stored: torch.Tensor, valid: torch.Tensor) -> None:
-        mask, heads = valid[:, None, None], self._kv_heads[row]
-        magnitude = torch.where(mask, kv.float().abs(), 0.0)  # [T, 2*kv_heads, d]
-        # combined heads K0, V0, K1, V1, ... -> [2 (K, V), kv_heads]
-        self._fold_amax(row, magnitude.amax(dim=(0, 2)).view(heads, 2).T)
+        heads, real = self._kv_heads[row], valid[:, None]
+        # one float32 copy, made absolute in place: each new temporary of a prefill's size costs more than its pass
+        magnitude = kv.to(torch.float32, copy=True).abs_()  # [T, 2*kv_heads, d]
+        # combined heads K0, V0, K1, V1, ...: each token's largest per head, padding tokens' taken as 0
+        self._fold_amax(row, torch.where(real, magnitude.amax(dim=2), 0.0).amax(dim=0).view(heads, 2).T)
+
+        def per_token(found: torch.Tensor) -> torch.Tensor:
+            """`found` [T, 2*kv_heads, d] counted per token for K and V: [T, 2], 0 for padding tokens."""
+            return found.view(found.shape[0], heads, 2, -1).sum(dim=(1, 3), dtype=torch.int32) * real
+
         if is_fp8(self.dtype):
-            over = magnitude / self._write_scales[row, : 2 * heads] > torch.finfo(self.dtype).max
-            # [T, 2*kv_heads, d] -> [T, kv_heads, 2 (K, V), d]; sum all but the K/V axis
-            self.clamped[row] += over.unflatten(1, (heads, 2)).sum(dim=(0, 1, 3))
+            over = per_token(magnitude.div_(self._write_scales[row, : 2 * heads]) > torch.finfo(self.dtype).max)
+            self.clamped[row] += over.sum(dim=0)
             if self.forward is not None:
-                self.forward.over.add_(over.flatten(1).sum(1))
-        bad = nonfinite(stored) & mask
-        self.nonfinite[row] += bad.unflatten(1, (heads, 2)).sum(dim=(0, 1, 3))
+                self.forward.over.add_(over.sum(dim=1))
+        self.nonfinite[row] += per_token(nonfinite(stored)).sum(dim=0)
         self.written[row] += valid.sum() * heads * self._head_dims[row]
 
     def scale_args(self, layer: int) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None]:

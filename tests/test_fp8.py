@@ -80,8 +80,21 @@ def test_nonfinite_reads_every_fp8_code_as_its_float_value_does(dtype):
     codes = torch.arange(256, dtype=torch.uint8).view(dtype)
     assert torch.equal(nonfinite(codes), ~torch.isfinite(codes.float()))
     assert int(nonfinite(codes).sum()) == (2 if dtype == torch.float8_e4m3fn else 8)  # ±NaN; ±inf and 6 NaNs
-    wide = torch.tensor([1.0, float("nan"), float("inf"), -3.0], dtype=torch.bfloat16)
-    assert nonfinite(wide).tolist() == [False, True, True, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nonfinite_reads_every_16_bit_value_as_isfinite_does(dtype):
+    values = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    assert torch.equal(nonfinite(values), ~torch.isfinite(values))
+
+
+def test_nonfinite_reads_float32_as_isfinite_does():
+    edges = torch.tensor([0x7F7FFFFF, 0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0x00000001, 0x00800000, 0],
+                         dtype=torch.int64)
+    bits = torch.cat([edges, edges | (1 << 31), torch.randint(0, 1 << 32, (100_000,), generator=torch.Generator().manual_seed(0))])
+    values = (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)  # each 32-bit pattern as a signed int
+    assert torch.equal(nonfinite(values), ~torch.isfinite(values))
+    assert int(nonfinite(values[:16]).sum()) == 8
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
