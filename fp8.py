@@ -64,15 +64,17 @@ def to_fp8(y: torch.Tensor, dtype: torch.dtype, *, saturate: bool) -> torch.Tens
     saturate=True is a saturating conversion (CUDA's `__NV_SATFINITE`, or a clamp to ±MAX before the
     cast): ±MAX past the range, inf included. saturate=False is a plain conversion: values up to
     `RAW_CAST_FINITE_LIMIT` round to ±MAX, larger ones become NaN (e4m3fn) or ±inf (e5m2). NaN stays
-    NaN in both. torch's cast only ever sees values within ±MAX, so the bytes do not depend on
-    whether the installed torch's cast saturates (torch >= 2.12, e4m3) or not (torch 2.9).
+    NaN in both. torch's cast sees only values within ±MAX and NaN, whose bytes are set here, so the bytes
+    do not depend on whether the installed torch's cast saturates (torch >= 2.12, e4m3) or not (torch 2.9).
     """
     kv = _KV_DTYPE_OF[dtype]
     limit = FP8_MAX[kv]
-    in_range = y.nan_to_num(0.0, limit, -limit).clamp(-limit, limit).to(dtype)
+    in_range = y.clamp(-limit, limit).to(dtype)  # ±inf to ±MAX
     nan = y.isnan()
-    special = nan if saturate else nan | (y.float().abs() > RAW_CAST_FINITE_LIMIT[kv])  # in float32: exact limit
     nan_up, over_up, nan_down, over_down = _special_values(kv, y.device)
+    if saturate:  # NaN is all that is left, stored positive (a NaN has no order to tell its sign by)
+        return torch.where(nan, nan_up, in_range)
+    special = nan | (y.float().abs() > RAW_CAST_FINITE_LIMIT[kv])  # in float32: exact limit
     byte = torch.where(nan, nan_up, over_up)  # NaN, else the overflow value (a positive y)
     byte = torch.where(y < 0, torch.where(nan, nan_down, over_down), byte)  # not signbit: no XLA lowering
     return torch.where(special, byte, in_range)

@@ -17,6 +17,7 @@ from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import is_fp8
 from fp8kv.kvdtypes import FP8_MAX
 from fp8kv.runtime.amx_tiles import flush, tile_matmul
+from fp8kv.runtime.cache import load_rows
 from fp8kv.runtime.kernel_rule import heads_tile
 
 BACKENDS = ("auto", "torch", "xla")
@@ -195,16 +196,19 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
 
 def _whole_prompts(q, kv_pages, page_indices, q_lens, cu_q_lens, sm_scale, k_scale, v_scale) -> torch.Tensor:
     """A step of whole prompts (each sequence's keys are its own queries) in float32: one causal attention per
-    sequence over exactly its tokens, rather than every sequence padded to the longest."""
+    sequence over exactly its tokens, rather than every sequence padded to the longest. The step's K and V are read
+    back and dequantized once for all its sequences, and its queries converted once."""
     tokens, q_heads, dim = q.shape
     kv_heads = kv_pages.shape[2] // 2
+    keys, values = _step_kv(kv_pages, page_indices, q_lens, k_scale, v_scale)  # [tokens, kv_heads, D]
+    queries = q.float().unflatten(1, (kv_heads, q_heads // kv_heads))
+    all_finite = _finite(keys, values)
     out = torch.zeros(tokens, q_heads, dim, dtype=q.dtype, device=q.device)
-    for s, (start, n) in enumerate(zip(cu_q_lens.tolist(), q_lens.tolist())):
+    for start, n in zip(cu_q_lens.tolist(), q_lens.tolist()):
         if not n:
             continue
-        k, v = _prompt_kv(kv_pages, page_indices[s], n, k_scale, v_scale)
-        qs = q[start : start + n].float()[None].unflatten(2, (kv_heads, q_heads // kv_heads))
-        if _finite(k, v):
+        k, v, qs = keys[None, start : start + n], values[None, start : start + n], queries[None, start : start + n]
+        if all_finite or _finite(k, v):
             attended = _fused_float32(qs, k, v, None, sm_scale)
         else:
             causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None]
@@ -213,23 +217,22 @@ def _whole_prompts(q, kv_pages, page_indices, q_lens, cu_q_lens, sm_scale, k_sca
     return out
 
 
-def _prompt_kv(kv_pages: torch.Tensor, pages: torch.Tensor, n: int, k_scale: Scale,
-               v_scale: Scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `n` cached tokens of one sequence whose pages are `pages` `[pages_per_seq]`, K and V dequantized in
-    float32 `[1, n, kv_heads, D]`: what `gather_kv` gives up to `n`, reading only the pages that hold them and
-    converting K and V once each."""
+def _step_kv(kv_pages: torch.Tensor, page_indices: torch.Tensor, q_lens: torch.Tensor, k_scale: Scale,
+             v_scale: Scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a step of whole prompts as the cache holds them, dequantized in float32, one row per token in the
+    step's order (`[tokens, kv_heads, D]`): sequence `s`'s first `q_lens[s]` cached tokens, from its pages
+    `page_indices[s]`. Each half is converted once (per-sequence reads are as many small operations per layer as
+    the step has sequences)."""
     page_size = kv_pages.shape[1]
-    fp8 = is_fp8(kv_pages.dtype)  # CPU torch 2.9 cannot gather fp8 (this path never runs on XLA)
-    source = kv_pages.view(torch.uint8) if fp8 else kv_pages
-    rows = source[pages[: -(-n // page_size)].long()].flatten(0, 1)[:n]  # [n, 2*kv_heads, D]
-    if fp8:
-        rows = rows.view(kv_pages.dtype)
+    position = torch.arange(int(q_lens.max()), device=kv_pages.device)
+    slots = page_indices.long()[:, position // page_size] * page_size + position % page_size  # [S, longest]
+    rows = load_rows(kv_pages.flatten(0, 1), slots[position < q_lens[:, None]])  # [tokens, 2*kv_heads, D]
 
     def dequantized(half: torch.Tensor, scale: Scale) -> torch.Tensor:
         wide = half.to(torch.float32, copy=True)
         return wide if scale is None else wide.mul_(_head_scale(scale, 1))
 
-    return dequantized(rows[None, :, 0::2], k_scale), dequantized(rows[None, :, 1::2], v_scale)
+    return dequantized(rows[:, 0::2], k_scale), dequantized(rows[:, 1::2], v_scale)
 
 
 def _finite(k: torch.Tensor, v: torch.Tensor) -> bool:
