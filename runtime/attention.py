@@ -102,7 +102,8 @@ def ragged_paged_attention(
     if numerics not in NUMERICS:
         raise Fp8kvError(f"unknown attention numerics {numerics!r}; choose one of {', '.join(NUMERICS)}")
     head_dim = q.shape[-1]
-    q = torch.nn.functional.pad(q, (0, kv_pages.shape[-1] - head_dim))  # zeros leave q·k unchanged
+    if kv_pages.shape[-1] > head_dim:  # the cache's head_dim padded (TPU): zeros leave q·k unchanged
+        q = torch.nn.functional.pad(q, (0, kv_pages.shape[-1] - head_dim))
     if backend == "xla" or (backend == "auto" and q.device.type == "xla"):
         for feature, present in (("attention sinks (gpt-oss s_aux)", sinks is not None),
                                  ("chunked attention (llama4 attention_chunk_size)", chunk_size is not None)):
@@ -227,12 +228,8 @@ def _step_kv(kv_pages: torch.Tensor, page_indices: torch.Tensor, q_lens: torch.T
     position = torch.arange(int(q_lens.max()), device=kv_pages.device)
     slots = page_indices.long()[:, position // page_size] * page_size + position % page_size  # [S, longest]
     rows = load_rows(kv_pages.flatten(0, 1), slots[position < q_lens[:, None]])  # [tokens, 2*kv_heads, D]
-
-    def dequantized(half: torch.Tensor, scale: Scale) -> torch.Tensor:
-        wide = half.to(torch.float32, copy=True)
-        return wide if scale is None else wide.mul_(_head_scale(scale, 1))
-
-    return dequantized(rows[:, 0::2], k_scale), dequantized(rows[:, 1::2], v_scale)
+    return (_scaled(rows[:, 0::2].to(torch.float32, copy=True), k_scale),
+            _scaled(rows[:, 1::2].to(torch.float32, copy=True), v_scale))
 
 
 def _finite(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -358,7 +355,13 @@ def gather_kv(kv_pages, page_indices, kv_lens, k_scale, v_scale):
     # stale slots past kv_len may hold NaN from an earlier sequence: 0 * NaN would leak into the output
     inside = torch.arange(pages.shape[1], device=pages.device) < kv_lens[:, None]
     pages = torch.where(inside[..., None, None], pages, 0.0)
-    return pages[:, :, 0::2] * _head_scale(k_scale, 1), pages[:, :, 1::2] * _head_scale(v_scale, 1)
+    return _scaled(pages[:, :, 0::2], k_scale), _scaled(pages[:, :, 1::2], v_scale)
+
+
+def _scaled(half: torch.Tensor, scale: Scale) -> torch.Tensor:
+    """K or V `[..., kv_heads, D]` in float32 memory of the caller's own, times its scale (a float or one per KV
+    head) in place; without a scale, as it is."""
+    return half if scale is None else half.mul_(_head_scale(scale, 1))
 
 
 def _head_scale(scale: Scale, trailing: int) -> float | torch.Tensor:
