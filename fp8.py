@@ -94,8 +94,8 @@ def _special_values(kv: str, device: torch.device) -> tuple[torch.Tensor, ...]:
 def nonfinite(x: torch.Tensor) -> torch.Tensor:
     """Where `x` holds NaN or ±inf, read from its bits off XLA: every exponent bit set (e4m3fn's one such code with
     every mantissa bit set is its NaN; e5m2's are inf and NaN). torch's isfinite is several times slower on a CPU
-    (on bf16 and float32 alike: 0.9 against 0.2 ms for a prefill layer's K and V), and an fp8 tensor would first be
-    widened to float32. XLA views no tensor's bits without a trip through the host."""
+    (a SmolLM2 prefill layer's K and V: 1.0 against 0.27 ms in bf16, 0.93 against 0.35 ms in float32), and would
+    first widen an fp8 tensor to float32. XLA views no tensor's bits without a trip through the host."""
     bits = _EXPONENT_BITS.get(x.dtype)
     if bits is None or x.device.type == "xla":
         return ~torch.isfinite(x.float())

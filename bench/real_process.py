@@ -8,6 +8,8 @@ attention_mask)` over the same right-padded batches. calibrate's goal is 0.9x it
 command runs `--repeats` times, interleaved; medians of wall time and of CPU time (user + system, from
 the child's resource usage) are reported with the load average (`uptime`) before and after. On a
 machine others load, the CPU-time ratio is the steadier one; `--threads 1` makes it steadier still.
+The plain process also times its forward alone: each further forward at that speed (verify runs one prefill
+per distinct cache) adds that share of the plain process, a floor no saving elsewhere removes.
 Writes bench/results/real_process.json (another `--model`: real_process-NAME.json; `--engine E`: -E added).
 
     .venv/bin/python bench/real_process.py [--model smollm2 | gemma3-shape] [--samples 32] [--seq-len 256] [--repeats 3] [--threads N]
@@ -32,24 +34,28 @@ from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT
 import common  # bench/common.py
 
 PLAIN = """
-import sys, torch
+import sys, time, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from fp8kv.data import DataRequest, load_calibration_data, make_batches, pad_id
 folder, text, samples, seq_len, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 tokenizer = AutoTokenizer.from_pretrained(folder)
 model = AutoModelForCausalLM.from_pretrained(folder).eval()
 data = load_calibration_data(DataRequest(text, num_samples=samples, seq_len=seq_len), tokenizer)
+start = time.perf_counter()
 with torch.no_grad():
     for b in make_batches(data.samples, batch, pad_id(tokenizer)):
         model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+print(f"forward_s={time.perf_counter() - start:.3f}")
 """
+FORWARD_LINE = "forward_s="  # the plain process's last line: seconds of its forward alone
 
 
 GEMMA3_SHAPE = "gemma3-shape"  # --model: common.gemma3_shape, built in the temporary folder
 
 
-def timed(command: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """Wall and CPU seconds of one command, which must exit 0 (verify: with any verdict, 0, 1 or 3)."""
+def timed(command: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """Wall and CPU seconds of one command, which must exit 0 (verify: with any verdict, 0, 1 or 3), and its
+    standard output."""
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -57,7 +63,7 @@ def timed(command: list[str], env: dict[str, str]) -> tuple[float, float]:
     if proc.returncode not in (0, 1, 3):
         sys.exit(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, (after.ru_utime - used.ru_utime) + (after.ru_stime - used.ru_stime)
+    return wall, (after.ru_utime - used.ru_utime) + (after.ru_stime - used.ru_stime), proc.stdout
 
 
 def load() -> str:
@@ -99,11 +105,14 @@ def main() -> int:
     before = load()
     wall: dict[str, list[float]] = {name: [] for name in commands}
     cpu: dict[str, list[float]] = {name: [] for name in commands}
+    forward: dict[str, list[float]] = {name: [] for name in commands if name.startswith("plain")}
     for _ in range(args.repeats):
         for name, command in commands.items():
-            seconds, cpu_seconds = timed(command, env)
+            seconds, cpu_seconds, stdout = timed(command, env)
             wall[name].append(seconds)
             cpu[name].append(cpu_seconds)
+            if name in forward:
+                forward[name].append(float(stdout.strip().splitlines()[-1].removeprefix(FORWARD_LINE)))
             print(f"  {name}: {seconds:.1f} s wall, {cpu_seconds:.1f} s CPU", file=sys.stderr)
     after = load()
     reference = {"fp8kv calibrate": "plain forward (calibration tokens)", "fp8kv verify": "plain forward (held-out tokens)"}
@@ -124,8 +133,15 @@ def main() -> int:
         goal = f"<= {goals[name]:g}" if name in goals else "-"
         print(f"| {name} | {statistics.median(wall[name]):.1f} | {statistics.median(cpu[name]):.1f} | {shown[0]} | "
               f"{shown[1]} | {goal} |")
+    # verify runs one prefill of the held-out tokens per distinct cache: each one past the first costs at least
+    # what the plain process's forward costs, whatever else verify spares
+    plain = reference["fp8kv verify"]
+    alone = statistics.median(forward[plain])
+    print(f"\n{plain}: its forward alone {alone:.1f} s of {statistics.median(wall[plain]):.1f} s; each further "
+          f"forward at that speed adds {alone / statistics.median(wall[plain]):.2f}x")
     rows = [{"process": name, "wall_s": wall[name], "cpu_s": cpu[name], "wall_ratio": wall_ratio.get(name),
-             "cpu_ratio": cpu_ratio.get(name), "goal": goals.get(name)} for name in commands]
+             "cpu_ratio": cpu_ratio.get(name), "goal": goals.get(name), "forward_s": forward.get(name)}
+            for name in commands]
     results = "real_process" if args.model == options.get_default("model") else f"real_process-{Path(args.model).name}"
     if args.engine:
         results += f"-{args.engine.replace(',', '+').replace('/', '-')}"
