@@ -159,8 +159,8 @@ HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 def _huge_pages_for_large_tensors() -> None:
     """Back this process's large tensors with transparent huge pages, unless the environment says otherwise. A
     fresh allocation is memory the kernel faults in and zeroes page by page, and a verify makes one per prefill's
-    logits (a GB on a 262k vocabulary): Gemma-3-270M's shape over 16 held-out samples took 6.8 million faults and
-    12.4 s of system time, 0.28 million and 4.5 s in 2 MB pages. Only the command line sets it: a program that
+    logits (a GB on a 262k vocabulary): a verify of Gemma-3-270M's shape over 16 held-out samples took 6.6 million
+    faults and 11.9 s of system time, 0.26 million and 4.4 s in 2 MB pages (bench/README.md). Only the command line sets it: a program that
     imports fp8kv keeps its own settings."""
     if "torch" not in sys.modules:
         os.environ.setdefault(HUGE_PAGES_ENV, "1")
