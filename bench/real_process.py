@@ -126,7 +126,7 @@ def main() -> int:
     label = f"{args.model} --engine {args.engine}" if args.engine else args.model
     print(f"\n{label}: {args.samples} calibration / {args.heldout_samples} held-out samples x {args.seq_len} tokens, "
           f"batch {args.batch_size}, threads {args.threads or 'default'}, median of {args.repeats}\n"
-          f"load before: {before}\nload after:  {after}\n")
+          f"load before: {before}\nload after:  {after}\ntorch's CPU kernels: {common.cpu_arithmetic()}\n")
     print("| process | wall s (median) | CPU s (median) | x plain, wall | x plain, CPU | goal |\n|---|---|---|---|---|---|")
     for name in commands:
         shown = [f"{wall_ratio[name]:.2f}", f"{cpu_ratio[name]:.2f}"] if name in goals else ["-", "-"]

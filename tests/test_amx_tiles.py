@@ -62,6 +62,19 @@ def test_the_kernel_gives_the_torch_sums_bits(shape, fresh_build) -> None:
     assert torch.equal(tile_matmul(a, w, FLOOR), expected)
 
 
+@pytest.mark.parametrize("shape", [(3, 7, 45, 37), (2, 96, 64, 256)])
+def test_the_kernel_built_without_avx512_gives_the_same_bits(shape, fresh_build, tmp_path, monkeypatch) -> None:
+    """A CPU without AVX-512 builds the kernel with 8-lane vectors: its sums are the same steps, so the same bits."""
+    compiler = tmp_path / "cc-without-avx512"
+    compiler.write_text('#!/bin/sh\nexec cc "$@" -mno-avx512f\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    route = amx_tiles.tile_sums_route()
+    assert route == "compiled kernel" if _builds_here() else route.startswith("torch (")
+    a, w = _operands(*shape, seed=sum(shape))
+    assert torch.equal(tile_matmul(a, w[:, :, 1:], FLOOR), torch_tile_matmul(a, w[:, :, 1:], FLOOR))
+
+
 def test_strided_w_and_unflushed_fp8_subnormals_sum_alike(fresh_build) -> None:
     """w as a slice of a wider tensor (the keys a block of queries sees), and w holding fp8 subnormals: the kernel
     reads them at their value, as torch does."""
