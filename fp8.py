@@ -103,6 +103,21 @@ def nonfinite(x: torch.Tensor) -> torch.Tensor:
     return (x.view(view) & exponent) == exponent
 
 
+def to_float32(x: torch.Tensor) -> torch.Tensor:
+    """`x` as float32 in new memory of its own. fp8 on a CPU is read from a table of its 256 codes: torch converts
+    fp8 there one value at a time, two to three times slower (a SmolLM2 prefill layer's K: 0.78 against 0.26 ms on
+    2 cores), the same bits."""
+    if not is_fp8(x.dtype) or x.device.type != "cpu":
+        return x.to(torch.float32, copy=True)
+    return torch.take(_float32_codes(x.dtype), x.view(torch.uint8).long())
+
+
+@functools.cache
+def _float32_codes(dtype: torch.dtype) -> torch.Tensor:
+    """Every code of fp8 `dtype` as float32, at the index of its byte."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+
+
 def reads_differently(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Where two tensors of one dtype hold values that read differently: a NaN reads as any NaN, -0 as +0. fp8
     off XLA compares canonical bytes (every NaN one code, every zero one code), for the reason `nonfinite` gives."""

@@ -14,7 +14,7 @@ from typing import Literal, get_args
 import torch
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.fp8 import is_fp8
+from fp8kv.fp8 import is_fp8, to_float32
 from fp8kv.kvdtypes import FP8_MAX
 from fp8kv.runtime.amx_tiles import flush, tile_matmul
 from fp8kv.runtime.cache import load_rows
@@ -228,8 +228,7 @@ def _step_kv(kv_pages: torch.Tensor, page_indices: torch.Tensor, q_lens: torch.T
     position = torch.arange(int(q_lens.max()), device=kv_pages.device)
     slots = page_indices.long()[:, position // page_size] * page_size + position % page_size  # [S, longest]
     rows = load_rows(kv_pages.flatten(0, 1), slots[position < q_lens[:, None]])  # [tokens, 2*kv_heads, D]
-    return (_scaled(rows[:, 0::2].to(torch.float32, copy=True), k_scale),
-            _scaled(rows[:, 1::2].to(torch.float32, copy=True), v_scale))
+    return _scaled(to_float32(rows[:, 0::2]), k_scale), _scaled(to_float32(rows[:, 1::2]), v_scale)
 
 
 def _finite(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -351,7 +350,7 @@ def gather_kv(kv_pages, page_indices, kv_lens, k_scale, v_scale):
     pages = source[page_indices.long()]  # [S, pps, page_size, 2*kv_heads, D]
     if fp8:
         pages = pages.view(kv_pages.dtype)
-    pages = pages.flatten(1, 2).float()  # [S, L, 2*kv_heads, D]
+    pages = to_float32(pages.flatten(1, 2))  # [S, L, 2*kv_heads, D]
     # stale slots past kv_len may hold NaN from an earlier sequence: 0 * NaN would leak into the output
     inside = torch.arange(pages.shape[1], device=pages.device) < kv_lens[:, None]
     pages = torch.where(inside[..., None, None], pages, 0.0)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, nonfinite, reads_differently, to_fp8, truncate_to_fp8
+from fp8kv.fp8 import (FP8_DTYPES, canonical_cache_dtype, nonfinite, reads_differently, to_float32, to_fp8,
+                      truncate_to_fp8)
 from fp8kv.kvdtypes import FP8_MAX
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -80,6 +81,18 @@ def test_nonfinite_reads_every_fp8_code_as_its_float_value_does(dtype):
     codes = torch.arange(256, dtype=torch.uint8).view(dtype)
     assert torch.equal(nonfinite(codes), ~torch.isfinite(codes.float()))
     assert int(nonfinite(codes).sum()) == (2 if dtype == torch.float8_e4m3fn else 8)  # ±NaN; ±inf and 6 NaNs
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_to_float32_gives_torchs_bits_for_every_code_in_new_memory(dtype):
+    """Every code, NaNs and negative zero included, read through a strided view (K of interleaved K and V)."""
+    interleaved = torch.arange(512, dtype=torch.int32).remainder(256).to(torch.uint8).view(dtype).view(2, 128, 2)
+    for x in (interleaved, interleaved[..., 0], interleaved[..., 1]):
+        widened = to_float32(x)
+        assert widened.dtype == torch.float32 and widened.shape == x.shape
+        assert torch.equal(widened.view(torch.int32), x.to(torch.float32).view(torch.int32))
+    wide = torch.ones(3)
+    assert to_float32(wide).data_ptr() != wide.data_ptr()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
