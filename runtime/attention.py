@@ -165,7 +165,9 @@ def _torch_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm
     # float32 throughout (what "float32" asks for, and what the others compute for float32 queries over a
     # cache that needs no late scales) and no soft cap or sinks: torch's fused attention computes it
     fused = work == torch.float32 and not late and not cap and sinks is None and device.type != "xla"
-    if fused and not window and not chunk_size and bool((q_lens == kv_lens).all()):
+    # a window as long as every sequence hides no key (Gemma's sliding layers over prompts shorter than it)
+    if (fused and not chunk_size and bool((q_lens == kv_lens).all())
+            and (not window or window >= int(kv_lens.max()))):
         return _whole_prompts(q, kv_pages, page_indices, q_lens, cu_q_lens, sm_scale, k_scale, v_scale)
     if max_q_len is None:
         max_q_len = tokens if device.type == "xla" else max(int(q_lens.max()), 1)

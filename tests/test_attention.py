@@ -120,6 +120,20 @@ def test_a_step_of_whole_prompts_matches_the_dense_definition(dtype, k_scale, v_
     assert (out[real:] == 0).all()
 
 
+@pytest.mark.parametrize("window", [9, 512])
+def test_a_window_as_long_as_every_prompt_changes_nothing(window):
+    """Gemma's sliding layers over prompts no longer than the window: the same outputs as without one, and the dense
+    definition's. One key shorter, it hides the longest prompt's first key from its last query."""
+    q, kv_pages, meta, real = _ragged_batch(torch.float8_e4m3fn, seed=5, q_lens=(6, 3, 9), kv_lens=(6, 3, 9))
+    scales = dict(sm_scale=0.3, k_scale=0.5, v_scale=2.0)
+    out = ragged_paged_attention(q, kv_pages, **meta, **scales, sliding_window=window)
+    assert torch.equal(out, ragged_paged_attention(q, kv_pages, **meta, **scales))
+    torch.testing.assert_close(out[:real], _dense(q, kv_pages, meta, 0.5, 2.0, 0.3, window, None), rtol=1e-4, atol=1e-4)
+    shorter = ragged_paged_attention(q, kv_pages, **meta, **scales, sliding_window=8)
+    torch.testing.assert_close(shorter[:real], _dense(q, kv_pages, meta, 0.5, 2.0, 0.3, 8, None), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(shorter[real - 1], out[real - 1], rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("lens", [((6, 1, 3), (6, 11, 9)), ((6, 3, 9), (6, 3, 9))], ids=["mixed", "whole-prompts"])
 def test_a_nan_key_reaches_only_the_queries_at_or_after_it(lens):
     """A NaN written by a non-clamping engine poisons exactly the rows causal attention lets see it: the logit
