@@ -45,26 +45,16 @@ def gemma3_shape(root: Path) -> Path:
                            dtype=torch.bfloat16, sliding_window=512)
 
 
-def cpu_arithmetic() -> dict[str, Any]:
-    """Which kernels torch runs on this CPU: its own kernels' vector width and whether oneDNN runs bf16 GEMMs.
-    `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` make an AVX-512 CPU compute as one without it (AVX2, and
-    bf16 GEMMs in PyTorch's slow fallback): these say which arithmetic a timing had."""
-    import torch
-
-    from fp8kv.runtime.linear import has_16_bit_kernel
-
-    return {"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "onednn_bf16_gemm": has_16_bit_kernel(torch.bfloat16)}
-
-
 def write_results(name: str, rows: list[dict[str, Any]], args: argparse.Namespace, **meta: Any) -> Path:
     """bench/results/NAME.json with the rows and what they were measured on."""
     import torch  # here, not at the top: the benchmarks of torch-free commands keep their own process torch-free
 
+    from fp8kv.runtime.linear import cpu_kernels
+
     path = RESULTS_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": getattr(args, "device", "cpu"), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": platform.machine(), **cpu_arithmetic(), **meta, **vars(args)}
+            "machine": platform.machine(), **cpu_kernels(), **meta, **vars(args)}
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {path}")
     return path

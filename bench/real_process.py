@@ -30,6 +30,7 @@ from pathlib import Path
 
 from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT
+from fp8kv.runtime.linear import cpu_kernels
 
 import common  # bench/common.py
 
@@ -126,7 +127,7 @@ def main() -> int:
     label = f"{args.model} --engine {args.engine}" if args.engine else args.model
     print(f"\n{label}: {args.samples} calibration / {args.heldout_samples} held-out samples x {args.seq_len} tokens, "
           f"batch {args.batch_size}, threads {args.threads or 'default'}, median of {args.repeats}\n"
-          f"load before: {before}\nload after:  {after}\ntorch's CPU kernels: {common.cpu_arithmetic()}\n")
+          f"load before: {before}\nload after:  {after}\ntorch's CPU kernels: {cpu_kernels()}\n")
     print("| process | wall s (median) | CPU s (median) | x plain, wall | x plain, CPU | goal |\n|---|---|---|---|---|---|")
     for name in commands:
         shown = [f"{wall_ratio[name]:.2f}", f"{cpu_ratio[name]:.2f}"] if name in goals else ["-", "-"]

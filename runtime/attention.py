@@ -17,7 +17,7 @@ from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import is_fp8, to_float32
 from fp8kv.kvdtypes import FP8_MAX
 from fp8kv.runtime.amx_tiles import flush, tile_matmul
-from fp8kv.runtime.cache import load_rows
+from fp8kv.runtime.cache import load_rows, page_slots
 from fp8kv.runtime.kernel_rule import heads_tile
 
 BACKENDS = ("auto", "torch", "xla")
@@ -226,9 +226,8 @@ def _step_kv(kv_pages: torch.Tensor, page_indices: torch.Tensor, q_lens: torch.T
     step's order (`[tokens, kv_heads, D]`): sequence `s`'s first `q_lens[s]` cached tokens, from its pages
     `page_indices[s]`. Each half is converted once (per-sequence reads are as many small operations per layer as
     the step has sequences)."""
-    page_size = kv_pages.shape[1]
     position = torch.arange(int(q_lens.max()), device=kv_pages.device)
-    slots = page_indices.long()[:, position // page_size] * page_size + position % page_size  # [S, longest]
+    slots = page_slots(page_indices, position, kv_pages.shape[1])  # [S, longest]
     rows = load_rows(kv_pages.flatten(0, 1), slots[position < q_lens[:, None]])  # [tokens, 2*kv_heads, D]
     return _scaled(to_float32(rows[:, 0::2]), k_scale), _scaled(to_float32(rows[:, 1::2]), v_scale)
 
@@ -355,7 +354,7 @@ def gather_kv(kv_pages, page_indices, kv_lens, k_scale, v_scale):
     pages = to_float32(pages.flatten(1, 2))  # [S, L, 2*kv_heads, D]
     # stale slots past kv_len may hold NaN from an earlier sequence: 0 * NaN would leak into the output
     inside = torch.arange(pages.shape[1], device=pages.device) < kv_lens[:, None]
-    pages = torch.where(inside[..., None, None], pages, 0.0)
+    pages.masked_fill_(~inside[..., None, None], 0.0)
     return _scaled(pages[:, :, 0::2], k_scale), _scaled(pages[:, :, 1::2], v_scale)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, as_engine_model
-from fp8kv.fp8 import is_fp8, nonfinite, reads_differently
+from fp8kv.fp8 import is_fp8, nonfinite, reads_differently, to_float32
 
 SCRATCH_PAGE = 0
 
@@ -271,7 +271,7 @@ class PagedKVCache(PagedLayers):
     def _count(self, row: int, kv: torch.Tensor, stored: torch.Tensor, valid: torch.Tensor) -> None:
         heads, real = self._kv_heads[row], valid[:, None]
         # one float32 copy, made absolute in place: each new temporary of a prefill's size costs more than its pass
-        magnitude = kv.to(torch.float32, copy=True).abs_()  # [T, 2*kv_heads, d]
+        magnitude = to_float32(kv).abs_()  # [T, 2*kv_heads, d]
         # combined heads K0, V0, K1, V1, ...: each token's largest per head, padding tokens' taken as 0
         self._fold_amax(row, torch.where(real, magnitude.amax(dim=2), 0.0).amax(dim=0).view(heads, 2).T)
 
@@ -336,6 +336,12 @@ def store_rows(flat: torch.Tensor, slots: torch.Tensor, stored: torch.Tensor) ->
         flat.view(torch.uint8).index_copy_(0, slots, stored.view(torch.uint8))
     else:
         flat.index_copy_(0, slots, stored)
+
+
+def page_slots(page_indices: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The flat cache slot of each of `positions` in the pages `page_indices` (`[..., pages_per_seq]`) list, in
+    order: `[..., len(positions)]`."""
+    return page_indices.long()[..., positions // page_size] * page_size + positions % page_size
 
 
 def load_rows(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

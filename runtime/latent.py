@@ -20,9 +20,9 @@ import torch
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, as_engine_model
-from fp8kv.fp8 import is_fp8, nonfinite
+from fp8kv.fp8 import is_fp8, nonfinite, to_float32
 from fp8kv.geometry import LatentCache
-from fp8kv.runtime.cache import PagedLayers, Scale, layer_scales, shadow_differences, shadow_models
+from fp8kv.runtime.cache import PagedLayers, Scale, layer_scales, page_slots, shadow_differences, shadow_models
 
 # The attention module attribute that holds the current forward's kv_c_normed `[1, T, kv_lora_rank]`.
 _CAPTURED = "fp8kv_kv_c_normed"
@@ -96,9 +96,8 @@ class LatentPagedCache(PagedLayers):
         """The first `length` vectors of a sequence whose page table is `pages` `[pages_per_seq]`, dequantized (float32)."""
         row = self._row[layer]
         positions = torch.arange(length, device=pages.device)
-        slots = pages.long()[positions // self.page_size] * self.page_size + positions % self.page_size
-        stored = self._load(row, slots)
-        return stored.float() * self.scales[row, 0] if is_fp8(self.dtype) else stored.float()
+        stored = to_float32(self._load(row, page_slots(pages, positions, self.page_size)))
+        return stored * self.scales[row, 0] if is_fp8(self.dtype) else stored
 
     def scale_args(self, layer: int) -> tuple[float | None, float | None]:
         """(k_scale, v_scale) as held for the layer (floats), None for a non-fp8 cache."""

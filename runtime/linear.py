@@ -48,6 +48,14 @@ def has_16_bit_kernel(dtype: torch.dtype) -> bool:
         return False
 
 
+def cpu_kernels() -> dict[str, str | bool]:
+    """The kernels that decide a bf16 model's results on this CPU: the vector width of torch's own (`AVX512`, `AVX2`,
+    ...) and whether oneDNN runs bf16 GEMMs. `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` make an AVX-512 CPU
+    compute as one without it."""
+    return {"torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "onednn_bf16_gemm": has_16_bit_kernel(torch.bfloat16)}
+
+
 def sum_linears_in_float32(model: torch.nn.Module, fast: Callable[[torch.dtype], bool] | None = None) -> None:
     """Make each plain `nn.Linear` of `model` with 16-bit weights a `Float32SumLinear`, in place (the same
     parameters and state dict), unless `fast` (default `has_16_bit_kernel`) says this CPU has a fast kernel for

@@ -29,7 +29,7 @@ from fp8kv.checkpoint.load import MODEL_DTYPES, load_language_model
 from fp8kv.errors import Fp8kvError
 from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, as_engine_model
 from fp8kv.fp8 import cache_dtype as _cache_dtype
-from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, quantize
+from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, quantize, to_float32
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.attention import NUMERICS, AttentionNumerics, kernel_supported, ragged_paged_attention
@@ -120,7 +120,8 @@ def _paged_attention(
     k_scale, v_scale = step.cache.scale_args(layer)
     q = query[0].transpose(0, 1)  # [T, q_heads, d]
     if step.q_scales is not None:  # what an fp8 attention kernel computes with: fp8(q / q_scale) * q_scale
-        q = (quantize(q, step.q_scales[layer], FP8_DTYPES[DEFAULT_KV_DTYPE]).float() * step.q_scales[layer]).to(q.dtype)
+        fp8_q = quantize(q, step.q_scales[layer], FP8_DTYPES[DEFAULT_KV_DTYPE])
+        q = (to_float32(fp8_q) * step.q_scales[layer]).to(q.dtype)
     out = ragged_paged_attention(
         q,
         step.cache.layer_pages(layer),

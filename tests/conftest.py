@@ -86,10 +86,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The arithmetic this run's bf16 results came from (`make test` runs its second pass as a CPU without AVX-512)."""
     import torch
 
-    from fp8kv.runtime.linear import has_16_bit_kernel
+    from fp8kv.runtime.linear import cpu_kernels
 
-    terminalreporter.write_line(f"torch {torch.__version__}, CPU kernels {torch.backends.cpu.get_cpu_capability()}, "
-                                f"oneDNN bf16 GEMMs: {'yes' if has_16_bit_kernel(torch.bfloat16) else 'no'}")
+    kernels = cpu_kernels()
+    terminalreporter.write_line(f"torch {torch.__version__}, CPU kernels {kernels['torch_cpu_capability']}, "
+                                f"oneDNN bf16 GEMMs: {'yes' if kernels['onednn_bf16_gemm'] else 'no'}")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
