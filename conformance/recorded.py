@@ -67,6 +67,25 @@ def read_scales(path: Path) -> tuple[dict[int, float], dict[int, float]]:
     return pick("k_scale"), pick("v_scale")
 
 
+def served_scales(run: Path, scales: Path) -> tuple[dict[int, float], dict[int, float]] | None:
+    """The scales a recorded run's engine served: those of `scales` (a pack's scales file) over the run's
+    `meta.scale_divisor`; None where the engine ran its own 1.0."""
+    divisor = json.loads(Path(run).read_text())["meta"]["scale_divisor"]
+    if divisor is None:
+        return None
+    k, v = read_scales(scales)
+    return {i: s / divisor for i, s in k.items()}, {i: s / divisor for i, s in v.items()}
+
+
+def nudge(weights: torch.nn.Module, steps: float = 1.0) -> None:
+    """Move a decoder's function by `steps` roundings of its dtype, in place: layer 0's input-norm weights times
+    1 + steps x eps. Where an fp8 cache amplifies roundings over the layers, how far the nudged model's runs lie from
+    the model's own is the spread two implementations' runs can lie apart."""
+    norm = weights.get_parameter("model.layers.0.input_layernorm.weight")
+    with torch.no_grad():
+        norm.mul_(1 + steps * torch.finfo(norm.dtype).eps)
+
+
 def engine_scores(model_dir: Path, weights: torch.nn.Module, prompts: list[list[int]], engine: str, cache: str,
                   numerics: AttentionNumerics, scales: tuple[dict[int, float], dict[int, float]] | None) -> PromptScores:
     """fp8kv's scores of `prompts` on `weights` with `engine`'s write, attention `numerics` and `scales` (None: the
