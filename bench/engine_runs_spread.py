@@ -77,12 +77,13 @@ def rows_for(model: str, isa: str, dtype: str, steps: list[float]) -> list[dict]
 def table(rows: list[dict]) -> str:
     lines = ["| model | path | dtype | eps | run | engine: mean / p99 / max | fp8kv nudged: mean / p99 / max | "
              "engine / nudged: mean, p99 |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        e, n = r["engine"], r["nudged"]
-        lines.append(f"| {r['model']} | {r['path']} | {r['dtype']} | {r['steps']:g} | {r['run']} | "
-                     f"{e['mean']:.2e} / {e['p99']:.2e} / {e['max']:.2e} | {n['mean']:.2e} / {n['p99']:.2e} / "
-                     f"{n['max']:.2e} | {r['mean_ratio']:.2f}, {r['p99_ratio']:.2f} |")
+    lines += [f"| {r['model']} | {r['path']} | {r['dtype']} | {r['steps']:g} | {r['run']} | {_cells(r['engine'])} | "
+              f"{_cells(r['nudged'])} | {r['mean_ratio']:.2f}, {r['p99_ratio']:.2f} |" for r in rows]
     return "\n".join(lines)
+
+
+def _cells(gaps: dict[str, float]) -> str:
+    return f"{gaps['mean']:.2e} / {gaps['p99']:.2e} / {gaps['max']:.2e}"
 
 
 def main() -> None:
