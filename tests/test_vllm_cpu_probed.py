@@ -25,7 +25,8 @@ import torch
 from safetensors import safe_open
 
 from fp8kv.checkpoint.locate import resolve_model
-from fp8kv.conformance.recorded import PromptScores, engine_scores, nudge, read_ids, served_scales
+from fp8kv.conformance.recorded import (PromptScores, engine_scores, nudge, plain_cache, read_ids, recorded_paths,
+                                        recorded_runs, served_scales)
 from fp8kv.data import repeated_prefixes
 from fp8kv.engine_models import engine_model
 from fp8kv.runtime.attention import ragged_paged_attention
@@ -89,12 +90,11 @@ PREDICTED = {
 # (better, worse): the top-1 differences fp8kv must land inside the engine's interval for
 DIFFERENCES = (("fp8-calibrated", "fp8-unit"), ("fp8-calibrated-div8", "fp8-calibrated"))
 # (model, isa, model dtype) of every recorded run
-RECORDED = sorted({tuple(p.name.split("-")[:3]) for model in PACK.IDS for p in PROBED.glob(f"{model}-*-*-*.json")})
+RECORDED = recorded_paths(PROBED, PACK.IDS)
 
 
 def _runs(model: str, isa: str, dtype: str) -> dict[str, Path]:
-    prefix = f"{model}-{isa}-{dtype}-"
-    return {p.stem.removeprefix(prefix): p for p in sorted(PROBED.glob(f"{prefix}*.json"))}
+    return recorded_runs(PROBED, model, isa, dtype)
 
 
 def test_every_recorded_path_has_a_prediction():
@@ -125,8 +125,10 @@ def _one_step_away(recorded: tuple[str, str, str]) -> tuple[PromptScores, dict[s
     `_predicted`'s reference is bf16), and every run of `_predicted` with the model one rounding away (`nudge`)."""
     model, _, dtype = recorded
     weights = load_model(resolve_model(model), torch.device("cpu"), getattr(torch, dtype))
-    plain = "fp32" if dtype == "float32" else "bf16"
-    unmoved = _fp8kv_run(recorded, weights, "bf16cache", plain)
+    plain = plain_cache(dtype)
+    # a bf16 model's plain cache is `_predicted`'s bf16 reference, already run
+    unmoved = (_predicted(recorded)[1]["bf16cache"] if plain == "bf16"
+               else _fp8kv_run(recorded, weights, "bf16cache", plain))
     nudge(weights)
     moved = {run: _fp8kv_run(recorded, weights, run, plain if run == "bf16cache" else "fp8")
              for run in _runs(*recorded)}
