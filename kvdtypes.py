@@ -5,11 +5,19 @@ from __future__ import annotations
 
 from typing import get_args
 
-from fp8kv.options import KV_DTYPE_SPELLINGS, KvDtype
+from fp8kv.options import KV_DTYPE_SPELLINGS, KvDtype, Nvfp4KvDtype
 
 KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
+NVFP4_KV_DTYPES: tuple[str, ...] = get_args(Nvfp4KvDtype)
 # The largest finite value of each dtype (torch.finfo(torch.float8_e4m3fn).max, ...; fp8.py checks them).
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+# NVFP4: the largest e2m1 value, and how many values along head_dim share one e4m3 block scale.
+NVFP4_E2M1_MAX = 6.0
+NVFP4_BLOCK_SIZE = 16
+# The |x| (in units of the stored scale) that a calibrated amax maps to, per kv dtype: MAX for fp8; for NVFP4 the
+# e4m3 maximum of the block scales, as ModelOpt exports a global scale since 0.42 (amax / 448), which no engine
+# path fp8kv knows overflows (checkpoint/nvfp4.py has the conventions, docs/nvfp4.md why).
+SCALE_BOUND = FP8_MAX | dict.fromkeys(NVFP4_KV_DTYPES, FP8_MAX["fp8_e4m3"])
 # The torch dtype name engines print for each kv dtype (the vLLM JSON file stores it).
 TORCH_DTYPE_NAME = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 # A kv dtype as checkpoint files name it: the torch name ("float8_e4m3fn") or fp8kv's ("fp8_e4m3").
