@@ -11,10 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fp8kv.engine_models import (
-    HOLDS_ROUNDED, RELEASED, REACHES_CACHE, CheckpointTraits, EngineModel, engine_model, engine_of,
+    HOLDS_ROUNDED, NVFP4_LOADERS, RELEASED, REACHES_CACHE, CheckpointTraits, EngineModel, Nvfp4Loader, engine_model,
+    engine_of,
 )
+from fp8kv.checkpoint.nvfp4 import NVFP4_CONVENTIONS
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import read_json
+from fp8kv.kvdtypes import FP8_MAX, NVFP4_E2M1_MAX
 
 # a release with a loader matrix holds the scales, one without reads the convention by its row
 HOLDS, READS, NOT_RUN, NOT_STARTED, UNCHECKED = "holds", "reads", "not run", "does not start", "unchecked"
@@ -111,3 +114,45 @@ def asked(traits: CheckpointTraits) -> str:
 def serving_heading(traits: CheckpointTraits) -> str:
     """The line above the engine lines."""
     return f"what each engine release does with these scales ({asked(traits)}):"
+
+
+def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None) -> str:
+    """What `loader`'s release runs as the global scale of a file storing `amax x headroom / divisor` (headroom None:
+    unknown, written h), and what that makes of the block scales: each is the block's max / (6 x global scale)."""
+    if not loader.loads:
+        return f"{loader.name}: does not load the scales: the global scale stays 1.0 ({loader.known_by})"
+    ran = divisor / loader.factor  # the global scale it runs is amax x headroom / ran
+    how = "as stored" if loader.factor == 1.0 else f"x{loader.factor:g}" + (" (a stored 1.0 stays 1.0)"
+                                                                             if loader.keeps_unit else "")
+    bound = FP8_MAX["fp8_e4m3"]
+
+    def per_h(value: float) -> str:  # a bound on the block scales (or codes x block scales), in numbers when h is
+        return f"{value / headroom:.4g}" if headroom is not None else f"{value:.4g}/h"
+
+    peak = ran / NVFP4_E2M1_MAX  # the largest block scale, times the headroom
+    overflows = loader.fp8_dequant and ran / (headroom or 1.0) > bound
+    if overflows:
+        effect = f"its e4m3 dequantization overflows: e2m1 code x block scale reaches {per_h(ran)}, past {bound:g}"
+    elif ran == bound:
+        effect = f"block scales up to {per_h(peak)}, as amax / {bound:g} intends: nothing overflows"
+    elif ran < bound:
+        effect = (f"block scales only up to {per_h(peak)}, {bound / ran:g}x below what amax / {bound:g} intends: "
+                  "small blocks reach e4m3's subnormals sooner, nothing overflows")
+    else:
+        effect = f"block scales up to {per_h(peak)}, within e4m3's {bound:g}"
+    h = "h" if headroom is None else f"{headroom:g}"
+    route = next((f"; fp8kv convert --to {row.name} gives it amax / {bound:g}" for row in NVFP4_CONVENTIONS
+                  if (ran < bound or overflows) and row.divisor == bound * loader.factor and row.tensors == "modelopt"),
+                 "")
+    return f"{loader.name}: {how} -> runs amax x {h} / {ran:.6g}; {effect}{route} ({loader.known_by})"
+
+
+def nvfp4_lines(divisor: float, headroom: float | None) -> list[str]:
+    """One line per release and GPU generation fp8kv read (configs/engines.toml's [[nvfp4]])."""
+    return [nvfp4_line(loader, divisor, headroom) for loader in NVFP4_LOADERS]
+
+
+def nvfp4_serve_commands(folder: str) -> list[str]:
+    """The command that serves `folder` with an NVFP4 cache on each engine's newest release fp8kv read."""
+    first = {loader.engine: loader for loader in reversed(NVFP4_LOADERS) if loader.loads}
+    return [loader.serve.format(model=folder) for loader in reversed(first.values())]
