@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from fp8kv.checkpoint.engine_names import vllm_format_gap, vllm_scale_module
 from fp8kv.checkpoint.nvfp4 import (
-    AUTO_ROUND_KV_SCHEME, MODELOPT_KV_ALGO, NVFP4_ONLY, check_nvfp4_target, nvfp4_convention,
+    AUTO_ROUND_KV_SCHEME, MODELOPT_KV_ALGO, NVFP4_ONLY, check_nvfp4_target, mark_producer, nvfp4_convention,
 )
 from fp8kv.kvdtypes import NVFP4_KV_DTYPES, TORCH_DTYPE_NAME
 from fp8kv.errors import Fp8kvError
@@ -304,7 +304,9 @@ def quant_configs(
         return QuantConfigs(key, qc, None)
     if scale_convention(convention).name == "modelopt":
         algo = MODELOPT_KV_ALGO.get(scales.kv_dtype, "FP8")
-        return QuantConfigs(key, *_modelopt_configs(qc, hf_quant if method else None, version, algo))
+        qc, hf_quant = _modelopt_configs(qc, hf_quant if method else None, version, algo)
+        mark_producer(hf_quant, convention if scales.kv_dtype in NVFP4_KV_DTYPES else None)
+        return QuantConfigs(key, qc, hf_quant)
     if method == "fp8":
         qc[AUTOFP8_KV_SCHEME.path[0]] = AUTOFP8_KV_SCHEME.value
         return QuantConfigs(key, qc, None)

@@ -51,6 +51,9 @@ _KV_DTYPE_OF_ALGO = {algo: kv for kv, algo in MODELOPT_KV_ALGO.items()}
 AUTO_ROUND_KV_SCHEME = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
                         "dynamic": False, "symmetric": True}
 _FIRST_448 = (0, 42)  # the first ModelOpt minor release whose export divides by 448
+# fp8kv's own producer block in hf_quant_config.json names the NVFP4 convention it wrote, since ModelOpt's files
+# carry no divisor (engines read the producer's name only)
+PRODUCER_KEY = "nvfp4_convention"
 
 
 def nvfp4_convention(name: str) -> Nvfp4Convention:
@@ -111,6 +114,9 @@ def _modelopt_producer(meta: Any, recorded_format: str | None, algo_file: str) -
     both = ("modelopt", "modelopt-pre-0.42")
     if recorded_format in both:  # fp8kv wrote the folder, keeping a weight quantizer's producer where there was one
         return Nvfp4Reading("nvfp4", (recorded_format,), f"written by fp8kv as {recorded_format} (fp8kv.json)")
+    marked = producer.get(PRODUCER_KEY) if isinstance(producer, dict) else None
+    if name == "fp8kv" and marked in both:
+        return Nvfp4Reading("nvfp4", (str(marked),), f"{algo_file} producer fp8kv, {PRODUCER_KEY} {marked}")
     if name == "modelopt":
         found = re.match(r"^(\d+)\.(\d+)(?:\.\d+)?(.*)$", version)
         if found:
@@ -142,6 +148,16 @@ def _four_bit_scheme(config: dict[str, Any]) -> bool:
         if isinstance(scheme, dict) and scheme.get("num_bits") == 4:
             return True
     return False
+
+
+def mark_producer(hf_quant: dict[str, Any] | None, convention: str | None) -> None:
+    """Name the NVFP4 `convention` written (None: an fp8 cache) in fp8kv's own producer block, in place."""
+    producer = hf_quant.get("producer") if hf_quant else None
+    if not isinstance(producer, dict) or producer.get("name") != "fp8kv":
+        return
+    producer.pop(PRODUCER_KEY, None)
+    if convention is not None:
+        producer[PRODUCER_KEY] = convention
 
 
 def check_nvfp4_target(kv_dtype: str, target: str, strategy: str) -> None:
