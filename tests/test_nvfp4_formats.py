@@ -19,7 +19,9 @@ from fp8kv.checkpoint.kvscales import KVScales, float32
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checkpoint.writer import write_checkpoint
 from fp8kv.cli import app
+from fp8kv.engine_models import NVFP4_LOADERS
 from fp8kv.errors import Fp8kvError
+from fp8kv.hub.card import render_card
 from fp8kv.inspection import inspect_checkpoint
 from fp8kv.tools.factory import make_checkpoint
 
@@ -257,3 +259,30 @@ def test_calibrate_refuses_what_nvfp4_cannot_carry_before_any_work(tmp_path, ext
                                       *extra])
     assert result.exit_code != 0
     assert result.output == f"fp8kv: error: {message}\n"
+
+
+def test_the_nvfp4_loader_rows_are_the_releases_read():
+    rows = {loader.name: (loader.loads, loader.factor, loader.keeps_unit, loader.fp8_dequant, loader.evidence)
+            for loader in NVFP4_LOADERS}
+    assert rows == {
+        "vllm-cuda 0.32.0 on sm100": (True, 1.0, False, True, "read"),
+        "sglang 0.5.23 on sm100": (True, 6.0, True, True, "read"),
+        "sglang 0.5.23 on sm120": (True, 1.0, False, False, "read"),
+        "tensorrt-llm main (late 2026) on sm100": (True, 1.0, False, True, "read"),
+        "tensorrt-llm main before TRTLLM_LOAD_KV_SCALES defaulted to 1 on sm100": (False, 1.0, False, True, "read"),
+        "tensorrt-llm main before TRTLLM_LOAD_KV_SCALES defaulted to 1 on sm100 with TRTLLM_LOAD_KV_SCALES=1":
+            (True, 6.0, False, True, "read"),
+    }
+
+
+def test_the_card_states_the_nvfp4_meaning_and_verify_refuses(calibrated, tmp_path):
+    out, _ = calibrated
+    card = render_card(out)
+    assert "## KV-cache scales (NVFP4)" in card and "`amax × 1.25 / 448` (modelopt" in card
+    assert "- " + SGLANG_SM100.format(h="1.25", ran="74.6667") in card
+    assert f"vllm serve {out.name} --kv-cache-dtype nvfp4" in card
+    assert "fp8(clamp(" not in card  # the fp8 cast does not describe this cache
+    result = CliRunner().invoke(app, ["verify", str(out), "--report", str(tmp_path / "r")])
+    assert result.exit_code != 0
+    assert result.output == (f"fp8kv: error: {out}: holds nvfp4 scales, and verify runs fp8 caches only; fp8kv "
+                             "inspect says what each engine release runs with them\n")
