@@ -286,3 +286,11 @@ def test_the_card_states_the_nvfp4_meaning_and_verify_refuses(calibrated, tmp_pa
     assert result.exit_code != 0
     assert result.output == (f"fp8kv: error: {out}: holds nvfp4 scales, and verify runs fp8 caches only; fp8kv "
                              "inspect says what each engine release runs with them\n")
+
+
+def test_load_check_refuses_nvfp4_before_running_an_engine(base, tmp_path):
+    folder = modelopt(base, tmp_path / "m", "0.45.0")
+    result = CliRunner().invoke(app, ["load-check", str(folder), "--engine", "sglang", "--python", "/nonexistent"])
+    assert result.exit_code != 0
+    assert result.output == (f"fp8kv: error: {folder}: holds nvfp4 scales, and load-check loads fp8 caches only; "
+                             "probes/sglang_nvfp4_loader.py runs SGLang's NVFP4 loader (docs/nvfp4.md)\n")
