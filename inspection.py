@@ -134,9 +134,11 @@ def inspect_checkpoint(model_dir: str | Path) -> InspectReport:
 
 
 def _nvfp4_meanings(reading: Nvfp4Reading | None, headroom: float | None) -> tuple[Nvfp4Meaning, ...]:
-    rows = [nvfp4_convention(name) for name in (reading.conventions if reading else ())]
-    return tuple(Nvfp4Meaning(row.name, row.divisor, row.producer, tuple(nvfp4_lines(row.divisor, headroom)))
-                 for row in rows)
+    if reading is None:
+        return ()
+    rows = [nvfp4_convention(name) for name in reading.conventions]
+    return tuple(Nvfp4Meaning(row.name, row.divisor, row.producer,
+                              tuple(nvfp4_lines(row.divisor, headroom, reading.kv_dtype))) for row in rows)
 
 
 def scale_rows(scales: KVScales | None) -> tuple[ScaleRow, ...]:

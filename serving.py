@@ -116,9 +116,10 @@ def serving_heading(traits: CheckpointTraits) -> str:
     return f"what each engine release does with these scales ({asked(traits)}):"
 
 
-def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None) -> str:
+def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None, convertible: bool) -> str:
     """What `loader`'s release runs as the global scale of a file storing `amax x headroom / divisor` (headroom None:
-    unknown, written h), and what that makes of the block scales: each is the block's max / (6 x global scale)."""
+    unknown, written h), and what that makes of the block scales: each is the block's max / (6 x global scale);
+    `convertible`: the scales can be stored the other way (nvfp4 K and V), so a loss names the convert."""
     if not loader.loads:
         return f"{loader.name}: does not load the scales: the global scale stays 1.0 ({loader.known_by})"
     ran = divisor / loader.factor  # the global scale it runs is amax x headroom / ran
@@ -142,17 +143,20 @@ def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None) -> s
         effect = f"block scales up to {per_h(peak)}, within e4m3's {bound:g}"
     h = "h" if headroom is None else f"{headroom:g}"
     route = next((f"; fp8kv convert --to {row.name} gives it amax / {bound:g}" for row in NVFP4_CONVENTIONS
-                  if (ran < bound or overflows) and row.divisor == bound * loader.factor and row.tensors == "modelopt"),
+                  if convertible and (ran < bound or overflows) and row.divisor == bound * loader.factor and row.tensors == "modelopt"),
                  "")
     return f"{loader.name}: {how} -> runs amax x {h} / {ran:.6g}; {effect}{route} ({loader.known_by})"
 
 
-def nvfp4_lines(divisor: float, headroom: float | None) -> list[str]:
+def nvfp4_lines(divisor: float, headroom: float | None, kv_dtype: str) -> list[str]:
     """One line per release and GPU generation fp8kv read (configs/engines.toml's [[nvfp4]])."""
-    return [nvfp4_line(loader, divisor, headroom) for loader in NVFP4_LOADERS]
+    return [nvfp4_line(loader, divisor, headroom, kv_dtype == "nvfp4") for loader in NVFP4_LOADERS]
 
 
-def nvfp4_serve_commands(folder: str) -> list[str]:
-    """The command that serves `folder` with an NVFP4 cache on each engine's newest release fp8kv read."""
+def nvfp4_serve_commands(folder: str, kv_dtype: str) -> list[str]:
+    """The command that serves `folder` with an NVFP4 cache on each engine's newest release fp8kv read; none for
+    fp8_k_nvfp4_v, whose readers fp8kv has not read."""
+    if kv_dtype != "nvfp4":
+        return []
     first = {loader.engine: loader for loader in reversed(NVFP4_LOADERS) if loader.loads}
     return [loader.serve.format(model=folder) for loader in reversed(first.values())]

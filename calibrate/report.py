@@ -58,11 +58,13 @@ def show_nvfp4(out: str, kv_dtype: str, convention: str, headroom: float | None)
     side = "V" if kv_dtype == "fp8_k_nvfp4_v" else "K and V"
     print(f"the stored {side} global scale is amax x {headroom:g} / {divisor:g}; what each release runs on each GPU "
           "generation (docs/nvfp4.md):")
-    for line in nvfp4_lines(divisor, headroom):
+    for line in nvfp4_lines(divisor, headroom, kv_dtype):
         print(f"  {line}")
-    if kv_dtype == "fp8_k_nvfp4_v":
-        print("  K is an fp8 e4m3 cache scaled as with --kv-dtype fp8_e4m3; which releases load FP8_K_NVFP4_V "
-              "fp8kv has not read")
+    commands = nvfp4_serve_commands(out, kv_dtype)
+    if not commands:
+        print(f"K is an fp8 e4m3 cache scaled as with --kv-dtype fp8_e4m3; which releases load {kv_dtype} "
+              "(ModelOpt's FP8_K_NVFP4_V) fp8kv has not read")
+        return
     print("serve it with:")
-    for command in nvfp4_serve_commands(out):
+    for command in commands:
         print(f"  {command}")

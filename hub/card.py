@@ -132,7 +132,7 @@ def render_card(out_dir: str | Path, *, repo_id: str | None = None, base_model: 
         nvfp4_scales(prov) if nvfp4 else _scales(out, prov, report),
         nvfp4_verify() if nvfp4 else _verify(out, report),
         _task_scores(out),
-        nvfp4_serve(model) if nvfp4 else _serve(model, out, prov,
+        nvfp4_serve(model, prov.kv_dtype or "") if nvfp4 else _serve(model, out, prov,
                                                  COMPRESSION_CONFIG in (_quiet_json(out / "config.json") or {})),
         "" if nvfp4 else _limitations(prov),
     ]

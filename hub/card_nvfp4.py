@@ -22,13 +22,16 @@ def nvfp4_scales(prov: Provenance) -> str:
         f"this checkpoint, `amax{headroom} / {row.divisor:g}` ({row.name}, as {row.producer} store it), amax being "
         "the largest |value| of that layer's cached K (or V, after RoPE and any k_norm) over all calibration tokens.",
         "What each engine release makes of it (read from their sources; nothing here ran on a GPU):\n\n"
-        + "\n".join(f"- {line}" for line in nvfp4_lines(row.divisor, prov.headroom)),
+        + "\n".join(f"- {line}" for line in nvfp4_lines(row.divisor, prov.headroom, prov.kv_dtype or "")),
     ])
 
 
-def nvfp4_serve(model: str) -> str:
+def nvfp4_serve(model: str, kv_dtype: str) -> str:
     """The card's serve section: one command per engine's newest release read."""
-    commands = "\n".join(nvfp4_serve_commands(model))
+    commands = "\n".join(nvfp4_serve_commands(model, kv_dtype))
+    if not commands:
+        return ("## How to serve\n\nWhich engine releases load ModelOpt's FP8_K_NVFP4_V (fp8 K, nvfp4 V) fp8kv has "
+                "not read.")
     return f"## How to serve\n\nThe global scales are used when the KV cache is NVFP4:\n\n```bash\n{commands}\n```"
 
 

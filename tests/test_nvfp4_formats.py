@@ -245,6 +245,10 @@ def test_fp8_k_nvfp4_v_is_modelopts_mixed_algo(base, tmp_path):
     assert (readout.kv_dtype, readout.nvfp4.conventions) == ("fp8_k_nvfp4_v", ("modelopt",))
     with pytest.raises(Fp8kvError, match=r"fp8_k_nvfp4_v \(fp8 K, nvfp4 V\) is written as modelopt only"):
         convert_checkpoint(out, tmp_path / "o", "auto-round")
+    (meaning,) = inspect_checkpoint(out).nvfp4_meanings  # SGLang's x6 on sm100, with no convert to name
+    assert meaning.runs[1] == (SGLANG_SM100.format(h="h", ran="74.6667") + "; block scales only up to 12.44/h, 6x "
+                               "below what amax / 448 intends: small blocks reach e4m3's subnormals sooner, nothing "
+                               "overflows (read from source)")
 
 
 @pytest.mark.parametrize(("extra", "message"), [
