@@ -9,6 +9,7 @@ with an e4m3 scale, under one float32 global scale per layer and side: the one t
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -81,10 +82,10 @@ class Nvfp4Reading:
                 for name in self.conventions]
 
 
-def nvfp4_reading(config: dict[str, Any], hf_quant: dict[str, Any] | None, recorded_format: str | None,
-                  where: str) -> Nvfp4Reading | None:
+def nvfp4_reading(config: dict[str, Any], hf_quant: dict[str, Any] | None,
+                  recorded_format: Callable[[], str | None], where: str) -> Nvfp4Reading | None:
     """The NVFP4 reading of a folder's config files (`where` names the folder in errors), or None when they declare
-    no NVFP4 cache. `recorded_format` is the format fp8kv.json records, which decides for folders fp8kv wrote."""
+    no NVFP4 cache. `recorded_format` gives the format fp8kv.json records, which decides for folders fp8kv wrote."""
     algo, algo_file = _modelopt_algo(config, hf_quant)
     four_bit = _four_bit_scheme(config)
     if algo is not None and algo not in _KV_DTYPE_OF_ALGO:
@@ -103,7 +104,7 @@ def nvfp4_reading(config: dict[str, Any], hf_quant: dict[str, Any] | None, recor
     if kv_dtype != "nvfp4":  # no ModelOpt before 0.42 exports FP8_K_NVFP4_V
         return Nvfp4Reading(kv_dtype, ("modelopt",), f"{algo_file} kv_cache_quant_algo {algo}")
     return _modelopt_producer(hf_quant if algo_file != "config.json" else config.get("quantization_config"),
-                              recorded_format, algo_file)
+                              recorded_format(), algo_file)
 
 
 def _modelopt_producer(meta: Any, recorded_format: str | None, algo_file: str) -> Nvfp4Reading:

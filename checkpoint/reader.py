@@ -59,8 +59,12 @@ def read_kv_scales(model_dir: str | Path) -> ScaleReadout:
     disagree are an error."""
     source = SourceCheckpoint.open(model_dir)
     hf_quant = read_json(source.path / HF_QUANT_CONFIG) if HF_QUANT_CONFIG in source.files else None
-    record = read_provenance(source.path)
-    nvfp4 = nvfp4_reading(source.config, hf_quant, record.format if record else None, str(source.path))
+
+    def recorded_format() -> str | None:  # fp8kv.json, read only for a ModelOpt NVFP4 folder
+        record = read_provenance(source.path)
+        return record.format if record else None
+
+    nvfp4 = nvfp4_reading(source.config, hf_quant, recorded_format, str(source.path))
     kv_dtype = nvfp4.kv_dtype if nvfp4 else _kv_dtype(source.config)
     tensors = _tensor_scales(source)
     found: dict[str, dict[int, dict[str, Shaped]]] = {}
