@@ -76,11 +76,6 @@ class Nvfp4Reading:
         """The one convention of the file, or None when it cannot be told from the files."""
         return nvfp4_convention(self.conventions[0]) if len(self.conventions) == 1 else None
 
-    def meaning(self) -> list[str]:
-        """One line per candidate convention: what a stored value is."""
-        return [f"{name}: stored = amax / {nvfp4_convention(name).divisor:g} ({nvfp4_convention(name).producer})"
-                for name in self.conventions]
-
 
 def nvfp4_reading(config: dict[str, Any], hf_quant: dict[str, Any] | None,
                   recorded_format: Callable[[], str | None], where: str) -> Nvfp4Reading | None:
