@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from fp8kv.checkpoint.engine_names import vllm_format_gap, vllm_scale_module
 from fp8kv.checkpoint.nvfp4 import (
-    AUTO_ROUND_KV_SCHEME, MODELOPT_KV_ALGO, NVFP4_ONLY, check_nvfp4_target, mark_producer, nvfp4_convention,
+    AUTO_ROUND, AUTO_ROUND_KV_SCHEME, MODELOPT_KV_ALGO, NVFP4_ONLY, check_nvfp4_target, mark_producer, named_as,
+    nvfp4_convention,
 )
 from fp8kv.kvdtypes import NVFP4_KV_DTYPES, TORCH_DTYPE_NAME
 from fp8kv.errors import Fp8kvError
@@ -298,7 +299,7 @@ def quant_configs(
         if scales.q is not None:
             qc.setdefault("config_groups", {})[ATTENTION_GROUP] = attention_scheme(config)
         return QuantConfigs(key, qc, None)
-    if convention == "auto-round":
+    if convention == AUTO_ROUND.name:
         key, qc = (key, qc) if qc else (COMPRESSION_CONFIG, copy.deepcopy(_CT_BASE))
         qc["kv_cache_scheme"] = dict(AUTO_ROUND_KV_SCHEME)
         return QuantConfigs(key, qc, None)
@@ -318,9 +319,9 @@ def check_method(convention: str, config: dict[str, Any], hf_quant: dict[str, An
     method = weight_method(config, hf_quant)
     allowed = {
         None: CONVENTIONS + NVFP4_ONLY,
-        "compressed-tensors": ("compressed-tensors", "vllm-json", "auto-round"),
+        "compressed-tensors": ("compressed-tensors", "vllm-json", *named_as("compressed-tensors")),
         "fp8": ("quark", "vllm-json"),
-        "modelopt": ("modelopt", "vllm-json", "modelopt-pre-0.42"),
+        "modelopt": ("modelopt", "vllm-json", *named_as("modelopt")),
         "quark": ("quark", "vllm-json"),
     }
     if method not in allowed:

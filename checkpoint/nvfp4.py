@@ -43,6 +43,7 @@ NVFP4_CONVENTIONS = (
     # auto-round's NVFP4 static KV export (its llm-compressor export path): amax / 2688
     Nvfp4Convention("auto-round", _SIX_448, "compressed-tensors", "auto-round"),
 )
+MODELOPT, MODELOPT_PRE_042, AUTO_ROUND = NVFP4_CONVENTIONS
 _BY_NAME = {row.name: row for row in NVFP4_CONVENTIONS}
 # ModelOpt's hf_quant_config.json kv_cache_quant_algo of each NVFP4 kv dtype
 MODELOPT_KV_ALGO = {"nvfp4": "NVFP4", "fp8_k_nvfp4_v": "FP8_K_NVFP4_V"}
@@ -92,12 +93,12 @@ def nvfp4_reading(config: dict[str, Any], hf_quant: dict[str, Any] | None,
         raise Fp8kvError(f"{where}: {algo_file} declares a ModelOpt {algo} KV cache and config.json a 4-bit "
                          "compressed-tensors kv_cache_scheme (auto-round's); keep one (fp8kv convert writes one)")
     if four_bit:
-        return Nvfp4Reading("nvfp4", ("auto-round",), "config.json's 4-bit compressed-tensors kv_cache_scheme")
+        return Nvfp4Reading("nvfp4", (AUTO_ROUND.name,), "config.json's 4-bit compressed-tensors kv_cache_scheme")
     if algo is None:
         return None
     kv_dtype = _KV_DTYPE_OF_ALGO[algo]
     if kv_dtype != "nvfp4":  # no ModelOpt before 0.42 exports FP8_K_NVFP4_V
-        return Nvfp4Reading(kv_dtype, ("modelopt",), f"{algo_file} kv_cache_quant_algo {algo}")
+        return Nvfp4Reading(kv_dtype, (MODELOPT.name,), f"{algo_file} kv_cache_quant_algo {algo}")
     return _modelopt_producer(hf_quant if algo_file != "config.json" else config.get("quantization_config"),
                               recorded_format(), algo_file)
 
@@ -107,7 +108,7 @@ def _modelopt_producer(meta: Any, recorded_format: str | None, algo_file: str) -
     producer = meta.get("producer") if isinstance(meta, dict) else None
     name = producer.get("name") if isinstance(producer, dict) else None
     version = str(producer.get("version", "")) if isinstance(producer, dict) else ""
-    both = ("modelopt", "modelopt-pre-0.42")
+    both = (MODELOPT.name, MODELOPT_PRE_042.name)
     if recorded_format in both:  # fp8kv wrote the folder, keeping a weight quantizer's producer where there was one
         return Nvfp4Reading("nvfp4", (recorded_format,), f"written by fp8kv as {recorded_format} (fp8kv.json)")
     marked = producer.get(PRODUCER_KEY) if isinstance(producer, dict) else None
@@ -118,9 +119,9 @@ def _modelopt_producer(meta: Any, recorded_format: str | None, algo_file: str) -
         if found:
             minor, suffix = (int(found[1]), int(found[2])), found[3]
             if minor < _FIRST_448:
-                return Nvfp4Reading("nvfp4", ("modelopt-pre-0.42",), f"{algo_file} producer ModelOpt {version}")
+                return Nvfp4Reading("nvfp4", (MODELOPT_PRE_042.name,), f"{algo_file} producer ModelOpt {version}")
             if minor > _FIRST_448 or "dev" not in suffix:
-                return Nvfp4Reading("nvfp4", ("modelopt",), f"{algo_file} producer ModelOpt {version}")
+                return Nvfp4Reading("nvfp4", (MODELOPT.name,), f"{algo_file} producer ModelOpt {version}")
         return Nvfp4Reading("nvfp4", both, f"{algo_file} producer ModelOpt {version or '(no version)'}: a build "
                             "on either side of the change to amax / 448")
     who = f"producer {name!r}" if name else "no producer"
@@ -166,8 +167,13 @@ def check_nvfp4_target(kv_dtype: str, target: str, strategy: str) -> None:
         raise Fp8kvError(f"{kv_dtype} global scales are written as {', '.join(_BY_NAME)}, not {target!r}")
     if nvfp4 and strategy != "tensor":
         raise Fp8kvError(f"{kv_dtype} takes one global scale per layer and side; drop --per-head")
-    if kv_dtype != "nvfp4" and target in ("modelopt-pre-0.42", "auto-round"):
+    if kv_dtype != "nvfp4" and target in NVFP4_ONLY:
         raise Fp8kvError(f"{target} stores nvfp4 K and V; {kv_dtype} (fp8 K, nvfp4 V) is written as modelopt only")
+
+
+def named_as(tensors: str) -> tuple[str, ...]:
+    """The NVFP4-only conventions that use fp8 convention `tensors`' names."""
+    return tuple(row.name for row in NVFP4_CONVENTIONS if row.name in NVFP4_ONLY and row.tensors == tensors)
 
 
 def converted(scales: KVScales, source: str, target: str) -> KVScales:
