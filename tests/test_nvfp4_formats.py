@@ -298,3 +298,13 @@ def test_load_check_refuses_nvfp4_before_running_an_engine(base, tmp_path):
     assert result.exit_code != 0
     assert result.output == (f"fp8kv: error: {folder}: holds nvfp4 scales, and load-check loads fp8 caches only; "
                              "probes/sglang_nvfp4_loader.py runs SGLang's NVFP4 loader (docs/nvfp4.md)\n")
+
+
+def test_convert_through_the_command_line_takes_from(base, tmp_path):
+    src = modelopt(base, tmp_path / "m", None)
+    out = tmp_path / "o"
+    result = CliRunner().invoke(app, ["convert", str(src), "--to", "modelopt", "--out", str(out),
+                                      "--from", "modelopt-pre-0.42"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"wrote {out} (modelopt)\n"
+    assert read_kv_scales(out).scales.k == {i: (float32(K[i] * 6),) for i in K}  # amax / 2688 to amax / 448
