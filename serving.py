@@ -142,10 +142,12 @@ def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None, conv
     else:
         effect = f"block scales up to {per_h(peak)}, within e4m3's {bound:g}"
     h = "h" if headroom is None else f"{headroom:g}"
+    fixable = convertible and (ran < bound or overflows)  # another ModelOpt convention gives it amax / 448
     route = next((f"; fp8kv convert --to {row.name} gives it amax / {bound:g}" for row in NVFP4_CONVENTIONS
-                  if convertible and (ran < bound or overflows) and row.divisor == bound * loader.factor and row.tensors == "modelopt"),
-                 "")
-    return f"{loader.name}: {how} -> runs amax x {h} / {ran:.6g}; {effect}{route} ({loader.known_by})"
+                  if fixable and row.divisor == bound * loader.factor and row.tensors == "modelopt"), "")
+    runs = f"amax x {h} / {ran:.6g}" if loader.factor == 1.0 else \
+        f"{loader.factor:g} x amax x {h} / {divisor:g} = amax x {h} / {ran:.4g}"
+    return f"{loader.name}: {how} -> runs {runs}; {effect}{route} ({loader.known_by})"
 
 
 def nvfp4_lines(divisor: float, headroom: float | None, kv_dtype: str) -> list[str]:

@@ -29,7 +29,7 @@ ATTN = "model.layers.{}.self_attn."
 # amax / 448 of a few amaxes, as float32 (powers of two times 3 divide by 6 exactly)
 K = {0: 0.046875, 1: 0.0234375}
 V = {0: 0.1875, 1: 0.09375}
-SGLANG_SM100 = "sglang 0.5.23 on sm100: x6 (a stored 1.0 stays 1.0) -> runs amax x {h} / {ran}"
+SGLANG_SM100 = "sglang 0.5.23 on sm100: x6 (a stored 1.0 stays 1.0) -> runs 6 x amax x {h} / {div} = amax x {h} / {ran}"
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,8 @@ def _with(src: Path, dst: Path, tensors: dict[str, torch.Tensor], hf_quant: dict
 
 def modelopt(base: Path, dst: Path, version: str | None, algo: str = "NVFP4") -> Path:
     """ModelOpt's NVFP4 export: 0-dim float32 k_proj.k_scale / v_proj.v_scale, kv_cache_quant_algo, its producer."""
-    tensors = {ATTN.format(i) + n: torch.tensor(s[i]) for i in K for n, s in (("k_proj.k_scale", K), ("v_proj.v_scale", V))}
+    tensors = {ATTN.format(i) + n: torch.tensor(s[i])
+               for i in K for n, s in (("k_proj.k_scale", K), ("v_proj.v_scale", V))}
     meta: dict = {"quantization": {"quant_algo": None, "kv_cache_quant_algo": algo}}  # a KV-only export
     if version is not None:
         meta["producer"] = {"name": "modelopt", "version": version}
@@ -86,7 +87,8 @@ def auto_round(base: Path, dst: Path) -> Path:
 def test_calibrate_writes_modelopts_nvfp4_files_exactly(calibrated):
     out, _ = calibrated
     assert json.loads((out / "hf_quant_config.json").read_text()) == {
-        "producer": {"name": "fp8kv", "version": __version__, "nvfp4_convention": "modelopt"}, "quant_method": "modelopt",
+        "producer": {"name": "fp8kv", "version": __version__, "nvfp4_convention": "modelopt"},
+        "quant_method": "modelopt",
         "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4", "exclude_modules": ["*"]}}
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     record = json.loads((out / "fp8kv.json").read_text())
@@ -107,7 +109,7 @@ def test_calibrate_says_what_each_release_runs_and_how_to_serve(calibrated):
     out, stdout = calibrated
     assert "the stored K and V global scale is amax x 1.25 / 448" in stdout
     assert "vllm-cuda 0.32.0 on sm100: as stored -> runs amax x 1.25 / 448; block scales up to 59.73" in stdout
-    assert SGLANG_SM100.format(h="1.25", ran="74.6667") in stdout
+    assert SGLANG_SM100.format(h="1.25", div="448", ran="74.67") in stdout
     assert "fp8kv convert --to modelopt-pre-0.42 gives it amax / 448" in stdout
     assert "sglang 0.5.23 on sm120: as stored -> runs amax x 1.25 / 448" in stdout
     assert f"  vllm serve {out} --kv-cache-dtype nvfp4\n" in stdout
@@ -132,9 +134,10 @@ def test_modelopt_files_read_by_the_producers_version(base, tmp_path, version, c
     assert [m.convention for m in report.nvfp4_meanings] == list(conventions)
     runs = {m.convention: m.runs for m in report.nvfp4_meanings}
     if "modelopt" in runs:  # the factor each reading gives SGLang on sm100
-        assert runs["modelopt"][1].startswith(SGLANG_SM100.format(h="h", ran="74.6667"))
+        assert runs["modelopt"][1].startswith(SGLANG_SM100.format(h="h", div="448", ran="74.67"))
     if "modelopt-pre-0.42" in runs:
-        assert runs["modelopt-pre-0.42"][1].startswith(SGLANG_SM100.format(h="h", ran="448") + "; block scales up")
+        expected = SGLANG_SM100.format(h="h", div="2688", ran="448") + "; block scales up"
+        assert runs["modelopt-pre-0.42"][1].startswith(expected)
 
 
 def test_auto_round_reads_as_amax_over_2688(base, tmp_path):
@@ -246,9 +249,9 @@ def test_fp8_k_nvfp4_v_is_modelopts_mixed_algo(base, tmp_path):
     with pytest.raises(Fp8kvError, match=r"fp8_k_nvfp4_v \(fp8 K, nvfp4 V\) is written as modelopt only"):
         convert_checkpoint(out, tmp_path / "o", "auto-round")
     (meaning,) = inspect_checkpoint(out).nvfp4_meanings  # SGLang's x6 on sm100, with no convert to name
-    assert meaning.runs[1] == (SGLANG_SM100.format(h="h", ran="74.6667") + "; block scales only up to 12.44/h, 6x "
-                               "below what amax / 448 intends: small blocks reach e4m3's subnormals sooner, nothing "
-                               "overflows (read from source)")
+    assert meaning.runs[1] == (SGLANG_SM100.format(h="h", div="448", ran="74.67") + "; block scales only up to "
+                               "12.44/h, 6x below what amax / 448 intends: small blocks reach e4m3's subnormals "
+                               "sooner, nothing overflows (read from source)")
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -283,7 +286,7 @@ def test_the_card_states_the_nvfp4_meaning_and_verify_refuses(calibrated, tmp_pa
     out, _ = calibrated
     card = render_card(out)
     assert "## KV-cache scales (NVFP4)" in card and "`amax × 1.25 / 448` (modelopt" in card
-    assert "- " + SGLANG_SM100.format(h="1.25", ran="74.6667") in card
+    assert "- " + SGLANG_SM100.format(h="1.25", div="448", ran="74.67") in card
     assert f"vllm serve {out.name} --kv-cache-dtype nvfp4" in card
     assert "fp8(clamp(" not in card  # the fp8 cast does not describe this cache
     result = CliRunner().invoke(app, ["verify", str(out), "--report", str(tmp_path / "r")])
