@@ -8,7 +8,7 @@ from pathlib import Path
 from fp8kv import __version__
 from fp8kv.checkpoint.conventions import VLLM_JSON_FILE, vllm_format_gaps, vllm_json_readers
 from fp8kv.checkpoint.kvscales import KVScales
-from fp8kv.checkpoint.nvfp4 import NVFP4_CONVENTIONS, converted, nvfp4_convention
+from fp8kv.checkpoint.nvfp4 import check_nvfp4_target, converted, nvfp4_convention
 from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.checkpoint.provenance import ConvertedFrom, Provenance, read_provenance
 from fp8kv.checkpoint.reader import ScaleReadout, read_kv_scales
@@ -75,8 +75,7 @@ def _nvfp4_converted(readout: ScaleReadout, scales: KVScales, source_convention:
         raise Fp8kvError(f"{path}: {reading.why}, so its NVFP4 scales may be "
                          f"{' or '.join(f'amax / {nvfp4_convention(n).divisor:g}' for n in reading.conventions)}; "
                          f"pass {choices}")
-    if target not in {row.name for row in NVFP4_CONVENTIONS}:
-        return scales, source  # refused by the writer, which names what NVFP4 scales are written as
+    check_nvfp4_target(readout.kv_dtype, target, scales.strategy)
     return converted(scales, source, target), source
 
 

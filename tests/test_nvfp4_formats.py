@@ -216,6 +216,13 @@ def test_nvfp4_scales_are_not_written_as_fp8_conventions(base, tmp_path, target,
     assert str(caught.value) == message
 
 
+def test_a_calibrated_nvfp4_folder_is_refused_an_fp8_convention_in_one_line(calibrated, tmp_path):
+    result = CliRunner().invoke(app, ["convert", str(calibrated[0]), "--to", "quark", "--out", str(tmp_path / "o")])
+    assert result.exit_code != 0
+    assert result.output == ("fp8kv: error: nvfp4 global scales are written as modelopt, modelopt-pre-0.42, "
+                             "auto-round, not 'quark'\n")
+
+
 def test_fp8_scales_are_not_written_as_nvfp4_conventions(base, tmp_path):
     fp8 = write_checkpoint(base, tmp_path / "fp8", KVScales.from_floats(K, V))
     with pytest.raises(Fp8kvError) as caught:
