@@ -318,3 +318,13 @@ def test_convert_through_the_command_line_takes_from(base, tmp_path):
     assert result.exit_code == 0, result.output
     assert result.stdout == f"wrote {out} (modelopt)\n"
     assert read_kv_scales(out).scales.k == {i: (float32(K[i] * 6),) for i in K}  # amax / 2688 to amax / 448
+
+
+def test_a_modelopt_block_in_config_json_reads_like_hf_quant_config(base, tmp_path):
+    tensors = {ATTN.format(i) + n: torch.tensor(s[i])
+               for i in K for n, s in (("k_proj.k_scale", K), ("v_proj.v_scale", V))}
+    qc = {"quant_method": "modelopt", "quant_algo": None, "kv_cache_quant_algo": "NVFP4",
+          "producer": {"name": "modelopt", "version": "0.41.0"}}
+    readout = read_kv_scales(_with(base, tmp_path / "m", tensors, qc=qc))
+    assert readout.nvfp4.conventions == ("modelopt-pre-0.42",)
+    assert readout.nvfp4.why == "config.json producer ModelOpt 0.41.0"
