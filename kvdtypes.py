@@ -1,5 +1,6 @@
 """The fp8 KV-cache dtypes as names and numbers, without torch: MAX, a plain cast's limit, how files and
-engines spell them. `fp8.py` adds the torch dtypes and the casts; reports and the card read these."""
+engines spell them; and NVFP4's numbers. `fp8.py` and `nvfp4.py` add the torch dtypes and the casts; reports and
+the card read these."""
 
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ VLLM_KV_CACHE_DTYPE = {kv: next((s for s, name in KV_DTYPE_SPELLINGS.items() if 
 # e4m3fn: 448 < y <= 464 rounds down to 448, anything above is NaN (e4m3fn has no inf).
 # e5m2: y rounds to 57344 below 61440 (halfway to 2**16) and to inf from 61440 on.
 RAW_CAST_FINITE_LIMIT = {"fp8_e4m3": 464.0, "fp8_e5m2": 61439.99609375}  # float32 just below 61440
+
+# NVFP4: 4-bit e2m1 values (1 sign, 2 exponent bits with bias 1, 1 mantissa bit; no inf or NaN), one e4m3 scale per
+# block of NVFP4_BLOCK consecutive head_dim values, one float32 scale per layer and side (the checkpoint's k_scale).
+# E2M1_MAGNITUDES[c] is the magnitude of code c (0..7; bit 3 is the sign); code 1 is e2m1's one subnormal.
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = E2M1_MAGNITUDES[-1]
+NVFP4_BLOCK = 16
+NVFP4_BLOCK_SCALE_DTYPE = "fp8_e4m3"
 
 
 def kv_dtype_from_file(name: str) -> str | None:
