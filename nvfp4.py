@@ -37,6 +37,8 @@ _MAX_CODE = len(E2M1_MAGNITUDES) - 1
 # goes to the even code: up where i is odd (0.75, 1.75, 3.5), down where i is even (0.25, 1.25, 2.5, 5).
 _BOUNDS = tuple((a + b) / 2 for a, b in itertools.pairwise(E2M1_MAGNITUDES))
 _TIES_UP = _BOUNDS[1::2]
+# vLLM's `--kv-cache-dtype` names of its two NVFP4 writes, and whether each is the 4over6 write
+CACHE_DTYPES = {"nvfp4": False, "nvfp4_4over6": True}
 # The 4over6 write's second block-scale target: 4 maps a block's max to e2m1's 4, where 6 maps it to 6
 FOUR_OVER_SIX_TARGET = 4.0
 
@@ -175,6 +177,13 @@ def _counts(bmax: torch.Tensor, chosen: _Candidate, y: torch.Tensor) -> WriteCou
         zeroed_blocks=((sf == 0) & (bmax > 0)).sum(),
         clipped_values=(y.abs() > E2M1_MAX).sum(),
     )
+
+
+def block_values(stored: Nvfp4Tensor) -> torch.Tensor:
+    """Each value's e2m1 times its block scale, `[..., n]` float32, without the global scale: exact (at most 6
+    significant bits), what an attention that applies the global scale itself starts from."""
+    values = e2m1_values(unpack(stored.codes)).unflatten(-1, (-1, NVFP4_BLOCK))  # [..., blocks, 16]
+    return (values * to_float32(stored.block_scales)[..., None]).flatten(-2)
 
 
 def dequantize(stored: Nvfp4Tensor) -> torch.Tensor:

@@ -1,0 +1,137 @@
+"""The paged KV cache stored as NVFP4 (vLLM's `--kv-cache-dtype nvfp4` and `nvfp4_4over6` writes), and what the
+attention reads back from it.
+
+Per KV layer the cache stores what vLLM's does, K and V interleaved on the head axis as in the fp8 cache (vLLM
+orders a page's bytes [K codes | K scales | V codes | V scales]; the values are the same): packed e2m1 codes
+`codes` uint8 `[num_pages, page_size, 2 * kv_heads, head_dim / 2]`, e4m3 block scales `block_scales` (their bytes,
+uint8) `[num_pages, page_size, 2 * kv_heads, head_dim / 16]`, and the layer's global K and V scales in `scales`.
+`pages` holds what attention reads, made from the stored bytes at each write, so every attention function reads it
+as it reads any cache:
+
+- read "float32": e2m1 * (SF * s) in float32, the plain dequantized read (vLLM's `dequantize_to_dtype`);
+- read "fp8": e2m1 * SF rounded to e4m3, with s left to the attention as its k_scale / v_scale: the sm100 path,
+  where the attention kernel dequantizes K and V to fp8 (with the runner's `q_scales`, Q is fp8 too). The kernel's
+  own rounding is not read (trtllm-gen ships compiled); this rounds to nearest and saturates, like every fp8 write
+  here. A product past 448 (a block scale above 448 / 6, which a global scale below amax / 448 gives) cannot be
+  held: `fp8_read_over` counts those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel
+from fp8kv.errors import Fp8kvError
+from fp8kv.fp8 import to_fp8
+from fp8kv.kvdtypes import FP8_MAX, NVFP4_BLOCK, NVFP4_BLOCK_SCALE_DTYPE
+from fp8kv.nvfp4 import E4M3, Nvfp4Tensor, WriteCounts, block_values, dequantize, quantize
+from fp8kv.runtime.cache import PagedKVCache, Scale, store_rows
+
+NVFP4_READS = {"float32": torch.float32, "fp8": E4M3}
+
+
+@dataclass(frozen=True)
+class Nvfp4Counts:
+    """An NVFP4 cache's write counters per KV layer, `(K, V)` each: blocks whose scale saturated at 448, fell in
+    e4m3's subnormals, or rounded to 0 with a nonzero value in the block; values clipped at ±6 block scales; values
+    whose e2m1 * block scale is past e4m3's 448, which the fp8 read cannot hold (`nvfp4_cache`'s docstring)."""
+
+    saturated_scales: dict[int, tuple[int, int]]
+    subnormal_scales: dict[int, tuple[int, int]]
+    zeroed_blocks: dict[int, tuple[int, int]]
+    clipped_values: dict[int, tuple[int, int]]
+    fp8_read_over: dict[int, tuple[int, int]]
+
+
+_WRITE_COUNTERS = tuple(f.name for f in fields(WriteCounts))
+_COUNTERS = tuple(f.name for f in fields(Nvfp4Counts))
+assert _COUNTERS[: len(_WRITE_COUNTERS)] == _WRITE_COUNTERS, "Nvfp4Counts starts with WriteCounts' counters"
+
+
+class Nvfp4PagedKVCache(PagedKVCache):
+    """`PagedKVCache`'s pages, allocator and counters over NVFP4 storage (the module's docstring). `four_over_six`
+    picks vLLM's 4over6 write, `read` what the attention reads ("float32" or "fp8"). Every head_dim must be a
+    multiple of 16; shadow engines do not apply (their writes are fp8)."""
+
+    def __init__(
+        self,
+        kv_layers: Sequence[int],
+        *,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int | Sequence[int],
+        head_dim: int | Sequence[int],
+        device: torch.device,
+        four_over_six: bool = False,
+        read: str = "float32",
+        head_dim_multiple: int = 1,
+        k_scales: Mapping[int, Scale] | None = None,
+        v_scales: Mapping[int, Scale] | None = None,
+        engine: str | EngineModel = DEFAULT_ENGINE,
+        shared_layers: Mapping[int, int] | None = None,
+    ) -> None:
+        if read not in NVFP4_READS:
+            raise Fp8kvError(f"unknown NVFP4 read {read!r}; choose one of {', '.join(NVFP4_READS)}")
+        super().__init__(kv_layers, num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, dtype=NVFP4_READS[read], device=device,
+                         head_dim_multiple=head_dim_multiple, k_scales=k_scales, v_scales=v_scales, engine=engine,
+                         shared_layers=shared_layers)
+        odd = sorted({d for d in self._head_dims if d % NVFP4_BLOCK})
+        if odd:
+            raise Fp8kvError(f"an NVFP4 cache stores blocks of {NVFP4_BLOCK} head_dim values: head_dim {odd} is not "
+                             "a multiple; serve this model with an fp8 cache")
+        self.four_over_six, self.read = four_over_six, read
+        shapes = [(num_pages, page_size, 2 * heads, d) for heads, d in zip(self._kv_heads, self._head_dims)]
+        self.codes = [torch.zeros(*s[:3], s[3] // 2, dtype=torch.uint8, device=device) for s in shapes]
+        self.block_scales = [torch.zeros(*s[:3], s[3] // NVFP4_BLOCK, dtype=torch.uint8, device=device) for s in shapes]
+        self.nvfp4_counters = torch.zeros(len(self.kv_layers), 2, len(_COUNTERS), dtype=torch.int64, device=device)
+
+    @property
+    def clamps(self) -> bool:
+        return False
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
+        """Quantize K/V `[tokens, kv_heads, head_dim]` to NVFP4 and store them at flat `slots` `[tokens]`; padding
+        tokens (`valid` False) go to the scratch page as zeros, so they count nothing."""
+        row = self._row[layer]
+        heads = self._kv_heads[row]
+        real = valid[:, None, None]
+        sides = [quantize(torch.where(real, x, 0.0), self.scales[row, i, :heads, None], four_over_six=self.four_over_six)
+                 for i, x in enumerate((k, v))]
+
+        def interleaved(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack(parts, dim=2).flatten(1, 2)  # [T, 2*kv_heads, ...]: K0, V0, K1, V1, ...
+
+        store_rows(self.codes[row].flatten(0, 1), slots, interleaved([s.codes for s, _ in sides]))
+        store_rows(self.block_scales[row].flatten(0, 1), slots,
+                   interleaved([s.block_scales.view(torch.uint8) for s, _ in sides]))
+        read = interleaved([self._read_back(stored) for stored, _ in sides])
+        read = torch.nn.functional.pad(read, (0, self._padded[row] - self._head_dims[row]))
+        counts = [[*(getattr(c, name) for name in _WRITE_COUNTERS), _fp8_read_over(stored)] for stored, c in sides]
+        self.nvfp4_counters[row] += torch.stack([torch.stack(side) for side in counts])
+        self._count(row, interleaved([k, v]), read, valid)
+        self._store(row, slots, read)
+
+    def _read_back(self, stored: Nvfp4Tensor) -> torch.Tensor:
+        if self.read == "float32":
+            return dequantize(stored)
+        return to_fp8(block_values(stored), E4M3, saturate=True)
+
+    def bytes_per_token(self) -> float:
+        """Bytes the stored codes and block scales take per token across all layers (the read-back pages are
+        fp8kv's model of the attention's input, not storage)."""
+        return float(sum(c[0, 0].numel() + b[0, 0].numel() for c, b in zip(self.codes, self.block_scales)))
+
+    def nvfp4_counts(self) -> Nvfp4Counts:
+        """The NVFP4 write counters, read from the device once."""
+        counters = self.nvfp4_counters.cpu().tolist()  # [layer][K, V][counter]
+        return Nvfp4Counts(**{name: {layer: (counters[i][0][j], counters[i][1][j])
+                                     for i, layer in enumerate(self.kv_layers)}
+                              for j, name in enumerate(_COUNTERS)})
+
+
+def _fp8_read_over(stored: Nvfp4Tensor) -> torch.Tensor:
+    return (block_values(stored).abs() > FP8_MAX[NVFP4_BLOCK_SCALE_DTYPE]).sum()
