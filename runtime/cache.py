@@ -287,6 +287,9 @@ class PagedKVCache(PagedLayers):
         self.nonfinite[row] += per_token(nonfinite(stored)).sum(dim=0)
         self.written[row] += valid.sum() * heads * self._head_dims[row]
 
+    # Whether the attention writes its output in fp8 e4m3 (at scale 1) before the model reads it back
+    fp8_attention_output = False
+
     @property
     def clamps(self) -> bool:
         """Whether a write clamps x / scale at the cache dtype's maximum (an fp8 cache): what `clamped` counts."""

@@ -10,8 +10,9 @@ as it reads any cache:
 
 - read "float32": e2m1 * (SF * s) in float32, the plain dequantized read (vLLM's `dequantize_to_dtype`);
 - read "fp8": e2m1 * SF rounded to e4m3, with s left to the attention as its k_scale / v_scale: the sm100 path,
-  where the attention kernel dequantizes K and V to fp8 (with the runner's `q_scales`, Q is fp8 too). The kernel's
-  own rounding is not read (trtllm-gen ships compiled); this rounds to nearest and saturates, like every fp8 write
+  where the attention kernel dequantizes K and V to fp8 (with the runner's `q_scales`, Q is fp8 too, as vLLM's
+  `scaled_fp8_quant` of the query makes it) and writes its output in fp8 e4m3 (`fp8_attention_output`). The kernel's
+  own roundings are not read (trtllm-gen ships compiled); these round to nearest and saturate, like every fp8 write
   here. A product past 448 (a block scale above 448 / 6, which a global scale below amax / 448 gives) cannot be
   held: `fp8_read_over` counts those.
 """
@@ -84,6 +85,9 @@ class Nvfp4PagedKVCache(PagedKVCache):
             raise Fp8kvError(f"an NVFP4 cache stores blocks of {NVFP4_BLOCK} head_dim values: head_dim {odd} is not "
                              "a multiple; serve this model with an fp8 cache")
         self.four_over_six, self.read = four_over_six, read
+        # vLLM 0.32.0's FlashInfer backend (v1/attention/backends/flashinfer.py) gives sm100's NVFP4 attention an fp8
+        # output buffer and copies it into the model's dtype: the output is rounded to e4m3 at scale 1
+        self.fp8_attention_output = read == "fp8"
         shapes = [(num_pages, page_size, 2 * heads, d) for heads, d in zip(self._kv_heads, self._head_dims)]
         self.codes = [torch.zeros(*s[:3], s[3] // 2, dtype=torch.uint8, device=device) for s in shapes]
         self.block_scales = [torch.zeros(*s[:3], s[3] // NVFP4_BLOCK, dtype=torch.uint8, device=device) for s in shapes]

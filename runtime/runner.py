@@ -29,7 +29,7 @@ from fp8kv.checkpoint.load import MODEL_DTYPES, load_language_model
 from fp8kv.errors import Fp8kvError
 from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, as_engine_model
 from fp8kv.fp8 import cache_dtype as _cache_dtype
-from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, quantize, to_float32
+from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, quantize, to_float32, to_fp8
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.nvfp4 import CACHE_DTYPES as NVFP4_CACHE_DTYPES
 from fp8kv.options import DEFAULT_KV_DTYPE
@@ -144,6 +144,8 @@ def _paged_attention(
         numerics=step.numerics,
         calls=step.calls,
     )
+    if step.cache.fp8_attention_output:
+        out = to_fp8(out, FP8_DTYPES[DEFAULT_KV_DTYPE], saturate=True).to(out.dtype)
     out = out if restore is None else out[:, restore]
     out = out if v_dim == out.shape[-1] else out[..., :v_dim]
     return out.unsqueeze(0), None  # [1, T, q_heads, v_dim]

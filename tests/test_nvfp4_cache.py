@@ -128,3 +128,17 @@ def test_the_runner_attends_over_the_nvfp4_read_back_coarser_than_fp8(llama):
     for kwargs in ({"cache_dtype": "nvfp4"}, {"cache_dtype": "nvfp4_4over6"},
                    {"cache_dtype": "nvfp4", "nvfp4_read": "fp8", "q_scales": dict.fromkeys(k_scales, 0.05)}):
         assert fp8 < error(**kwargs) < 0.2, kwargs
+
+
+@pytest.mark.parametrize("read", ["float32", "fp8"])
+def test_only_the_fp8_read_hands_o_proj_an_attention_output_rounded_to_e4m3(llama, read):
+    runner = PagedModelRunner(llama, device="cpu", page_size=4, max_model_len=64, max_num_seqs=2, cache_dtype="nvfp4",
+                              k_scales=dict.fromkeys((0, 1), 0.01), v_scales=dict.fromkeys((0, 1), 0.01),
+                              nvfp4_read=read)
+    seen = []
+    runner.model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    seq, _ = runner.start()
+    runner.step([(seq, [5, 9, 14, 3, 77])])
+    out = seen[0].float()
+    in_e4m3 = torch.equal(to_fp8(out, E4M3, saturate=True).float(), out)
+    assert in_e4m3 == (read == "fp8") and runner.cache.fp8_attention_output == (read == "fp8")
