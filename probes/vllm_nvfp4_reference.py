@@ -7,7 +7,8 @@ Runs in bench/.vllm-nvfp4-venv (probes/vllm_nvfp4_venv.sh), imports nothing of f
 Three functions of vLLM's `nvfp4_emulation_utils.py` (in the CPU wheel; on a CPU tensor each is plain torch):
 `break_fp4_bytes` on every byte (which nibble is which value), `dequantize_to_dtype` with linear block scales
 (`swizzle=False`, the layout vLLM's K scales have) on random codes and block scales, and `ref_nvfp4_quant`, vLLM's
-reference NVFP4 quantization, on random bf16 rows at two global scales. Inputs are seeded and recorded as hex, so
+reference NVFP4 quantization, on random bf16 rows at two global scales; and from `vllm/utils/torch_utils.py`,
+`nvfp4_split_data_scale`, the views vLLM's attention backend takes of one side of a cache page. Inputs are seeded and recorded as hex, so
 the test needs no engine; outputs are recorded as vLLM returned them.
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 from vllm.model_executor.layers.quantization.utils import nvfp4_emulation_utils as reference
+from vllm.utils import torch_utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from outputs import write_json  # noqa: E402  (probes/outputs.py, beside this script)
@@ -70,6 +72,17 @@ def quantize(generator: torch.Generator) -> list[dict]:
     return runs
 
 
+def split_data_scale() -> dict:
+    """One side of a page, HND (`[pages, kv_heads, page_size, head_dim/2 + head_dim/16]`), split into vLLM's code
+    and block-scale views; each byte holds its own offset, so the views record where each of their bytes sits."""
+    heads, page_size, head_dim = 2, 4, 32
+    full = head_dim // 2 + head_dim // BLOCK
+    side = torch.arange(heads * page_size * full, dtype=torch.int32).to(torch.uint8).view(1, heads, page_size, full)
+    codes, scales = torch_utils.nvfp4_split_data_scale(side)
+    return {"kv_heads": heads, "page_size": page_size, "head_dim": head_dim, "codes": codes.flatten().tolist(),
+            "block_scales": scales.view(torch.uint8).flatten().tolist()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -86,6 +99,7 @@ def main() -> None:
         "break_fp4_bytes": break_bytes(),
         "dequantize_to_dtype": dequantize(generator),
         "ref_nvfp4_quant": quantize(generator),
+        "nvfp4_split_data_scale": split_data_scale(),
     })
 
 

@@ -124,6 +124,19 @@ class Nvfp4PagedKVCache(PagedKVCache):
             return dequantize(stored)
         return to_fp8(block_values(stored), E4M3, saturate=True)
 
+    def vllm_page(self, layer: int, page: int, *, swizzle_v: bool) -> torch.Tensor:
+        """Page `page` of `layer` laid out as vLLM's kernel writes an HND page, uint8: [K codes | K block scales |
+        V codes | V block scales], codes `[kv_heads, page_size, head_dim/2]` and block scales `[kv_heads, page_size,
+        head_dim/16]` per side (vLLM 0.32.0 `nvfp4_kv_cache_kernels.cu`). `swizzle_v`: V's block scales in the
+        4-token swizzle sm100's attention reads (vLLM swizzles below compute capability 12; K's stay linear)."""
+        row = self._row[layer]
+        parts = []
+        for side in (0, 1):
+            codes = self.codes[row][page, :, side::2].transpose(0, 1)  # [kv_heads, page_size, head_dim/2]
+            scales = self.block_scales[row][page, :, side::2].transpose(0, 1)  # [kv_heads, page_size, head_dim/16]
+            parts += [codes.flatten(), (_swizzled(scales) if side and swizzle_v else scales).flatten()]
+        return torch.cat(parts)
+
     def bytes_per_token(self) -> float:
         """Bytes the stored codes and block scales take per token across all layers (the read-back pages are
         fp8kv's model of the attention's input, not storage)."""
@@ -139,3 +152,14 @@ class Nvfp4PagedKVCache(PagedKVCache):
 
 def _fp8_read_over(stored: Nvfp4Tensor) -> torch.Tensor:
     return (block_values(stored).abs() > FP8_MAX[NVFP4_BLOCK_SCALE_DTYPE]).sum()
+
+
+def _swizzled(scales: torch.Tensor) -> torch.Tensor:
+    """Block scales `[kv_heads, T, S]` (T tokens of a page, S = head_dim / 16) in sm100's swizzle: per head,
+    `[T/4, 4, 4, S/4]` permuted to `[T/4, 4, S/4, 4]`, so the scale of token t, block s sits at row
+    (t // 4) * 4 + s // (S/4), column (s % (S/4)) * 4 + t % 4. T and S must be multiples of 4."""
+    heads, tokens, blocks = scales.shape
+    if tokens % 4 or blocks % 4:
+        raise Fp8kvError(f"sm100's V-scale swizzle needs a page size and head_dim / 16 that are multiples of 4, not "
+                         f"{tokens} and {blocks}: a page size that is a multiple of 4 and a head_dim that is a multiple of 64")
+    return scales.reshape(heads, tokens // 4, 4, 4, blocks // 4).permute(0, 1, 3, 4, 2).reshape(heads, tokens, blocks)

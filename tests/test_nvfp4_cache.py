@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,3 +144,50 @@ def test_only_the_fp8_read_hands_o_proj_an_attention_output_rounded_to_e4m3(llam
     out = seen[0].float()
     in_e4m3 = torch.equal(to_fp8(out, E4M3, saturate=True).float(), out)
     assert in_e4m3 == (read == "fp8") and runner.cache.fp8_attention_output == (read == "fp8")
+
+
+def _page_cache(head_dim: int, page_size: int = 4) -> Nvfp4PagedKVCache:
+    cache = Nvfp4PagedKVCache([0], num_pages=2, page_size=page_size, num_kv_heads=2, head_dim=head_dim, device=CPU)
+    # stored bytes counting up (mod 251): where one lands in the page says where it came from
+    for stored in (cache.codes[0], cache.block_scales[0]):
+        stored.copy_(torch.arange(stored.numel()).remainder(251).view(stored.shape))
+    return cache
+
+
+def test_a_vllm_page_puts_each_byte_where_vllms_split_views_read_it():
+    """vLLM 0.32.0's `nvfp4_split_data_scale` (tests/golden/nvfp4-vllm-0.32.0.json) on one side of an HND page whose
+    bytes hold their offsets: its code view at (head, token, byte) reads offset codes[...], its block-scale view
+    likewise. fp8kv's page must hold K's code and block-scale bytes at those offsets, and V's one side further."""
+    recorded = json.loads((Path(__file__).parent / "golden" / "nvfp4-vllm-0.32.0.json").read_text())
+    split = recorded["nvfp4_split_data_scale"]
+    heads, page_size, head_dim = split["kv_heads"], split["page_size"], split["head_dim"]
+    cache = _page_cache(head_dim, page_size)
+    page = cache.vllm_page(0, 1, swizzle_v=False)
+    side_bytes = heads * page_size * (head_dim // 2 + head_dim // 16)
+    assert page.numel() == 2 * side_bytes
+    for side in (0, 1):
+        codes = page[side * side_bytes + torch.tensor(split["codes"])].view(heads, page_size, head_dim // 2)
+        scales = page[side * side_bytes + torch.tensor(split["block_scales"])].view(heads, page_size, head_dim // 16)
+        assert torch.equal(codes, cache.codes[0][1, :, side::2].transpose(0, 1))
+        assert torch.equal(scales, cache.block_scales[0][1, :, side::2].transpose(0, 1))
+
+
+def test_sm100s_v_scale_swizzle_moves_token_t_block_s_where_vllms_kernel_writes_it():
+    """vLLM 0.32.0's `swizzle_scale_offset` (nvfp4_kv_cache_kernels.cu, read): with S = head_dim / 16 scales a token,
+    token t's block s goes to row (t // 4) * 4 + s // (S / 4), column (s % (S / 4)) * 4 + t % 4. K stays linear."""
+    head_dim, page_size = 128, 8
+    cache = _page_cache(head_dim, page_size)
+    linear, swizzled = cache.vllm_page(0, 1, swizzle_v=False), cache.vllm_page(0, 1, swizzle_v=True)
+    side_bytes = 2 * page_size * (head_dim // 2 + head_dim // 16)
+    assert torch.equal(linear[:side_bytes], swizzled[:side_bytes])
+    scales_at = side_bytes + 2 * page_size * head_dim // 2  # V's block scales: [kv_heads, page_size, S]
+    blocks = head_dim // 16
+    v_linear = linear[scales_at:].view(2, page_size, blocks)
+    v_swizzled = swizzled[scales_at:].view(2, page_size, blocks)
+    group = blocks // 4
+    for t in range(page_size):
+        for s in range(blocks):
+            row, column = (t // 4) * 4 + s // group, (s % group) * 4 + t % 4
+            assert torch.equal(v_swizzled[:, row, column], v_linear[:, t, s])
+    with pytest.raises(Fp8kvError, match="a head_dim that is a multiple of 64"):
+        _page_cache(32).vllm_page(0, 1, swizzle_v=True)
