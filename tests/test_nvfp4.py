@@ -76,9 +76,9 @@ def test_a_reciprocal_one_float32_step_off_moves_a_block_scale_or_a_code_by_one_
     """The kernel's rcp.approx.ftz.f32 is within 1 ulp of 1/x; fp8kv rounds to nearest. Moving every reciprocal one
     float32 step (further than the kernel can be from fp8kv's) changes a block scale by one e4m3 code at most and,
     where the block scale stays, a code by one e2m1 step at most. Measured (both directions, these 512,000
-    values): no change at 0.0123, up to 0.35 % of codes at 0.02 and 1/448, and up to 1.2 % of codes and 3.3 % of
-    block scales at 1.0: a power-of-two scale keeps bmax / 6 exact, so a bf16 block max lands on an e4m3 rounding
-    midpoint often, and which side the GPU rounds it to is its approximation's choice."""
+    values): no change at 0.0123; at 0.02 and 1/448 up to 0.34 % of codes and 0.74 % of block scales; at 1.0 up to
+    1.2 % of codes and 3.4 % of block scales: a power-of-two scale keeps bmax / 6 exact, so a bf16 block max lands
+    on an e4m3 rounding midpoint often, and which side the GPU rounds it to is its approximation's choice."""
     x = _activations()
     exact, _ = quantize(x, scale)
     monkeypatch.setattr(nvfp4, "_reciprocal", lambda t: torch.reciprocal(t).nextafter(torch.tensor(direction)))
