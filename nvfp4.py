@@ -14,7 +14,8 @@ The kernel's `rcp` is `rcp.approx.ftz.f32`, which PTX documents to within 1 ulp 
 float32's correctly rounded 1/x, so a code or block scale can differ from the GPU's only where a product lands within
 a few float32 ulps of an e2m1 or e4m3 rounding boundary (tests/test_nvfp4.py measures how often, and that such a
 value is one step off at most). Flushing subnormals changes nothing for scales between 2**-117 and 2**117: no
-operand or result of those reciprocals is subnormal there.
+operand or result of those reciprocals is subnormal there. A block holding NaN is not modelled: the kernel's
+half-precision max passes over a NaN, torch's amax keeps it.
 """
 
 from __future__ import annotations

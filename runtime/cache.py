@@ -184,6 +184,9 @@ class PagedKVCache(PagedLayers):
     `clamped` counts values with |x / scale| > MAX, `nonfinite` counts NaN/inf values stored.
     """
 
+    # Whether the attention writes its output in fp8 e4m3 (at scale 1) before the model reads it back
+    fp8_attention_output = False
+
     def __init__(
         self,
         kv_layers: Sequence[int],
@@ -286,9 +289,6 @@ class PagedKVCache(PagedLayers):
                 self.forward.over.add_(over.sum(dim=1))
         self.nonfinite[row] += per_token(nonfinite(stored)).sum(dim=0)
         self.written[row] += valid.sum() * heads * self._head_dims[row]
-
-    # Whether the attention writes its output in fp8 e4m3 (at scale 1) before the model reads it back
-    fp8_attention_output = False
 
     @property
     def clamps(self) -> bool:
