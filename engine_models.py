@@ -456,6 +456,7 @@ class Nvfp4Loader:
     serve: str
     evidence: str
     source: str
+    golden: str = ""
 
     @property
     def name(self) -> str:
@@ -471,7 +472,7 @@ def _read_nvfp4_loaders() -> tuple[Nvfp4Loader, ...]:
     rows = tomllib.loads(files("fp8kv.configs").joinpath(RELEASES_FILE).read_text(encoding="utf-8"))["nvfp4"]
     return tuple(Nvfp4Loader(row["engine"], row["release"], row["gpu"], row.get("setting", ""), row["loads"],
                              row["factor"], row.get("keeps_unit", False), row["fp8_dequant"], row["serve"],
-                             row["evidence"], row["source"]) for row in rows)
+                             row["evidence"], row["source"], row.get("golden", "")) for row in rows)
 
 
 NVFP4_LOADERS = _read_nvfp4_loaders()

@@ -17,7 +17,7 @@ from fp8kv.engine_models import (
 from fp8kv.checkpoint.nvfp4 import NVFP4_CONVENTIONS
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import read_json
-from fp8kv.kvdtypes import FP8_MAX, NVFP4_E2M1_MAX
+from fp8kv.kvdtypes import E2M1_MAX, FP8_MAX
 
 # a release with a loader matrix holds the scales, one without reads the convention by its row
 HOLDS, READS, NOT_RUN, NOT_STARTED, UNCHECKED = "holds", "reads", "not run", "does not start", "unchecked"
@@ -130,7 +130,7 @@ def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None, conv
     def per_h(value: float) -> str:  # a bound on the block scales (or codes x block scales), in numbers when h is
         return f"{value / headroom:.4g}" if headroom is not None else f"{value:.4g}/h"
 
-    peak = ran / NVFP4_E2M1_MAX  # the largest block scale, times the headroom
+    peak = ran / E2M1_MAX  # the largest block scale, times the headroom
     overflows = loader.fp8_dequant and ran / (headroom or 1.0) > bound
     if overflows:
         effect = f"its e4m3 dequantization overflows: e2m1 code x block scale reaches {per_h(ran)}, past {bound:g}"

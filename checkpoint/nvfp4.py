@@ -1,7 +1,7 @@
 """NVFP4 KV-cache scales in checkpoints: what a stored global scale means per tool, how a folder tells which
 tool wrote it, and the factor between conventions. No torch.
 
-An NVFP4 cache holds e2m1 values (at most NVFP4_E2M1_MAX) in blocks of NVFP4_BLOCK_SIZE along head_dim, each block
+An NVFP4 cache holds e2m1 values (at most E2M1_MAX) in blocks of NVFP4_BLOCK_SIZE along head_dim, each block
 with an e4m3 scale, under one float32 global scale per layer and side: the one the checkpoint stores, as
 `amax / divisor`. The tools differ in the divisor only; their tensor names are an fp8 convention's.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, get_args
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.kvdtypes import FP8_MAX, NVFP4_E2M1_MAX, NVFP4_KV_DTYPES, SCALE_BOUND
+from fp8kv.kvdtypes import E2M1_MAX, FP8_MAX, NVFP4_KV_DTYPES, SCALE_BOUND
 from fp8kv.options import Nvfp4Only
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ class Nvfp4Convention:
     producer: str
 
 
-_SIX_448 = NVFP4_E2M1_MAX * FP8_MAX["fp8_e4m3"]
+_SIX_448 = E2M1_MAX * FP8_MAX["fp8_e4m3"]
 NVFP4_CONVENTIONS = (
     # modelopt/torch/export/unified_export_hf.py: kv_cache_max_bound = 448 for FP8 and NVFP4 since 0.42.0rc0
     Nvfp4Convention("modelopt", SCALE_BOUND["nvfp4"], "modelopt", "ModelOpt 0.42 and later, and fp8kv"),

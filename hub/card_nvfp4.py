@@ -6,7 +6,7 @@ from __future__ import annotations
 from fp8kv.checkpoint.nvfp4 import nvfp4_convention
 from fp8kv.checkpoint.provenance import Provenance
 from fp8kv.console import fmt_number
-from fp8kv.kvdtypes import NVFP4_BLOCK_SIZE, NVFP4_E2M1_MAX
+from fp8kv.kvdtypes import E2M1_MAX, NVFP4_BLOCK_SIZE
 from fp8kv.serving import nvfp4_lines, nvfp4_serve_commands
 
 
@@ -17,7 +17,7 @@ def nvfp4_scales(prov: Provenance) -> str:
     side = "V (K is an fp8 e4m3 cache with the fp8 scale amax / 448)" if prov.kv_dtype == "fp8_k_nvfp4_v" else "K and V"
     return "\n\n".join([
         "## KV-cache scales (NVFP4)",
-        f"The cache stores {side} as e2m1 values (at most {NVFP4_E2M1_MAX:g}) in blocks of {NVFP4_BLOCK_SIZE} along "
+        f"The cache stores {side} as e2m1 values (at most {E2M1_MAX:g}) in blocks of {NVFP4_BLOCK_SIZE} along "
         "the head dimension, each block with an e4m3 scale, under one global scale per layer and side: the one in "
         f"this checkpoint, `amax{headroom} / {row.divisor:g}` ({row.name}, as {row.producer} store it), amax being "
         "the largest |value| of that layer's cached K (or V, after RoPE and any k_norm) over all calibration tokens.",
