@@ -23,7 +23,7 @@ from fp8kv.checkpoint.locate import bundled_name, infer_base_model, infer_licens
 from fp8kv.checkpoint.provenance import Provenance, read_provenance as read_record, record_written, unrecorded_files
 from fp8kv.console import fmt_number, layer_table, markdown_table
 from fp8kv.errors import Fp8kvError
-from fp8kv.hub.card_nvfp4 import nvfp4_scales, nvfp4_serve, nvfp4_verify
+from fp8kv.hub.card_nvfp4 import nvfp4_scales, nvfp4_serve
 from fp8kv.kvdtypes import FP8_MAX, NVFP4_KV_DTYPES, VLLM_KV_CACHE_DTYPE
 from fp8kv.geometry import read_json
 from fp8kv.json_fields import to_json_value
@@ -31,6 +31,7 @@ from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.kernel_rule import FP8_HEAD_RULE
 from fp8kv.serving import Serving, asked, serving, traits_of
 from fp8kv.verify.report import PLOT, REPORT_JSON, VerifyReport, engine_sources, engine_table
+from fp8kv.verify.nvfp4_report import nvfp4_section
 
 REPORT_FILE = Path(VERIFY_DIR) / REPORT_JSON
 PLOT_FILE = Path(VERIFY_DIR) / PLOT
@@ -130,7 +131,7 @@ def render_card(out_dir: str | Path, *, repo_id: str | None = None, base_model: 
         _intro(out, prov, base_model, repo_id),
         _what_was_done(prov, base_model),
         nvfp4_scales(prov) if nvfp4 else _scales(out, prov, report),
-        nvfp4_verify() if nvfp4 else _verify(out, report),
+        _verify(out, report),
         _task_scores(out),
         nvfp4_serve(model, prov.kv_dtype or "") if nvfp4 else _serve(model, out, prov,
                                                  COMPRESSION_CONFIG in (_quiet_json(out / "config.json") or {})),
@@ -337,6 +338,8 @@ def _verify(out: Path, report: VerifyReport | None) -> str:
              for key, value in (to_json_value(held.generation) or {}).items()]
     if rows:
         parts.append(markdown_table(["Check", "Result"], rows))
+    if held.nvfp4:
+        parts.append(nvfp4_section(held.nvfp4))
     if held.engines:
         parts.append("Per serving engine, each writing the fp8 cache as that engine's released code does (a FAIL "
                      "names an engine that would lose sequences to NaN with these scales):\n\n"

@@ -1,5 +1,6 @@
 """The model card's sections for an NVFP4 KV cache: what the stored global scale is, what each engine release runs
-with it per GPU generation, and how to serve it. The fp8 sections (the clamp, verify's engines) do not apply."""
+with it per GPU generation, and how to serve it. The fp8 sections (the clamp, the fp8 limitations) do not apply; the
+verify section is the one fp8 folders have, with its NVFP4 engine paths."""
 
 from __future__ import annotations
 
@@ -34,8 +35,3 @@ def nvfp4_serve(model: str, kv_dtype: str) -> str:
                 "not read.")
     return f"## How to serve\n\nThe global scales are used when the KV cache is NVFP4:\n\n```bash\n{commands}\n```"
 
-
-def nvfp4_verify() -> str:
-    """The card's verify section: fp8kv verify judges fp8 caches only."""
-    return ("## Verify results\n\nNot verified: `fp8kv verify` judges fp8 caches only, so these NVFP4 scales were not "
-            "run on held-out text.")

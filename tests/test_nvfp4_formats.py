@@ -289,17 +289,28 @@ def test_the_nvfp4_loader_rows_are_the_releases_read():
     }
 
 
-def test_the_card_states_the_nvfp4_meaning_and_verify_refuses(calibrated, tmp_path):
+def test_the_card_states_the_nvfp4_meaning(calibrated):
     out, _ = calibrated
     card = render_card(out)
     assert "## KV-cache scales (NVFP4)" in card and "`amax × 1.25 / 448` (modelopt" in card
     assert "- " + SGLANG_SM100.format(h="1.25", div="448", ran="74.67") in card
     assert f"vllm serve {out.name} --kv-cache-dtype nvfp4" in card
     assert "fp8(clamp(" not in card  # the fp8 cast does not describe this cache
-    result = CliRunner().invoke(app, ["verify", str(out), "--report", str(tmp_path / "r")])
+
+
+def test_verify_refuses_in_one_line_a_modelopt_folder_without_its_divisor_and_fp8_k_nvfp4_v(base, tmp_path):
+    """Before any model runs: each path's global scale depends on the divisor, and a mixed cache is not modelled."""
+    unknown = modelopt(base, tmp_path / "m", None)
+    result = CliRunner().invoke(app, ["verify", str(unknown), "--quiet", "--report", str(tmp_path / "r")])
     assert result.exit_code != 0
-    assert result.output == (f"fp8kv: error: {out}: holds nvfp4 scales, and verify runs fp8 caches only; fp8kv "
-                             "inspect says what each engine release runs with them\n")
+    assert result.output == (f"fp8kv: error: {unknown}: its files do not say whether the global scales are stored "
+                             "as modelopt or modelopt-pre-0.42 (hf_quant_config.json names no producer; ModelOpt files "
+                             "say no divisor themselves), and each path's scale depends on it; fp8kv inspect shows "
+                             "both readings\n")
+    mixed = modelopt(base, tmp_path / "x", "0.45.0", algo="FP8_K_NVFP4_V")
+    result = CliRunner().invoke(app, ["verify", str(mixed), "--quiet", "--report", str(tmp_path / "r")])
+    assert result.output == (f"fp8kv: error: {mixed}: holds fp8_k_nvfp4_v scales (fp8 K, nvfp4 V), whose cache verify "
+                             "does not model; fp8kv inspect says what each engine release runs with them\n")
 
 
 def test_load_check_refuses_nvfp4_before_running_an_engine(base, tmp_path):

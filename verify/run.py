@@ -23,21 +23,19 @@ from fp8kv.checkpoint.artifacts import VERIFY_DIR, check_writable_location, is_f
 from fp8kv.checkpoint.digest import checkpoint_digest
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.load import WeightsMismatch
-from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.inspection import scale_rows
 from fp8kv.checkpoint.hub_cache import looks_like_hub_id, repo_id_from_cache_path, split_hub_id
 from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime import amx_tiles, xla_cost
 from fp8kv.serving import loss_line
 from fp8kv.runtime.device import resolve_device
-from fp8kv.verify import accuracy, engines, fidelity, generation, heldout
+from fp8kv.verify import accuracy, engines, fidelity, generation, heldout, nvfp4
 from fp8kv.verify.request import VerifyRequest, check_verify_request
 from fp8kv.verify.report import REPORT_JSON, HeldOut, VerifyReport, write_report
 from fp8kv.verify.results import LayerCheck, QueryCost
 from fp8kv.verify.static import StaticResult, static_checks
 from fp8kv.verify.tpu import tpu_kernel_reasons
 from fp8kv.checks import FAIL, INFO, WARN, Finding
-from fp8kv.errors import Fp8kvError
 from fp8kv.verify.verdict import (
     EXIT_CODES, Thresholds, clamped_nan_reasons, engine_accuracy_reasons, heldout_reasons, load_thresholds, verdict,
 )
@@ -55,34 +53,30 @@ class VerifyResult:
     report_dir: Path
 
 
-def refuse_nvfp4(model_dir: Path) -> None:
-    """verify judges fp8 caches only: an NVFP4 folder is one error saying where its meaning is shown."""
-    reading = read_kv_scales(model_dir).nvfp4
-    if reading is not None:
-        raise Fp8kvError(f"{model_dir}: holds {reading.kv_dtype} scales, and verify runs fp8 caches only; fp8kv "
-                         "inspect says what each engine release runs with them")
-
-
 def verify(request: VerifyRequest, progress: StageProgress | None = None) -> VerifyResult:
     """Check the checkpoint's KV scales statically and on held-out text; write report.md/json and scales.png."""
     check_verify_request(request)
     thresholds = request.thresholds or load_thresholds()
     runtime = resolve_device(request.device)
     model_dir = resolve_model(str(request.model_dir))
-    refuse_nvfp4(model_dir)
     report_dir = report_location(str(request.model_dir), model_dir, request.report_dir)
     check_writable_location(report_dir / REPORT_JSON)  # before the work, so its results are never lost
     clock = time.perf_counter()
     announce(progress, "static checks")
     static = static_checks(model_dir, any(engine_of(name) == VLLM_TPU for name in request.engines))
+    if static.readout.nvfp4 is not None:
+        nvfp4.known_convention(static)  # before the work: each path's scale depends on it
     reasons, held_out, timings = list(static.reasons), HeldOut(), {}
     if static.runnable:
         tokenizer, data = _heldout_text(request, static, runtime.kind, progress)
         held_out = HeldOut(heldout.text_source(data), len(data.samples), data.num_tokens,
                            sum(repeated_prefixes(data.samples)))
         try:
-            held_out, found, timings = _heldout_checks(request, static, tokenizer, data, runtime.kind, thresholds,
-                                                       held_out, progress)
+            if static.readout.nvfp4 is not None:  # its cache per engine path, not the fp8 engines
+                held_out, found, timings = nvfp4.heldout_checks(request, static, data, thresholds, held_out, progress)
+            else:
+                held_out, found, timings = _heldout_checks(request, static, tokenizer, data, runtime.kind,
+                                                           thresholds, held_out, progress)
             reasons += found
         except WeightsMismatch as exc:  # numbers from invented weights would judge nothing
             reasons.append(Finding(FAIL, f"{exc}; held-out checks skipped"))

@@ -1,0 +1,230 @@
+"""verify of an NVFP4 folder, per engine path: each `[[nvfp4]]` row of configs/engines.toml (release, GPU
+generation) runs the NVFP4 cache (`runtime.nvfp4_cache`, vLLM's `nvfp4` write) with the global scale that path
+really holds, the stored value times its loader's factor, and the read its attention takes (sm100 dequantizes the
+blocks into e4m3: the "fp8" read; sm120 reads them dequantized, "float32"). Each is scored on the held-out text
+against the bf16 cache and against the fp8 cache at fp8kv's fp8 scales of the same observation, and its scales
+against the same path at global scale 1.0 (what an uncalibrated NVFP4 cache runs), judged as one family with the
+fp8 rows' false-alarm control. A path whose global scale is 6x off is a finding naming it, with the convert that
+gives it amax / 448.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import astuple, fields, replace
+from pathlib import Path
+
+from fp8kv.checkpoint.kvscales import KVScales, float32
+from fp8kv.checkpoint.nvfp4 import MODELOPT, NVFP4_CONVENTIONS, Nvfp4Convention, converted
+from fp8kv.checks import FAIL, INFO, WARN, Finding
+from fp8kv.data import CalibrationData
+from fp8kv.engine_models import NVFP4_LOADERS, Nvfp4Loader
+from fp8kv.errors import Fp8kvError
+from fp8kv.kvdtypes import E2M1_MAX, FP8_MAX, NVFP4_BLOCK_SCALE_DTYPE
+from fp8kv.options import DEFAULT_KV_DTYPE
+from fp8kv.progress import StageProgress, announce
+from fp8kv.runtime.device import resolve_device
+from fp8kv.runtime.nvfp4_cache import Nvfp4PagedKVCache
+from fp8kv.runtime.runner import PagedModelRunner, load_model
+from fp8kv.verify import fidelity, heldout
+from fp8kv.verify.accuracy import Runners, measure_accuracy
+from fp8kv.verify.report import HeldOut
+from fp8kv.verify.request import VerifyRequest
+from fp8kv.verify.results import Accuracy, Nvfp4Check, Nvfp4PathResult, Nvfp4Writes, PairedDifference, VersusFp8
+from fp8kv.verify.static import StaticResult
+from fp8kv.verify.verdict import Thresholds, UnitComparison, accuracy_reasons, unit_scale_reasons, verdict
+
+# The |x| a calibrated amax maps to in the blocks' e4m3 (amax / 448): what every path should run
+BOUND = FP8_MAX[NVFP4_BLOCK_SCALE_DTYPE]
+WRITE = "nvfp4"  # the engines' plain NVFP4 write (options.Nvfp4Write)
+
+
+def known_convention(static: StaticResult) -> Nvfp4Convention:
+    """The one NVFP4 convention of the folder; an error where its files do not tell or it is not nvfp4 K and V."""
+    readout = static.readout
+    reading = readout.nvfp4
+    assert reading is not None  # an NVFP4 folder
+    where = readout.source.path
+    if reading.kv_dtype != "nvfp4":
+        raise Fp8kvError(f"{where}: holds {reading.kv_dtype} scales (fp8 K, nvfp4 V), whose cache verify does not "
+                         "model; fp8kv inspect says what each engine release runs with them")
+    if reading.known is None:
+        raise Fp8kvError(f"{where}: its files do not say whether the global scales are stored as "
+                         f"{' or '.join(reading.conventions)} ({reading.why}), and each path's scale depends on it; "
+                         "fp8kv inspect shows both readings")
+    return reading.known
+
+
+def global_scales(loader: Nvfp4Loader, stored: tuple[float, ...]) -> tuple[float, ...]:
+    """The global scale `loader`'s release holds per layer for the `stored` values: each times its factor in
+    float32, a stored 1.0 kept where the loader keeps it; 1.0 where it does not load them."""
+    if not loader.loads:
+        return tuple(1.0 for _ in stored)
+    return tuple(s if loader.keeps_unit and s == 1.0 else float32(s * loader.factor) for s in stored)
+
+
+def runs_divisor(loader: Nvfp4Loader, convention: Nvfp4Convention) -> float:
+    """The path's global scale as amax x headroom / this; 0.0 where it does not load the scales."""
+    return convention.divisor / loader.factor if loader.loads else 0.0
+
+
+def fix_command(folder: Path, loader: Nvfp4Loader) -> str | None:
+    """The convert that stores the scales so that `loader` runs amax / 448, as a command to type; None where no
+    convention does (its names must be ModelOpt's, which every loader read reads)."""
+    row = next((row for row in NVFP4_CONVENTIONS
+                if row.divisor == BOUND * loader.factor and row.tensors == "modelopt"), None)
+    if row is None:
+        return None
+    return f"fp8kv convert {folder} --to {row.name} --out {folder}-{row.name}"
+
+
+def heldout_checks(request: VerifyRequest, static: StaticResult, data: CalibrationData, thresholds: Thresholds,
+                   text: HeldOut, progress: StageProgress | None) -> tuple[HeldOut, list[Finding], dict[str, float]]:
+    """Run the bf16, fp8 and each path's NVFP4 cache over the held-out text; `text` with what was measured, the
+    findings, and the seconds each phase took."""
+    convention = known_convention(static)
+    source, scales = static.readout.source, static.readout.scales
+    assert scales is not None  # runnable implies scales
+    reasons = [Finding(WARN, note) for note in [heldout.calibration_overlap(source, data)] if note]
+    clock, timings = time.perf_counter(), {}
+    announce(progress, f"loading the model and the NVFP4 runtime ({resolve_device(request.device).kind})")
+    device = request.device
+    model = load_model(source.path, resolve_device(device).device)
+    common = dict(device=device, model=model, page_size=request.page_size, max_num_seqs=request.batch_size,
+                  max_model_len=max(len(s) for s in data.samples))
+    layers = source.geometry.kv_layers
+    fp8_scales = _fp8_scales(scales, convention)
+    bf16 = PagedModelRunner(source.path, cache_dtype="bf16", **common)
+    fp8 = PagedModelRunner(source.path, cache_dtype=DEFAULT_KV_DTYPE, k_scales=_per_layer(fp8_scales.k),
+                           v_scales=_per_layer(fp8_scales.v), **common)
+    fp8_unit = PagedModelRunner(source.path, cache_dtype=DEFAULT_KV_DTYPE, **common)
+    timings["load_runners"] = time.perf_counter() - clock
+    reference = fidelity.measure_fidelity(bf16, data.samples)
+    if reference.refuses:  # NVFP4 against a runtime that is not the model would judge the runtime
+        return replace(text, fidelity=reference), reasons + reference.reasons(), timings
+    reasons += reference.reasons()
+
+    clock = time.perf_counter()
+    announce(progress, f"bf16 / fp8 / NVFP4 caches of {len(NVFP4_LOADERS)} engine paths ({len(data.samples)} samples)")
+    fp8_accuracy, _ = measure_accuracy(Runners(bf16, fp8, fp8_unit, {}), data.samples, request.batch_size)
+    q = {layer: scales.q_value(layer) for layer in layers} if scales.q is not None else dict.fromkeys(layers, 1.0)
+    runners: dict[tuple[str, tuple[float, ...], tuple[float, ...]], PagedModelRunner] = {}
+
+    def runner(read: str, k: tuple[float, ...], v: tuple[float, ...]) -> PagedModelRunner:
+        # paths holding the same scales with the same read share one cache; the fp8 read quantizes Q with q_scale
+        # (1.0 where the folder has none, as an engine without one holds)
+        if (read, k, v) not in runners:
+            runners[read, k, v] = PagedModelRunner(
+                source.path, cache_dtype=WRITE, nvfp4_read=read, k_scales=dict(zip(layers, k)),
+                v_scales=dict(zip(layers, v)), q_scales=q if read == "fp8" else None, **common)
+        return runners[read, k, v]
+
+    stored_k, stored_v = tuple(scales.k[i][0] for i in layers), tuple(scales.v[i][0] for i in layers)
+    unit = tuple(1.0 for _ in layers)
+    measured: dict[int, tuple[Nvfp4Writes, Accuracy, VersusFp8]] = {}
+    results = []
+    for loader in NVFP4_LOADERS:
+        read = "fp8" if loader.fp8_dequant else "float32"
+        k, v = global_scales(loader, stored_k), global_scales(loader, stored_v)
+        ours, at_unit = runner(read, k, v), runner(read, unit, unit)
+        if id(ours) not in measured:
+            measured[id(ours)] = _measure(ours, at_unit, bf16, fp8, data.samples, request.batch_size)
+        writes, accuracy, versus = measured[id(ours)]
+        results.append(Nvfp4PathResult(loader.name, loader.known_by, read, loader.loads, loader.factor, k, v, writes,
+                                       accuracy, versus, "PASS"))
+    timings["accuracy"] = time.perf_counter() - clock
+    found = path_reasons(results, convention, source.path, thresholds, fp8_accuracy)
+    paths = tuple(replace(r, verdict=verdict([f for f in found if r.path in f.engines])) for r in results)
+    check = Nvfp4Check(convention.name, convention.divisor, fp8_accuracy, paths)
+    return replace(text, fidelity=reference, nvfp4=check), reasons + found, timings
+
+
+def _fp8_scales(scales: KVScales, convention: Nvfp4Convention) -> KVScales:
+    """fp8kv's fp8 scales of the observation the stored values came from: amax x headroom / 448, e4m3's."""
+    as_448 = converted(scales, convention.name, MODELOPT.name)
+    return replace(as_448, kv_dtype=DEFAULT_KV_DTYPE, q=None)
+
+
+def _per_layer(table: dict[int, tuple[float, ...]]) -> dict[int, float]:
+    return {layer: values[0] for layer, values in table.items()}
+
+
+def _measure(ours: PagedModelRunner, unit: PagedModelRunner, bf16: PagedModelRunner, fp8: PagedModelRunner,
+             samples: list[list[int]], batch_size: int) -> tuple[Nvfp4Writes, Accuracy, VersusFp8]:
+    """`ours` against the bf16 cache (with `unit` as its unit-scale twin; no comparison where they are one cache),
+    what it wrote while doing so, and against the fp8 cache."""
+    before = _writes(ours)
+    accuracy, _ = measure_accuracy(Runners(bf16, ours, unit, {}), samples, batch_size)
+    after = _writes(ours)
+    writes = Nvfp4Writes(*(a - b for a, b in zip(astuple(after), astuple(before))))
+    if ours is unit:
+        accuracy = replace(accuracy, versus_unit=())
+    against_fp8, _ = measure_accuracy(Runners(fp8, ours, ours, {}), samples, batch_size)
+    return writes, accuracy, VersusFp8(against_fp8.kl_mean, against_fp8.kl_max, against_fp8.top1_agreement,
+                                       against_fp8.ppl_bf16)
+
+
+def _writes(runner: PagedModelRunner) -> Nvfp4Writes:
+    cache = runner.cache
+    assert isinstance(cache, Nvfp4PagedKVCache)
+    counts = cache.nvfp4_counts()
+    # the cache's counters per layer and side, summed: the report's figures are the whole cache's
+    return Nvfp4Writes(*(sum(k + v for k, v in getattr(counts, f.name).values()) for f in fields(Nvfp4Writes)))
+
+
+def path_reasons(paths: list[Nvfp4PathResult], convention: Nvfp4Convention, folder: Path, thresholds: Thresholds,
+                 fp8: Accuracy) -> list[Finding]:
+    """Per path: a global scale off from amax / 448 (FAIL where its fp8 read overflows, WARN where the block scales
+    sit 6x low) with the fix, an fp8 read past 448 at the right scale, the KL bound and non-finite logits; INFO where
+    it does not load the scales; then its scales against global scale 1.0, every path one family."""
+    reasons = []
+    loaders = {loader.name: loader for loader in NVFP4_LOADERS}
+    for path in paths:
+        loader, name = loaders[path.path], (path.path,)
+        ran = runs_divisor(loader, convention)
+        fix = fix_command(folder, loader)
+        fixed = f" Fix: {fix} (it then runs amax / {BOUND:g})." if fix else " No convention fixes it by convert."
+        figures = _figures(path, fp8)
+        if not loader.loads:
+            reasons.append(Finding(INFO, f"{path.path} does not load the scales: its NVFP4 cache runs global scale "
+                                         f"1.0, the unit-scale figure ({figures}; {loader.known_by})", name))
+        elif loader.fp8_dequant and ran > BOUND:
+            reasons.append(Finding(FAIL, f"{path.path} runs the stored {convention.name} global scale "
+                                         f"{_times(loader)}= amax / {ran:g}: its e4m3 dequantization overflows, "
+                                         f"{path.writes.fp8_read_over} values past {BOUND:g} on the held-out text "
+                                         f"({figures}).{fixed}", name))
+        elif ran < BOUND:
+            reasons.append(Finding(WARN, f"{path.path} runs the stored {convention.name} global scale "
+                                         f"{_times(loader)}= amax / {ran:g}, {BOUND / ran:g}x larger than amax / "
+                                         f"{BOUND:g}: block scales top out at {ran / E2M1_MAX:.3g} / headroom, not "
+                                         f"{BOUND / E2M1_MAX:.3g} / headroom; "
+                                         f"{path.writes.subnormal_scales} subnormal and {path.writes.zeroed_blocks} "
+                                         f"zeroed on the held-out text ({figures}).{fixed}", name))
+        elif path.read == "fp8" and path.writes.fp8_read_over:
+            reasons.append(Finding(WARN, f"{path.path}: {path.writes.fp8_read_over} values past {BOUND:g} in its fp8 "
+                                         "read: the held-out text passes the calibrated amax x headroom. Fix: "
+                                         "recalibrate with a larger --headroom, or on text like this", name))
+        if loader.loads:
+            reasons += [replace(r, message=f"{path.path}: NVFP4 {r.message}", engines=name)
+                        for r in accuracy_reasons(path.accuracy, {}, thresholds)]
+    return reasons + unit_scale_reasons(unit_family(paths), thresholds)
+
+
+def unit_family(paths: list[Nvfp4PathResult] | tuple[Nvfp4PathResult, ...]) -> list[UnitComparison]:
+    """Each distinct comparison of a path's scales with global scale 1.0 (paths sharing a cache share it: one test)."""
+    named: dict[PairedDifference, list[str]] = {}
+    for path in paths:
+        kl = next((d for d in path.accuracy.versus_unit if d.measure == "kl_mean"), None)
+        if kl is not None:
+            named.setdefault(kl, []).append(path.path)
+    return [UnitComparison(kl, tuple(names)) for kl, names in named.items()]
+
+
+def _times(loader: Nvfp4Loader) -> str:
+    return "as stored " if loader.factor == 1.0 else f"x{loader.factor:g} "
+
+
+def _figures(path: Nvfp4PathResult, fp8: Accuracy) -> str:
+    a, f = path.accuracy, path.versus_fp8
+    return (f"mean KL to bf16 {a.kl_mean:.3g} against the fp8 cache's {fp8.kl_mean:.3g}, to fp8 {f.kl_mean:.3g}; "
+            f"perplexity {a.ppl_fp8:.4f}, bf16 {a.ppl_bf16:.4f}, fp8 {f.ppl_fp8:.4f}")
