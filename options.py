@@ -28,6 +28,7 @@ Nvfp4KvDtype = Literal["nvfp4", "fp8_k_nvfp4_v"]
 # Both read the same global scale, so a kv dtype "nvfp4" folder is served by either; the 4over6 write picks each
 # block's scale from two targets (nvfp4.py).
 Nvfp4Write = Literal["nvfp4", "nvfp4_4over6"]
+DEFAULT_NVFP4_WRITE: Nvfp4Write = "nvfp4"
 FOUR_OVER_SIX_WRITE: Nvfp4Write = "nvfp4_4over6"
 KvDtypeSpelling = Literal["fp8_e4m3", "fp8_e5m2", "fp8", "nvfp4", "fp8_k_nvfp4_v"]
 # What `fp8kv convert --to` writes: every convention, and the two NVFP4 conventions whose stored global scale is

@@ -14,7 +14,7 @@ from fp8kv.engine_models import (
     HOLDS_ROUNDED, NVFP4_LOADERS, RELEASED, REACHES_CACHE, CheckpointTraits, EngineModel, Nvfp4Loader, engine_model,
     engine_of,
 )
-from fp8kv.checkpoint.nvfp4 import NVFP4_CONVENTIONS
+from fp8kv.checkpoint.nvfp4 import convention_for_factor
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import read_json
 from fp8kv.kvdtypes import E2M1_MAX, FP8_MAX
@@ -143,8 +143,8 @@ def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None, conv
         effect = f"block scales up to {per_h(peak)}, within e4m3's {bound:g}"
     h = "h" if headroom is None else f"{headroom:g}"
     fixable = convertible and (ran < bound or overflows)  # another ModelOpt convention gives it amax / 448
-    route = next((f"; fp8kv convert --to {row.name} gives it amax / {bound:g}" for row in NVFP4_CONVENTIONS
-                  if fixable and row.divisor == bound * loader.factor and row.tensors == "modelopt"), "")
+    target = convention_for_factor(loader.factor) if fixable else None
+    route = f"; fp8kv convert --to {target.name} gives it amax / {bound:g}" if target else ""
     runs = f"amax x {h} / {ran:.6g}" if loader.factor == 1.0 else \
         f"{loader.factor:g} x amax x {h} / {divisor:g} = amax x {h} / {ran:.4g}"
     return f"{loader.name}: {how} -> runs {runs}; {effect}{route} ({loader.known_by})"

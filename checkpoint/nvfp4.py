@@ -63,6 +63,13 @@ def nvfp4_convention(name: str) -> Nvfp4Convention:
     return _BY_NAME[name]
 
 
+def convention_for_factor(factor: float) -> Nvfp4Convention | None:
+    """The convention under ModelOpt's names (which every loader fp8kv read reads) whose stored value a loader
+    multiplying by `factor` runs as amax / 448; None where none does."""
+    return next((row for row in NVFP4_CONVENTIONS
+                 if row.divisor == SCALE_BOUND["nvfp4"] * factor and row.tensors == MODELOPT.tensors), None)
+
+
 @dataclass(frozen=True)
 class Nvfp4Reading:
     """What a checkpoint's NVFP4 scales mean: its kv dtype, the conventions its files allow (one when they tell;

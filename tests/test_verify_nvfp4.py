@@ -79,6 +79,7 @@ def test_a_folder_fp8kv_wrote_passes_on_every_path_that_runs_it_as_stored(own, c
     stored = read_kv_scales(calibrated).scales
     assert own.held_out.nvfp4.convention == "modelopt" and own.held_out.nvfp4.divisor == 448.0
     assert own.held_out.accuracy is None and not own.held_out.engines  # no fp8 engine rows for an NVFP4 folder
+    assert not [r for r in own.reasons if "TPU" in r.message]  # no TPU engine has an NVFP4 cache
     by_path = paths(own)
     assert list(by_path) == [loader.name for loader in NVFP4_LOADERS]
     for loader in NVFP4_LOADERS:
@@ -126,7 +127,10 @@ def test_an_auto_round_folder_overflows_vllms_sm100_read_and_its_convert_passes_
     assert report.verdict == "FAIL" and by_path[VLLM_SM100].verdict == "FAIL"
     assert by_path[VLLM_SM100].writes.fp8_read_over > 0
     assert by_path[SGLANG_SM100].verdict == "PASS" and by_path[SGLANG_SM100].writes.fp8_read_over == 0  # x6: 448
-    assert by_path[SGLANG_SM120].verdict == "PASS"  # read in float32: block scales up to 448 are in range
+    # read in float32, block scales up to 448 are in range: the same products an fp8 read could not hold are held
+    assert by_path[SGLANG_SM120].verdict == "PASS" and by_path[SGLANG_SM120].writes.fp8_read_over > 0
+    assert f"| {SGLANG_SM120} | PASS | float32 |" in render_markdown(report)
+    assert "(read in float32: held)" in render_markdown(report)
     (finding,) = [r for r in report.reasons if r.engines == (VLLM_SM100,) and r.level == "FAIL"]
     assert finding.message.startswith(f"{VLLM_SM100} runs the stored auto-round global scale as stored = amax / "
                                       f"2688: its e4m3 dequantization overflows, {by_path[VLLM_SM100].writes.fp8_read_over}"

@@ -15,13 +15,13 @@ from dataclasses import astuple, fields, replace
 from pathlib import Path
 
 from fp8kv.checkpoint.kvscales import KVScales, float32
-from fp8kv.checkpoint.nvfp4 import MODELOPT, NVFP4_CONVENTIONS, Nvfp4Convention, converted
+from fp8kv.checkpoint.nvfp4 import MODELOPT, Nvfp4Convention, convention_for_factor, converted
 from fp8kv.checks import FAIL, INFO, WARN, Finding
 from fp8kv.data import CalibrationData
 from fp8kv.engine_models import NVFP4_LOADERS, Nvfp4Loader
 from fp8kv.errors import Fp8kvError
-from fp8kv.kvdtypes import E2M1_MAX, FP8_MAX, NVFP4_BLOCK_SCALE_DTYPE
-from fp8kv.options import DEFAULT_KV_DTYPE
+from fp8kv.kvdtypes import E2M1_MAX, SCALE_BOUND
+from fp8kv.options import DEFAULT_KV_DTYPE, DEFAULT_NVFP4_WRITE
 from fp8kv.progress import StageProgress, announce
 from fp8kv.runtime.device import resolve_device
 from fp8kv.runtime.nvfp4_cache import Nvfp4PagedKVCache
@@ -34,9 +34,8 @@ from fp8kv.verify.results import Accuracy, Nvfp4Check, Nvfp4PathResult, Nvfp4Wri
 from fp8kv.verify.static import StaticResult
 from fp8kv.verify.verdict import Thresholds, UnitComparison, accuracy_reasons, unit_scale_reasons, verdict
 
-# The |x| a calibrated amax maps to in the blocks' e4m3 (amax / 448): what every path should run
-BOUND = FP8_MAX[NVFP4_BLOCK_SCALE_DTYPE]
-WRITE = "nvfp4"  # the engines' plain NVFP4 write (options.Nvfp4Write)
+# What a calibrated amax maps to (amax / 448): the global scale every path should run
+BOUND = SCALE_BOUND["nvfp4"]
 
 
 def known_convention(static: StaticResult) -> Nvfp4Convention:
@@ -70,12 +69,9 @@ def runs_divisor(loader: Nvfp4Loader, convention: Nvfp4Convention) -> float:
 
 def fix_command(folder: Path, loader: Nvfp4Loader) -> str | None:
     """The convert that stores the scales so that `loader` runs amax / 448, as a command to type; None where no
-    convention does (its names must be ModelOpt's, which every loader read reads)."""
-    row = next((row for row in NVFP4_CONVENTIONS
-                if row.divisor == BOUND * loader.factor and row.tensors == "modelopt"), None)
-    if row is None:
-        return None
-    return f"fp8kv convert {folder} --to {row.name} --out {folder}-{row.name}"
+    convention does."""
+    row = convention_for_factor(loader.factor)
+    return f"fp8kv convert {folder} --to {row.name} --out {folder}-{row.name}" if row else None
 
 
 def heldout_checks(request: VerifyRequest, static: StaticResult, data: CalibrationData, thresholds: Thresholds,
@@ -115,7 +111,7 @@ def heldout_checks(request: VerifyRequest, static: StaticResult, data: Calibrati
         # (1.0 where the folder has none, as an engine without one holds)
         if (read, k, v) not in runners:
             runners[read, k, v] = PagedModelRunner(
-                source.path, cache_dtype=WRITE, nvfp4_read=read, k_scales=dict(zip(layers, k)),
+                source.path, cache_dtype=DEFAULT_NVFP4_WRITE, nvfp4_read=read, k_scales=dict(zip(layers, k)),
                 v_scales=dict(zip(layers, v)), q_scales=q if read == "fp8" else None, **common)
         return runners[read, k, v]
 

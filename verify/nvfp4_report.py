@@ -21,6 +21,12 @@ def _kl_vs_unit(path: Nvfp4PathResult) -> str:
     return "-" if kl is None else f"{kl.difference:+.2g} [{kl.low:+.2g}, {kl.high:+.2g}]"
 
 
+def _past_448(path: Nvfp4PathResult) -> str:
+    """The values an fp8 read cannot hold; a float32 read holds them."""
+    over = path.writes.fp8_read_over
+    return str(over) if path.read == "fp8" or not over else f"{over} (read in float32: held)"
+
+
 def nvfp4_section(check: Nvfp4Check) -> str:
     """report.md's NVFP4 section: one row per engine path, then the fp8 cache it is compared with."""
     head = ["engine path", "verdict", "read", "global scale run", "block scales saturated / subnormal / zero",
@@ -28,7 +34,7 @@ def nvfp4_section(check: Nvfp4Check) -> str:
             "mean KL to fp8", "top-1 vs fp8", "KL vs global scale 1.0 (95 %)"]
     rows = [[p.path, p.verdict, p.read, runs(p),
              f"{p.writes.saturated_scales} / {p.writes.subnormal_scales} / {p.writes.zeroed_blocks}",
-             str(p.writes.clipped_values), str(p.writes.fp8_read_over), fmt_number(p.accuracy.kl_mean),
+             str(p.writes.clipped_values), _past_448(p), fmt_number(p.accuracy.kl_mean),
              fmt_number(p.accuracy.top1_agreement, percent=True), fmt_number(p.accuracy.ppl_fp8),
              fmt_number(p.versus_fp8.kl_mean), fmt_number(p.versus_fp8.top1_agreement, percent=True), _kl_vs_unit(p)]
             for p in check.paths]
