@@ -339,7 +339,7 @@ def _verify(out: Path, report: VerifyReport | None) -> str:
     if rows:
         parts.append(markdown_table(["Check", "Result"], rows))
     if held.nvfp4:
-        parts.append(nvfp4_section(held.nvfp4))
+        parts.append(nvfp4_section(held.nvfp4, report.thresholds))
     if held.engines:
         parts.append("Per serving engine, each writing the fp8 cache as that engine's released code does (a FAIL "
                      "names an engine that would lose sequences to NaN with these scales):\n\n"

@@ -16,6 +16,7 @@ from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.cli import app
 from fp8kv.engine_models import NVFP4_LOADERS
 from fp8kv.hub.card import render_card
+from fp8kv.verify.nvfp4_report import nvfp4_lines, unit_family
 from fp8kv.verify.report import HeldOut, VerifyReport, render_markdown
 from fp8kv.verify.results import Nvfp4PathResult
 
@@ -101,6 +102,18 @@ def test_an_uncalibrated_cache_runs_global_scale_one_the_unit_figure_of_its_read
     (info,) = [r for r in own.reasons if r.engines == (NOT_LOADED,)]
     assert info.level == "INFO" and "does not load the scales: its NVFP4 cache runs global scale 1.0" in info.message
     assert {d.measure for d in sm100.accuracy.versus_unit} == {"kl_mean", "top1_agreement", "nll"}
+
+
+def test_paths_sharing_a_cache_are_one_test_of_the_family_and_too_few_sequences_are_said(own):
+    """The calibrated-vs-unit family under Holm's procedure, as for fp8 engines: one test per distinct cache (read,
+    global scales), the unloaded path none; 4 sequences cannot reach Holm's first bound over 3 tests (2^-4 > 5 % / 3),
+    and the report says how many would."""
+    names = [loader.name for loader in NVFP4_LOADERS]
+    family = unit_family(list(paths(own).values()))
+    assert sorted(c.engines for c in family) == sorted([(names[0], names[3]), (names[1], names[5]), (names[2],)])
+    notes = [line for line in nvfp4_lines(own.held_out.nvfp4, own.thresholds) if line.startswith("note: ")]
+    assert len(notes) == 3 and all("4 held-out sequences are too few to compare these scales with unit scales (this "
+                                   "many comparisons at this false-alarm rate need at least 6" in n for n in notes)
 
 
 def test_sglang_sm100_x6_on_amax_448_is_a_finding_whose_convert_passes_that_path(own, calibrated, heldout, tmp_path):

@@ -30,9 +30,10 @@ from fp8kv.verify import fidelity, heldout
 from fp8kv.verify.accuracy import Runners, measure_accuracy
 from fp8kv.verify.report import HeldOut
 from fp8kv.verify.request import VerifyRequest
-from fp8kv.verify.results import Accuracy, Nvfp4Check, Nvfp4PathResult, Nvfp4Writes, PairedDifference, VersusFp8
+from fp8kv.verify.results import Accuracy, Nvfp4Check, Nvfp4PathResult, Nvfp4Writes, VersusFp8
 from fp8kv.verify.static import StaticResult
-from fp8kv.verify.verdict import Thresholds, UnitComparison, accuracy_reasons, unit_scale_reasons, verdict
+from fp8kv.verify.nvfp4_report import unit_family
+from fp8kv.verify.verdict import Thresholds, accuracy_reasons, unit_scale_reasons, verdict
 
 # What a calibrated amax maps to (amax / 448): the global scale every path should run
 BOUND = SCALE_BOUND["nvfp4"]
@@ -204,16 +205,6 @@ def path_reasons(paths: list[Nvfp4PathResult], convention: Nvfp4Convention, fold
             reasons += [replace(r, message=f"{path.path}: NVFP4 {r.message}", engines=name)
                         for r in accuracy_reasons(path.accuracy, {}, thresholds)]
     return reasons + unit_scale_reasons(unit_family(paths), thresholds)
-
-
-def unit_family(paths: list[Nvfp4PathResult] | tuple[Nvfp4PathResult, ...]) -> list[UnitComparison]:
-    """Each distinct comparison of a path's scales with global scale 1.0 (paths sharing a cache share it: one test)."""
-    named: dict[PairedDifference, list[str]] = {}
-    for path in paths:
-        kl = next((d for d in path.accuracy.versus_unit if d.measure == "kl_mean"), None)
-        if kl is not None:
-            named.setdefault(kl, []).append(path.path)
-    return [UnitComparison(kl, tuple(names)) for kl, names in named.items()]
 
 
 def _times(loader: Nvfp4Loader) -> str:

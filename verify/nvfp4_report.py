@@ -3,8 +3,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fp8kv.console import fmt_number, markdown_table
-from fp8kv.verify.results import Nvfp4Check, Nvfp4PathResult
+from fp8kv.verify.results import Nvfp4Check, Nvfp4PathResult, PairedDifference
+from fp8kv.verify.verdict import Thresholds, UnitComparison, unit_scale_notes
+
+
+def unit_family(paths: Sequence[Nvfp4PathResult]) -> list[UnitComparison]:
+    """Each distinct comparison of a path's scales with global scale 1.0, the family the verdict judges: paths
+    sharing a cache share it, one test."""
+    named: dict[PairedDifference, list[str]] = {}
+    for path in paths:
+        kl = next((d for d in path.accuracy.versus_unit if d.measure == "kl_mean"), None)
+        if kl is not None:
+            named.setdefault(kl, []).append(path.path)
+    return [UnitComparison(kl, tuple(names)) for kl, names in named.items()]
 
 
 def runs(path: Nvfp4PathResult) -> str:
@@ -27,8 +41,9 @@ def _past_448(path: Nvfp4PathResult) -> str:
     return str(over) if path.read == "fp8" or not over else f"{over} (read in float32: held)"
 
 
-def nvfp4_section(check: Nvfp4Check) -> str:
-    """report.md's NVFP4 section: one row per engine path, then the fp8 cache it is compared with."""
+def nvfp4_section(check: Nvfp4Check, thresholds: Thresholds) -> str:
+    """report.md's NVFP4 section: one row per engine path, how each comparison with global scale 1.0 came out where
+    the verdict found nothing worse, then the fp8 cache it is compared with."""
     head = ["engine path", "verdict", "read", "global scale run", "block scales saturated / subnormal / zero",
             "values clipped", "fp8-read values past 448", "mean KL to bf16", "top-1 vs bf16", "perplexity",
             "mean KL to fp8", "top-1 vs fp8", "KL vs global scale 1.0 (95 %)"]
@@ -44,17 +59,23 @@ def nvfp4_section(check: Nvfp4Check) -> str:
             "(configs/engines.toml, [[nvfp4]]) and its attention's read: fp8 (sm100: blocks dequantized into e4m3, "
             "Q and the output in e4m3), float32 (sm120). Its scales are compared with the same path at global "
             "scale 1.0, sequence by sequence (sign-flip test, one family with Holm's procedure).\n\n"
-            + markdown_table(head, rows)
+            + markdown_table(head, rows) + "".join(f"\n\n- {note}" for note in nvfp4_notes(check, thresholds))
             + f"\n\nThe fp8 e4m3 cache at fp8kv's fp8 scales of the same observation (amax x headroom / 448): "
             f"perplexity {fmt_number(fp8.ppl_fp8)} (bf16 {fmt_number(fp8.ppl_bf16)}), mean KL to bf16 "
             f"{fmt_number(fp8.kl_mean)}, top-1 {fmt_number(fp8.top1_agreement, percent=True)}.")
 
 
-def nvfp4_lines(check: Nvfp4Check) -> list[str]:
-    """One line per engine path for the terminal, then the fp8 cache's."""
+def nvfp4_notes(check: Nvfp4Check, thresholds: Thresholds) -> list[str]:
+    """How each comparison with global scale 1.0 came out where the verdict found nothing worse."""
+    return unit_scale_notes(unit_family(check.paths), thresholds)
+
+
+def nvfp4_lines(check: Nvfp4Check, thresholds: Thresholds) -> list[str]:
+    """One line per engine path for the terminal, the fp8 cache's, then the notes on global scale 1.0."""
     lines = [f"nvfp4 {p.path} ({p.verdict}, {p.read} read): global scale {runs(p)}, kl_mean "
              f"{fmt_number(p.accuracy.kl_mean)}, top1 {fmt_number(p.accuracy.top1_agreement, True)}, ppl "
              f"{fmt_number(p.accuracy.ppl_fp8)}; vs fp8 kl_mean {fmt_number(p.versus_fp8.kl_mean)}; fp8-read over "
              f"{p.writes.fp8_read_over}, block scales subnormal {p.writes.subnormal_scales}" for p in check.paths]
     return lines + [f"fp8 e4m3 at amax x headroom / 448: kl_mean {fmt_number(check.fp8.kl_mean)}, top1 "
-                    f"{fmt_number(check.fp8.top1_agreement, True)}, ppl {fmt_number(check.fp8.ppl_fp8)}"]
+                    f"{fmt_number(check.fp8.top1_agreement, True)}, ppl {fmt_number(check.fp8.ppl_fp8)}"] + [
+        f"note: {note}" for note in nvfp4_notes(check, thresholds)]

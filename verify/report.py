@@ -154,7 +154,7 @@ def render_markdown(report: VerifyReport) -> str:
                      "engines below are compared with; each engine's own figures, which the verdict judges, are in "
                      "its row.\n\n" + markdown_table(["Metric", "Value"], rows))
     if held.nvfp4:
-        parts.append(nvfp4_section(held.nvfp4))
+        parts.append(nvfp4_section(held.nvfp4, report.thresholds))
     compared = _engines_by_comparison(held.engines)
     if compared:
         parts.append("## These scales against unit scales, per engine\n\nEach measure compared sequence by sequence "
@@ -322,7 +322,7 @@ def show(result: Any, json_output: bool = False) -> None:
         print(f"  engine {e.engine} ({e.verdict}): ppl {fmt_number(e.ppl)}{kl}, NaN/inf rows {e.nan_rows} of "
               f"{e.rows}, sequences lost {e.sequences_lost} of {e.sequences}"
               + (", at scale 1.0 (not read)" if e.unread else ""))
-    for line in nvfp4_lines(held.nvfp4) if held.nvfp4 else []:
+    for line in nvfp4_lines(held.nvfp4, report.thresholds) if held.nvfp4 else []:
         print(f"  {line}")
     for note in engine_unit_scale_notes(held.engines, report.thresholds):
         print(f"  note: {note}")
