@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from fp8kv.calibrate.pipeline import CalibrationResult
 from fp8kv.checkpoint.locate import verify_command
@@ -52,8 +53,8 @@ def show(result: CalibrationResult, json_output: bool = False) -> None:
 
 
 def show_nvfp4(out: str, kv_dtype: str, convention: str, headroom: float | None) -> None:
-    """What each release and GPU generation runs as the NVFP4 global scale of the folder written, and how to serve
-    it; verify judges fp8 caches only."""
+    """What each release and GPU generation runs as the NVFP4 global scale of the folder written, how to serve it,
+    and the verify that runs each (nvfp4 K and V: verify does not model fp8_k_nvfp4_v's mixed cache)."""
     divisor = nvfp4_convention(convention).divisor
     side = "V" if kv_dtype == "fp8_k_nvfp4_v" else "K and V"
     print(f"the stored {side} global scale is amax x {headroom:g} / {divisor:g}; what each release runs on each GPU "
@@ -68,3 +69,4 @@ def show_nvfp4(out: str, kv_dtype: str, convention: str, headroom: float | None)
     print("serve it with:")
     for command in commands:
         print(f"  {command}")
+    print(f"next: {verify_command(Path(out))}")

@@ -115,6 +115,7 @@ def test_calibrate_says_what_each_release_runs_and_how_to_serve(calibrated):
     assert f"  vllm serve {out} --kv-cache-dtype nvfp4\n" in stdout
     assert (f"  python -m sglang.launch_server --model-path {out} --kv-cache-dtype fp4_e2m1 --fp4-kv-cache-recipe "
             "nvfp4\n") in stdout
+    assert stdout.endswith(f"next: fp8kv verify {out} --dataset generated\n")
 
 
 @pytest.mark.parametrize(("version", "conventions", "why"), [

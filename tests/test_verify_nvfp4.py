@@ -92,6 +92,8 @@ def test_a_folder_fp8kv_wrote_passes_on_every_path_that_runs_it_as_stored(own, c
         if loader.loads and loader.factor == 1.0:
             assert path.verdict == "PASS" and path.writes.fp8_read_over == 0, path
     assert by_path[VLLM_SM100].accuracy.kl_mean > own.held_out.nvfp4.fp8.kl_mean  # NVFP4 is coarser than fp8
+    # every held-out token written once per path: K and V, 2 layers x 2 KV heads x head_dim 16
+    assert {p.writes.values for p in by_path.values()} == {2 * 2 * 2 * 16 * own.held_out.num_tokens}
 
 
 def test_an_uncalibrated_cache_runs_global_scale_one_the_unit_figure_of_its_read(own):

@@ -166,13 +166,15 @@ def _writes(runner: PagedModelRunner) -> Nvfp4Writes:
     assert isinstance(cache, Nvfp4PagedKVCache)
     counts = cache.nvfp4_counts()
     # the cache's counters per layer and side, summed: the report's figures are the whole cache's
-    return Nvfp4Writes(*(sum(k + v for k, v in getattr(counts, f.name).values()) for f in fields(Nvfp4Writes)))
+    summed = [sum(k + v for k, v in getattr(counts, f.name).values()) for f in fields(Nvfp4Writes)[:-1]]
+    return Nvfp4Writes(*summed, values=2 * sum(runner.counts().written.values()))  # as many V values as K
 
 
 def path_reasons(paths: list[Nvfp4PathResult], convention: Nvfp4Convention, folder: Path, thresholds: Thresholds,
                  fp8: Accuracy) -> list[Finding]:
     """Per path: a global scale off from amax / 448 (FAIL where its fp8 read overflows, WARN where the block scales
-    sit 6x low) with the fix, an fp8 read past 448 at the right scale, the KL bound and non-finite logits; INFO where
+    sit 6x low) with the fix, an fp8 read past 448 at the right scale for more values than the saturation bound allows,
+    the KL bound and non-finite logits; INFO where
     it does not load the scales; then its scales against global scale 1.0, every path one family."""
     reasons = []
     loaders = {loader.name: loader for loader in NVFP4_LOADERS}
@@ -197,10 +199,12 @@ def path_reasons(paths: list[Nvfp4PathResult], convention: Nvfp4Convention, fold
                                          f"{BOUND / E2M1_MAX:.3g} / headroom; "
                                          f"{path.writes.subnormal_scales} subnormal and {path.writes.zeroed_blocks} "
                                          f"zeroed on the held-out text ({figures}).{fixed}", name))
-        elif path.read == "fp8" and path.writes.fp8_read_over:
-            reasons.append(Finding(WARN, f"{path.path}: {path.writes.fp8_read_over} values past {BOUND:g} in its fp8 "
-                                         "read: the held-out text passes the calibrated amax x headroom. Fix: "
-                                         "recalibrate with a larger --headroom, or on text like this", name))
+        elif path.read == "fp8" and path.writes.fp8_read_over > thresholds.saturation * path.writes.values:
+            share = path.writes.fp8_read_over / path.writes.values
+            reasons.append(Finding(WARN, f"{path.path}: {share:.3%} of K and V values past {BOUND:g} in its fp8 read "
+                                         f"(WARN above {thresholds.saturation:.3%}, the saturation bound): the "
+                                         "held-out text passes the calibrated amax x headroom. Fix: recalibrate "
+                                         "with a larger --headroom, or on text like this", name))
         if loader.loads:
             reasons += [replace(r, message=f"{path.path}: NVFP4 {r.message}", engines=name)
                         for r in accuracy_reasons(path.accuracy, {}, thresholds)]

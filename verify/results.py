@@ -229,13 +229,14 @@ class Fidelity:
 class Nvfp4Writes:
     """What one NVFP4 cache wrote on the held-out text, every layer's K and V together: blocks whose e4m3 scale
     saturated at 448, fell in e4m3's subnormals, or rounded to 0 over a nonzero value; values clipped at ±6 block
-    scales; values whose e2m1 x block scale passed 448, which an fp8 read cannot hold."""
+    scales; values whose e2m1 x block scale passed 448, which an fp8 read cannot hold; values written."""
 
     saturated_scales: int
     subnormal_scales: int
     zeroed_blocks: int
     clipped_values: int
     fp8_read_over: int
+    values: int
 
 
 @dataclass(frozen=True)
