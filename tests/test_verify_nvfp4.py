@@ -43,12 +43,12 @@ def calibrated(factory_checkpoint, corpus, tmp_path_factory) -> Path:
     return out
 
 
-def verify(folder: Path, heldout: Path, report: Path | None = None) -> VerifyReport:
+def verify(folder: Path, heldout: Path, report: Path | None = None, *extra: str) -> VerifyReport:
     """`fp8kv verify --json` through the command line (report in `report`, else fp8kv's DIR/verify), read back as
     the report type."""
     where = ["--report", str(report)] if report is not None else []
     result = CliRunner().invoke(app, ["verify", str(folder), "--dataset", str(heldout), "--num-samples", "4",
-                                      "--seq-len", "24", *where, "--json", "--quiet"])
+                                      "--seq-len", "24", *where, *extra, "--json", "--quiet"])
     assert result.stdout.startswith("{"), result.output
     return VerifyReport.from_json(result.stdout)
 
@@ -148,13 +148,24 @@ def test_an_auto_round_folder_overflows_vllms_sm100_read_and_its_convert_passes_
     assert "(read in float32: held)" in render_markdown(report)
     (finding,) = [r for r in report.reasons if r.engines == (VLLM_SM100,) and r.level == "FAIL"]
     assert finding.message.startswith(f"{VLLM_SM100} runs the stored auto-round global scale as stored = amax / "
-                                      f"2688: its e4m3 dequantization overflows, {by_path[VLLM_SM100].writes.fp8_read_over}"
-                                      " values past 448 on the held-out text")
+                                      "2688: its e4m3 dequantization overflows wherever a block's max passes amax x "
+                                      f"headroom / 6, {by_path[VLLM_SM100].writes.fp8_read_over} values past 448 on "
+                                      "the held-out text")
     fix = fix_of(report, VLLM_SM100)
     assert fix == f"fp8kv convert {auto_round} --to modelopt --out {auto_round}-modelopt"
     typed_in(fix)
     fixed = paths(verify(Path(f"{auto_round}-modelopt"), heldout, tmp_path / "fixed"))
     assert fixed[VLLM_SM100].verdict == "PASS" and fixed[VLLM_SM100].writes.fp8_read_over == 0
+
+
+def test_the_kl_bound_fails_each_path_that_loads_the_scales_on_its_own_figure(own, calibrated, heldout, tmp_path):
+    bound = own.held_out.nvfp4.fp8.kl_mean  # below every NVFP4 path's KL, above none of the fp8 cache's
+    report = verify(calibrated, heldout, tmp_path / "r", "--max-kl-mean", f"{bound:.17g}")
+    for path in paths(report).values():
+        named = [r.message for r in report.reasons if r.engines == (path.path,) and "exceeds the bound" in r.message]
+        assert named == ([f"{path.path}: mean KL of its NVFP4 cache to the bf16 cache {path.accuracy.kl_mean:.4g} "
+                          f"nats exceeds the bound {bound:g}"] if path.loads else [])
+        assert path.verdict == ("FAIL" if path.loads else "PASS")
 
 
 def test_the_report_and_the_card_show_each_path_and_an_fp8_report_has_no_nvfp4_key(own, calibrated):

@@ -10,6 +10,8 @@ gives it amax / 448.
 
 from __future__ import annotations
 
+import math
+import shlex
 import time
 from dataclasses import astuple, fields, replace
 from pathlib import Path
@@ -31,9 +33,9 @@ from fp8kv.verify.accuracy import Runners, measure_accuracy
 from fp8kv.verify.report import HeldOut
 from fp8kv.verify.request import VerifyRequest
 from fp8kv.verify.results import Accuracy, Nvfp4Check, Nvfp4PathResult, Nvfp4Writes, VersusFp8
-from fp8kv.verify.static import StaticResult
 from fp8kv.verify.nvfp4_report import unit_family
-from fp8kv.verify.verdict import Thresholds, accuracy_reasons, unit_scale_reasons, verdict
+from fp8kv.verify.static import StaticResult
+from fp8kv.verify.verdict import Thresholds, unit_scale_reasons, verdict
 
 # What a calibrated amax maps to (amax / 448): the global scale every path should run
 BOUND = SCALE_BOUND["nvfp4"]
@@ -72,7 +74,9 @@ def fix_command(folder: Path, loader: Nvfp4Loader) -> str | None:
     """The convert that stores the scales so that `loader` runs amax / 448, as a command to type; None where no
     convention does."""
     row = convention_for_factor(loader.factor)
-    return f"fp8kv convert {folder} --to {row.name} --out {folder}-{row.name}" if row else None
+    if row is None:
+        return None
+    return f"fp8kv convert {shlex.quote(str(folder))} --to {row.name} --out {shlex.quote(f'{folder}-{row.name}')}"
 
 
 def heldout_checks(request: VerifyRequest, static: StaticResult, data: CalibrationData, thresholds: Thresholds,
@@ -173,9 +177,9 @@ def _writes(runner: PagedModelRunner) -> Nvfp4Writes:
 def path_reasons(paths: list[Nvfp4PathResult], convention: Nvfp4Convention, folder: Path, thresholds: Thresholds,
                  fp8: Accuracy) -> list[Finding]:
     """Per path: a global scale off from amax / 448 (FAIL where its fp8 read overflows, WARN where the block scales
-    sit 6x low) with the fix, an fp8 read past 448 at the right scale for more values than the saturation bound allows,
-    the KL bound and non-finite logits; INFO where
-    it does not load the scales; then its scales against global scale 1.0, every path one family."""
+    sit 6x low) with the fix; an fp8 read past 448 at the right scale for more values than the saturation bound
+    allows; non-finite logits and the KL bound (FAIL); INFO where it does not load the scales. Then its scales
+    against global scale 1.0, every path one family."""
     reasons = []
     loaders = {loader.name: loader for loader in NVFP4_LOADERS}
     for path in paths:
@@ -189,7 +193,8 @@ def path_reasons(paths: list[Nvfp4PathResult], convention: Nvfp4Convention, fold
                                          f"1.0, the unit-scale figure ({figures}; {loader.known_by})", name))
         elif loader.fp8_dequant and ran > BOUND:
             reasons.append(Finding(FAIL, f"{path.path} runs the stored {convention.name} global scale "
-                                         f"{_times(loader)}= amax / {ran:g}: its e4m3 dequantization overflows, "
+                                         f"{_times(loader)}= amax / {ran:g}: its e4m3 dequantization overflows wherever "
+                                         f"a block's max passes amax x headroom / {ran / BOUND:g}, "
                                          f"{path.writes.fp8_read_over} values past {BOUND:g} on the held-out text "
                                          f"({figures}).{fixed}", name))
         elif ran < BOUND:
@@ -206,9 +211,19 @@ def path_reasons(paths: list[Nvfp4PathResult], convention: Nvfp4Convention, fold
                                          "held-out text passes the calibrated amax x headroom. Fix: recalibrate "
                                          "with a larger --headroom, or on text like this", name))
         if loader.loads:
-            reasons += [replace(r, message=f"{path.path}: NVFP4 {r.message}", engines=name)
-                        for r in accuracy_reasons(path.accuracy, {}, thresholds)]
+            reasons += _accuracy_reasons(path, thresholds)
     return reasons + unit_scale_reasons(unit_family(paths), thresholds)
+
+
+def _accuracy_reasons(path: Nvfp4PathResult, thresholds: Thresholds) -> list[Finding]:
+    """A FAIL for NaN/inf logits, else for a mean KL to the bf16 cache past the bound, as for an fp8 engine."""
+    a = path.accuracy
+    if not (math.isfinite(a.kl_mean) and math.isfinite(a.ppl_fp8)):
+        return [Finding(FAIL, f"{path.path}: its NVFP4 cache gives NaN/inf logits", (path.path,))]
+    if a.kl_mean > thresholds.kl_mean:
+        return [Finding(FAIL, f"{path.path}: mean KL of its NVFP4 cache to the bf16 cache {a.kl_mean:.4g} nats exceeds "
+                              f"the bound {thresholds.kl_mean:g}", (path.path,))]
+    return []
 
 
 def _times(loader: Nvfp4Loader) -> str:
