@@ -175,3 +175,11 @@ def test_the_report_and_the_card_show_each_path_and_an_fp8_report_has_no_nvfp4_k
         assert "## NVFP4 cache per engine path" in text and row in text
     assert f"**Verdict: {own.verdict}**" in render_card(calibrated)
     assert "nvfp4" in own.to_dict() and "nvfp4" not in replace(own, held_out=HeldOut()).to_dict()
+
+
+def test_an_xla_device_is_refused_in_one_line_before_any_model_runs(calibrated, heldout, tmp_path):
+    result = CliRunner().invoke(app, ["verify", str(calibrated), "--dataset", str(heldout), "--device", "xla-cpu",
+                                      "--report", str(tmp_path / "r"), "--quiet"])
+    assert result.exit_code == 4
+    assert result.output == ("fp8kv: error: --device xla-cpu: an NVFP4 cache runs on cpu or cuda here (no TPU engine "
+                             "has one); pass --device cpu or --device cuda\n")

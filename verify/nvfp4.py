@@ -25,7 +25,7 @@ from fp8kv.errors import Fp8kvError
 from fp8kv.kvdtypes import E2M1_MAX, SCALE_BOUND
 from fp8kv.options import DEFAULT_KV_DTYPE, DEFAULT_NVFP4_WRITE
 from fp8kv.progress import StageProgress, announce
-from fp8kv.runtime.device import resolve_device
+from fp8kv.runtime.device import RuntimeDevice, resolve_device
 from fp8kv.runtime.nvfp4_cache import Nvfp4PagedKVCache
 from fp8kv.runtime.runner import PagedModelRunner, load_model
 from fp8kv.verify import fidelity, heldout
@@ -55,6 +55,13 @@ def known_convention(static: StaticResult) -> Nvfp4Convention:
                          f"{' or '.join(reading.conventions)} ({reading.why}), and each path's scale depends on it; "
                          "fp8kv inspect shows both readings")
     return reading.known
+
+
+def check_device(device: RuntimeDevice) -> None:
+    """No TPU engine has an NVFP4 cache, and fp8kv's runs in torch on a CPU or CUDA device only."""
+    if device.is_xla:
+        raise Fp8kvError(f"--device {device.kind}: an NVFP4 cache runs on cpu or cuda here (no TPU engine has "
+                         "one); pass --device cpu or --device cuda")
 
 
 def global_scales(loader: Nvfp4Loader, stored: tuple[float, ...]) -> tuple[float, ...]:

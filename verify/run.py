@@ -64,8 +64,9 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     clock = time.perf_counter()
     announce(progress, "static checks")
     static = static_checks(model_dir, any(engine_of(name) == VLLM_TPU for name in request.engines))
-    if static.readout.nvfp4 is not None:
-        nvfp4.known_convention(static)  # before the work: each path's scale depends on it
+    if static.readout.nvfp4 is not None:  # before the work: each path's scale depends on the convention
+        nvfp4.known_convention(static)
+        nvfp4.check_device(runtime)
     reasons, held_out, timings = list(static.reasons), HeldOut(), {}
     if static.runnable:
         tokenizer, data = _heldout_text(request, static, runtime.kind, progress)
