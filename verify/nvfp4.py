@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 import shlex
 import time
-from dataclasses import astuple, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from fp8kv.checkpoint.kvscales import KVScales, float32
 from fp8kv.checkpoint.nvfp4 import MODELOPT, Nvfp4Convention, convention_for_factor, converted
 from fp8kv.checks import FAIL, INFO, WARN, Finding
-from fp8kv.data import CalibrationData
+from fp8kv.data import CalibrationData, repeated_prefixes
 from fp8kv.engine_models import NVFP4_LOADERS, Nvfp4Loader
 from fp8kv.errors import Fp8kvError
 from fp8kv.kvdtypes import E2M1_MAX, SCALE_BOUND
@@ -29,7 +29,7 @@ from fp8kv.runtime.device import RuntimeDevice, resolve_device
 from fp8kv.runtime.nvfp4_cache import Nvfp4PagedKVCache
 from fp8kv.runtime.runner import PagedModelRunner, load_model
 from fp8kv.verify import fidelity, heldout
-from fp8kv.verify.accuracy import Runners, measure_accuracy
+from fp8kv.verify.accuracy import ScoredSample, SequenceScore, Totals, prefill
 from fp8kv.verify.report import HeldOut
 from fp8kv.verify.request import VerifyRequest
 from fp8kv.verify.results import Accuracy, Nvfp4Check, Nvfp4PathResult, Nvfp4Writes, VersusFp8
@@ -112,9 +112,6 @@ def heldout_checks(request: VerifyRequest, static: StaticResult, data: Calibrati
         return replace(text, fidelity=reference), reasons + reference.reasons(), timings
     reasons += reference.reasons()
 
-    clock = time.perf_counter()
-    announce(progress, f"bf16 / fp8 / NVFP4 caches of {len(NVFP4_LOADERS)} engine paths ({len(data.samples)} samples)")
-    fp8_accuracy, _ = measure_accuracy(Runners(bf16, fp8, fp8_unit, {}), data.samples, request.batch_size)
     q = {layer: scales.q_value(layer) for layer in layers} if scales.q is not None else dict.fromkeys(layers, 1.0)
     runners: dict[tuple[str, tuple[float, ...], tuple[float, ...]], PagedModelRunner] = {}
 
@@ -129,22 +126,86 @@ def heldout_checks(request: VerifyRequest, static: StaticResult, data: Calibrati
 
     stored_k, stored_v = tuple(scales.k[i][0] for i in layers), tuple(scales.v[i][0] for i in layers)
     unit = tuple(1.0 for _ in layers)
-    measured: dict[int, tuple[Nvfp4Writes, Accuracy, VersusFp8]] = {}
-    results = []
+    ran = []  # per path: its read, the global scales it holds, its cache and that cache at global scale 1.0
     for loader in NVFP4_LOADERS:
         read = "fp8" if loader.fp8_dequant else "float32"
         k, v = global_scales(loader, stored_k), global_scales(loader, stored_v)
-        ours, at_unit = runner(read, k, v), runner(read, unit, unit)
-        if id(ours) not in measured:
-            measured[id(ours)] = _measure(ours, at_unit, bf16, fp8, data.samples, request.batch_size)
-        writes, accuracy, versus = measured[id(ours)]
-        results.append(Nvfp4PathResult(loader.name, loader.known_by, read, loader.loads, loader.factor, k, v, writes,
-                                       accuracy, versus, "PASS"))
+        ran.append((read, k, v, runner(read, k, v), runner(read, unit, unit)))
+    clock = time.perf_counter()
+    announce(progress, f"bf16 / fp8 / {len(runners)} NVFP4 caches for {len(NVFP4_LOADERS)} engine paths "
+                       f"({len(data.samples)} samples)")
+    references, scores = score(bf16, fp8, fp8_unit, list(runners.values()), data.samples, request.batch_size)
     timings["accuracy"] = time.perf_counter() - clock
-    found = path_reasons(results, convention, source.path, thresholds, fp8_accuracy)
+    results = [Nvfp4PathResult(loader.name, loader.known_by, read, loader.loads, loader.factor, k, v, _writes(ours),
+                               references.accuracy(scores[id(ours)], scores[id(at_unit)], paired=ours is not at_unit),
+                               references.versus_fp8(scores[id(ours)]), "PASS")
+               for loader, (read, k, v, ours, at_unit) in zip(NVFP4_LOADERS, ran)]
+    found = path_reasons(results, convention, source.path, thresholds, references.fp8)
     paths = tuple(replace(r, verdict=verdict([f for f in found if r.path in f.engines])) for r in results)
-    check = Nvfp4Check(convention.name, convention.divisor, fp8_accuracy, paths)
+    check = Nvfp4Check(convention.name, convention.divisor, references.fp8, paths)
     return replace(text, fidelity=reference, nvfp4=check), reasons + found, timings
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One NVFP4 cache's score of each held-out sequence against the bf16 cache's logits and the fp8 cache's."""
+
+    bf16: list[SequenceScore]
+    fp8: list[SequenceScore]
+
+
+@dataclass(frozen=True)
+class References:
+    """Per held-out sequence: the predictions scored, the bf16 and fp8 caches' negative log-likelihoods; and the fp8
+    cache against the bf16 cache (its unit scales: the fp8 cache at 1.0)."""
+
+    rows: list[int]
+    bf16_nll: list[float]
+    fp8_nll: list[float]
+    fp8: Accuracy
+
+    def accuracy(self, ours: Scores, unit: Scores, paired: bool) -> Accuracy:
+        """`ours` against the bf16 cache, and against `unit` sequence by sequence where `paired` (two caches)."""
+        totals = Totals(paired=paired)
+        for i, rows in enumerate(self.rows):
+            totals.add(rows, self.bf16_nll[i], ours.bf16[i], unit.bf16[i])
+        return totals.summary()
+
+    def versus_fp8(self, ours: Scores) -> VersusFp8:
+        totals = Totals(paired=False)
+        for i, rows in enumerate(self.rows):
+            totals.add(rows, self.fp8_nll[i], ours.fp8[i], ours.fp8[i])
+        summary = totals.summary()  # its "bf16" perplexity is the reference's: the fp8 cache's
+        return VersusFp8(summary.kl_mean, summary.kl_max, summary.top1_agreement, summary.ppl_bf16)
+
+
+def score(bf16: PagedModelRunner, fp8: PagedModelRunner, fp8_unit: PagedModelRunner, runners: list[PagedModelRunner],
+          samples: list[list[int]], batch_size: int) -> tuple[References, dict[int, Scores]]:
+    """Prefill every held-out sample once on each runner (`batch_size` at a time), scoring each NVFP4 runner's
+    logits against the bf16 and the fp8 cache's as they arrive; keyed by `id(runner)`. As in `measure_accuracy`, a
+    row an earlier sample predicts too is scored there alone, and a sample holding nothing new is left out."""
+    new = [(ids, repeated) for ids, repeated in zip(samples, repeated_prefixes(samples)) if repeated < len(ids)]
+    fp8_totals, rows, bf16_nll, fp8_nll = Totals(), [], [], []
+    scores = {id(runner): Scores([], []) for runner in runners}
+    for start in range(0, len(new), batch_size):
+        batch, skip = [ids for ids, _ in new[start:start + batch_size]], [n for _, n in new[start:start + batch_size]]
+        to_bf16 = [ScoredSample.of(ids[n:], out[n:]) for ids, n, out in zip(batch, skip, prefill(bf16, batch, None))]
+        fp8_logits = prefill(fp8, batch, None)
+        to_fp8 = [ScoredSample.of(ids[n:], out[n:]) for ids, n, out in zip(batch, skip, fp8_logits)]
+        ours = [SequenceScore.of(ids[n:], out[n:], ref) for ids, n, out, ref in zip(batch, skip, fp8_logits, to_bf16)]
+        del fp8_logits
+        unit = [SequenceScore.of(ids[n:], out[n:], ref)
+                for ids, n, out, ref in zip(batch, skip, prefill(fp8_unit, batch, None), to_bf16)]
+        for i, (ids, n) in enumerate(zip(batch, skip)):
+            fp8_totals.add(len(ids) - n, to_bf16[i].nll, ours[i], unit[i])
+            rows.append(len(ids) - n)
+            bf16_nll.append(to_bf16[i].nll)
+            fp8_nll.append(to_fp8[i].nll)
+        for runner in runners:
+            for ids, n, out, b, f in zip(batch, skip, prefill(runner, batch, None), to_bf16, to_fp8):
+                scores[id(runner)].bf16.append(SequenceScore.of(ids[n:], out[n:], b))
+                scores[id(runner)].fp8.append(SequenceScore.of(ids[n:], out[n:], f))
+    return References(rows, bf16_nll, fp8_nll, fp8_totals.summary()), scores
 
 
 def _fp8_scales(scales: KVScales, convention: Nvfp4Convention) -> KVScales:
@@ -157,26 +218,11 @@ def _per_layer(table: dict[int, tuple[float, ...]]) -> dict[int, float]:
     return {layer: values[0] for layer, values in table.items()}
 
 
-def _measure(ours: PagedModelRunner, unit: PagedModelRunner, bf16: PagedModelRunner, fp8: PagedModelRunner,
-             samples: list[list[int]], batch_size: int) -> tuple[Nvfp4Writes, Accuracy, VersusFp8]:
-    """`ours` against the bf16 cache (with `unit` as its unit-scale twin; no comparison where they are one cache),
-    what it wrote while doing so, and against the fp8 cache."""
-    before = _writes(ours)
-    accuracy, _ = measure_accuracy(Runners(bf16, ours, unit, {}), samples, batch_size)
-    after = _writes(ours)
-    writes = Nvfp4Writes(*(a - b for a, b in zip(astuple(after), astuple(before))))
-    if ours is unit:
-        accuracy = replace(accuracy, versus_unit=())
-    against_fp8, _ = measure_accuracy(Runners(fp8, ours, ours, {}), samples, batch_size)
-    return writes, accuracy, VersusFp8(against_fp8.kl_mean, against_fp8.kl_max, against_fp8.top1_agreement,
-                                       against_fp8.ppl_bf16)
-
-
 def _writes(runner: PagedModelRunner) -> Nvfp4Writes:
     cache = runner.cache
     assert isinstance(cache, Nvfp4PagedKVCache)
     counts = cache.nvfp4_counts()
-    # the cache's counters per layer and side, summed: the report's figures are the whole cache's
+    # the cache's counters per layer and side, summed (it prefilled the held-out text once): the whole cache's
     summed = [sum(k + v for k, v in getattr(counts, f.name).values()) for f in fields(Nvfp4Writes)[:-1]]
     return Nvfp4Writes(*summed, values=2 * sum(runner.counts().written.values()))  # as many V values as K
 
