@@ -174,6 +174,8 @@ def test_the_report_and_the_card_show_each_path_and_an_fp8_report_has_no_nvfp4_k
     for text in (render_markdown(own), render_card(calibrated)):
         assert "## NVFP4 cache per engine path" in text and row in text
     assert f"**Verdict: {own.verdict}**" in render_card(calibrated)
+    # the per-layer fp8 plot would show nothing of an NVFP4 cache: its figures are each path's
+    assert (calibrated / "verify" / "report.md").is_file() and not (calibrated / "verify" / "scales.png").exists()
     assert "nvfp4" in own.to_dict() and "nvfp4" not in replace(own, held_out=HeldOut()).to_dict()
 
 

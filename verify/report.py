@@ -252,7 +252,8 @@ def _versus_unit_cell(engine: EngineResult) -> str:
 
 
 def plot_png(report: VerifyReport) -> bytes | None:
-    """PNG bytes: the reason for the verdict at a glance; None without matplotlib (`pip install "fp8kv[plot]"`).
+    """PNG bytes: the reason for the verdict at a glance; None without matplotlib (`pip install "fp8kv[plot]"`), and
+    for an NVFP4 report (its figures are each engine path's, in report.md's table).
 
     Top: per layer, the largest |x|/scale of K and V on the held-out text against the fp8 maximum
     (clamped above it) and the raw-cast limit (NaN/inf above it without a clamp). Bottom: the share
@@ -260,6 +261,8 @@ def plot_png(report: VerifyReport) -> bytes | None:
     """
     import io
 
+    if report.held_out.nvfp4:
+        return None
     # matplotlib caches its font list in ~/.cache; keep it in the temp dir (fp8kv writes nowhere else).
     os.environ.setdefault("MPLCONFIGDIR", os.path.join(tempfile.gettempdir(), "fp8kv-matplotlib"))
     try:
@@ -270,8 +273,6 @@ def plot_png(report: VerifyReport) -> bytes | None:
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    if report.held_out.nvfp4:  # its per-layer figures are each path's, in the report's table
-        return None
     fig = Figure(figsize=(8, 6), layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True)
     rows = report.held_out.layers
