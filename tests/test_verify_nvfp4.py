@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from fp8kv.checkpoint.kvscales import float32
@@ -156,6 +159,31 @@ def test_an_auto_round_folder_overflows_vllms_sm100_read_and_its_convert_passes_
     typed_in(fix)
     fixed = paths(verify(Path(f"{auto_round}-modelopt"), heldout, tmp_path / "fixed"))
     assert fixed[VLLM_SM100].verdict == "PASS" and fixed[VLLM_SM100].writes.fp8_read_over == 0
+
+
+def test_a_modelopt_041_export_is_read_as_amax_2688_and_judged_like_auto_round(calibrated, factory_checkpoint, heldout,
+                                                                                tmp_path):
+    """ModelOpt's own KV-only export before 0.42: its producer's version says amax / 2688."""
+    folder = tmp_path / "modelopt-041"
+    shutil.copytree(factory_checkpoint("qwen3"), folder)
+    stored = read_kv_scales(calibrated).scales
+    weights = load_file(folder / "model.safetensors")
+    for layer in stored.k:
+        for name, side in (("k_proj.k_scale", stored.k), ("v_proj.v_scale", stored.v)):
+            weights[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(float32(side[layer][0] / 6))
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "hf_quant_config.json").write_text(json.dumps({
+        "producer": {"name": "modelopt", "version": "0.41.0"},
+        "quantization": {"quant_algo": None, "kv_cache_quant_algo": "NVFP4"}}))
+    report = verify(folder, heldout, tmp_path / "r")
+    assert (report.held_out.nvfp4.convention, report.held_out.nvfp4.divisor) == ("modelopt-pre-0.42", 2688.0)
+    by_path = paths(report)
+    assert by_path[VLLM_SM100].verdict == "FAIL" and by_path[VLLM_SM100].writes.fp8_read_over > 0
+    assert by_path[SGLANG_SM100].verdict == "PASS"
+    fix = fix_of(report, VLLM_SM100)
+    assert fix == f"fp8kv convert {folder} --to modelopt --out {folder}-modelopt"
+    typed_in(fix)
+    assert paths(verify(Path(f"{folder}-modelopt"), heldout, tmp_path / "fixed"))[VLLM_SM100].verdict == "PASS"
 
 
 def test_the_kl_bound_fails_each_path_that_loads_the_scales_on_its_own_figure(own, calibrated, heldout, tmp_path):
