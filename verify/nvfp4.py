@@ -15,6 +15,7 @@ import shlex
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 from fp8kv.checkpoint.kvscales import KVScales, float32
 from fp8kv.checkpoint.nvfp4 import MODELOPT, Nvfp4Convention, convention_for_factor, converted
@@ -98,52 +99,73 @@ def heldout_checks(request: VerifyRequest, static: StaticResult, data: Calibrati
     announce(progress, f"loading the model and the NVFP4 runtime ({resolve_device(request.device).kind})")
     device = request.device
     model = load_model(source.path, resolve_device(device).device)
-    common = dict(device=device, model=model, page_size=request.page_size, max_num_seqs=request.batch_size,
-                  max_model_len=max(len(s) for s in data.samples))
+    common: dict[str, Any] = dict(device=device, model=model, page_size=request.page_size,
+                                  max_num_seqs=request.batch_size, max_model_len=max(len(s) for s in data.samples))
     layers = source.geometry.kv_layers
     fp8_scales = _fp8_scales(scales, convention)
     bf16 = PagedModelRunner(source.path, cache_dtype="bf16", **common)
     fp8 = PagedModelRunner(source.path, cache_dtype=DEFAULT_KV_DTYPE, k_scales=_per_layer(fp8_scales.k),
                            v_scales=_per_layer(fp8_scales.v), **common)
     fp8_unit = PagedModelRunner(source.path, cache_dtype=DEFAULT_KV_DTYPE, **common)
+    runs = path_runs(source.path, scales, layers, common)
     timings["load_runners"] = time.perf_counter() - clock
     reference = fidelity.measure_fidelity(bf16, data.samples)
     if reference.refuses:  # NVFP4 against a runtime that is not the model would judge the runtime
         return replace(text, fidelity=reference), reasons + reference.reasons(), timings
     reasons += reference.reasons()
 
-    q = {layer: scales.q_value(layer) for layer in layers} if scales.q is not None else dict.fromkeys(layers, 1.0)
-    runners: dict[tuple[str, tuple[float, ...], tuple[float, ...]], PagedModelRunner] = {}
-
-    def runner(read: str, k: tuple[float, ...], v: tuple[float, ...]) -> PagedModelRunner:
-        # paths holding the same scales with the same read share one cache; the fp8 read quantizes Q with q_scale
-        # (1.0 where the folder has none, as an engine without one holds)
-        if (read, k, v) not in runners:
-            runners[read, k, v] = PagedModelRunner(
-                source.path, cache_dtype=DEFAULT_NVFP4_WRITE, nvfp4_read=read, k_scales=dict(zip(layers, k)),
-                v_scales=dict(zip(layers, v)), q_scales=q if read == "fp8" else None, **common)
-        return runners[read, k, v]
-
-    stored_k, stored_v = tuple(scales.k[i][0] for i in layers), tuple(scales.v[i][0] for i in layers)
-    unit = tuple(1.0 for _ in layers)
-    ran = []  # per path: its read, the global scales it holds, its cache and that cache at global scale 1.0
-    for loader in NVFP4_LOADERS:
-        read = "fp8" if loader.fp8_dequant else "float32"
-        k, v = global_scales(loader, stored_k), global_scales(loader, stored_v)
-        ran.append((read, k, v, runner(read, k, v), runner(read, unit, unit)))
     clock = time.perf_counter()
-    announce(progress, f"bf16 / fp8 / {len(runners)} NVFP4 caches for {len(NVFP4_LOADERS)} engine paths "
+    caches = list({id(cache): cache for run in runs for cache in (run.cache, run.unit)}.values())
+    announce(progress, f"bf16 / fp8 / {len(caches)} NVFP4 caches for {len(runs)} engine paths "
                        f"({len(data.samples)} samples)")
-    references, scores = score(bf16, fp8, fp8_unit, list(runners.values()), data.samples, request.batch_size)
+    references, scores = score(bf16, fp8, fp8_unit, caches, data.samples, request.batch_size)
     timings["accuracy"] = time.perf_counter() - clock
-    results = [Nvfp4PathResult(loader.name, loader.known_by, read, loader.loads, loader.factor, k, v, _writes(ours),
-                               references.accuracy(scores[id(ours)], scores[id(at_unit)], paired=ours is not at_unit),
-                               references.versus_fp8(scores[id(ours)]), "PASS")
-               for loader, (read, k, v, ours, at_unit) in zip(NVFP4_LOADERS, ran)]
+    results = [Nvfp4PathResult(run.loader.name, run.loader.known_by, run.read, run.loader.loads, run.loader.factor,
+                               run.k, run.v, _writes(run.cache),
+                               references.accuracy(scores[id(run.cache)], scores[id(run.unit)],
+                                                   paired=run.cache is not run.unit),
+                               references.versus_fp8(scores[id(run.cache)]), "PASS")
+               for run in runs]
     found = path_reasons(results, convention, source.path, thresholds, references.fp8)
     paths = tuple(replace(r, verdict=verdict([f for f in found if r.path in f.engines])) for r in results)
     check = Nvfp4Check(convention.name, convention.divisor, references.fp8, paths)
     return replace(text, fidelity=reference, nvfp4=check), reasons + found, timings
+
+
+@dataclass(frozen=True)
+class PathRun:
+    """One engine path: its loader's row, the read its attention takes, the global scales it holds per KV layer,
+    its NVFP4 cache and the same cache at global scale 1.0."""
+
+    loader: Nvfp4Loader
+    read: str
+    k: tuple[float, ...]
+    v: tuple[float, ...]
+    cache: PagedModelRunner
+    unit: PagedModelRunner
+
+
+def path_runs(model_dir: Path, scales: KVScales, layers: tuple[int, ...], common: dict[str, Any]) -> list[PathRun]:
+    """A run per `[[nvfp4]]` row; rows holding the same scales with the same read share one cache. The fp8 read
+    quantizes Q with q_scale (1.0 where the folder has none, as an engine without one holds)."""
+    q = {layer: scales.q_value(layer) for layer in layers} if scales.q is not None else dict.fromkeys(layers, 1.0)
+    caches: dict[tuple[str, tuple[float, ...], tuple[float, ...]], PagedModelRunner] = {}
+
+    def cache(read: str, k: tuple[float, ...], v: tuple[float, ...]) -> PagedModelRunner:
+        if (read, k, v) not in caches:
+            caches[read, k, v] = PagedModelRunner(
+                model_dir, cache_dtype=DEFAULT_NVFP4_WRITE, nvfp4_read=read, k_scales=dict(zip(layers, k)),
+                v_scales=dict(zip(layers, v)), q_scales=q if read == "fp8" else None, **common)
+        return caches[read, k, v]
+
+    stored_k, stored_v = tuple(scales.k[i][0] for i in layers), tuple(scales.v[i][0] for i in layers)
+    unit = tuple(1.0 for _ in layers)
+    runs = []
+    for loader in NVFP4_LOADERS:
+        read = "fp8" if loader.fp8_dequant else "float32"
+        k, v = global_scales(loader, stored_k), global_scales(loader, stored_v)
+        runs.append(PathRun(loader, read, k, v, cache(read, k, v), cache(read, unit, unit)))
+    return runs
 
 
 @dataclass(frozen=True)
