@@ -17,7 +17,7 @@ from fp8kv.checkpoint.conventions import (
 )
 from fp8kv.checkpoint.provenance import Provenance
 from fp8kv.geometry import read_json
-from fp8kv.kvdtypes import FP8_MAX
+from fp8kv.kvdtypes import SCALE_BOUND
 
 from fp8kv.runtime.kernel_rule import TPU_HEAD_DIM_MULTIPLE, fp8_kernel_note
 
@@ -214,7 +214,7 @@ def _latent_loader_findings(readout: ScaleReadout, provenance: Provenance | None
         return []
     note = ("MLA: vLLM's DeepSeek loader does not place a static k_scale on its latent-cache layers and "
             "runs them at scale 1.0 (verify judges the written scales)")
-    fp8_max = FP8_MAX[readout.kv_dtype]
+    fp8_max = SCALE_BOUND[readout.kv_dtype]
     amax = max((row.k.amax for row in provenance.layers), default=0.0) if provenance else 0.0
     if amax > fp8_max:
         return [Finding(WARN, f"{note}; at 1.0 the calibrated latent amax {amax:g} exceeds {fp8_max:g}, so "

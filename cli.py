@@ -17,13 +17,13 @@ from fp8kv.cli_parse import Command, checked
 from fp8kv.errors import EXIT_CODE_TABLE, ExitCode, Fp8kvError, UsageError
 from fp8kv.evaluation.request import EvalRequest, check_eval_request
 from fp8kv.kvdtypes import FP8_MAX
-from fp8kv.calibrate.request import CalibrationRequest, check_calibration_request, command_line
+from fp8kv.calibrate.request import CalibrationRequest, check_calibration_request, command_line, default_format
 from fp8kv.checkpoint.hub_cache import check_base_model
 from fp8kv.data import DataRequest
 from fp8kv.engine_models import ALL, BUGS, RELEASED, parse_engines
 from fp8kv.options import (
-    DEFAULT_HEADROOM, DEFAULT_MODE, EVAL_EXTRA_HINT, AttentionChoice, Convention, KvDtypeSpelling, LoadEngine, ModelDtype,
-    RuntimeChoice, Strategy,
+    DEFAULT_HEADROOM, DEFAULT_MODE, EVAL_EXTRA_HINT, AttentionChoice, Convention, ConvertTarget, KvDtypeSpelling,
+    LoadEngine, ModelDtype, Nvfp4Source, RuntimeChoice, Strategy,
     TorchDeviceChoice, WriteMode, check_headroom, kv_dtype_name,
 )
 from fp8kv.verify.request import VerifyRequest, check_verify_request
@@ -312,8 +312,13 @@ def load_check_command(
 @app.command("convert", cls=Command)
 def convert_command(
     model: Path = typer.Argument(..., metavar="DIR", help="Checkpoint folder holding KV scales in any convention."),
-    convention: Convention = typer.Option(..., "--to", help="Target convention."),
+    convention: ConvertTarget = typer.Option(
+        ..., "--to", help="Target convention; for NVFP4 scales modelopt (amax / 448), modelopt-pre-0.42 or auto-round "
+        "(amax / 2688), the factor applied."),
     out: Path = typer.Option(..., "--out", help="Output folder (written atomically)."),
+    source_convention: Nvfp4Source | None = typer.Option(
+        None, "--from", help="The NVFP4 convention DIR's scales are in, where its files do not tell "
+        "(fp8kv inspect says when)."),
     overwrite: OverwriteOpt = False,
     mode: ModeOpt = DEFAULT_MODE,
 ) -> None:
@@ -321,7 +326,8 @@ def convert_command(
     from fp8kv.checkpoint.convert import convert_checkpoint, format_gap, serve_hint
     from fp8kv.checkpoint.reader import read_kv_scales
 
-    written = convert_checkpoint(model, out, convention, overwrite=overwrite, mode=mode, command=command_line())
+    written = convert_checkpoint(model, out, convention, overwrite=overwrite, mode=mode, command=command_line(),
+                                 source_convention=source_convention)
     typer.echo(f"wrote {written} ({convention})")
     if convention != "compressed-tensors" and read_kv_scales(model).scales.q is not None:
         typer.echo(f"note: {convention} has no query-scale convention; q_scale was left out", err=True)
@@ -349,8 +355,9 @@ def calibrate(
     data: DataRequest = None,  # the text options, made one by @reads_text
     batch_size: int = typer.Option(_CAL.batch_size, "--batch-size", min=1, help="Samples per forward pass (right-padded; padding is never observed)."),
     kv_dtype: KvDtypeSpelling = typer.Option(
-        _CAL.kv_dtype, "--kv-dtype", help=f"KV-cache dtype: fp8_e4m3 (MAX {FP8_MAX['fp8_e4m3']:g}; vLLM's 'fp8') or fp8_e5m2 "
-        f"(MAX {FP8_MAX['fp8_e5m2']:g}).",
+        _CAL.kv_dtype, "--kv-dtype", help=f"KV-cache dtype: fp8_e4m3 (MAX {FP8_MAX['fp8_e4m3']:g}; vLLM's 'fp8'), fp8_e5m2 "
+        f"(MAX {FP8_MAX['fp8_e5m2']:g}), nvfp4 (one global scale per layer and side, amax / {FP8_MAX['fp8_e4m3']:g} "
+        "as ModelOpt writes it; docs/nvfp4.md) or fp8_k_nvfp4_v (fp8 e4m3 K, nvfp4 V).",
     ),
     strategy: str = typer.Option(
         _CAL.strategy, "--strategy", callback=checked(Strategy.parse),
@@ -369,7 +376,10 @@ def calibrate(
         _CAL.allow_unobserved, "--allow-unobserved", help="Write 1.0 (with a warning) for layers whose K/V were all zero or never seen."
     ),
     mode: ModeOpt = _CAL.mode,
-    convention: Convention = typer.Option(_CAL.convention, "--format", help="Scale convention."),
+    convention: Convention | None = typer.Option(
+        None, "--format", show_default=False,
+        help=f"Scale convention [default: {_CAL.convention}; {default_format('nvfp4')} for the NVFP4 kv dtypes].",
+    ),
     overwrite: OverwriteOpt = _CAL.overwrite,
     base_model: BaseModelOpt = _CAL.base_model,
     json_output: JsonOpt = False,
@@ -399,7 +409,8 @@ def calibrate(
     request = CalibrationRequest(
         model=model, out=out,
         data=data, batch_size=batch_size, kv_dtype=kv_dtype_name(kv_dtype), strategy=strategy, headroom=_headroom(headroom), per_head=per_head,
-        allow_unobserved=allow_unobserved, mode=mode, convention=convention, overwrite=overwrite,
+        allow_unobserved=allow_unobserved, mode=mode, overwrite=overwrite,
+        convention=convention or default_format(kv_dtype_name(kv_dtype)),
         device=device, dtype=dtype, trust_remote_code=trust_remote_code, layerwise=layerwise,
         base_model=base_model, attention=attention, command=command_line(),
     )

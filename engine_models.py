@@ -437,6 +437,45 @@ def _lent_loader(model: EngineModel, row: dict[str, Any], by_name: dict[str, Eng
 
 
 RELEASE_MODELS = _read_releases()
+
+
+@dataclass(frozen=True)
+class Nvfp4Loader:
+    """What one release's loader makes of a checkpoint's NVFP4 global scale on one GPU generation (a row of
+    configs/engines.toml's [[nvfp4]]): whether it loads it, the factor it applies (a stored 1.0 kept where
+    `keeps_unit`), whether its attention dequantizes blocks into e4m3 (`fp8_dequant`), how it is served."""
+
+    engine: str
+    release: str
+    gpu: str
+    setting: str
+    loads: bool
+    factor: float
+    keeps_unit: bool
+    fp8_dequant: bool
+    serve: str
+    evidence: str
+    source: str
+    golden: str = ""
+
+    @property
+    def name(self) -> str:
+        where = f"{self.engine} {self.release} on {self.gpu}"
+        return f"{where} with {self.setting}" if self.setting else where
+
+    @property
+    def known_by(self) -> str:
+        return _EVIDENCE[self.evidence]
+
+
+def _read_nvfp4_loaders() -> tuple[Nvfp4Loader, ...]:
+    rows = tomllib.loads(files("fp8kv.configs").joinpath(RELEASES_FILE).read_text(encoding="utf-8"))["nvfp4"]
+    return tuple(Nvfp4Loader(row["engine"], row["release"], row["gpu"], row.get("setting", ""), row["loads"],
+                             row["factor"], row.get("keeps_unit", False), row["fp8_dequant"], row["serve"],
+                             row["evidence"], row["source"], row.get("golden", "")) for row in rows)
+
+
+NVFP4_LOADERS = _read_nvfp4_loaders()
 BUG_MODELS: tuple[EngineModel, ...] = (
     EngineModel("no-clamp", fp32_divide, False,
                 "the seed's unmerged draft of vLLM's TPU fp8 write: key.to(float32) / k_scale, then the cast",

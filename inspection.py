@@ -11,12 +11,14 @@ from typing import Any
 
 from fp8kv.checkpoint.kvscales import KVScales
 from fp8kv.checkpoint.locate import resolve_model
+from fp8kv.checkpoint.nvfp4 import Nvfp4Reading, nvfp4_convention
 from fp8kv.checkpoint.provenance import LayerRecord, read_provenance
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checks import check_readout
 from fp8kv.console import layer_table, rich_table, text_console
 from fp8kv.geometry import LatentCache
 from fp8kv.json_fields import to_json_value
+from fp8kv.serving import nvfp4_lines
 
 Scale = float | tuple[float, ...]  # one per tensor, or one per KV head (--per-head)
 
@@ -43,6 +45,17 @@ class InspectLayer(ScaleRow):
 
 
 @dataclass(frozen=True)
+class Nvfp4Meaning:
+    """One reading of a checkpoint's NVFP4 global scales: the convention, `stored = amax / divisor`, and what each
+    release fp8kv read runs with it per GPU generation (`runs`, one line each)."""
+
+    convention: str
+    divisor: float
+    producer: str
+    runs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class InspectReport:
     """What `fp8kv inspect` found: conventions, kv dtype, per-layer scales, and the checks' warnings."""
 
@@ -57,6 +70,8 @@ class InspectReport:
     latent: LatentCache | None
     layers: tuple[InspectLayer, ...]
     warnings: tuple[str, ...]
+    nvfp4: Nvfp4Reading | None = None
+    nvfp4_meanings: tuple[Nvfp4Meaning, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The `--json` object; a layer leaves out what the checkpoint does not record (q_scale, amax, saturation)."""
@@ -78,8 +93,25 @@ class InspectReport:
                           "repeats it)")
         if self.layers:
             console.print(rich_table(*layer_table(self.layers)))
+        if self.nvfp4 is not None:
+            self._show_nvfp4(console)
         for note in self.warnings:
             console.print(f"[yellow]warning:[/yellow] {note}")
+
+    def _show_nvfp4(self, console: Any) -> None:
+        reading = self.nvfp4
+        assert reading is not None
+        side = "V" if reading.kv_dtype == "fp8_k_nvfp4_v" else "K and V"
+        if reading.known is None:
+            console.print(f"NVFP4 {side} global scales: {reading.why}; the files do not tell which convention, so "
+                          f"every reading follows (fp8kv convert --from names it)", highlight=False)
+        else:
+            console.print(f"NVFP4 {side} global scales ({reading.why}):", highlight=False)
+        for meaning in self.nvfp4_meanings:
+            console.print(f"  {meaning.convention}: stored = amax x h / {meaning.divisor:g} ({meaning.producer}; h: "
+                          "the headroom); what each release runs:", highlight=False)
+            for line in meaning.runs:
+                console.print(f"    {line}", highlight=False)
 
 
 def inspect_checkpoint(model_dir: str | Path) -> InspectReport:
@@ -88,6 +120,7 @@ def inspect_checkpoint(model_dir: str | Path) -> InspectReport:
     source, scales = readout.source, readout.scales
     provenance = read_provenance(source.path)
     recorded = provenance.layer_map() if provenance else {}
+    headroom = provenance.headroom if provenance else None
     return InspectReport(
         path=str(source.path), model_type=source.geometry.model_type, conventions=readout.conventions,
         declared=readout.declared, kv_dtype=readout.kv_dtype, strategy=scales.strategy if scales else None,
@@ -95,7 +128,17 @@ def inspect_checkpoint(model_dir: str | Path) -> InspectReport:
         latent=source.geometry.latent,
         layers=tuple(_layer_row(scales, layer, recorded.get(layer)) for layer in scales.layers) if scales else (),
         warnings=tuple(finding.message for finding in check_readout(readout, provenance)),
+        nvfp4=readout.nvfp4,
+        nvfp4_meanings=_nvfp4_meanings(readout.nvfp4, headroom),
     )
+
+
+def _nvfp4_meanings(reading: Nvfp4Reading | None, headroom: float | None) -> tuple[Nvfp4Meaning, ...]:
+    if reading is None:
+        return ()
+    rows = [nvfp4_convention(name) for name in reading.conventions]
+    return tuple(Nvfp4Meaning(row.name, row.divisor, row.producer,
+                              tuple(nvfp4_lines(row.divisor, headroom, reading.kv_dtype))) for row in rows)
 
 
 def scale_rows(scales: KVScales | None) -> tuple[ScaleRow, ...]:

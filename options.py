@@ -21,7 +21,22 @@ LoadEngine = Literal["vllm", "sglang"]
 DEFAULT_MODE: WriteMode = "overlay"
 KvDtype = Literal["fp8_e4m3", "fp8_e5m2"]
 DEFAULT_KV_DTYPE: KvDtype = "fp8_e4m3"
-KvDtypeSpelling = Literal["fp8_e4m3", "fp8_e5m2", "fp8"]
+# NVFP4 caches: e2m1 values in blocks with an e4m3 scale each, under one float32 global scale per layer and side
+# (the checkpoint's); fp8_k_nvfp4_v keeps K in fp8 e4m3 (ModelOpt's kv_cache_quant_algo FP8_K_NVFP4_V).
+Nvfp4KvDtype = Literal["nvfp4", "fp8_k_nvfp4_v"]
+# An engine's NVFP4 cache writes, as vLLM's `--kv-cache-dtype` names them: a serving choice, not a checkpoint format.
+# Both read the same global scale, so a kv dtype "nvfp4" folder is served by either; the 4over6 write picks each
+# block's scale from two targets (nvfp4.py).
+Nvfp4Write = Literal["nvfp4", "nvfp4_4over6"]
+DEFAULT_NVFP4_WRITE: Nvfp4Write = "nvfp4"
+FOUR_OVER_SIX_WRITE: Nvfp4Write = "nvfp4_4over6"
+KvDtypeSpelling = Literal["fp8_e4m3", "fp8_e5m2", "fp8", "nvfp4", "fp8_k_nvfp4_v"]
+# What `fp8kv convert --to` writes: every convention, and the two NVFP4 conventions whose stored global scale is
+# amax / (6 * 448) rather than ModelOpt's current amax / 448 (checkpoint/nvfp4.py)
+Nvfp4Only = Literal["modelopt-pre-0.42", "auto-round"]
+ConvertTarget = Literal["compressed-tensors", "modelopt", "quark", "vllm-json", "modelopt-pre-0.42", "auto-round"]
+# The NVFP4 conventions a source's scales can be in (`convert --from`, where its files do not tell)
+Nvfp4Source = Literal["modelopt", "modelopt-pre-0.42", "auto-round"]
 ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 RuntimeChoice = Literal["auto", "tpu", "xla-cpu", "cuda", "cpu"]
 # Calibration runs transformers' own forward: CUDA or CPU.

@@ -11,10 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fp8kv.engine_models import (
-    HOLDS_ROUNDED, RELEASED, REACHES_CACHE, CheckpointTraits, EngineModel, engine_model, engine_of,
+    HOLDS_ROUNDED, NVFP4_LOADERS, RELEASED, REACHES_CACHE, CheckpointTraits, EngineModel, Nvfp4Loader, engine_model,
+    engine_of,
 )
+from fp8kv.checkpoint.nvfp4 import convention_for_factor
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import read_json
+from fp8kv.kvdtypes import E2M1_MAX, FP8_MAX
 
 # a release with a loader matrix holds the scales, one without reads the convention by its row
 HOLDS, READS, NOT_RUN, NOT_STARTED, UNCHECKED = "holds", "reads", "not run", "does not start", "unchecked"
@@ -111,3 +114,51 @@ def asked(traits: CheckpointTraits) -> str:
 def serving_heading(traits: CheckpointTraits) -> str:
     """The line above the engine lines."""
     return f"what each engine release does with these scales ({asked(traits)}):"
+
+
+def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None, convertible: bool) -> str:
+    """What `loader`'s release runs as the global scale of a file storing `amax x headroom / divisor` (headroom None:
+    unknown, written h), and what that makes of the block scales: each is the block's max / (6 x global scale);
+    `convertible`: the scales can be stored the other way (nvfp4 K and V), so a loss names the convert."""
+    if not loader.loads:
+        return f"{loader.name}: does not load the scales: the global scale stays 1.0 ({loader.known_by})"
+    ran = divisor / loader.factor  # the global scale it runs is amax x headroom / ran
+    how = "as stored" if loader.factor == 1.0 else f"x{loader.factor:g}" + (" (a stored 1.0 stays 1.0)"
+                                                                             if loader.keeps_unit else "")
+    bound = FP8_MAX["fp8_e4m3"]
+
+    def per_h(value: float) -> str:  # a bound on the block scales (or codes x block scales), in numbers when h is
+        return f"{value / headroom:.4g}" if headroom is not None else f"{value:.4g}/h"
+
+    peak = ran / E2M1_MAX  # the largest block scale, times the headroom
+    overflows = loader.fp8_dequant and ran / (headroom or 1.0) > bound
+    if overflows:
+        effect = f"its e4m3 dequantization overflows: e2m1 code x block scale reaches {per_h(ran)}, past {bound:g}"
+    elif ran == bound:
+        effect = f"block scales up to {per_h(peak)}, as amax / {bound:g} intends: nothing overflows"
+    elif ran < bound:
+        effect = (f"block scales only up to {per_h(peak)}, {bound / ran:g}x below what amax / {bound:g} intends: "
+                  "small blocks reach e4m3's subnormals sooner, nothing overflows")
+    else:
+        effect = f"block scales up to {per_h(peak)}, within e4m3's {bound:g}"
+    h = "h" if headroom is None else f"{headroom:g}"
+    fixable = convertible and (ran < bound or overflows)  # another ModelOpt convention gives it amax / 448
+    target = convention_for_factor(loader.factor) if fixable else None
+    route = f"; fp8kv convert --to {target.name} gives it amax / {bound:g}" if target else ""
+    runs = f"amax x {h} / {ran:.6g}" if loader.factor == 1.0 else \
+        f"{loader.factor:g} x amax x {h} / {divisor:g} = amax x {h} / {ran:.4g}"
+    return f"{loader.name}: {how} -> runs {runs}; {effect}{route} ({loader.known_by})"
+
+
+def nvfp4_lines(divisor: float, headroom: float | None, kv_dtype: str) -> list[str]:
+    """One line per release and GPU generation fp8kv read (configs/engines.toml's [[nvfp4]])."""
+    return [nvfp4_line(loader, divisor, headroom, kv_dtype == "nvfp4") for loader in NVFP4_LOADERS]
+
+
+def nvfp4_serve_commands(folder: str, kv_dtype: str) -> list[str]:
+    """The command that serves `folder` with an NVFP4 cache on each engine's newest release fp8kv read; none for
+    fp8_k_nvfp4_v, whose readers fp8kv has not read."""
+    if kv_dtype != "nvfp4":
+        return []
+    first = {loader.engine: loader for loader in reversed(NVFP4_LOADERS) if loader.loads}
+    return [loader.serve.format(model=folder) for loader in reversed(first.values())]

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from fp8kv.calibrate.pipeline import CalibrationResult
 from fp8kv.checkpoint.locate import verify_command
 from fp8kv.console import fmt_number, layer_table, rich_table, text_console
-from fp8kv.serving import NOT_STARTED, Serving, serving, serving_heading, serving_lines, traits_of
+from fp8kv.checkpoint.nvfp4 import nvfp4_convention
+from fp8kv.kvdtypes import NVFP4_KV_DTYPES
+from fp8kv.serving import (
+    NOT_STARTED, Serving, nvfp4_lines, nvfp4_serve_commands, serving, serving_heading, serving_lines, traits_of,
+)
 
 
 def show(result: CalibrationResult, json_output: bool = False) -> None:
@@ -19,7 +24,8 @@ def show(result: CalibrationResult, json_output: bool = False) -> None:
     for line in result.warnings:
         err.print(f"fp8kv: {line}", highlight=False)
     prov = result.provenance
-    served: tuple[Serving, ...] = () if result.out is None else serving(
+    nvfp4 = prov.kv_dtype in NVFP4_KV_DTYPES
+    served: tuple[Serving, ...] = () if result.out is None or nvfp4 else serving(
         traits_of(result.out, prov.format, bool(prov.per_head)))
     if json_output:  # stdout is the JSON: an engine that would not start on the output is said on stderr
         for engine in served:
@@ -37,7 +43,30 @@ def show(result: CalibrationResult, json_output: bool = False) -> None:
         console.print(f"layers without their own KV cache (no scale): {list(prov.skipped_layers)}")
     if result.out is not None:  # plain print: rich would wrap a long path inside the command to copy
         print(f"wrote {result.out} ({prov.format})")
+        if nvfp4:
+            show_nvfp4(str(result.out), prov.kv_dtype or "", prov.format, prov.headroom)
+            return
         print(serving_heading(served[0].traits))
         for line in serving_lines(served):
             print(f"  {line}")
         print(f"next: {verify_command(result.out)}")
+
+
+def show_nvfp4(out: str, kv_dtype: str, convention: str, headroom: float | None) -> None:
+    """What each release and GPU generation runs as the NVFP4 global scale of the folder written, how to serve it,
+    and the verify that runs each (nvfp4 K and V: verify does not model fp8_k_nvfp4_v's mixed cache)."""
+    divisor = nvfp4_convention(convention).divisor
+    side = "V" if kv_dtype == "fp8_k_nvfp4_v" else "K and V"
+    print(f"the stored {side} global scale is amax x {headroom:g} / {divisor:g}; what each release runs on each GPU "
+          "generation (docs/nvfp4.md):")
+    for line in nvfp4_lines(divisor, headroom, kv_dtype):
+        print(f"  {line}")
+    commands = nvfp4_serve_commands(out, kv_dtype)
+    if not commands:
+        print(f"K is an fp8 e4m3 cache scaled as with --kv-dtype fp8_e4m3; which releases load {kv_dtype} "
+              "(ModelOpt's FP8_K_NVFP4_V) fp8kv has not read")
+        return
+    print("serve it with:")
+    for command in commands:
+        print(f"  {command}")
+    print(f"next: {verify_command(Path(out))}")

@@ -12,6 +12,7 @@ from fp8kv.checkpoint.conventions import check_representable
 from fp8kv.checkpoint.hub_cache import check_base_model
 from fp8kv.data import DataRequest
 from fp8kv.errors import Fp8kvError
+from fp8kv.kvdtypes import NVFP4_BLOCK_SIZE, NVFP4_KV_DTYPES
 from fp8kv.options import DEFAULT_HEADROOM, DEFAULT_KV_DTYPE, DEFAULT_MODE
 
 
@@ -40,6 +41,12 @@ class CalibrationRequest:
     command: str | None = None  # the command line, recorded in fp8kv.json
 
 
+def default_format(kv_dtype: str) -> str:
+    """The format `--format` means when not given: compressed-tensors for fp8, ModelOpt's for the NVFP4 kv dtypes
+    (the one format vLLM, SGLang and TensorRT-LLM read NVFP4 global scales from)."""
+    return "modelopt" if kv_dtype in NVFP4_KV_DTYPES else CalibrationRequest.convention
+
+
 def command_line() -> str:
     """The command as typed, for the provenance record (`CalibrationRequest.command`, convert's too)."""
     return shlex.join(["fp8kv", *sys.argv[1:]])
@@ -50,6 +57,9 @@ def check_calibration_request(request: CalibrationRequest) -> None:
     created; none needs the checkpoint, so the command line checks them before torch is imported."""
     if request.attention == "fp8" and request.convention != "compressed-tensors":
         raise Fp8kvError("--attention fp8 writes q_scale, which only the compressed-tensors format carries")
+    if request.kv_dtype in NVFP4_KV_DTYPES and request.strategy.partition(":")[0] == "mse":
+        raise Fp8kvError(f"--strategy mse minimises the fp8 cast's error; {request.kv_dtype}'s error is set per block "
+                         f"of {NVFP4_BLOCK_SIZE} values, which it does not model: use amax or percentile:P")
     if request.base_model is not None:
         check_base_model(request.base_model)
     if request.out is not None:  # without --out nothing is written, so any format goes

@@ -17,7 +17,7 @@ import torch
 
 from fp8kv.observe import BINS_PER_OCTAVE, KVStatistics, bin_edges
 from fp8kv.fp8 import FP8_DTYPES
-from fp8kv.kvdtypes import FP8_MAX
+from fp8kv.kvdtypes import SCALE_BOUND
 from fp8kv.errors import Fp8kvError
 from fp8kv.options import LAST_BATCH, Strategy, check_headroom
 
@@ -25,10 +25,11 @@ MSE_CANDIDATES = 256  # clip candidates amax * 2**(-j/32), j < 256: down to amax
 
 
 def fp8_max(kv_dtype: str) -> float:
-    """The largest finite value of the KV-cache dtype (448 for fp8_e4m3, 57344 for fp8_e5m2)."""
-    if kv_dtype not in FP8_MAX:
-        raise Fp8kvError(f"unknown kv dtype {kv_dtype!r}; choose one of {', '.join(FP8_MAX)}")
-    return FP8_MAX[kv_dtype]
+    """The |x| / scale a calibrated clip maps to: the largest finite value of an fp8 KV-cache dtype (448 for
+    fp8_e4m3, 57344 for fp8_e5m2); 448 for the NVFP4 ones, whose global scale ModelOpt defines as amax / 448."""
+    if kv_dtype not in SCALE_BOUND:
+        raise Fp8kvError(f"unknown kv dtype {kv_dtype!r}; choose one of {', '.join(SCALE_BOUND)}")
+    return SCALE_BOUND[kv_dtype]
 
 
 def scale_from_amax(amax: torch.Tensor, kv_dtype: str = "fp8_e4m3", headroom: float = 1.0) -> torch.Tensor:

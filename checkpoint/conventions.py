@@ -15,7 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 from fp8kv.checkpoint.engine_names import vllm_format_gap, vllm_scale_module
-from fp8kv.kvdtypes import TORCH_DTYPE_NAME
+from fp8kv.checkpoint.nvfp4 import (
+    AUTO_ROUND, AUTO_ROUND_KV_SCHEME, MODELOPT_KV_ALGO, NVFP4_ONLY, check_nvfp4_target, mark_producer, named_as,
+    nvfp4_convention,
+)
+from fp8kv.kvdtypes import NVFP4_KV_DTYPES, TORCH_DTYPE_NAME
 from fp8kv.errors import Fp8kvError
 from fp8kv.options import Convention
 
@@ -101,8 +105,8 @@ _SUFFIXES = {suffix: (row.name, kind) for row in SCALE_CONVENTIONS for suffix, k
 
 
 def scale_convention(name: str) -> ScaleConvention:
-    """The row of convention `name`."""
-    return _BY_NAME[name]
+    """The row of convention `name` (an NVFP4-only convention: the row of the names it uses)."""
+    return _BY_NAME[nvfp4_convention(name).tensors if name in NVFP4_ONLY else name]
 
 
 # `<prefix>.<N>.<attention module>.<suffix>`: the first integer in the name is the layer; the module part is
@@ -170,7 +174,8 @@ def vllm_format_gaps(conventions: tuple[str, ...] | list[str], tensor_names: lis
     """The first of `conventions` whose scale names vLLM (0.32) refuses on this model (its attention module at
     `layer`, read from `tensor_names`), as one line naming the format vLLM loads; None when there is none."""
     module = attention_modules(tensor_names, (layer,))[layer]
-    return next((gap for c in conventions if (gap := vllm_format_gap(c, model_type, module))), None)
+    names = [scale_convention(c).name for c in conventions]
+    return next((gap for c in names if (gap := vllm_format_gap(c, model_type, module))), None)
 
 
 def layer_prefix(tensor_names: list[str]) -> str:
@@ -185,7 +190,7 @@ def layer_prefix(tensor_names: list[str]) -> str:
 def scale_names(convention: str, module: str, model_type: str) -> tuple[str, str]:
     """The K and V tensor names `convention` uses for the attention module at path `module` of a `model_type`."""
     row = scale_convention(convention)
-    if convention == "compressed-tensors":
+    if row.name == "compressed-tensors":
         module = vllm_scale_module(model_type, module)
     return f"{module}.{row.suffix('k')}", f"{module}.{row.suffix('v')}"
 
@@ -294,8 +299,15 @@ def quant_configs(
         if scales.q is not None:
             qc.setdefault("config_groups", {})[ATTENTION_GROUP] = attention_scheme(config)
         return QuantConfigs(key, qc, None)
-    if convention == "modelopt":
-        return QuantConfigs(key, *_modelopt_configs(qc, hf_quant if method else None, version))
+    if convention == AUTO_ROUND.name:
+        key, qc = (key, qc) if qc else (COMPRESSION_CONFIG, copy.deepcopy(_CT_BASE))
+        qc["kv_cache_scheme"] = dict(AUTO_ROUND_KV_SCHEME)
+        return QuantConfigs(key, qc, None)
+    if scale_convention(convention).name == "modelopt":
+        algo = MODELOPT_KV_ALGO.get(scales.kv_dtype, "FP8")
+        qc, hf_quant = _modelopt_configs(qc, hf_quant if method else None, version, algo)
+        mark_producer(hf_quant, convention if scales.kv_dtype in NVFP4_KV_DTYPES else None)
+        return QuantConfigs(key, qc, hf_quant)
     if method == "fp8":
         qc[AUTOFP8_KV_SCHEME.path[0]] = AUTOFP8_KV_SCHEME.value
         return QuantConfigs(key, qc, None)
@@ -306,10 +318,10 @@ def check_method(convention: str, config: dict[str, Any], hf_quant: dict[str, An
     """The weights' quantization method (None: unquantized), refused when `convention` cannot join it."""
     method = weight_method(config, hf_quant)
     allowed = {
-        None: CONVENTIONS,
-        "compressed-tensors": ("compressed-tensors", "vllm-json"),
+        None: CONVENTIONS + NVFP4_ONLY,
+        "compressed-tensors": ("compressed-tensors", "vllm-json", *named_as("compressed-tensors")),
         "fp8": ("quark", "vllm-json"),
-        "modelopt": ("modelopt", "vllm-json"),
+        "modelopt": ("modelopt", "vllm-json", *named_as("modelopt")),
         "quark": ("quark", "vllm-json"),
     }
     if method not in allowed:
@@ -327,6 +339,9 @@ def check_method(convention: str, config: dict[str, Any], hf_quant: dict[str, An
 
 def check_representable(convention: str, strategy: str, kv_dtype: str) -> None:
     """Refuse a scale strategy ("tensor" or "attn_head") or kv dtype that `convention` cannot carry."""
+    if kv_dtype in NVFP4_KV_DTYPES or convention in NVFP4_ONLY:
+        check_nvfp4_target(kv_dtype, convention, strategy)
+        return
     if strategy == "attn_head" and convention != "compressed-tensors":
         raise Fp8kvError(f"per-head (attn_head) scales can only be written as compressed-tensors, not {convention}; "
                          "drop --per-head or use --format compressed-tensors")
@@ -344,13 +359,13 @@ def _modelopt_fields(qc: dict[str, Any]) -> dict[str, Any]:
     return qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
 
 
-def _modelopt_configs(qc: dict[str, Any] | None, hf_quant: dict[str, Any] | None, version: str):
+def _modelopt_configs(qc: dict[str, Any] | None, hf_quant: dict[str, Any] | None, version: str, algo: str):
     # vLLM takes a folder for ModelOpt by its producer name or by quant_method; fp8kv is not ModelOpt
     hf_quant = copy.deepcopy(hf_quant) or {"producer": {"name": "fp8kv", "version": version},
                                            "quant_method": "modelopt", "quantization": dict(MODELOPT_KV_ONLY)}
-    hf_quant.setdefault("quantization", {})["kv_cache_quant_algo"] = "FP8"
+    hf_quant.setdefault("quantization", {})["kv_cache_quant_algo"] = algo
     if qc is not None:
-        _modelopt_fields(qc)["kv_cache_quant_algo"] = "FP8"
+        _modelopt_fields(qc)["kv_cache_quant_algo"] = algo
     return qc, hf_quant
 
 

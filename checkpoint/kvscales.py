@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.kvdtypes import FP8_MAX
+from fp8kv.kvdtypes import SCALE_BOUND
 from fp8kv.options import DEFAULT_KV_DTYPE
 
 if TYPE_CHECKING:
@@ -41,8 +41,8 @@ class KVScales:
     strategy: str = "tensor"
 
     def __post_init__(self) -> None:
-        if self.kv_dtype not in FP8_MAX:
-            raise Fp8kvError(f"kv dtype {self.kv_dtype!r} is not supported; use one of {', '.join(FP8_MAX)}")
+        if self.kv_dtype not in SCALE_BOUND:
+            raise Fp8kvError(f"kv dtype {self.kv_dtype!r} is not supported; use one of {', '.join(SCALE_BOUND)}")
         if self.strategy not in STRATEGIES:
             raise Fp8kvError(f"scale strategy {self.strategy!r} is neither 'tensor' nor 'attn_head'")
         if sorted(self.k) != sorted(self.v):
@@ -73,8 +73,8 @@ class KVScales:
 
     @property
     def fp8_max(self) -> float:
-        """The largest finite value of the kv dtype."""
-        return FP8_MAX[self.kv_dtype]
+        """The largest finite value of the kv dtype (NVFP4: the bound a calibrated amax maps to, kvdtypes.SCALE_BOUND)."""
+        return SCALE_BOUND[self.kv_dtype]
 
     def values(self, layer: int) -> tuple[list[float], list[float]]:
         """K and V scales of `layer` as Python floats (one per head for attn_head)."""

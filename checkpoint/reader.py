@@ -11,6 +11,8 @@ from fp8kv.checkpoint.conventions import (
     HF_QUANT_CONFIG, SCALE_CONVENTIONS, is_vllm_json, parse_scale_name, quantization_block,
 )
 from fp8kv.checkpoint.kvscales import KVScales, Shaped, float32
+from fp8kv.checkpoint.nvfp4 import Nvfp4Reading, nvfp4_reading
+from fp8kv.checkpoint.provenance import read_provenance
 from fp8kv.checkpoint.source import FLOAT_FORMATS, SourceCheckpoint, read_float_values
 from fp8kv.geometry import read_json
 from fp8kv.errors import Fp8kvError
@@ -31,7 +33,8 @@ class ScaleReadout:
 
     `conventions` lists every convention with scales present; `scales` is their agreed union
     (None when there are none); `declared` maps convention -> whether the config files
-    announce a quantized KV cache (e.g. `kv_cache_scheme` in `quantization_config` or `compression_config`).
+    announce a quantized KV cache (e.g. `kv_cache_scheme` in `quantization_config` or `compression_config`);
+    `nvfp4`: what the stored values mean when the config files declare an NVFP4 cache (None: an fp8 one).
     """
 
     source: SourceCheckpoint
@@ -41,6 +44,7 @@ class ScaleReadout:
     declared: dict[str, bool]
     missing_layers: tuple[int, ...]
     unexpected_layers: tuple[int, ...]
+    nvfp4: Nvfp4Reading | None = None
 
     @property
     def has_kv_cache_scheme(self) -> bool:
@@ -55,7 +59,13 @@ def read_kv_scales(model_dir: str | Path) -> ScaleReadout:
     disagree are an error."""
     source = SourceCheckpoint.open(model_dir)
     hf_quant = read_json(source.path / HF_QUANT_CONFIG) if HF_QUANT_CONFIG in source.files else None
-    kv_dtype = _kv_dtype(source.config)
+
+    def recorded_format() -> str | None:  # fp8kv.json, read only for a ModelOpt NVFP4 folder
+        record = read_provenance(source.path)
+        return record.format if record else None
+
+    nvfp4 = nvfp4_reading(source.config, hf_quant, recorded_format, str(source.path))
+    kv_dtype = nvfp4.kv_dtype if nvfp4 else _kv_dtype(source.config)
     tensors = _tensor_scales(source)
     found: dict[str, dict[int, dict[str, Shaped]]] = {}
     declared: dict[str, bool] = {}
@@ -84,6 +94,7 @@ def read_kv_scales(model_dir: str | Path) -> ScaleReadout:
         declared=declared,
         missing_layers=tuple(i for i in kv_layers if i not in complete) if found else (),
         unexpected_layers=tuple(sorted(i for i in merged if i not in kv_layers)),
+        nvfp4=nvfp4,
     )
 
 

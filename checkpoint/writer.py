@@ -26,6 +26,7 @@ from fp8kv.checkpoint.conventions import (
     scale_names, vllm_json,
 )
 from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.checkpoint.nvfp4 import NVFP4_ONLY
 from fp8kv.checkpoint.source import INDEX_NAME, SourceCheckpoint, read_safetensors_header
 from fp8kv.checkpoint.latent import check_latent_convention
 from fp8kv.geometry import read_json
@@ -56,8 +57,8 @@ def write_checkpoint(
     `record` becomes the output's fp8kv.json, listing every file written with its digest: `overwrite`
     replaces a folder only when it holds those files alone, unchanged.
     """
-    if convention not in CONVENTIONS:
-        raise Fp8kvError(f"unknown format {convention!r}; choose one of {', '.join(CONVENTIONS)}")
+    if convention not in CONVENTIONS + NVFP4_ONLY:
+        raise Fp8kvError(f"unknown format {convention!r}; choose one of {', '.join(CONVENTIONS + NVFP4_ONLY)}")
     if mode not in MODES:
         raise Fp8kvError(f"unknown mode {mode!r}; choose overlay or copy")
     source = SourceCheckpoint.open(source_dir)

@@ -23,13 +23,15 @@ from fp8kv.checkpoint.locate import bundled_name, infer_base_model, infer_licens
 from fp8kv.checkpoint.provenance import Provenance, read_provenance as read_record, record_written, unrecorded_files
 from fp8kv.console import fmt_number, layer_table, markdown_table
 from fp8kv.errors import Fp8kvError
-from fp8kv.kvdtypes import FP8_MAX, VLLM_KV_CACHE_DTYPE
+from fp8kv.hub.card_nvfp4 import nvfp4_scales, nvfp4_serve
+from fp8kv.kvdtypes import FP8_MAX, NVFP4_KV_DTYPES, VLLM_KV_CACHE_DTYPE
 from fp8kv.geometry import read_json
 from fp8kv.json_fields import to_json_value
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.kernel_rule import FP8_HEAD_RULE
 from fp8kv.serving import Serving, asked, serving, traits_of
 from fp8kv.verify.report import PLOT, REPORT_JSON, VerifyReport, engine_sources, engine_table
+from fp8kv.verify.nvfp4_report import nvfp4_section
 
 REPORT_FILE = Path(VERIFY_DIR) / REPORT_JSON
 PLOT_FILE = Path(VERIFY_DIR) / PLOT
@@ -123,14 +125,17 @@ def render_card(out_dir: str | Path, *, repo_id: str | None = None, base_model: 
     prov = read_provenance(out)
     report = read_report(out)
     base_model, license_ = _identity(out, prov, base_model, license)
+    model = str(repo_id or out.name)
+    nvfp4 = prov.kv_dtype in NVFP4_KV_DTYPES
     sections = [
         _intro(out, prov, base_model, repo_id),
         _what_was_done(prov, base_model),
-        _scales(out, prov, report),
+        nvfp4_scales(prov) if nvfp4 else _scales(out, prov, report),
         _verify(out, report),
         _task_scores(out),
-        _serve(str(repo_id or out.name), out, prov, COMPRESSION_CONFIG in (_quiet_json(out / "config.json") or {})),
-        _limitations(prov),
+        nvfp4_serve(model, prov.kv_dtype or "") if nvfp4 else _serve(model, out, prov,
+                                                 COMPRESSION_CONFIG in (_quiet_json(out / "config.json") or {})),
+        "" if nvfp4 else _limitations(prov),
     ]
     body = public_text("\n\n".join(s for s in sections if s) + "\n")
     target = f"<!-- fp8kv card for: {repo_id or 'a local folder'} -->"
@@ -333,6 +338,8 @@ def _verify(out: Path, report: VerifyReport | None) -> str:
              for key, value in (to_json_value(held.generation) or {}).items()]
     if rows:
         parts.append(markdown_table(["Check", "Result"], rows))
+    if held.nvfp4:
+        parts.append(nvfp4_section(held.nvfp4, report.thresholds))
     if held.engines:
         parts.append("Per serving engine, each writing the fp8 cache as that engine's released code does (a FAIL "
                      "names an engine that would lose sequences to NaN with these scales):\n\n"

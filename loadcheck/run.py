@@ -125,6 +125,9 @@ def load_check(checkpoint: Path, engine: str, python: Path, timeout_s: float = D
 
 def _run_probe(engine: str, python: Path, readout: ScaleReadout, timeout_s: float) -> dict[str, Any]:
     """The probe's JSON object, run by `python` on the checkpoint; any failure is one `Fp8kvError` line."""
+    if readout.nvfp4 is not None:  # its probes load fp8 caches; SGLang's NVFP4 loader has a probe of its own
+        raise Fp8kvError(f"{readout.source.path}: holds {readout.kv_dtype} scales, and load-check loads fp8 caches "
+                         "only; probes/sglang_nvfp4_loader.py runs SGLang's NVFP4 loader (docs/nvfp4.md)")
     if not python.exists():
         raise Fp8kvError(f"{python}: no such file; give --python the python of a venv with {engine} installed")
     if python.is_dir() or not os.access(python, os.X_OK):

@@ -33,4 +33,8 @@ test -x bench/.vllm-venv/bin/python || bash probes/vllm_venv.sh
 # vLLM's CUDA wheel of the CPU build's release: the Python its loader runs, file for file against the CPU wheel's
 "$PY" probes/vllm_cuda_python.py
 
+# vLLM's pure-torch NVFP4 reference (its CPU wheel beside torch 2.9.0): the layout, read-back and quantization
+test -x bench/.vllm-nvfp4-venv/bin/python || bash probes/vllm_nvfp4_venv.sh
+bench/.vllm-nvfp4-venv/bin/python probes/vllm_nvfp4_reference.py --out tests/golden/nvfp4-vllm-0.32.0.json
+
 git -C "$ROOT" status --short tests/golden

@@ -184,6 +184,9 @@ class PagedKVCache(PagedLayers):
     `clamped` counts values with |x / scale| > MAX, `nonfinite` counts NaN/inf values stored.
     """
 
+    # Whether the attention writes its output in fp8 e4m3 (at scale 1) before the model reads it back
+    fp8_attention_output = False
+
     def __init__(
         self,
         kv_layers: Sequence[int],
@@ -279,13 +282,18 @@ class PagedKVCache(PagedLayers):
             """`found` [T, 2*kv_heads, d] counted per token for K and V: [T, 2], 0 for padding tokens."""
             return found.view(found.shape[0], heads, 2, -1).sum(dim=(1, 3), dtype=torch.int32) * real
 
-        if is_fp8(self.dtype):
+        if self.clamps:
             over = per_token(magnitude.div_(self._write_scales[row, : 2 * heads]) > torch.finfo(self.dtype).max)
             self.clamped[row] += over.sum(dim=0)
             if self.forward is not None:
                 self.forward.over.add_(over.sum(dim=1))
         self.nonfinite[row] += per_token(nonfinite(stored)).sum(dim=0)
         self.written[row] += valid.sum() * heads * self._head_dims[row]
+
+    @property
+    def clamps(self) -> bool:
+        """Whether a write clamps x / scale at the cache dtype's maximum (an fp8 cache): what `clamped` counts."""
+        return is_fp8(self.dtype)
 
     def scale_args(self, layer: int) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None]:
         """The (k_scale, v_scale) attention needs: floats, per-head tensors, or None for non-fp8 caches."""

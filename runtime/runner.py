@@ -29,11 +29,13 @@ from fp8kv.checkpoint.load import MODEL_DTYPES, load_language_model
 from fp8kv.errors import Fp8kvError
 from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel, as_engine_model
 from fp8kv.fp8 import cache_dtype as _cache_dtype
-from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, quantize, to_float32
+from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, quantize, to_float32, to_fp8
 from fp8kv.geometry import AttentionGeometry
-from fp8kv.options import DEFAULT_KV_DTYPE
+from fp8kv.kvdtypes import NVFP4_WRITES
+from fp8kv.options import DEFAULT_KV_DTYPE, FOUR_OVER_SIX_WRITE
 from fp8kv.runtime.attention import NUMERICS, AttentionNumerics, kernel_supported, ragged_paged_attention
 from fp8kv.runtime.cache import SCRATCH_PAGE, CacheCounts, ForwardCounts, PageAllocator, PagedKVCache, Scale
+from fp8kv.runtime.nvfp4_cache import Nvfp4PagedKVCache
 from fp8kv.runtime.cache_view import sequence_cache
 from fp8kv.transformers_cache import cache_kwargs, model_cache_class, new_cache, recurrent_layers
 from fp8kv.runtime.device import RuntimeDevice, resolve_device, tpu_version
@@ -142,6 +144,8 @@ def _paged_attention(
         numerics=step.numerics,
         calls=step.calls,
     )
+    if step.cache.fp8_attention_output:
+        out = to_fp8(out, FP8_DTYPES[DEFAULT_KV_DTYPE], saturate=True).to(out.dtype)
     out = out if restore is None else out[:, restore]
     out = out if v_dim == out.shape[-1] else out[..., :v_dim]
     return out.unsqueeze(0), None  # [1, T, q_heads, v_dim]
@@ -167,7 +171,9 @@ class PagedModelRunner:
     Args:
         model_dir: a local checkpoint folder.
         device: "auto", "tpu", "xla-cpu", "cuda" or "cpu".
-        cache_dtype: "fp8_e4m3" (or vLLM's "fp8"), "fp8_e5m2", "bf16" or "fp32".
+        cache_dtype: "fp8_e4m3" (or vLLM's "fp8"), "fp8_e5m2", "bf16" or "fp32"; or vLLM's NVFP4 writes,
+            "nvfp4" and "nvfp4_4over6" (`runtime.nvfp4_cache`), read back as `nvfp4_read` says ("float32", or
+            "fp8": sm100's attention in fp8, with `q_scales` for the query).
         k_scales, v_scales: {kv layer index: float or per-KV-head list}; None = 1.0 (fp8 only).
         engine: the engine model the cache reproduces (`fp8kv.engine_models`): its fp8 write, the scales it
             runs with and the fp8 format it allocates; the default is vLLM TPU's (divide in float32, clamp).
@@ -212,6 +218,7 @@ class PagedModelRunner:
         model: torch.nn.Module | None = None,
         q_scales: Mapping[int, float] | None = None,
         attention_numerics: AttentionNumerics | None = None,
+        nvfp4_read: str = "float32",
     ) -> None:
         self.runtime_device: RuntimeDevice = resolve_device(device)
         self.geometry = AttentionGeometry.from_dir(model_dir)
@@ -231,8 +238,19 @@ class PagedModelRunner:
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.backend = _resolve_backend(attention_backend, self.runtime_device)
         g = self.geometry
-        dtype_of_cache = _cache_dtype(as_engine_model(engine).cache_dtype(canonical_cache_dtype(cache_dtype)))
-        if g.latent is not None:
+        nvfp4 = cache_dtype in NVFP4_WRITES
+        if nvfp4 and (g.latent is not None or shadow_engines):
+            raise Fp8kvError("an NVFP4 cache is modelled for K/V attention without shadow engines, not for "
+                             "multi-head latent attention (MLA) or shadow engines' fp8 writes")
+        if nvfp4:
+            self.cache: PagedKVCache | LatentPagedCache = Nvfp4PagedKVCache(
+                g.kv_layers, num_pages=num_pages or max_num_seqs * self.pages_per_seq + 1, page_size=page_size,
+                num_kv_heads=[g.layer_kv_heads(layer) for layer in g.kv_layers],
+                head_dim=[g.layer_head_dim(layer) for layer in g.kv_layers], device=self.runtime_device.device,
+                four_over_six=cache_dtype == FOUR_OVER_SIX_WRITE, read=nvfp4_read, head_dim_multiple=self.runtime_device.head_dim_multiple,
+                k_scales=k_scales, v_scales=v_scales, engine=engine, shared_layers=dict(g.shared_kv_sources))
+        elif g.latent is not None:
+            dtype_of_cache = _cache_dtype(as_engine_model(engine).cache_dtype(canonical_cache_dtype(cache_dtype)))
             if q_scales is not None:
                 raise Fp8kvError("q_scales: fp8 attention is not modelled for multi-head latent attention (MLA)")
             self.cache = LatentPagedCache(
@@ -241,6 +259,7 @@ class PagedModelRunner:
                 k_scales=k_scales, v_scales=v_scales, engine=engine, shadows=shadow_engines)
             capture_latents(self.model)
         else:
+            dtype_of_cache = _cache_dtype(as_engine_model(engine).cache_dtype(canonical_cache_dtype(cache_dtype)))
             self.cache = PagedKVCache(
                 g.kv_layers,
                 num_pages=num_pages or max_num_seqs * self.pages_per_seq + 1,

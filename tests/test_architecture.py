@@ -21,6 +21,7 @@ LAYERS: list[set[str]] = [
     {"options", "configs"},
     {"kvdtypes"},
     {"fp8", "geometry", "console", "progress", "models", "transformers_cache"},
+    {"nvfp4"},
     {"engine_models"},
     {"checkpoint"},
     {"data", "observe", "runtime"},

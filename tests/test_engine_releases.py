@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8kv.engine_models import RELEASE_MODELS, activation_divide, engine_model
+from fp8kv.engine_models import NVFP4_LOADERS, RELEASE_MODELS, activation_divide, engine_model
 from fp8kv.fp8 import to_fp8
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -24,6 +24,7 @@ def golden(name: str) -> dict:
 
 def test_every_golden_file_named_by_a_row_exists_and_every_record_has_a_row():
     named = {name for m in RELEASE_MODELS if m.release for name in (m.release.golden, m.release.loaders) if name}
+    named |= {loader.golden for loader in NVFP4_LOADERS if loader.golden}
     records = {path.name for path in GOLDEN.glob("*.json")}
     assert named <= records
     # each record backs a row (a probe's extra files, like the tpu-inference bytes, sit beside its JSON), or rows of

@@ -10,8 +10,6 @@ before torch 2.12, and saturating, as from 2.12).
 
 from __future__ import annotations
 
-import importlib.util
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import torch
 
 from fp8kv.engine_models import activation_divide, engine_model
 from fp8kv.fp8 import FP8_DTYPES, to_fp8
+from tests.vendor_headers import build
 
 SOURCE = Path(__file__).with_name("engine_writes.cpp")
 # Scales that put bf16 values on the fp8 maxima and their rounding midpoints (448, 464, 57344, 61440), and a
@@ -35,25 +34,9 @@ _WRITES = (("vllm-cuda", E4M3), ("vllm-cuda", E5M2), ("sglang@0.5.17", E4M3), ("
 WRITES = {"bf16": (*_WRITES, ("tensorrt-llm", E4M3)), "f16": (*_WRITES, ("tensorrt-llm", E4M3)), "f32": _WRITES}
 
 
-def _include_dirs() -> list[Path]:
-    """cuda_fp8.h and what it includes (cuda_runtime, crt from cuda_nvcc, nv/target from cuda_cccl), and c10."""
-    dirs = []
-    for package in ("nvidia.cuda_runtime", "nvidia.cuda_nvcc", "nvidia.cuda_cccl"):
-        spec = importlib.util.find_spec(package)
-        assert spec is not None and spec.submodule_search_locations, \
-            f"{package} is not installed: `make test` installs it with the dev extra"
-        dirs.append(Path(next(iter(spec.submodule_search_locations))) / "include")
-    return [*dirs, Path(torch.__file__).parent / "include"]
-
-
 @pytest.fixture(scope="module")
 def engine_writes(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    compiler = shutil.which("g++") or shutil.which("c++")
-    assert compiler, "a C++ compiler (g++) is needed to build tests/engine_writes.cpp"
-    binary = tmp_path_factory.mktemp("vendor") / "engine_writes"
-    includes = [f"-I{d}" for d in _include_dirs()]
-    subprocess.run([compiler, "-std=c++17", "-O2", *includes, str(SOURCE), "-o", str(binary)], check=True)
-    return binary
+    return build(SOURCE, tmp_path_factory.mktemp("vendor") / "engine_writes")
 
 
 def _vendor_bytes(binary: Path, mode: str, inputs: torch.Tensor, folder: Path) -> np.ndarray:

@@ -17,7 +17,9 @@ from fp8kv.checkpoint.load import MODEL_DTYPES
 from fp8kv.kvdtypes import FP8_MAX, VLLM_KV_CACHE_DTYPE
 from fp8kv.cli import app
 from fp8kv.errors import ExitCode
-from fp8kv.options import KV_DTYPE_SPELLINGS, KvDtype, KvDtypeSpelling, ModelDtype, RuntimeChoice, TorchDeviceChoice
+from fp8kv.options import (
+    KV_DTYPE_SPELLINGS, KvDtype, KvDtypeSpelling, ModelDtype, Nvfp4KvDtype, RuntimeChoice, TorchDeviceChoice,
+)
 
 TYPOS = [
     ["calibrate", "bundled", "--kv-dtype", "fp8_e4m33"],
@@ -111,13 +113,14 @@ def test_verify_refuses_a_bad_file_option_before_torch_loads(tmp_path, option, n
 def test_help_lists_the_choices():
     text = CliRunner().invoke(app, ["calibrate", "--help"]).output
     assert "<" + "|".join(CONVENTIONS) + ">" in text
-    assert "<fp8_e4m3|fp8_e5m2|fp8>" in text
+    assert "<fp8_e4m3|fp8_e5m2|fp8|nvfp4|fp8_k_nvfp4_v>" in text
 
 
 def test_choice_lists_match_the_library():
     assert set(get_args(KvDtype)) == set(FP8_MAX)
     assert set(get_args(ModelDtype)) == {"auto", *MODEL_DTYPES}
-    assert set(get_args(KvDtypeSpelling)) == set(get_args(KvDtype)) | set(KV_DTYPE_SPELLINGS)  # --kv-dtype
+    assert set(get_args(KvDtypeSpelling)) == (  # --kv-dtype
+        set(get_args(KvDtype)) | set(KV_DTYPE_SPELLINGS) | set(get_args(Nvfp4KvDtype)))
     assert set(get_args(TorchDeviceChoice)) < set(get_args(RuntimeChoice))  # calibrate's --device, verify's
     assert VLLM_KV_CACHE_DTYPE == {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8_e5m2"}  # vLLM's --kv-cache-dtype
 
@@ -356,4 +359,4 @@ def test_convert_defaults_are_the_library_function_s():
     keywords = {name: p.default for name, p in inspect.signature(convert_checkpoint).parameters.items()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "command"}
     options = {p.name: p.default for p in typer.main.get_command(app).commands["convert"].params if not p.required}
-    assert options == keywords == {"overwrite": False, "mode": "overlay"}
+    assert options == keywords == {"overwrite": False, "mode": "overlay", "source_convention": None}

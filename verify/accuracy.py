@@ -322,7 +322,7 @@ class SequenceScore:
 
 
 @dataclass
-class _Totals:
+class Totals:
     """Per held-out sequence: the bf16 cache's NLL, and the scores of one fp8 runner (`ours`) and of the same
     cache at unit scales (`unit`); `paired` is False where the two are one runner (nothing to compare)."""
 
@@ -383,7 +383,7 @@ class _Totals:
 class EngineTotals:
     """One engine model over the held-out samples: its scores against the bf16 cache and its unit-scale twin's."""
 
-    totals: _Totals
+    totals: Totals
 
     def add(self, rows: int, bf16_nll: float, ours: SequenceScore, unit: SequenceScore) -> None:
         self.totals.add(rows, bf16_nll, ours, unit)
@@ -419,8 +419,8 @@ def measure_accuracy(runners: Runners, samples: list[list[int]], batch_size: int
     """
     new = [(ids, repeated) for ids, repeated in zip(samples, repeated_prefixes(samples)) if repeated < len(ids)]
     samples, skips = [ids for ids, _ in new], [repeated for _, repeated in new]
-    totals = _Totals()
-    engine_totals = {engine: EngineTotals(_Totals(paired=runners.unit_engines.get(engine, runners.unit)
+    totals = Totals()
+    engine_totals = {engine: EngineTotals(Totals(paired=runners.unit_engines.get(engine, runners.unit)
                                                   is not runner)) for engine, runner in runners.engines.items()}
     # saturating engines first: a non-saturating one may reuse its twin's scores
     order = sorted(runners.engines, key=lambda name: name in runners.twins)

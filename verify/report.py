@@ -26,9 +26,10 @@ from fp8kv.json_fields import dataclass_from_json, from_json_value, to_json_valu
 from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.xla_cost import RuntimeSummary
 from fp8kv.verify.results import (
-    Accuracy, EngineResult, Fidelity, GenerationDetails, GenerationMatch, LayerCheck, PairedDifference, QueryCost,
-    Readback, StaticSummary,
+    Accuracy, EngineResult, Fidelity, GenerationDetails, GenerationMatch, LayerCheck, Nvfp4Check, PairedDifference,
+    QueryCost, Readback, StaticSummary,
 )
+from fp8kv.verify.nvfp4_report import nvfp4_lines, nvfp4_section
 from fp8kv.verify.verdict import Thresholds, engine_unit_scale_notes, warned_engines
 
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "scales.png"
@@ -57,6 +58,7 @@ class HeldOut:
     query: QueryCost | None = None  # --quantize-query on a checkpoint with q_scale
     generation_details: GenerationDetails | None = None
     fidelity: Fidelity | None = None
+    nvfp4: Nvfp4Check | None = None  # an NVFP4 folder: its cache per engine path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +113,7 @@ class VerifyReport:
         return cls(digest=digest, held_out=held_out, **values)
 
 
-_OPTIONAL_SECTIONS = ("query", "generation_details", "fidelity")
+_OPTIONAL_SECTIONS = ("query", "generation_details", "fidelity", "nvfp4")
 
 
 def write_report(report: VerifyReport, out_dir: Path) -> None:
@@ -151,6 +153,8 @@ def render_markdown(report: VerifyReport) -> str:
         parts.append("## Accuracy of fp8kv's runtime\n\nIts write divides in float32 and clamps, the arithmetic the "
                      "engines below are compared with; each engine's own figures, which the verdict judges, are in "
                      "its row.\n\n" + markdown_table(["Metric", "Value"], rows))
+    if held.nvfp4:
+        parts.append(nvfp4_section(held.nvfp4, report.thresholds))
     compared = _engines_by_comparison(held.engines)
     if compared:
         parts.append("## These scales against unit scales, per engine\n\nEach measure compared sequence by sequence "
@@ -248,7 +252,8 @@ def _versus_unit_cell(engine: EngineResult) -> str:
 
 
 def plot_png(report: VerifyReport) -> bytes | None:
-    """PNG bytes: the reason for the verdict at a glance; None without matplotlib (`pip install "fp8kv[plot]"`).
+    """PNG bytes: the reason for the verdict at a glance; None without matplotlib (`pip install "fp8kv[plot]"`), and
+    for an NVFP4 report (its figures are each engine path's, in report.md's table).
 
     Top: per layer, the largest |x|/scale of K and V on the held-out text against the fp8 maximum
     (clamped above it) and the raw-cast limit (NaN/inf above it without a clamp). Bottom: the share
@@ -256,6 +261,8 @@ def plot_png(report: VerifyReport) -> bytes | None:
     """
     import io
 
+    if report.held_out.nvfp4:
+        return None
     # matplotlib caches its font list in ~/.cache; keep it in the temp dir (fp8kv writes nowhere else).
     os.environ.setdefault("MPLCONFIGDIR", os.path.join(tempfile.gettempdir(), "fp8kv-matplotlib"))
     try:
@@ -316,6 +323,8 @@ def show(result: Any, json_output: bool = False) -> None:
         print(f"  engine {e.engine} ({e.verdict}): ppl {fmt_number(e.ppl)}{kl}, NaN/inf rows {e.nan_rows} of "
               f"{e.rows}, sequences lost {e.sequences_lost} of {e.sequences}"
               + (", at scale 1.0 (not read)" if e.unread else ""))
+    for line in nvfp4_lines(held.nvfp4, report.thresholds) if held.nvfp4 else []:
+        print(f"  {line}")
     for note in engine_unit_scale_notes(held.engines, report.thresholds):
         print(f"  note: {note}")
     alone = warned_engines(report.reasons)

@@ -223,3 +223,61 @@ class Fidelity:
                               f"{self.kl_mean:.2e} against transformers' own forward exceeds the bound "
                               f"{self.bound:.1e}; its fp8 numbers would judge the runtime, not the model, "
                               "so nothing was judged")]
+
+
+@dataclass(frozen=True)
+class Nvfp4Writes:
+    """What one NVFP4 cache wrote on the held-out text, every layer's K and V together: blocks whose e4m3 scale
+    saturated at 448, fell in e4m3's subnormals, or rounded to 0 over a nonzero value; values clipped at ±6 block
+    scales; values whose e2m1 x block scale passed 448, which an fp8 read cannot hold; values written."""
+
+    saturated_scales: int
+    subnormal_scales: int
+    zeroed_blocks: int
+    clipped_values: int
+    fp8_read_over: int
+    values: int
+
+
+@dataclass(frozen=True)
+class VersusFp8:
+    """An NVFP4 cache's held-out logits against the fp8 cache's at fp8kv's fp8 scales: mean and max KL(fp8 ||
+    NVFP4) per next-token distribution (nats), top-1 agreement, and the fp8 cache's perplexity."""
+
+    kl_mean: float
+    kl_max: float
+    top1_agreement: float
+    ppl_fp8: float
+
+
+@dataclass(frozen=True)
+class Nvfp4PathResult:
+    """One engine release's NVFP4 path (`engine_models.Nvfp4Loader`) run on the held-out text: the global scales it
+    runs per KV layer (the stored value times its loader's `factor`; 1.0 where it does not load them), the read
+    its attention takes ("fp8": blocks dequantized into e4m3, sm100; "float32": sm120), what its cache wrote, its
+    logits against the bf16 cache (`accuracy`, whose unit scales are the same path at global scale 1.0) and
+    against the fp8 cache, and its verdict."""
+
+    path: str
+    known_by: str
+    read: str
+    loads: bool
+    factor: float
+    k_scales: tuple[float, ...]
+    v_scales: tuple[float, ...]
+    writes: Nvfp4Writes
+    accuracy: Accuracy
+    versus_fp8: VersusFp8
+    verdict: str
+
+
+@dataclass(frozen=True)
+class Nvfp4Check:
+    """verify of an NVFP4 folder: the convention its global scales are stored in (`stored = amax x headroom /
+    divisor`), the fp8 cache at fp8kv's fp8 scales of the same observation (amax x headroom / 448) against the
+    bf16 cache, and one result per engine path."""
+
+    convention: str
+    divisor: float
+    fp8: Accuracy
+    paths: tuple[Nvfp4PathResult, ...]

@@ -29,7 +29,7 @@ from fp8kv.progress import StageProgress, announce, stage_callback
 from fp8kv.runtime import amx_tiles, xla_cost
 from fp8kv.serving import loss_line
 from fp8kv.runtime.device import resolve_device
-from fp8kv.verify import accuracy, engines, fidelity, generation, heldout
+from fp8kv.verify import accuracy, engines, fidelity, generation, heldout, nvfp4
 from fp8kv.verify.request import VerifyRequest, check_verify_request
 from fp8kv.verify.report import REPORT_JSON, HeldOut, VerifyReport, write_report
 from fp8kv.verify.results import LayerCheck, QueryCost
@@ -64,14 +64,20 @@ def verify(request: VerifyRequest, progress: StageProgress | None = None) -> Ver
     clock = time.perf_counter()
     announce(progress, "static checks")
     static = static_checks(model_dir, any(engine_of(name) == VLLM_TPU for name in request.engines))
+    if static.readout.nvfp4 is not None:  # before the work: each path's scale depends on the convention
+        nvfp4.known_convention(static)
+        nvfp4.check_device(runtime)
     reasons, held_out, timings = list(static.reasons), HeldOut(), {}
     if static.runnable:
         tokenizer, data = _heldout_text(request, static, runtime.kind, progress)
         held_out = HeldOut(heldout.text_source(data), len(data.samples), data.num_tokens,
                            sum(repeated_prefixes(data.samples)))
         try:
-            held_out, found, timings = _heldout_checks(request, static, tokenizer, data, runtime.kind, thresholds,
-                                                       held_out, progress)
+            if static.readout.nvfp4 is not None:  # its cache per engine path, not the fp8 engines
+                held_out, found, timings = nvfp4.heldout_checks(request, static, data, thresholds, held_out, progress)
+            else:
+                held_out, found, timings = _heldout_checks(request, static, tokenizer, data, runtime.kind,
+                                                           thresholds, held_out, progress)
             reasons += found
         except WeightsMismatch as exc:  # numbers from invented weights would judge nothing
             reasons.append(Finding(FAIL, f"{exc}; held-out checks skipped"))

@@ -42,5 +42,7 @@ def static_checks(model_dir: str | Path, torch_xla_kernel: bool = True) -> Stati
     whether vLLM's torch_xla TPU backend is among the engines judged (its kernel's head rule applies then)."""
     readout = read_kv_scales(model_dir)
     provenance = read_provenance(readout.source.path)
-    findings = check_readout(readout, provenance, torch_xla_kernel) + tpu_layout_findings(readout)
+    # no TPU engine has an NVFP4 cache: its fp8 layout rules say nothing about one
+    fp8 = readout.nvfp4 is None
+    findings = check_readout(readout, provenance, torch_xla_kernel and fp8) + (tpu_layout_findings(readout) if fp8 else [])
     return StaticResult(readout, findings, scales_usable(readout), provenance.headroom if provenance else None)

@@ -289,7 +289,11 @@ def sequences_to_judge(thresholds: Thresholds, comparisons: int) -> int:
 def engine_unit_scale_notes(engines: Sequence[EngineResult], thresholds: Thresholds) -> list[str]:
     """How each comparison of the family came out where the verdict found nothing worse, a note several engines
     share said once, naming them."""
-    family = unit_comparisons(engines)
+    return unit_scale_notes(unit_comparisons(engines), thresholds)
+
+
+def unit_scale_notes(family: Sequence[UnitComparison], thresholds: Thresholds) -> list[str]:
+    """`engine_unit_scale_notes` of a family of comparisons (fp8 engines' or NVFP4 engine paths')."""
     needed = sequences_to_judge(thresholds, len(family))
     return [f"{_engines(c.engines)}: {unit_scale_note(c.kl, needed, why)}"
             for c, why in zip(family, _tolerances(family, thresholds)) if why]

@@ -1,0 +1,193 @@
+"""NVFP4 KV-cache numerics: vLLM's CUDA write, its read-back, and what a verifier counts per write.
+
+A value is stored as a 4-bit e2m1 code; each block of 16 consecutive head_dim values shares one e4m3 block scale SF,
+and each layer and side one float32 scale s (the checkpoint's k_scale / v_scale), so a value reads back as
+`e2m1 * SF * s`. vLLM's write (`csrc/libtorch_stable/nvfp4_kv_cache_kernels.cu` and
+`quantization/fp4/nvfp4_utils.cuh` `cvt_warp_fp16_to_fp4`, late 2026), per block with bmax = max |x|:
+
+    g    = 1 / s
+    SF   = e4m3(g * (bmax * rcp(6)))     round to nearest even, saturating at 448
+    y    = x * rcp(SF * rcp(g))          0 where SF is 0
+    code = e2m1(y)                       round to nearest even, saturating at ±6
+
+The kernel's `rcp` is `rcp.approx.ftz.f32`, which PTX documents to within 1 ulp of 1/x; `_reciprocal` here is
+float32's correctly rounded 1/x, so a code or block scale can differ from the GPU's only where a product lands within
+a few float32 ulps of an e2m1 or e4m3 rounding boundary (tests/test_nvfp4.py measures how often, and that such a
+value is one step off at most). Flushing subnormals changes nothing for scales between 2**-117 and 2**117: no
+operand or result of those reciprocals is subnormal there. A block holding NaN is not modelled: the kernel's
+half-precision max passes over a NaN, torch's amax keeps it.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from fp8kv.errors import Fp8kvError
+from fp8kv.fp8 import FP8_DTYPES, to_float32, to_fp8
+from fp8kv.kvdtypes import E2M1_MAGNITUDES, E2M1_MAX, FP8_MAX, NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SCALE_DTYPE
+
+E4M3 = FP8_DTYPES[NVFP4_BLOCK_SCALE_DTYPE]
+SIGN_BIT = 0x8
+_MAX_CODE = len(E2M1_MAGNITUDES) - 1
+# Rounding to nearest moves from magnitude code i to i + 1 halfway between their magnitudes. A value exactly there
+# goes to the even code: up where i is odd (0.75, 1.75, 3.5), down where i is even (0.25, 1.25, 2.5, 5).
+_BOUNDS = tuple((a + b) / 2 for a, b in itertools.pairwise(E2M1_MAGNITUDES))
+_TIES_UP = _BOUNDS[1::2]
+# The 4over6 write's second block-scale target: 4 maps a block's max to e2m1's 4, where 6 maps it to 6
+FOUR_OVER_SIX_TARGET = 4.0
+
+
+@dataclass(frozen=True)
+class Nvfp4Tensor:
+    """A tensor held as NVFP4. `codes` uint8 `[..., n/2]`: two e2m1 codes a byte (`pack`); `block_scales`
+    float8_e4m3fn `[..., n/16]`; `scale` float32, broadcasting against `block_scales`: value i reads back as
+    `e2m1(code i) * block_scales[i // 16] * scale`."""
+
+    codes: torch.Tensor
+    block_scales: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclass(frozen=True)
+class WriteCounts:
+    """What one NVFP4 write did, as int64 0-dim tensors on the tensor's device (no host sync)."""
+
+    saturated_scales: torch.Tensor  # blocks with bmax / target / s > 448: the block scale is 448 and values clip
+    subnormal_scales: torch.Tensor  # blocks whose block scale is an e4m3 subnormal (below 2**-6): 3 bits or fewer
+    zeroed_blocks: torch.Tensor  # blocks holding a nonzero value whose block scale rounded to 0: all stored as ±0
+    clipped_values: torch.Tensor  # values with |x / (SF * s)| > 6, stored as ±6 (e4m3's rounding of SF alone: to 6.375)
+
+
+class _Candidate(NamedTuple):
+    """One block-scale choice, per block `[..., blocks]`."""
+
+    wanted: torch.Tensor  # float32 g * bmax / target, before the e4m3 cast
+    block_scale: torch.Tensor  # float8_e4m3fn
+    output_scale: torch.Tensor  # float32 multiplier from x to e2m1's range; 0 where the block scale is 0
+
+
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """`y` as e2m1 codes (uint8, 0..15; bit 3 the sign): round to nearest even, ±6 past the range and for ±inf, as
+    CUDA's `__nv_cvt_float_to_fp4(y, __NV_E2M1, cudaRoundNearest)` (and `cvt.rn.satfinite.e2m1x2.f32`). The sign
+    is y's sign bit, so -0 and a negative value that rounds to 0 store code 8; NaN stores +6, as cuda_fp4.hpp's
+    host conversion does."""
+    y = y.float()
+    magnitude = y.abs()
+    code = torch.bucketize(magnitude, torch.tensor(_BOUNDS, device=y.device))  # bounds strictly below |y|
+    code += torch.isin(magnitude, torch.tensor(_TIES_UP, device=y.device))
+    nan = y.isnan()
+    code = torch.where(nan, _MAX_CODE, code)
+    negative = torch.signbit(y) & ~nan
+    return (code | negative * SIGN_BIT).to(torch.uint8)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (uint8, 0..15) as float32; code 8 reads as -0.0."""
+    return torch.take(_code_values(codes.device), codes.long())
+
+
+@functools.cache
+def _code_values(device: torch.device) -> torch.Tensor:
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
+    return torch.cat([magnitudes, -magnitudes]).to(device)
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """Two e2m1 codes a byte along the last axis, `[..., n]` -> `[..., n/2]`, the even-indexed one in the low
+    nibble: vLLM's kernel hands `cvt.rn.satfinite.e2m1x2.f32` the odd value as the instruction's high half."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The codes `pack` packed: `[..., n/2]` -> `[..., n]`."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def _reciprocal(x: torch.Tensor) -> torch.Tensor:
+    """1/x rounded to nearest in float32, where the kernel runs `rcp.approx.ftz.f32` (see the module's docstring)."""
+    return torch.reciprocal(x)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor | float, *,
+             four_over_six: bool = False) -> tuple[Nvfp4Tensor, WriteCounts]:
+    """`x` `[..., n]` (n a multiple of 16) written as vLLM's NVFP4 KV cache stores it with global scale `scale`
+    (float32 s, the checkpoint's k_scale or v_scale, broadcasting against `x.shape[:-1] + (1,)`), and the counts.
+
+    `four_over_six` is vLLM's `nvfp4_4over6` cache: per block, the block scale that maps the block's max to 4 as well
+    as the one mapping it to 6, keeping 4 where its squared read-back error is strictly lower.
+    """
+    if x.shape[-1] % NVFP4_BLOCK_SIZE:
+        raise Fp8kvError(f"NVFP4 stores blocks of {NVFP4_BLOCK_SIZE} values: the last dimension of a {tuple(x.shape)} "
+                         f"tensor is not a multiple of {NVFP4_BLOCK_SIZE}; pad head_dim to one")
+    blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK_SIZE))  # [..., blocks, 16]
+    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    g = _reciprocal(s)
+    bmax = blocks.abs().amax(dim=-1)
+    chosen = _candidate(bmax, g, E2M1_MAX)
+    if four_over_six:
+        chosen = _lower_error(blocks, chosen, _candidate(bmax, g, FOUR_OVER_SIX_TARGET))
+    y = blocks * chosen.output_scale[..., None]
+    stored = Nvfp4Tensor(pack(e2m1_codes(y).flatten(-2)), chosen.block_scale, s)
+    return stored, _counts(bmax, chosen, y)
+
+
+def _candidate(bmax: torch.Tensor, g: torch.Tensor, target: float) -> _Candidate:
+    wanted = g * (bmax * _reciprocal(torch.tensor(target, device=bmax.device)))
+    block_scale = to_fp8(wanted, E4M3, saturate=True)
+    sf = to_float32(block_scale)
+    output_scale = torch.where(sf == 0, 0.0, _reciprocal(sf * _reciprocal(g)))
+    return _Candidate(wanted, block_scale, output_scale)
+
+
+def _lower_error(blocks: torch.Tensor, six: _Candidate, four: _Candidate) -> _Candidate:
+    """Per block, `four` where its squared error is strictly below `six`'s, else `six`."""
+    use_four = _squared_error(blocks, four.output_scale) < _squared_error(blocks, six.output_scale)
+    block_scale = torch.where(use_four, four.block_scale.view(torch.uint8), six.block_scale.view(torch.uint8))
+    return _Candidate(torch.where(use_four, four.wanted, six.wanted), block_scale.view(E4M3),
+                      torch.where(use_four, four.output_scale, six.output_scale))
+
+
+def _squared_error(blocks: torch.Tensor, output_scale: torch.Tensor) -> torch.Tensor:
+    """Per block, the sum of (e2m1(x * output_scale) * rcp(output_scale) - x)**2 in float32, in the kernel's order:
+    neighbouring pairs summed, then the pairs added one after another. A zero scale reads back zeros.
+
+    nvcc may fuse these multiplies and adds, rounding once where this rounds twice: the choice can then differ from
+    the GPU's only for blocks whose two errors agree to within a few float32 roundings."""
+    multiplier = output_scale[..., None]
+    read_back = torch.where(multiplier == 0, 0.0, _reciprocal(multiplier))
+    error = (e2m1_values(e2m1_codes(blocks * multiplier)) * read_back - blocks) ** 2
+    pairs = error[..., 0::2] + error[..., 1::2]
+    total = pairs[..., 0]
+    for i in range(1, pairs.shape[-1]):
+        total = total + pairs[..., i]
+    return total
+
+
+def _counts(bmax: torch.Tensor, chosen: _Candidate, y: torch.Tensor) -> WriteCounts:
+    sf = to_float32(chosen.block_scale)
+    return WriteCounts(
+        saturated_scales=(chosen.wanted > FP8_MAX[NVFP4_BLOCK_SCALE_DTYPE]).sum(),
+        subnormal_scales=((sf > 0) & (sf < torch.finfo(E4M3).smallest_normal)).sum(),
+        zeroed_blocks=((sf == 0) & (bmax > 0)).sum(),
+        clipped_values=(y.abs() > E2M1_MAX).sum(),
+    )
+
+
+def block_values(stored: Nvfp4Tensor) -> torch.Tensor:
+    """Each value's e2m1 times its block scale, `[..., n]` float32, without the global scale: exact (at most 6
+    significant bits), what an attention that applies the global scale itself starts from."""
+    values = e2m1_values(unpack(stored.codes)).unflatten(-1, (-1, NVFP4_BLOCK_SIZE))  # [..., blocks, 16]
+    return (values * to_float32(stored.block_scales)[..., None]).flatten(-2)
+
+
+def dequantize(stored: Nvfp4Tensor) -> torch.Tensor:
+    """The float32 values `stored` reads back as, `[..., n]`: each e2m1 value times (block scale * scale), the
+    product vLLM's pure-torch reference (`dequantize_to_dtype`) forms."""
+    values = e2m1_values(unpack(stored.codes)).unflatten(-1, (-1, NVFP4_BLOCK_SIZE))  # [..., blocks, 16]
+    block = to_float32(stored.block_scales) * stored.scale  # [..., blocks]
+    return (values * block[..., None]).flatten(-2)

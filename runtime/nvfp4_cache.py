@@ -1,0 +1,165 @@
+"""The paged KV cache stored as NVFP4 (vLLM's `--kv-cache-dtype nvfp4` and `nvfp4_4over6` writes), and what the
+attention reads back from it.
+
+Per KV layer the cache stores what vLLM's does, K and V interleaved on the head axis as in the fp8 cache (vLLM
+orders a page's bytes [K codes | K scales | V codes | V scales]; the values are the same): packed e2m1 codes
+`codes` uint8 `[num_pages, page_size, 2 * kv_heads, head_dim / 2]`, e4m3 block scales `block_scales` (their bytes,
+uint8) `[num_pages, page_size, 2 * kv_heads, head_dim / 16]`, and the layer's global K and V scales in `scales`.
+`pages` holds what attention reads, made from the stored bytes at each write, so every attention function reads it
+as it reads any cache:
+
+- read "float32": e2m1 * (SF * s) in float32, the plain dequantized read (vLLM's `dequantize_to_dtype`);
+- read "fp8": e2m1 * SF rounded to e4m3, with s left to the attention as its k_scale / v_scale: the sm100 path,
+  where the attention kernel dequantizes K and V to fp8 (with the runner's `q_scales`, Q is fp8 too, as vLLM's
+  `scaled_fp8_quant` of the query makes it) and writes its output in fp8 e4m3 (`fp8_attention_output`). The kernel's
+  own roundings are not read (trtllm-gen ships compiled); these round to nearest and saturate, like every fp8 write
+  here. A product past 448 (a block scale above 448 / 6, which a global scale below amax / 448 gives) cannot be
+  held: `fp8_read_over` counts those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel
+from fp8kv.errors import Fp8kvError
+from fp8kv.fp8 import to_fp8
+from fp8kv.kvdtypes import FP8_MAX, NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SCALE_DTYPE
+from fp8kv.nvfp4 import E4M3, Nvfp4Tensor, WriteCounts, block_values, dequantize, quantize
+from fp8kv.runtime.cache import PagedKVCache, Scale, store_rows
+
+NVFP4_READS = {"float32": torch.float32, "fp8": E4M3}
+
+
+@dataclass(frozen=True)
+class Nvfp4Counts:
+    """An NVFP4 cache's write counters per KV layer, `(K, V)` each: blocks whose scale saturated at 448, fell in
+    e4m3's subnormals, or rounded to 0 with a nonzero value in the block; values clipped at ±6 block scales; values
+    whose e2m1 * block scale is past e4m3's 448, which the fp8 read cannot hold (`nvfp4_cache`'s docstring)."""
+
+    saturated_scales: dict[int, tuple[int, int]]
+    subnormal_scales: dict[int, tuple[int, int]]
+    zeroed_blocks: dict[int, tuple[int, int]]
+    clipped_values: dict[int, tuple[int, int]]
+    fp8_read_over: dict[int, tuple[int, int]]
+
+
+_WRITE_COUNTERS = tuple(f.name for f in fields(WriteCounts))
+_COUNTERS = tuple(f.name for f in fields(Nvfp4Counts))
+assert _COUNTERS[: len(_WRITE_COUNTERS)] == _WRITE_COUNTERS, "Nvfp4Counts starts with WriteCounts' counters"
+
+
+class Nvfp4PagedKVCache(PagedKVCache):
+    """`PagedKVCache`'s pages, allocator and counters over NVFP4 storage (the module's docstring). `four_over_six`
+    picks vLLM's 4over6 write, `read` what the attention reads ("float32" or "fp8"). Every head_dim must be a
+    multiple of 16; shadow engines do not apply (their writes are fp8)."""
+
+    def __init__(
+        self,
+        kv_layers: Sequence[int],
+        *,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int | Sequence[int],
+        head_dim: int | Sequence[int],
+        device: torch.device,
+        four_over_six: bool = False,
+        read: str = "float32",
+        head_dim_multiple: int = 1,
+        k_scales: Mapping[int, Scale] | None = None,
+        v_scales: Mapping[int, Scale] | None = None,
+        engine: str | EngineModel = DEFAULT_ENGINE,
+        shared_layers: Mapping[int, int] | None = None,
+    ) -> None:
+        if read not in NVFP4_READS:
+            raise Fp8kvError(f"unknown NVFP4 read {read!r}; choose one of {', '.join(NVFP4_READS)}")
+        super().__init__(kv_layers, num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, dtype=NVFP4_READS[read], device=device,
+                         head_dim_multiple=head_dim_multiple, k_scales=k_scales, v_scales=v_scales, engine=engine,
+                         shared_layers=shared_layers)
+        odd = sorted({d for d in self._head_dims if d % NVFP4_BLOCK_SIZE})
+        if odd:
+            raise Fp8kvError(f"an NVFP4 cache stores blocks of {NVFP4_BLOCK_SIZE} head_dim values: head_dim {odd} is not "
+                             "a multiple; serve this model with an fp8 cache")
+        self.four_over_six, self.read = four_over_six, read
+        # vLLM 0.32.0's FlashInfer backend (v1/attention/backends/flashinfer.py) gives sm100's NVFP4 attention an fp8
+        # output buffer and copies it into the model's dtype: the output is rounded to e4m3 at scale 1
+        self.fp8_attention_output = read == "fp8"
+        shapes = [(num_pages, page_size, 2 * heads, d) for heads, d in zip(self._kv_heads, self._head_dims)]
+        self.codes = [torch.zeros(*s[:3], s[3] // 2, dtype=torch.uint8, device=device) for s in shapes]
+        self.block_scales = [torch.zeros(*s[:3], s[3] // NVFP4_BLOCK_SIZE, dtype=torch.uint8, device=device) for s in shapes]
+        self.nvfp4_counters = torch.zeros(len(self.kv_layers), 2, len(_COUNTERS), dtype=torch.int64, device=device)
+
+    @property
+    def clamps(self) -> bool:
+        return False
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
+        """Quantize K/V `[tokens, kv_heads, head_dim]` to NVFP4 and store them at flat `slots` `[tokens]`; padding
+        tokens (`valid` False) go to the scratch page as zeros, so they count nothing."""
+        row = self._row[layer]
+        heads = self._kv_heads[row]
+        real = valid[:, None, None]
+        sides = [quantize(torch.where(real, x, 0.0), self.scales[row, i, :heads, None], four_over_six=self.four_over_six)
+                 for i, x in enumerate((k, v))]
+
+        def interleaved(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack(parts, dim=2).flatten(1, 2)  # [T, 2*kv_heads, ...]: K0, V0, K1, V1, ...
+
+        store_rows(self.codes[row].flatten(0, 1), slots, interleaved([s.codes for s, _ in sides]))
+        store_rows(self.block_scales[row].flatten(0, 1), slots,
+                   interleaved([s.block_scales.view(torch.uint8) for s, _ in sides]))
+        read = interleaved([self._read_back(stored) for stored, _ in sides])
+        read = torch.nn.functional.pad(read, (0, self._padded[row] - self._head_dims[row]))
+        counts = [[*(getattr(c, name) for name in _WRITE_COUNTERS), _fp8_read_over(stored)] for stored, c in sides]
+        self.nvfp4_counters[row] += torch.stack([torch.stack(side) for side in counts])
+        self._count(row, interleaved([k, v]), read, valid)
+        self._store(row, slots, read)
+
+    def _read_back(self, stored: Nvfp4Tensor) -> torch.Tensor:
+        if self.read == "float32":
+            return dequantize(stored)
+        return to_fp8(block_values(stored), E4M3, saturate=True)
+
+    def vllm_page(self, layer: int, page: int, *, swizzle_v: bool) -> torch.Tensor:
+        """Page `page` of `layer` laid out as vLLM's kernel writes an HND page, uint8: [K codes | K block scales |
+        V codes | V block scales], codes `[kv_heads, page_size, head_dim/2]` and block scales `[kv_heads, page_size,
+        head_dim/16]` per side (vLLM 0.32.0 `nvfp4_kv_cache_kernels.cu`). `swizzle_v`: V's block scales in the
+        4-token swizzle sm100's attention reads (vLLM swizzles below compute capability 12; K's stay linear)."""
+        row = self._row[layer]
+        parts = []
+        for side in (0, 1):
+            codes = self.codes[row][page, :, side::2].transpose(0, 1)  # [kv_heads, page_size, head_dim/2]
+            scales = self.block_scales[row][page, :, side::2].transpose(0, 1)  # [kv_heads, page_size, head_dim/16]
+            parts += [codes.flatten(), (_swizzled(scales) if side and swizzle_v else scales).flatten()]
+        return torch.cat(parts)
+
+    def bytes_per_token(self) -> float:
+        """Bytes the stored codes and block scales take per token across all layers (the read-back pages are
+        fp8kv's model of the attention's input, not storage)."""
+        return float(sum(c[0, 0].numel() + b[0, 0].numel() for c, b in zip(self.codes, self.block_scales)))
+
+    def nvfp4_counts(self) -> Nvfp4Counts:
+        """The NVFP4 write counters, read from the device once."""
+        counters = self.nvfp4_counters.cpu().tolist()  # [layer][K, V][counter]
+        return Nvfp4Counts(**{name: {layer: (counters[i][0][j], counters[i][1][j])
+                                     for i, layer in enumerate(self.kv_layers)}
+                              for j, name in enumerate(_COUNTERS)})
+
+
+def _fp8_read_over(stored: Nvfp4Tensor) -> torch.Tensor:
+    return (block_values(stored).abs() > FP8_MAX[NVFP4_BLOCK_SCALE_DTYPE]).sum()
+
+
+def _swizzled(scales: torch.Tensor) -> torch.Tensor:
+    """Block scales `[kv_heads, T, S]` (T tokens of a page, S = head_dim / 16) in sm100's swizzle: per head,
+    `[T/4, 4, 4, S/4]` permuted to `[T/4, 4, S/4, 4]`, so the scale of token t, block s sits at row
+    (t // 4) * 4 + s // (S/4), column (s % (S/4)) * 4 + t % 4. T and S must be multiples of 4."""
+    heads, tokens, blocks = scales.shape
+    if tokens % 4 or blocks % 4:
+        raise Fp8kvError(f"sm100's V-scale swizzle needs a page size and head_dim / 16 that are multiples of 4, not "
+                         f"{tokens} and {blocks}: a page size that is a multiple of 4 and a head_dim that is a multiple of 64")
+    return scales.reshape(heads, tokens // 4, 4, 4, blocks // 4).permute(0, 1, 3, 4, 2).reshape(heads, tokens, blocks)

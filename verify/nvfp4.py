@@ -1,0 +1,311 @@
+"""verify of an NVFP4 folder, per engine path: each `[[nvfp4]]` row of configs/engines.toml (release, GPU
+generation) runs the NVFP4 cache (`runtime.nvfp4_cache`, vLLM's `nvfp4` write) with the global scale that path
+really holds, the stored value times its loader's factor, and the read its attention takes (sm100 dequantizes the
+blocks into e4m3: the "fp8" read; sm120 reads them dequantized, "float32"). Each is scored on the held-out text
+against the bf16 cache and against the fp8 cache at fp8kv's fp8 scales of the same observation, and its scales
+against the same path at global scale 1.0 (what an uncalibrated NVFP4 cache runs), judged as one family with the
+fp8 rows' false-alarm control. A path whose global scale is 6x off is a finding naming it, with the convert that
+gives it amax / 448.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from fp8kv.checkpoint.kvscales import KVScales, float32
+from fp8kv.checkpoint.nvfp4 import MODELOPT, Nvfp4Convention, convention_for_factor, converted
+from fp8kv.checks import FAIL, INFO, WARN, Finding
+from fp8kv.data import CalibrationData, repeated_prefixes
+from fp8kv.engine_models import NVFP4_LOADERS, Nvfp4Loader
+from fp8kv.errors import Fp8kvError
+from fp8kv.kvdtypes import E2M1_MAX, SCALE_BOUND
+from fp8kv.options import DEFAULT_KV_DTYPE, DEFAULT_NVFP4_WRITE
+from fp8kv.progress import StageProgress, announce
+from fp8kv.runtime.device import RuntimeDevice, resolve_device
+from fp8kv.runtime.nvfp4_cache import Nvfp4PagedKVCache
+from fp8kv.runtime.runner import PagedModelRunner, load_model
+from fp8kv.verify import fidelity, heldout
+from fp8kv.verify.accuracy import ScoredSample, SequenceScore, Totals, prefill
+from fp8kv.verify.report import HeldOut
+from fp8kv.verify.request import VerifyRequest
+from fp8kv.verify.results import Accuracy, Nvfp4Check, Nvfp4PathResult, Nvfp4Writes, VersusFp8
+from fp8kv.verify.nvfp4_report import unit_family
+from fp8kv.verify.static import StaticResult
+from fp8kv.verify.verdict import Thresholds, unit_scale_reasons, verdict
+
+# What a calibrated amax maps to (amax / 448): the global scale every path should run
+BOUND = SCALE_BOUND["nvfp4"]
+
+
+def known_convention(static: StaticResult) -> Nvfp4Convention:
+    """The one NVFP4 convention of the folder; an error where its files do not tell or it is not nvfp4 K and V."""
+    readout = static.readout
+    reading = readout.nvfp4
+    assert reading is not None  # an NVFP4 folder
+    where = readout.source.path
+    if reading.kv_dtype != "nvfp4":
+        raise Fp8kvError(f"{where}: holds {reading.kv_dtype} scales (fp8 K, nvfp4 V), whose cache verify does not "
+                         "model; fp8kv inspect says what each engine release runs with them")
+    if reading.known is None:
+        raise Fp8kvError(f"{where}: its files do not say whether the global scales are stored as "
+                         f"{' or '.join(reading.conventions)} ({reading.why}), and each path's scale depends on it; "
+                         "fp8kv inspect shows both readings")
+    return reading.known
+
+
+def check_device(device: RuntimeDevice) -> None:
+    """No TPU engine has an NVFP4 cache, and fp8kv's runs in torch on a CPU or CUDA device only."""
+    if device.is_xla:
+        raise Fp8kvError(f"--device {device.kind}: an NVFP4 cache runs on cpu or cuda here (no TPU engine has "
+                         "one); pass --device cpu or --device cuda")
+
+
+def global_scales(loader: Nvfp4Loader, stored: tuple[float, ...]) -> tuple[float, ...]:
+    """The global scale `loader`'s release holds per layer for the `stored` values: each times its factor in
+    float32, a stored 1.0 kept where the loader keeps it; 1.0 where it does not load them."""
+    if not loader.loads:
+        return tuple(1.0 for _ in stored)
+    return tuple(s if loader.keeps_unit and s == 1.0 else float32(s * loader.factor) for s in stored)
+
+
+def runs_divisor(loader: Nvfp4Loader, convention: Nvfp4Convention) -> float:
+    """The path's global scale as amax x headroom / this; 0.0 where it does not load the scales."""
+    return convention.divisor / loader.factor if loader.loads else 0.0
+
+
+def fix_command(folder: Path, loader: Nvfp4Loader) -> str | None:
+    """The convert that stores the scales so that `loader` runs amax / 448, as a command to type; None where no
+    convention does."""
+    row = convention_for_factor(loader.factor)
+    if row is None:
+        return None
+    return f"fp8kv convert {shlex.quote(str(folder))} --to {row.name} --out {shlex.quote(f'{folder}-{row.name}')}"
+
+
+def heldout_checks(request: VerifyRequest, static: StaticResult, data: CalibrationData, thresholds: Thresholds,
+                   text: HeldOut, progress: StageProgress | None) -> tuple[HeldOut, list[Finding], dict[str, float]]:
+    """Run the bf16, fp8 and each path's NVFP4 cache over the held-out text; `text` with what was measured, the
+    findings, and the seconds each phase took."""
+    convention = known_convention(static)
+    source, scales = static.readout.source, static.readout.scales
+    assert scales is not None  # runnable implies scales
+    reasons = [Finding(WARN, note) for note in [heldout.calibration_overlap(source, data)] if note]
+    clock, timings = time.perf_counter(), {}
+    announce(progress, f"loading the model and the NVFP4 runtime ({resolve_device(request.device).kind})")
+    device = request.device
+    model = load_model(source.path, resolve_device(device).device)
+    common: dict[str, Any] = dict(device=device, model=model, page_size=request.page_size,
+                                  max_num_seqs=request.batch_size, max_model_len=max(len(s) for s in data.samples))
+    layers = source.geometry.kv_layers
+    fp8_scales = _fp8_scales(scales, convention)
+    bf16 = PagedModelRunner(source.path, cache_dtype="bf16", **common)
+    fp8 = PagedModelRunner(source.path, cache_dtype=DEFAULT_KV_DTYPE, k_scales=_per_layer(fp8_scales.k),
+                           v_scales=_per_layer(fp8_scales.v), **common)
+    fp8_unit = PagedModelRunner(source.path, cache_dtype=DEFAULT_KV_DTYPE, **common)
+    runs = path_runs(source.path, scales, layers, common)
+    timings["load_runners"] = time.perf_counter() - clock
+    reference = fidelity.measure_fidelity(bf16, data.samples)
+    if reference.refuses:  # NVFP4 against a runtime that is not the model would judge the runtime
+        return replace(text, fidelity=reference), reasons + reference.reasons(), timings
+    reasons += reference.reasons()
+
+    clock = time.perf_counter()
+    caches = list({id(cache): cache for run in runs for cache in (run.cache, run.unit)}.values())
+    announce(progress, f"bf16 / fp8 / {len(caches)} NVFP4 caches for {len(runs)} engine paths "
+                       f"({len(data.samples)} samples)")
+    references, scores = score(bf16, fp8, fp8_unit, caches, data.samples, request.batch_size)
+    timings["accuracy"] = time.perf_counter() - clock
+    results = [Nvfp4PathResult(run.loader.name, run.loader.known_by, run.read, run.loader.loads, run.loader.factor,
+                               run.k, run.v, _writes(run.cache),
+                               references.accuracy(scores[id(run.cache)], scores[id(run.unit)],
+                                                   paired=run.cache is not run.unit),
+                               references.versus_fp8(scores[id(run.cache)]), "PASS")
+               for run in runs]
+    found = path_reasons(results, convention, source.path, thresholds, references.fp8)
+    paths = tuple(replace(r, verdict=verdict([f for f in found if r.path in f.engines])) for r in results)
+    check = Nvfp4Check(convention.name, convention.divisor, references.fp8, paths)
+    return replace(text, fidelity=reference, nvfp4=check), reasons + found, timings
+
+
+@dataclass(frozen=True)
+class PathRun:
+    """One engine path: its loader's row, the read its attention takes, the global scales it holds per KV layer,
+    its NVFP4 cache and the same cache at global scale 1.0."""
+
+    loader: Nvfp4Loader
+    read: str
+    k: tuple[float, ...]
+    v: tuple[float, ...]
+    cache: PagedModelRunner
+    unit: PagedModelRunner
+
+
+def path_runs(model_dir: Path, scales: KVScales, layers: tuple[int, ...], common: dict[str, Any]) -> list[PathRun]:
+    """A run per `[[nvfp4]]` row; rows holding the same scales with the same read share one cache. The fp8 read
+    quantizes Q with q_scale (1.0 where the folder has none, as an engine without one holds)."""
+    q = {layer: scales.q_value(layer) for layer in layers} if scales.q is not None else dict.fromkeys(layers, 1.0)
+    caches: dict[tuple[str, tuple[float, ...], tuple[float, ...]], PagedModelRunner] = {}
+
+    def cache(read: str, k: tuple[float, ...], v: tuple[float, ...]) -> PagedModelRunner:
+        if (read, k, v) not in caches:
+            caches[read, k, v] = PagedModelRunner(
+                model_dir, cache_dtype=DEFAULT_NVFP4_WRITE, nvfp4_read=read, k_scales=dict(zip(layers, k)),
+                v_scales=dict(zip(layers, v)), q_scales=q if read == "fp8" else None, **common)
+        return caches[read, k, v]
+
+    stored_k, stored_v = tuple(scales.k[i][0] for i in layers), tuple(scales.v[i][0] for i in layers)
+    unit = tuple(1.0 for _ in layers)
+    runs = []
+    for loader in NVFP4_LOADERS:
+        read = "fp8" if loader.fp8_dequant else "float32"
+        k, v = global_scales(loader, stored_k), global_scales(loader, stored_v)
+        runs.append(PathRun(loader, read, k, v, cache(read, k, v), cache(read, unit, unit)))
+    return runs
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One NVFP4 cache's score of each held-out sequence against the bf16 cache's logits and the fp8 cache's."""
+
+    bf16: list[SequenceScore]
+    fp8: list[SequenceScore]
+
+
+@dataclass(frozen=True)
+class References:
+    """Per held-out sequence: the predictions scored, the bf16 and fp8 caches' negative log-likelihoods; and the fp8
+    cache against the bf16 cache (its unit scales: the fp8 cache at 1.0)."""
+
+    rows: list[int]
+    bf16_nll: list[float]
+    fp8_nll: list[float]
+    fp8: Accuracy
+
+    def accuracy(self, ours: Scores, unit: Scores, paired: bool) -> Accuracy:
+        """`ours` against the bf16 cache, and against `unit` sequence by sequence where `paired` (two caches)."""
+        totals = Totals(paired=paired)
+        for i, rows in enumerate(self.rows):
+            totals.add(rows, self.bf16_nll[i], ours.bf16[i], unit.bf16[i])
+        return totals.summary()
+
+    def versus_fp8(self, ours: Scores) -> VersusFp8:
+        totals = Totals(paired=False)
+        for i, rows in enumerate(self.rows):
+            totals.add(rows, self.fp8_nll[i], ours.fp8[i], ours.fp8[i])
+        summary = totals.summary()  # its "bf16" perplexity is the reference's: the fp8 cache's
+        return VersusFp8(summary.kl_mean, summary.kl_max, summary.top1_agreement, summary.ppl_bf16)
+
+
+def score(bf16: PagedModelRunner, fp8: PagedModelRunner, fp8_unit: PagedModelRunner, runners: list[PagedModelRunner],
+          samples: list[list[int]], batch_size: int) -> tuple[References, dict[int, Scores]]:
+    """Prefill every held-out sample once on each runner (`batch_size` at a time), scoring each NVFP4 runner's
+    logits against the bf16 and the fp8 cache's as they arrive; keyed by `id(runner)`. As in `measure_accuracy`, a
+    row an earlier sample predicts too is scored there alone, and a sample holding nothing new is left out."""
+    new = [(ids, repeated) for ids, repeated in zip(samples, repeated_prefixes(samples)) if repeated < len(ids)]
+    fp8_totals, rows, bf16_nll, fp8_nll = Totals(), [], [], []
+    scores = {id(runner): Scores([], []) for runner in runners}
+    for start in range(0, len(new), batch_size):
+        batch, skip = [ids for ids, _ in new[start:start + batch_size]], [n for _, n in new[start:start + batch_size]]
+        to_bf16 = [ScoredSample.of(ids[n:], out[n:]) for ids, n, out in zip(batch, skip, prefill(bf16, batch, None))]
+        fp8_logits = prefill(fp8, batch, None)
+        to_fp8 = [ScoredSample.of(ids[n:], out[n:]) for ids, n, out in zip(batch, skip, fp8_logits)]
+        ours = [SequenceScore.of(ids[n:], out[n:], ref) for ids, n, out, ref in zip(batch, skip, fp8_logits, to_bf16)]
+        del fp8_logits
+        unit = [SequenceScore.of(ids[n:], out[n:], ref)
+                for ids, n, out, ref in zip(batch, skip, prefill(fp8_unit, batch, None), to_bf16)]
+        for i, (ids, n) in enumerate(zip(batch, skip)):
+            fp8_totals.add(len(ids) - n, to_bf16[i].nll, ours[i], unit[i])
+            rows.append(len(ids) - n)
+            bf16_nll.append(to_bf16[i].nll)
+            fp8_nll.append(to_fp8[i].nll)
+        for runner in runners:
+            for ids, n, out, b, f in zip(batch, skip, prefill(runner, batch, None), to_bf16, to_fp8):
+                scores[id(runner)].bf16.append(SequenceScore.of(ids[n:], out[n:], b))
+                scores[id(runner)].fp8.append(SequenceScore.of(ids[n:], out[n:], f))
+    return References(rows, bf16_nll, fp8_nll, fp8_totals.summary()), scores
+
+
+def _fp8_scales(scales: KVScales, convention: Nvfp4Convention) -> KVScales:
+    """fp8kv's fp8 scales of the observation the stored values came from: amax x headroom / 448, e4m3's."""
+    as_448 = converted(scales, convention.name, MODELOPT.name)
+    return replace(as_448, kv_dtype=DEFAULT_KV_DTYPE, q=None)
+
+
+def _per_layer(table: dict[int, tuple[float, ...]]) -> dict[int, float]:
+    return {layer: values[0] for layer, values in table.items()}
+
+
+def _writes(runner: PagedModelRunner) -> Nvfp4Writes:
+    cache = runner.cache
+    assert isinstance(cache, Nvfp4PagedKVCache)
+    counts = cache.nvfp4_counts()
+    # the cache's counters per layer and side, summed (it prefilled the held-out text once): the whole cache's
+    summed = [sum(k + v for k, v in getattr(counts, f.name).values()) for f in fields(Nvfp4Writes)[:-1]]
+    return Nvfp4Writes(*summed, values=2 * sum(runner.counts().written.values()))  # as many V values as K
+
+
+def path_reasons(paths: list[Nvfp4PathResult], convention: Nvfp4Convention, folder: Path, thresholds: Thresholds,
+                 fp8: Accuracy) -> list[Finding]:
+    """Per path: a global scale off from amax / 448 (FAIL where its fp8 read overflows, WARN where the block scales
+    sit 6x low) with the fix; an fp8 read past 448 at the right scale for more values than the saturation bound
+    allows; non-finite logits and the KL bound (FAIL); INFO where it does not load the scales. Then its scales
+    against global scale 1.0, every path one family."""
+    reasons = []
+    loaders = {loader.name: loader for loader in NVFP4_LOADERS}
+    for path in paths:
+        loader, name = loaders[path.path], (path.path,)
+        ran = runs_divisor(loader, convention)
+        fix = fix_command(folder, loader)
+        fixed = f" Fix: {fix} (it then runs amax / {BOUND:g})." if fix else " No convention fixes it by convert."
+        figures = _figures(path, fp8)
+        if not loader.loads:
+            reasons.append(Finding(INFO, f"{path.path} does not load the scales: its NVFP4 cache runs global scale "
+                                         f"1.0, the unit-scale figure ({figures}; {loader.known_by})", name))
+        elif loader.fp8_dequant and ran > BOUND:
+            reasons.append(Finding(FAIL, f"{path.path} runs the stored {convention.name} global scale "
+                                         f"{_times(loader)}= amax / {ran:g}: its e4m3 dequantization overflows wherever "
+                                         f"a block's max passes amax x headroom / {ran / BOUND:g}, "
+                                         f"{path.writes.fp8_read_over} values past {BOUND:g} on the held-out text "
+                                         f"({figures}).{fixed}", name))
+        elif ran < BOUND:
+            reasons.append(Finding(WARN, f"{path.path} runs the stored {convention.name} global scale "
+                                         f"{_times(loader)}= amax / {ran:g}, {BOUND / ran:g}x larger than amax / "
+                                         f"{BOUND:g}: block scales top out at {ran / E2M1_MAX:.3g} / headroom, not "
+                                         f"{BOUND / E2M1_MAX:.3g} / headroom; "
+                                         f"{path.writes.subnormal_scales} subnormal and {path.writes.zeroed_blocks} "
+                                         f"zeroed on the held-out text ({figures}).{fixed}", name))
+        elif path.read == "fp8" and path.writes.fp8_read_over > thresholds.saturation * path.writes.values:
+            share = path.writes.fp8_read_over / path.writes.values
+            reasons.append(Finding(WARN, f"{path.path}: {share:.3%} of K and V values past {BOUND:g} in its fp8 read "
+                                         f"(WARN above {thresholds.saturation:.3%}, the saturation bound): the "
+                                         "held-out text passes the calibrated amax x headroom. Fix: recalibrate "
+                                         "with a larger --headroom, or on text like this", name))
+        if loader.loads:
+            reasons += _accuracy_reasons(path, thresholds)
+    return reasons + unit_scale_reasons(unit_family(paths), thresholds)
+
+
+def _accuracy_reasons(path: Nvfp4PathResult, thresholds: Thresholds) -> list[Finding]:
+    """A FAIL for NaN/inf logits, else for a mean KL to the bf16 cache past the bound, as for an fp8 engine."""
+    a = path.accuracy
+    if not (math.isfinite(a.kl_mean) and math.isfinite(a.ppl_fp8)):
+        return [Finding(FAIL, f"{path.path}: its NVFP4 cache gives NaN/inf logits", (path.path,))]
+    if a.kl_mean > thresholds.kl_mean:
+        return [Finding(FAIL, f"{path.path}: mean KL of its NVFP4 cache to the bf16 cache {a.kl_mean:.4g} nats exceeds "
+                              f"the bound {thresholds.kl_mean:g}", (path.path,))]
+    return []
+
+
+def _times(loader: Nvfp4Loader) -> str:
+    return "as stored " if loader.factor == 1.0 else f"x{loader.factor:g} "
+
+
+def _figures(path: Nvfp4PathResult, fp8: Accuracy) -> str:
+    a, f = path.accuracy, path.versus_fp8
+    return (f"mean KL to bf16 {a.kl_mean:.3g} against the fp8 cache's {fp8.kl_mean:.3g}, to fp8 {f.kl_mean:.3g}; "
+            f"perplexity {a.ppl_fp8:.4f}, bf16 {a.ppl_bf16:.4f}, fp8 {f.ppl_fp8:.4f}")
