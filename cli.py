@@ -403,8 +403,8 @@ def calibrate(
 ) -> None:
     """Calibrate static FP8 K/V scales over calibration text and write them as a checkpoint.
 
-    The text defaults to HuggingFaceH4/ultrachat_200k (split train_sft); when that cannot be loaded, the
-    bundled calibration split, announced before the work.
+    The text defaults to HuggingFaceH4/ultrachat_200k (split train_sft). Offline, a bundled model falls back to the
+    bundled calibration split, announced before the work; any other model needs --dataset.
     """
     request = CalibrationRequest(
         model=model, out=out,
@@ -428,7 +428,8 @@ def calibrate(
 
 
 @app.command("verify", cls=Command, help="Check a checkpoint's KV scales: present, read back exactly, safe and cheap in "
-             "accuracy. The held-out text defaults to the bundled held-out split, never the calibration data."
+             "accuracy. A bundled model's held-out text defaults to the bundled held-out split; any other model needs "
+             "--dataset with text it was not calibrated on."
              f"\n\n{EXIT_CODE_TABLE}")
 @reads_text(num_samples=_VERIFY.data.num_samples, seq_len=_VERIFY.data.seq_len, seed=_VERIFY.data.seed)
 def verify_command(
