@@ -77,6 +77,7 @@ OLDEST_ONLY = frozenset({
     "test_tpu_path.py::test_kernel_is_not_used_where_its_heads_do_not_tile",
     "test_tpu_path.py::test_tpu_version_comes_from_torch_xla_tpu",
     "test_verify.py::test_verify_runs_on_xla_cpu",
+    "test_verify_nvfp4.py::test_an_xla_device_is_refused_in_one_line_before_any_model_runs",
     "test_xla_cost.py::test_fp8_costs_what_bf16_costs_through_torch_xlas_function",
     "test_xla_cost.py::test_fp8_decode_on_xla_has_no_cpu_fallbacks",
 })
