@@ -261,7 +261,9 @@ def path_reasons(paths: list[Nvfp4PathResult], convention: Nvfp4Convention, fold
         loader, name = loaders[path.path], (path.path,)
         ran = runs_divisor(loader, convention)
         fix = fix_command(folder, loader)
-        fixed = f" Fix: {fix} (it then runs amax / {BOUND:g})." if fix else " No convention fixes it by convert."
+        # one stored value cannot suit loaders that disagree by 6x: the converted folder is this path's alone
+        fixed = (f" Fix: {fix} (it then runs amax / {BOUND:g}; serve that folder on {path.path} alone: the paths that "
+                 "keep the stored value run it 6x off)." if fix else " No convention fixes it by convert.")
         figures = _figures(path, fp8)
         if not loader.loads:
             reasons.append(Finding(INFO, f"{path.path} does not load the scales: its NVFP4 cache runs global scale "
