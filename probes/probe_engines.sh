@@ -23,6 +23,14 @@ bench/.tpu-inference-venv/bin/python probes/probe_tpu_inference.py
 test -x bench/.sglang-venv/bin/python || bash probes/sglang_venv.sh
 "$PY" probes/probe_sglang.py
 
+# SGLang: its NVFP4 KV-cache method's global scales per GPU generation, on a folder calibrated from the bundled text
+NVFP4="$(mktemp -d)"
+trap 'rm -rf "$NVFP4"' EXIT
+.venv/bin/fp8kv calibrate bundled --dataset bundled --kv-dtype nvfp4 --num-samples 8 --seq-len 64 \
+    --out "$NVFP4/nvfp4" -q >/dev/null
+bench/.sglang-venv/bin/python probes/sglang_nvfp4_loader.py "$NVFP4/nvfp4" --unit-layer 1 \
+    --out tests/golden/nvfp4-sglang-0.5.23.json
+
 # vLLM's CPU build: its own loader through fp8kv load-check
 test -x bench/.vllm-venv/bin/python || bash probes/vllm_venv.sh
 "$PY" probes/load_check_golden.py

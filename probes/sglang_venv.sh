@@ -10,13 +10,18 @@ VENV="${SGLANG_VENV:-$REPO/bench/.sglang-venv}"
 SGLANG_VERSION="${SGLANG_VERSION:-0.5.23}"
 TORCH_VERSION="${TORCH_VERSION:-2.14.1}"
 PY="$VENV/bin/python"
-# A cached copy of every wheel beside an 11 GB venv has filled disks before.
-export PIP_NO_CACHE_DIR=1
 
-test -x "$PY" || "${PYTHON:-python3}" -m venv "$VENV"
-"$PY" -m pip install --quiet --upgrade pip
+# uv, as for fp8kv's own venvs: its cache hardlinks every file into the venv, so a rebuild takes neither a second
+# copy of the wheels on disk nor their download. Where no uv is on PATH, the Makefile's own (its pinned release).
+UV="${UV:-$(command -v uv || true)}"
+if [ -z "$UV" ]; then
+    make -C "$REPO" --no-print-directory .venv-uv/bin/uv
+    UV="$REPO/.venv-uv/bin/uv"
+fi
+# --seed: pip in the venv, which probes/install_beside_engines.py asks what installing fp8kv there would change.
+test -x "$PY" || "$UV" venv --quiet --seed --python "${PYTHON:-python3}" "$VENV"
 WHEELS="$VENV/wheels"
-"$PY" -m pip download --quiet --no-deps "sglang==$SGLANG_VERSION" -d "$WHEELS"
+"$PY" -m pip download --quiet --no-cache-dir --no-deps "sglang==$SGLANG_VERSION" -d "$WHEELS"
 # The wheel for this venv's CPython (older releases are one pure-Python wheel), kept for its sha256.
 TAG="$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')"
 WHEEL=""
@@ -24,5 +29,5 @@ for candidate in "$WHEELS"/sglang-"$SGLANG_VERSION"-"$TAG"-*.whl "$WHEELS"/sglan
     if [ -z "$WHEEL" ] && [ -f "$candidate" ]; then WHEEL="$candidate"; fi
 done
 test -n "$WHEEL" || { echo "no sglang $SGLANG_VERSION wheel for $TAG in $WHEELS" >&2; exit 1; }
-"$PY" -m pip install --quiet "$WHEEL" "torch==$TORCH_VERSION"
+"$UV" pip install --quiet --python "$PY" "$WHEEL" "torch==$TORCH_VERSION"
 "$PY" -c "import sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,38 @@ def test_sglang_holds_what_its_own_loader_held_for_each_fp8kv_output():
         if case["loaded"] == "exactly":
             assert all(row["held_k"] == row["file_k"] and row["held_v"] == row["file_v"] for row in case["layers"])
     assert SGLANG["cast"]["e4m3_saturates"] is engine_model("sglang").saturate is True
+
+
+SGLANG_NVFP4 = golden("nvfp4-sglang-0.5.23.json")
+SGLANG_NVFP4_ROWS = {loader.gpu: loader for loader in NVFP4_LOADERS if (loader.engine, loader.release) ==
+                     ("sglang", SGLANG_NVFP4["meta"]["sglang"])}
+
+
+def test_sglangs_nvfp4_rows_are_the_gpu_generations_its_method_ran_for():
+    assert SGLANG_NVFP4["how"] == "run" and SGLANG_NVFP4["meta"]["sglang"] == SGLANG["version"]
+    assert set(SGLANG_NVFP4_ROWS) == {gpu for run in SGLANG_NVFP4["checkpoints"].values() for gpu in run["held"]}
+    assert {(loader.evidence, loader.golden) for loader in SGLANG_NVFP4_ROWS.values()} == {
+        ("run", "nvfp4-sglang-0.5.23.json")}
+    # a stored 1.0 among the scales, so the keep-unit rule is checked, not vacuous
+    assert any(1.0 in run["file"][side] for run in SGLANG_NVFP4["checkpoints"].values() for side in ("k", "v"))
+
+
+@pytest.mark.parametrize("gpu", sorted(SGLANG_NVFP4_ROWS))
+def test_sglangs_nvfp4_method_holds_the_stored_scale_times_its_rows_factor(gpu):
+    """load_scales_from_model takes each stored float32 scale as a Python float, multiplies it by the factor (a
+    stored 1.0 is kept where the row keeps it), and holds the product as it is and rounded into a float32 tensor."""
+    loader = SGLANG_NVFP4_ROWS[gpu]
+    assert loader.loads
+    for name, run in SGLANG_NVFP4["checkpoints"].items():
+        assert run["loaded"] == run["file"], name  # its loader put the file's values into each RadixAttention
+        for side in ("k", "v"):
+            expected = [s if loader.keeps_unit and s == 1.0 else s * loader.factor for s in run["file"][side]]
+            assert run["held"][gpu][f"{side}_float"] == expected, (name, side)
+            assert run["held"][gpu][side] == torch.tensor(expected, dtype=torch.float32).tolist(), (name, side)
+
+
+def test_sglangs_nvfp4_rows_serve_with_the_kv_cache_dtype_whose_method_ran():
+    assert SGLANG_NVFP4["kv_cache_dtype"] in SGLANG_NVFP4["kv_cache_dtype_choices"]
+    for loader in SGLANG_NVFP4_ROWS.values():
+        words = shlex.split(loader.serve)
+        assert words[words.index("--kv-cache-dtype") + 1] == SGLANG_NVFP4["kv_cache_dtype"], loader.name

@@ -113,8 +113,7 @@ def test_calibrate_says_what_each_release_runs_and_how_to_serve(calibrated):
     assert "fp8kv convert --to modelopt-pre-0.42 gives it amax / 448" in stdout
     assert "sglang 0.5.23 on sm120: as stored -> runs amax x 1.25 / 448" in stdout
     assert f"  vllm serve {out} --kv-cache-dtype nvfp4\n" in stdout
-    assert (f"  python -m sglang.launch_server --model-path {out} --kv-cache-dtype fp4_e2m1 --fp4-kv-cache-recipe "
-            "nvfp4\n") in stdout
+    assert f"  python -m sglang.launch_server --model-path {out} --kv-cache-dtype nvfp4\n" in stdout
     assert stdout.endswith(f"next: fp8kv verify {out} --dataset generated\n")
 
 
@@ -259,7 +258,7 @@ def test_fp8_k_nvfp4_v_is_modelopts_mixed_algo(base, tmp_path):
     (meaning,) = inspect_checkpoint(out).nvfp4_meanings  # SGLang's x6 on sm100, with no convert to name
     assert meaning.runs[1] == (SGLANG_SM100.format(h="h", div="448", ran="74.67") + "; block scales only up to "
                                "12.44/h, 6x below what amax / 448 intends: small blocks reach e4m3's subnormals "
-                               "sooner, nothing overflows (read from source)")
+                               "sooner, nothing overflows (its own code run here)")
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -276,13 +275,13 @@ def test_calibrate_refuses_what_nvfp4_cannot_carry_before_any_work(tmp_path, ext
     assert result.output == f"fp8kv: error: {message}\n"
 
 
-def test_the_nvfp4_loader_rows_are_the_releases_read():
+def test_the_nvfp4_loader_rows_are_the_releases_read_and_run():
     rows = {loader.name: (loader.loads, loader.factor, loader.keeps_unit, loader.fp8_dequant, loader.evidence)
             for loader in NVFP4_LOADERS}
     assert rows == {
         "vllm-cuda 0.32.0 on sm100": (True, 1.0, False, True, "read"),
-        "sglang 0.5.23 on sm100": (True, 6.0, True, True, "read"),
-        "sglang 0.5.23 on sm120": (True, 1.0, False, False, "read"),
+        "sglang 0.5.23 on sm100": (True, 6.0, True, True, "run"),
+        "sglang 0.5.23 on sm120": (True, 1.0, False, False, "run"),
         "tensorrt-llm main (late 2026) on sm100": (True, 1.0, False, True, "read"),
         "tensorrt-llm main before TRTLLM_LOAD_KV_SCALES defaulted to 1 on sm100": (False, 1.0, False, True, "read"),
         "tensorrt-llm main before TRTLLM_LOAD_KV_SCALES defaulted to 1 on sm100 with TRTLLM_LOAD_KV_SCALES=1":

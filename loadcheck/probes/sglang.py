@@ -113,12 +113,22 @@ def load(checkpoint: str, quantization_param_path: str | None = None,
          kv_cache_dtype: str = "fp8_e4m3") -> dict[str, Any]:
     """What SGLang's loader builds from `checkpoint`, its scales as a scheduler would have them: the probe's JSON
     object (less its warnings)."""
+    import sglang
+    import torch
+
+    model = load_model(checkpoint, quantization_param_path, kv_cache_dtype)
+    return {"engine": "sglang", "version": sglang.__version__, "torch": torch.__version__,
+            "layers": held_scales(model)}
+
+
+def load_model(checkpoint: str, quantization_param_path: str | None = None,
+               kv_cache_dtype: str = "fp8_e4m3") -> Any:
+    """The model SGLang's loader builds from `checkpoint`, its scales loaded as a scheduler's start-up loads them."""
     # SGLang takes a path that is not a folder for a Hub id, and this machine reaches no Hub.
     if not os.path.isfile(os.path.join(checkpoint, "config.json")):
         raise FileNotFoundError(f"no checkpoint at {checkpoint} (no config.json)")
     if quantization_param_path and not os.path.isfile(quantization_param_path):
         raise FileNotFoundError(f"no --quantization-param-path file {quantization_param_path}")
-    import sglang
     import torch
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
@@ -140,8 +150,7 @@ def load(checkpoint: str, quantization_param_path: str | None = None,
     with torch.device("cpu"):
         model = get_model(model_config=model_config, load_config=load_config, device_config=DeviceConfig("cpu"))
     load_kv_cache_scales(model=model, kv_cache_dtype=model_settings().kv_cache_dtype)
-    return {"engine": "sglang", "version": sglang.__version__, "torch": torch.__version__,
-            "layers": held_scales(model)}
+    return model
 
 
 def architectures() -> dict[str, Any]:
