@@ -2,7 +2,8 @@
 # Runs every engine probe again and rewrites the golden files under tests/golden/, which the test suite checks
 # configs/engines.toml against: a new engine release is one run of this script and a diff. Each engine is built
 # from the package index in a venv of its own, bench/.ENGINE-venv (built by probes/ENGINE_venv.sh; never fp8kv's,
-# whose torch torch_xla pins); a venv that exists is reused. About 17 GB of venvs in all; the SGLang one is most of it.
+# whose torch torch_xla pins); a venv that exists is reused. About 25 GB of venvs in all; the SGLang one (11 GB)
+# and the FlashInfer one (7.5 GB) are most of it.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(dirname "$HERE")"
@@ -44,5 +45,9 @@ test -x bench/.vllm-venv/bin/python || bash probes/vllm_venv.sh
 # vLLM's pure-torch NVFP4 reference (its CPU wheel beside torch 2.9.0): the layout, read-back and quantization
 test -x bench/.vllm-nvfp4-venv/bin/python || bash probes/vllm_nvfp4_venv.sh
 bench/.vllm-nvfp4-venv/bin/python probes/vllm_nvfp4_reference.py --out tests/golden/nvfp4-vllm-0.32.0.json
+
+# FlashInfer at vLLM 0.32.0's pin: where its own code puts sm100's V block scales (its quantize kernel stood in for)
+test -x bench/.flashinfer-venv/bin/python || bash probes/flashinfer_venv.sh
+bench/.flashinfer-venv/bin/python probes/flashinfer_nvfp4_swizzle.py --out tests/golden/nvfp4-flashinfer-0.7.0.post1.json
 
 git -C "$ROOT" status --short tests/golden

@@ -29,8 +29,10 @@ def test_every_golden_file_named_by_a_row_exists_and_every_record_has_a_row():
     records = {path.name for path in GOLDEN.glob("*.json")}
     assert named <= records
     # each record backs a row (a probe's extra files, like the tpu-inference bytes, sit beside its JSON), or rows of
-    # many releases read from their wheels, or vLLM's CUDA wheel's Python against the CPU wheel's
-    assert records - named <= {"sglang-releases.json", "vllm-cuda-python-0.32.0.json"}
+    # many releases read from their wheels, or vLLM's CUDA wheel's Python against the CPU wheel's, or the sm100 page
+    # layout of FlashInfer, the library vLLM's NVFP4 attention runs (test_nvfp4_cache.py checks the cache against it)
+    assert records - named <= {"sglang-releases.json", "vllm-cuda-python-0.32.0.json",
+                               "nvfp4-flashinfer-0.7.0.post1.json"}
 
 
 def _all_bf16() -> torch.Tensor:

@@ -191,3 +191,34 @@ def test_sm100s_v_scale_swizzle_moves_token_t_block_s_where_vllms_kernel_writes_
             assert torch.equal(v_swizzled[:, row, column], v_linear[:, t, s])
     with pytest.raises(Fp8kvError, match="a head_dim that is a multiple of 64"):
         _page_cache(32).vllm_page(0, 1, swizzle_v=True)
+
+
+FLASHINFER = json.loads((Path(__file__).parent / "golden" / "nvfp4-flashinfer-0.7.0.post1.json").read_text())
+
+
+@pytest.mark.parametrize("recorded", FLASHINFER["swizzled"], ids=lambda r: f"page_size={r['page_size']},head_dim={r['head_dim']}")
+def test_each_v_block_scale_byte_sits_where_flashinfers_own_swizzle_puts_it(recorded):
+    """FlashInfer 0.7.0.post1's `nvfp4_quantize_paged_kv_cache` (the release vLLM 0.32.0 pins; its kernel replaced by
+    one whose linear block scale i is byte i, so each output byte names its block) swizzles V's block scales for
+    trtllm-gen and keeps K's linear: fp8kv's sm100 page must hold the same bytes, page by page."""
+    pages, heads, page_size, head_dim = (recorded[key] for key in ("num_pages", "kv_heads", "page_size", "head_dim"))
+    blocks = head_dim // 16
+    cache = Nvfp4PagedKVCache([0], num_pages=pages, page_size=page_size, num_kv_heads=heads, head_dim=head_dim,
+                              device=CPU)
+    # FlashInfer's linear input is [pages, heads, page_size, blocks]: block i of it holds byte i, on both sides
+    labels = torch.arange(pages * heads * page_size * blocks).view(pages, heads, page_size, blocks).to(torch.uint8)
+    cache.block_scales[0].copy_(labels.transpose(1, 2).repeat_interleave(2, dim=2))  # [pages, page_size, 2*heads, blocks]
+    k_scales = torch.tensor(list(bytes.fromhex(recorded["k_scales"])), dtype=torch.uint8).view(pages, -1)
+    v_scales = torch.tensor(list(bytes.fromhex(recorded["v_scales"])), dtype=torch.uint8).view(pages, -1)
+    codes, scales = heads * page_size * head_dim // 2, heads * page_size * blocks
+    for page in range(pages):
+        stored = cache.vllm_page(0, page, swizzle_v=True)  # [K codes | K scales | V codes | V scales]
+        assert torch.equal(stored[codes:codes + scales], k_scales[page])
+        assert torch.equal(stored[2 * codes + scales:], v_scales[page])
+
+
+@pytest.mark.parametrize("refused", FLASHINFER["refused"], ids=lambda r: f"page_size={r['page_size']},head_dim={r['head_dim']}")
+def test_the_swizzle_is_refused_where_flashinfer_refuses_it(refused):
+    cache = _page_cache(refused["head_dim"], refused["page_size"])
+    with pytest.raises(Fp8kvError, match="needs a page size and head_dim / 16 that are multiples of 4"):
+        cache.vllm_page(0, 1, swizzle_v=True)
