@@ -19,7 +19,7 @@ NEWEST_EXTRAS := dev,eval,plot,demo
 export PJRT_DEVICE ?= CPU
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: venv demo table test versions-agree bench clean
+.PHONY: venv demo table test lint agree-oldest agree-newest versions-agree bench clean
 
 venv: $(STAMP)
 
@@ -74,24 +74,38 @@ AS_AVX2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 # spinning against each other, which made a pass 2.4x slower on 2 cores.
 PYTEST = OMP_NUM_THREADS=1 $(1)/bin/python -m pytest -q -p no:cacheprovider -n auto --dist loadgroup
 
-# ruff and mypy first (seconds), then every test, the slow ones included (`pytest -m "not slow"` for a quick run), in
+# First, side by side (each mostly one core; -O shows each one's output whole when it ends): the two venvs where they
+# are missing or stale, ruff and mypy, and what must agree across the venvs. Then every test, the slow ones included (`pytest -m "not slow"` for a quick run), in
 # .venv on this CPU's own arithmetic; then, in .venv-newest, every test but those only .venv can run, computing as a
-# CPU without AVX-512 (one run of the suite covers both kinds); then what must agree across the two venvs.
-test: $(STAMP) $(NEWEST_STAMP)
-	$(BIN)/ruff check .
-	$(BIN)/python -m mypy
+# CPU without AVX-512 (one run of the suite covers both kinds).
+test:
+	@$(MAKE) --no-print-directory -j3 -O lint versions-agree
 	$(call PYTEST,$(VENV)) tests
 	$(AS_AVX2) $(call PYTEST,$(NEWEST)) -m "not oldest_only" tests
-	$(MAKE) versions-agree
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m mypy
 
 # What must not depend on torch's or transformers' release: the bundled model's scales, byte for byte, and verify's
-# report on them (every figure; not where it ran or how long it took), as each venv computes them.
+# report on them (every figure; not where it ran or how long it took), as each venv computes them. Each venv's run
+# takes one torch thread, so that the two run side by side; its output is kept in a log, shown if it fails.
 AGREE := out/versions-agree
-versions-agree: $(STAMP) $(NEWEST_STAMP)
-	for venv in $(VENV) $(NEWEST); do \
-	  $$venv/bin/fp8kv calibrate bundled --num-samples 16 --seq-len 128 --out $(AGREE)/$$venv --overwrite -q && \
-	  $$venv/bin/fp8kv verify $(AGREE)/$$venv --num-samples 8 -q || exit 1; \
-	done
+define agree_run
+	@mkdir -p $(AGREE)
+	@echo "make: calibrating and verifying the bundled model in $(1) (log: $(AGREE)/$(1).log)"
+	@{ OMP_NUM_THREADS=1 $(1)/bin/fp8kv calibrate bundled --num-samples 16 --seq-len 128 --out $(AGREE)/$(1) \
+	     --overwrite -q && OMP_NUM_THREADS=1 $(1)/bin/fp8kv verify $(AGREE)/$(1) --num-samples 8 -q; } \
+	   > $(AGREE)/$(1).log 2>&1 || { cat $(AGREE)/$(1).log; exit 1; }
+endef
+
+agree-oldest: $(STAMP)
+	$(call agree_run,$(VENV))
+
+agree-newest: $(NEWEST_STAMP)
+	$(call agree_run,$(NEWEST))
+
+versions-agree: agree-oldest agree-newest
 	$(BIN)/python tests/versions_agree.py $(AGREE)/$(VENV) $(AGREE)/$(NEWEST)
 
 bench: $(STAMP)
