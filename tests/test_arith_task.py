@@ -24,9 +24,9 @@ def test_every_item_has_one_right_answer_among_four_distinct_choices() -> None:
 
 
 def test_lm_eval_reads_the_shipped_task() -> None:
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import TaskManager
 
-    task = get_task_dict(["fp8kv_arith_mc"], TaskManager(include_path=str(TASKS_DIR)))["fp8kv_arith_mc"]
+    task = TaskManager(include_path=str(TASKS_DIR)).load("fp8kv_arith_mc")["tasks"]["fp8kv_arith_mc"]
     docs = list(task.test_docs())
     assert len(docs) == ARITHMETIC_ITEMS
     assert (task.doc_to_text(docs[0]), task.doc_to_choice(docs[0]), task.doc_to_target(docs[0])) == (
