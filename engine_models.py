@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.kvdtypes import KV_DTYPES
+from fp8kv.options import DEFAULT_NVFP4_WRITE
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -443,7 +444,8 @@ RELEASE_MODELS = _read_releases()
 class Nvfp4Loader:
     """What one release's loader makes of a checkpoint's NVFP4 global scale on one GPU generation (a row of
     configs/engines.toml's [[nvfp4]]): whether it loads it, the factor it applies (a stored 1.0 kept where
-    `keeps_unit`), whether its attention dequantizes blocks into e4m3 (`fp8_dequant`), how it is served."""
+    `keeps_unit`), whether its attention dequantizes blocks into e4m3 (`fp8_dequant`), how it is served, and the cache
+    write it runs (`write`, an `options.Nvfp4Write`)."""
 
     engine: str
     release: str
@@ -457,6 +459,7 @@ class Nvfp4Loader:
     evidence: str
     source: str
     golden: str = ""
+    write: str = DEFAULT_NVFP4_WRITE
 
     @property
     def name(self) -> str:
@@ -472,7 +475,8 @@ def _read_nvfp4_loaders() -> tuple[Nvfp4Loader, ...]:
     rows = tomllib.loads(files("fp8kv.configs").joinpath(RELEASES_FILE).read_text(encoding="utf-8"))["nvfp4"]
     return tuple(Nvfp4Loader(row["engine"], row["release"], row["gpu"], row.get("setting", ""), row["loads"],
                              row["factor"], row.get("keeps_unit", False), row["fp8_dequant"], row["serve"],
-                             row["evidence"], row["source"], row.get("golden", "")) for row in rows)
+                             row["evidence"], row["source"], row.get("golden", ""),
+                             row.get("write", DEFAULT_NVFP4_WRITE)) for row in rows)
 
 
 NVFP4_LOADERS = _read_nvfp4_loaders()

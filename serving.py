@@ -156,9 +156,12 @@ def nvfp4_lines(divisor: float, headroom: float | None, kv_dtype: str) -> list[s
 
 
 def nvfp4_serve_commands(folder: str, kv_dtype: str) -> list[str]:
-    """The command that serves `folder` with an NVFP4 cache on each engine's newest release fp8kv read; none for
-    fp8_k_nvfp4_v, whose readers fp8kv has not read."""
+    """The commands that serve `folder` with an NVFP4 cache on each engine's newest release fp8kv read, one per
+    cache it offers (vLLM's nvfp4 and nvfp4_4over6); none for fp8_k_nvfp4_v, whose readers fp8kv has not read."""
     if kv_dtype != "nvfp4":
         return []
-    first = {loader.engine: loader for loader in reversed(NVFP4_LOADERS) if loader.loads}
-    return [loader.serve.format(model=folder) for loader in reversed(first.values())]
+    newest: dict[str, str] = {}
+    for loader in NVFP4_LOADERS:  # each engine's rows newest first
+        newest.setdefault(loader.engine, loader.release)
+    return list(dict.fromkeys(loader.serve.format(model=folder) for loader in NVFP4_LOADERS
+                              if loader.loads and loader.release == newest[loader.engine]))

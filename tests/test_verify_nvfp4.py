@@ -24,6 +24,7 @@ from fp8kv.verify.report import HeldOut, VerifyReport, render_markdown
 from fp8kv.verify.results import Nvfp4PathResult
 
 VLLM_SM100, SGLANG_SM100, SGLANG_SM120 = "vllm-cuda 0.32.0 on sm100", "sglang 0.5.23 on sm100", "sglang 0.5.23 on sm120"
+VLLM_4OVER6 = "vllm-cuda 0.32.0 on sm100 with --kv-cache-dtype nvfp4_4over6"
 NOT_LOADED = "tensorrt-llm main before TRTLLM_LOAD_KV_SCALES defaulted to 1 on sm100"
 
 
@@ -95,6 +96,8 @@ def test_a_folder_fp8kv_wrote_passes_on_every_path_that_runs_it_as_stored(own, c
         if loader.loads and loader.factor == 1.0:
             assert path.verdict == "PASS" and path.writes.fp8_read_over == 0, path
     assert by_path[VLLM_SM100].accuracy.kl_mean > own.held_out.nvfp4.fp8.kl_mean  # NVFP4 is coarser than fp8
+    # vLLM's 4over6 write is a cache of its own: other block scales than nvfp4's, so other logits
+    assert by_path[VLLM_4OVER6].accuracy.kl_mean != by_path[VLLM_SM100].accuracy.kl_mean
     # every held-out token written once per path: K and V, 2 layers x 2 KV heads x head_dim 16
     assert {p.writes.values for p in by_path.values()} == {2 * 2 * 2 * 16 * own.held_out.num_tokens}
 
@@ -111,14 +114,16 @@ def test_an_uncalibrated_cache_runs_global_scale_one_the_unit_figure_of_its_read
 
 def test_paths_sharing_a_cache_are_one_test_of_the_family_and_too_few_sequences_are_said(own):
     """The calibrated-vs-unit family under Holm's procedure, as for fp8 engines: one test per distinct cache (read,
-    global scales), the unloaded path none; 4 sequences cannot reach Holm's first bound over 3 tests (2^-4 > 5 % / 3),
-    and the report says how many would."""
-    names = [loader.name for loader in NVFP4_LOADERS]
+    global scales, write), the unloaded path none; 4 sequences cannot reach Holm's first bound over 4 tests (2^-4 >
+    5 % / 4), and the report says how many would."""
+    by_name = {loader.name: loader for loader in NVFP4_LOADERS}
+    trt, trt_x6 = [name for name, loader in by_name.items() if loader.engine == "tensorrt-llm" and loader.loads]
     family = unit_family(list(paths(own).values()))
-    assert sorted(c.engines for c in family) == sorted([(names[0], names[3]), (names[1], names[5]), (names[2],)])
+    assert sorted(c.engines for c in family) == sorted([(VLLM_SM100, trt), (VLLM_4OVER6,), (SGLANG_SM100, trt_x6),
+                                                        (SGLANG_SM120,)])
     notes = [line for line in nvfp4_lines(own.held_out.nvfp4, own.thresholds) if line.startswith("note: ")]
-    assert len(notes) == 3 and all("4 held-out sequences are too few to compare these scales with unit scales (this "
-                                   "many comparisons at this false-alarm rate need at least 6" in n for n in notes)
+    assert len(notes) == 4 and all("4 held-out sequences are too few to compare these scales with unit scales (this "
+                                   "many comparisons at this false-alarm rate need at least 7" in n for n in notes)
 
 
 def test_sglang_sm100_x6_on_amax_448_is_a_finding_whose_convert_passes_that_path(own, calibrated, heldout, tmp_path):
@@ -144,21 +149,24 @@ def test_an_auto_round_folder_overflows_vllms_sm100_read_and_its_convert_passes_
     by_path = paths(report)
     assert report.verdict == "FAIL" and by_path[VLLM_SM100].verdict == "FAIL"
     assert by_path[VLLM_SM100].writes.fp8_read_over > 0
+    # vLLM's 4over6 write picks each block's scale from two targets, neither of which keeps 6 x 448 in range
+    assert by_path[VLLM_4OVER6].verdict == "FAIL" and by_path[VLLM_4OVER6].writes.fp8_read_over > 0
     assert by_path[SGLANG_SM100].verdict == "PASS" and by_path[SGLANG_SM100].writes.fp8_read_over == 0  # x6: 448
     # read in float32, block scales up to 448 are in range: the same products an fp8 read could not hold are held
     assert by_path[SGLANG_SM120].verdict == "PASS" and by_path[SGLANG_SM120].writes.fp8_read_over > 0
     assert f"| {SGLANG_SM120} | PASS | float32 |" in render_markdown(report)
     assert "(read in float32: held)" in render_markdown(report)
-    (finding,) = [r for r in report.reasons if r.engines == (VLLM_SM100,) and r.level == "FAIL"]
-    assert finding.message.startswith(f"{VLLM_SM100} runs the stored auto-round global scale as stored = amax / "
-                                      "2688: its e4m3 dequantization overflows wherever a block's max passes amax x "
-                                      f"headroom / 6, {by_path[VLLM_SM100].writes.fp8_read_over} values past 448 on "
-                                      "the held-out text")
-    fix = fix_of(report, VLLM_SM100)
-    assert fix == f"fp8kv convert {auto_round} --to modelopt --out {auto_round}-modelopt"
-    typed_in(fix)
+    for path in (VLLM_SM100, VLLM_4OVER6):
+        (finding,) = [r for r in report.reasons if r.engines == (path,) and r.level == "FAIL"]
+        assert finding.message.startswith(f"{path} runs the stored auto-round global scale as stored = amax / 2688: "
+                                          "its e4m3 dequantization overflows wherever a block's max passes amax x "
+                                          f"headroom / 6, {by_path[path].writes.fp8_read_over} values past 448 on the "
+                                          "held-out text")
+        assert fix_of(report, path) == f"fp8kv convert {auto_round} --to modelopt --out {auto_round}-modelopt"
+    typed_in(fix_of(report, VLLM_4OVER6))
     fixed = paths(verify(Path(f"{auto_round}-modelopt"), heldout, tmp_path / "fixed"))
-    assert fixed[VLLM_SM100].verdict == "PASS" and fixed[VLLM_SM100].writes.fp8_read_over == 0
+    for path in (VLLM_SM100, VLLM_4OVER6):
+        assert fixed[path].verdict == "PASS" and fixed[path].writes.fp8_read_over == 0
 
 
 def test_a_modelopt_041_export_is_read_as_amax_2688_and_judged_like_auto_round(calibrated, factory_checkpoint, heldout,

@@ -24,7 +24,7 @@ from fp8kv.data import CalibrationData, repeated_prefixes
 from fp8kv.engine_models import NVFP4_LOADERS, Nvfp4Loader
 from fp8kv.errors import Fp8kvError
 from fp8kv.kvdtypes import E2M1_MAX, SCALE_BOUND
-from fp8kv.options import DEFAULT_KV_DTYPE, DEFAULT_NVFP4_WRITE
+from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.progress import StageProgress, announce
 from fp8kv.runtime.device import RuntimeDevice, resolve_device
 from fp8kv.runtime.nvfp4_cache import Nvfp4PagedKVCache
@@ -146,17 +146,17 @@ class PathRun:
 
 
 def path_runs(model_dir: Path, scales: KVScales, layers: tuple[int, ...], common: dict[str, Any]) -> list[PathRun]:
-    """A run per `[[nvfp4]]` row; rows holding the same scales with the same read share one cache. The fp8 read
+    """A run per `[[nvfp4]]` row; rows holding the same scales with the same write and read share one cache. The fp8 read
     quantizes Q with q_scale (1.0 where the folder has none, as an engine without one holds)."""
     q = {layer: scales.q_value(layer) for layer in layers} if scales.q is not None else dict.fromkeys(layers, 1.0)
-    caches: dict[tuple[str, tuple[float, ...], tuple[float, ...]], PagedModelRunner] = {}
+    caches: dict[tuple[str, str, tuple[float, ...], tuple[float, ...]], PagedModelRunner] = {}
 
-    def cache(read: str, k: tuple[float, ...], v: tuple[float, ...]) -> PagedModelRunner:
-        if (read, k, v) not in caches:
-            caches[read, k, v] = PagedModelRunner(
-                model_dir, cache_dtype=DEFAULT_NVFP4_WRITE, nvfp4_read=read, k_scales=dict(zip(layers, k)),
+    def cache(write: str, read: str, k: tuple[float, ...], v: tuple[float, ...]) -> PagedModelRunner:
+        if (write, read, k, v) not in caches:
+            caches[write, read, k, v] = PagedModelRunner(
+                model_dir, cache_dtype=write, nvfp4_read=read, k_scales=dict(zip(layers, k)),
                 v_scales=dict(zip(layers, v)), q_scales=q if read == "fp8" else None, **common)
-        return caches[read, k, v]
+        return caches[write, read, k, v]
 
     stored_k, stored_v = tuple(scales.k[i][0] for i in layers), tuple(scales.v[i][0] for i in layers)
     unit = tuple(1.0 for _ in layers)
@@ -164,7 +164,7 @@ def path_runs(model_dir: Path, scales: KVScales, layers: tuple[int, ...], common
     for loader in NVFP4_LOADERS:
         read = "fp8" if loader.fp8_dequant else "float32"
         k, v = global_scales(loader, stored_k), global_scales(loader, stored_v)
-        runs.append(PathRun(loader, read, k, v, cache(read, k, v), cache(read, unit, unit)))
+        runs.append(PathRun(loader, read, k, v, cache(loader.write, read, k, v), cache(loader.write, read, unit, unit)))
     return runs
 
 
