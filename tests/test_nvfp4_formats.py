@@ -261,10 +261,14 @@ def test_fp8_k_nvfp4_v_is_modelopts_mixed_algo(base, tmp_path):
     assert (readout.kv_dtype, readout.nvfp4.conventions) == ("fp8_k_nvfp4_v", ("modelopt",))
     with pytest.raises(Fp8kvError, match=r"fp8_k_nvfp4_v \(fp8 K, nvfp4 V\) is written as modelopt only"):
         convert_checkpoint(out, tmp_path / "o", "auto-round")
-    (meaning,) = inspect_checkpoint(out).nvfp4_meanings  # SGLang's x6 on sm100, with no convert to name
-    assert _sglang_sm100(meaning.runs) == (SGLANG_SM100.format(h="h", div="448", ran="74.67") + "; block scales only up to "
-                               "12.44/h, 6x below what amax / 448 intends: small blocks reach e4m3's subnormals "
-                               "sooner, nothing overflows (its own code run here)")
+    (meaning,) = inspect_checkpoint(out).nvfp4_meanings  # no release read has the mixed cache: what each runs
+    assert meaning.runs == (
+        "vllm-cuda 0.32.0: no fp8 K / nvfp4 V cache; runs a cache in the model's dtype: its ModelOpt reader knows "
+        "kv_cache_quant_algo FP8 and NVFP4 only and takes any other as --kv-cache-dtype auto, and --kv-cache-dtype "
+        "offers no fp8 K with nvfp4 V (read from its published package)",
+        "sglang 0.5.23: no fp8 K / nvfp4 V cache; runs a cache in the model's dtype under --kv-cache-dtype auto (only "
+        "kv_cache_quant_algo FP8 picks an fp8 cache), and --kv-cache-dtype offers no fp8 K with nvfp4 V (read from its "
+        "published package)")
 
 
 @pytest.mark.parametrize(("extra", "message"), [
