@@ -30,12 +30,12 @@ from fp8kv.progress import StageProgress, announce
 from fp8kv.runtime.device import RuntimeDevice, resolve_device
 from fp8kv.runtime.nvfp4_cache import Nvfp4Counts, Nvfp4PagedKVCache
 from fp8kv.runtime.runner import PagedModelRunner, load_model
+from fp8kv.serving import NO_FP8_K_NVFP4_V_RELEASE
 from fp8kv.verify import fidelity, heldout
 from fp8kv.verify.accuracy import ScoredSample, SequenceScore, Totals, prefill
 from fp8kv.verify.report import HeldOut
 from fp8kv.verify.request import VerifyRequest
 from fp8kv.verify.results import Accuracy, Nvfp4Check, Nvfp4PathResult, Nvfp4Writes, VersusFp8
-from fp8kv.serving import NO_FP8_K_NVFP4_V_RELEASE
 from fp8kv.verify.nvfp4_report import unit_family
 from fp8kv.verify.static import StaticResult
 from fp8kv.verify.verdict import Thresholds, unit_scale_reasons, verdict
