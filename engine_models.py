@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from fp8kv.errors import Fp8kvError
 from fp8kv.kvdtypes import KV_DTYPES
+from fp8kv.options import DEFAULT_NVFP4_WRITE, FP8_K_NVFP4_V
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -419,8 +420,13 @@ def _hardware_path(row: dict[str, Any]) -> HardwarePath:
                         row["evidence"], row.get("golden"))
 
 
+def _rows(section: str) -> list[dict[str, Any]]:
+    """The rows of one section of configs/engines.toml."""
+    return tomllib.loads(files("fp8kv.configs").joinpath(RELEASES_FILE).read_text(encoding="utf-8"))[section]
+
+
 def _read_releases() -> tuple[EngineModel, ...]:
-    rows = tomllib.loads(files("fp8kv.configs").joinpath(RELEASES_FILE).read_text(encoding="utf-8"))["release"]
+    rows = _rows("release")
     models = [_release_model(row) for row in rows]
     by_name = {model.name: model for model in models}
     return tuple(_lent_loader(model, row, by_name) for model, row in zip(models, rows))
@@ -443,7 +449,8 @@ RELEASE_MODELS = _read_releases()
 class Nvfp4Loader:
     """What one release's loader makes of a checkpoint's NVFP4 global scale on one GPU generation (a row of
     configs/engines.toml's [[nvfp4]]): whether it loads it, the factor it applies (a stored 1.0 kept where
-    `keeps_unit`), whether its attention dequantizes blocks into e4m3 (`fp8_dequant`), how it is served."""
+    `keeps_unit`), whether its attention dequantizes blocks into e4m3 (`fp8_dequant`), how it is served, and the cache
+    write it runs (`write`, an `options.Nvfp4Write`)."""
 
     engine: str
     release: str
@@ -457,6 +464,7 @@ class Nvfp4Loader:
     evidence: str
     source: str
     golden: str = ""
+    write: str = DEFAULT_NVFP4_WRITE
 
     @property
     def name(self) -> str:
@@ -469,13 +477,38 @@ class Nvfp4Loader:
 
 
 def _read_nvfp4_loaders() -> tuple[Nvfp4Loader, ...]:
-    rows = tomllib.loads(files("fp8kv.configs").joinpath(RELEASES_FILE).read_text(encoding="utf-8"))["nvfp4"]
+    rows = _rows("nvfp4")
     return tuple(Nvfp4Loader(row["engine"], row["release"], row["gpu"], row.get("setting", ""), row["loads"],
                              row["factor"], row.get("keeps_unit", False), row["fp8_dequant"], row["serve"],
-                             row["evidence"], row["source"], row.get("golden", "")) for row in rows)
+                             row["evidence"], row["source"], row.get("golden", ""),
+                             row.get("write", DEFAULT_NVFP4_WRITE)) for row in rows)
 
 
 NVFP4_LOADERS = _read_nvfp4_loaders()
+
+
+@dataclass(frozen=True)
+class Fp8KNvfp4VRelease:
+    """What one release does with a folder declaring ModelOpt's FP8_K_NVFP4_V (a row of configs/engines.toml's
+    [[fp8_k_nvfp4_v]]): it has no fp8 K / nvfp4 V cache, and runs `instead`."""
+
+    engine: str
+    release: str
+    instead: str
+    evidence: str
+    source: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.engine} {self.release}"
+
+    @property
+    def known_by(self) -> str:
+        return _EVIDENCE[self.evidence]
+
+
+FP8_K_NVFP4_V_RELEASES = tuple(Fp8KNvfp4VRelease(row["engine"], row["release"], row["instead"], row["evidence"],
+                                                  row["source"]) for row in _rows(FP8_K_NVFP4_V))
 BUG_MODELS: tuple[EngineModel, ...] = (
     EngineModel("no-clamp", fp32_divide, False,
                 "the seed's unmerged draft of vLLM's TPU fp8 write: key.to(float32) / k_scale, then the cast",

@@ -18,6 +18,7 @@ from fp8kv.checks import check_readout
 from fp8kv.console import layer_table, rich_table, text_console
 from fp8kv.geometry import LatentCache
 from fp8kv.json_fields import to_json_value
+from fp8kv.options import FP8_K_NVFP4_V
 from fp8kv.serving import nvfp4_lines
 
 Scale = float | tuple[float, ...]  # one per tensor, or one per KV head (--per-head)
@@ -101,7 +102,7 @@ class InspectReport:
     def _show_nvfp4(self, console: Any) -> None:
         reading = self.nvfp4
         assert reading is not None
-        side = "V" if reading.kv_dtype == "fp8_k_nvfp4_v" else "K and V"
+        side = "V" if reading.kv_dtype == FP8_K_NVFP4_V else "K and V"
         if reading.known is None:
             console.print(f"NVFP4 {side} global scales: {reading.why}; the files do not tell which convention, so "
                           f"every reading follows (fp8kv convert --from names it)", highlight=False)

@@ -24,6 +24,7 @@ DEFAULT_KV_DTYPE: KvDtype = "fp8_e4m3"
 # NVFP4 caches: e2m1 values in blocks with an e4m3 scale each, under one float32 global scale per layer and side
 # (the checkpoint's); fp8_k_nvfp4_v keeps K in fp8 e4m3 (ModelOpt's kv_cache_quant_algo FP8_K_NVFP4_V).
 Nvfp4KvDtype = Literal["nvfp4", "fp8_k_nvfp4_v"]
+FP8_K_NVFP4_V: Nvfp4KvDtype = "fp8_k_nvfp4_v"
 # An engine's NVFP4 cache writes, as vLLM's `--kv-cache-dtype` names them: a serving choice, not a checkpoint format.
 # Both read the same global scale, so a kv dtype "nvfp4" folder is served by either; the 4over6 write picks each
 # block's scale from two targets (nvfp4.py).

@@ -11,16 +11,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fp8kv.engine_models import (
-    HOLDS_ROUNDED, NVFP4_LOADERS, RELEASED, REACHES_CACHE, CheckpointTraits, EngineModel, Nvfp4Loader, engine_model,
-    engine_of,
+    FP8_K_NVFP4_V_RELEASES, HOLDS_ROUNDED, NVFP4_LOADERS, RELEASED, REACHES_CACHE, CheckpointTraits, EngineModel,
+    Fp8KNvfp4VRelease, Nvfp4Loader, engine_model, engine_of,
 )
 from fp8kv.checkpoint.nvfp4 import convention_for_factor
 from fp8kv.errors import Fp8kvError
 from fp8kv.geometry import read_json
 from fp8kv.kvdtypes import E2M1_MAX, FP8_MAX
+from fp8kv.options import FP8_K_NVFP4_V
 
 # a release with a loader matrix holds the scales, one without reads the convention by its row
 HOLDS, READS, NOT_RUN, NOT_STARTED, UNCHECKED = "holds", "reads", "not run", "does not start", "unchecked"
+# what calibrate, the card and verify say of an fp8_k_nvfp4_v folder (configs/engines.toml's [[fp8_k_nvfp4_v]])
+NO_FP8_K_NVFP4_V_RELEASE = "No engine release fp8kv read has an fp8 K / nvfp4 V cache (ModelOpt's FP8_K_NVFP4_V)"
 
 
 @dataclass(frozen=True)
@@ -150,15 +153,26 @@ def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None, conv
     return f"{loader.name}: {how} -> runs {runs}; {effect}{route} ({loader.known_by})"
 
 
+def fp8_k_nvfp4_v_line(release: Fp8KNvfp4VRelease) -> str:
+    """What `release` runs for an fp8_k_nvfp4_v folder, having no such cache."""
+    return f"{release.name}: no fp8 K / nvfp4 V cache; runs {release.instead} ({release.known_by})"
+
+
 def nvfp4_lines(divisor: float, headroom: float | None, kv_dtype: str) -> list[str]:
-    """One line per release and GPU generation fp8kv read (configs/engines.toml's [[nvfp4]])."""
-    return [nvfp4_line(loader, divisor, headroom, kv_dtype == "nvfp4") for loader in NVFP4_LOADERS]
+    """One line per release and GPU generation fp8kv read (configs/engines.toml's [[nvfp4]]); for fp8_k_nvfp4_v, one
+    per release read and what it runs instead ([[fp8_k_nvfp4_v]])."""
+    if kv_dtype == FP8_K_NVFP4_V:
+        return [fp8_k_nvfp4_v_line(release) for release in FP8_K_NVFP4_V_RELEASES]
+    return [nvfp4_line(loader, divisor, headroom, convertible=True) for loader in NVFP4_LOADERS]
 
 
 def nvfp4_serve_commands(folder: str, kv_dtype: str) -> list[str]:
-    """The command that serves `folder` with an NVFP4 cache on each engine's newest release fp8kv read; none for
-    fp8_k_nvfp4_v, whose readers fp8kv has not read."""
-    if kv_dtype != "nvfp4":
+    """The commands that serve `folder` with an NVFP4 cache on each engine's newest release fp8kv read, one per
+    cache it offers (vLLM's nvfp4 and nvfp4_4over6); none for fp8_k_nvfp4_v, which none of them has."""
+    if kv_dtype == FP8_K_NVFP4_V:
         return []
-    first = {loader.engine: loader for loader in reversed(NVFP4_LOADERS) if loader.loads}
-    return [loader.serve.format(model=folder) for loader in reversed(first.values())]
+    newest: dict[str, str] = {}
+    for loader in NVFP4_LOADERS:  # each engine's rows newest first
+        newest.setdefault(loader.engine, loader.release)
+    return list(dict.fromkeys(loader.serve.format(model=folder) for loader in NVFP4_LOADERS
+                              if loader.loads and loader.release == newest[loader.engine]))

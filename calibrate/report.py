@@ -10,8 +10,10 @@ from fp8kv.checkpoint.locate import verify_command
 from fp8kv.console import fmt_number, layer_table, rich_table, text_console
 from fp8kv.checkpoint.nvfp4 import nvfp4_convention
 from fp8kv.kvdtypes import NVFP4_KV_DTYPES
+from fp8kv.options import FP8_K_NVFP4_V
 from fp8kv.serving import (
-    NOT_STARTED, Serving, nvfp4_lines, nvfp4_serve_commands, serving, serving_heading, serving_lines, traits_of,
+    NO_FP8_K_NVFP4_V_RELEASE, NOT_STARTED, Serving, nvfp4_lines, nvfp4_serve_commands, serving, serving_heading,
+    serving_lines, traits_of,
 )
 
 
@@ -53,20 +55,20 @@ def show(result: CalibrationResult, json_output: bool = False) -> None:
 
 
 def show_nvfp4(out: str, kv_dtype: str, convention: str, headroom: float | None) -> None:
-    """What each release and GPU generation runs as the NVFP4 global scale of the folder written, how to serve it,
-    and the verify that runs each (nvfp4 K and V: verify does not model fp8_k_nvfp4_v's mixed cache)."""
+    """What each release and GPU generation runs as the NVFP4 global scale of the folder written (for fp8_k_nvfp4_v,
+    what each release read runs instead), how to serve it, and the verify that judges it."""
     divisor = nvfp4_convention(convention).divisor
-    side = "V" if kv_dtype == "fp8_k_nvfp4_v" else "K and V"
-    print(f"the stored {side} global scale is amax x {headroom:g} / {divisor:g}; what each release runs on each GPU "
-          "generation (docs/nvfp4.md):")
+    mixed = kv_dtype == FP8_K_NVFP4_V
+    side, what = ("V", "what each release read does with it") if mixed else \
+        ("K and V", "what each release runs on each GPU generation")
+    print(f"the stored {side} global scale is amax x {headroom:g} / {divisor:g}; {what} (docs/nvfp4.md):")
     for line in nvfp4_lines(divisor, headroom, kv_dtype):
         print(f"  {line}")
-    commands = nvfp4_serve_commands(out, kv_dtype)
-    if not commands:
-        print(f"K is an fp8 e4m3 cache scaled as with --kv-dtype fp8_e4m3; which releases load {kv_dtype} "
-              "(ModelOpt's FP8_K_NVFP4_V) fp8kv has not read")
-        return
-    print("serve it with:")
-    for command in commands:
-        print(f"  {command}")
+    if mixed:
+        print(f"K is an fp8 e4m3 cache scaled as with --kv-dtype fp8_e4m3. {NO_FP8_K_NVFP4_V_RELEASE}: verify "
+              "judges this folder on fp8kv's own arithmetic")
+    else:
+        print("serve it with:")
+        for command in nvfp4_serve_commands(out, kv_dtype):
+            print(f"  {command}")
     print(f"next: {verify_command(Path(out))}")

@@ -8,14 +8,15 @@ from fp8kv.checkpoint.nvfp4 import nvfp4_convention
 from fp8kv.checkpoint.provenance import Provenance
 from fp8kv.console import fmt_number
 from fp8kv.kvdtypes import E2M1_MAX, NVFP4_BLOCK_SIZE
-from fp8kv.serving import nvfp4_lines, nvfp4_serve_commands
+from fp8kv.options import FP8_K_NVFP4_V
+from fp8kv.serving import NO_FP8_K_NVFP4_V_RELEASE, nvfp4_lines, nvfp4_serve_commands
 
 
 def nvfp4_scales(prov: Provenance) -> str:
     """The card's scale section: the stored value's meaning and each release's reading of it."""
     row = nvfp4_convention(prov.format)
     headroom = f" × {fmt_number(prov.headroom)}" if prov.headroom is not None else ""
-    side = "V (K is an fp8 e4m3 cache with the fp8 scale amax / 448)" if prov.kv_dtype == "fp8_k_nvfp4_v" else "K and V"
+    side = "V (K is an fp8 e4m3 cache with the fp8 scale amax / 448)" if prov.kv_dtype == FP8_K_NVFP4_V else "K and V"
     return "\n\n".join([
         "## KV-cache scales (NVFP4)",
         f"The cache stores {side} as e2m1 values (at most {E2M1_MAX:g}) in blocks of {NVFP4_BLOCK_SIZE} along "
@@ -31,7 +32,7 @@ def nvfp4_serve(model: str, kv_dtype: str) -> str:
     """The card's serve section: one command per engine's newest release read."""
     commands = "\n".join(nvfp4_serve_commands(model, kv_dtype))
     if not commands:
-        return ("## How to serve\n\nWhich engine releases load ModelOpt's FP8_K_NVFP4_V (fp8 K, nvfp4 V) fp8kv has "
-                "not read.")
+        return (f"## How to serve\n\n{NO_FP8_K_NVFP4_V_RELEASE}: each release above runs another cache with this "
+                "folder. `fp8kv verify` judges it on fp8kv's own arithmetic.")
     return f"## How to serve\n\nThe global scales are used when the KV cache is NVFP4:\n\n```bash\n{commands}\n```"
 

@@ -1,12 +1,14 @@
-"""The paged KV cache stored as NVFP4 (vLLM's `--kv-cache-dtype nvfp4` and `nvfp4_4over6` writes), and what the
-attention reads back from it.
+"""The paged KV cache stored as NVFP4 (vLLM's `--kv-cache-dtype nvfp4` and `nvfp4_4over6` writes, and ModelOpt's
+fp8_k_nvfp4_v: K in fp8 e4m3, V in NVFP4), and what the attention reads back from it.
 
 Per KV layer the cache stores what vLLM's does, K and V interleaved on the head axis as in the fp8 cache (vLLM
 orders a page's bytes [K codes | K scales | V codes | V scales]; the values are the same): packed e2m1 codes
 `codes` uint8 `[num_pages, page_size, 2 * kv_heads, head_dim / 2]`, e4m3 block scales `block_scales` (their bytes,
 uint8) `[num_pages, page_size, 2 * kv_heads, head_dim / 16]`, and the layer's global K and V scales in `scales`.
+With `fp8_keys` (fp8_k_nvfp4_v) `codes` and `block_scales` hold V alone (`kv_heads` on the head axis) and `keys` K's e4m3
+bytes `[num_pages, page_size, kv_heads, head_dim]`, written as the fp8 cache writes them (the cache's `engine`).
 `pages` holds what attention reads, made from the stored bytes at each write, so every attention function reads it
-as it reads any cache:
+as it reads any cache (an fp8 K reads as the fp8 cache's: its e4m3 value, times k_scale in the float32 read):
 
 - read "float32": e2m1 * (SF * s) in float32, the plain dequantized read (vLLM's `dequantize_to_dtype`);
 - read "fp8": e2m1 * SF rounded to e4m3, with s left to the attention as its k_scale / v_scale: the sm100 path,
@@ -26,7 +28,7 @@ import torch
 
 from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel
 from fp8kv.errors import Fp8kvError
-from fp8kv.fp8 import to_fp8
+from fp8kv.fp8 import to_float32, to_fp8
 from fp8kv.kvdtypes import FP8_MAX, NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SCALE_DTYPE
 from fp8kv.nvfp4 import E4M3, Nvfp4Tensor, WriteCounts, block_values, dequantize, quantize
 from fp8kv.runtime.cache import PagedKVCache, Scale, store_rows
@@ -54,8 +56,9 @@ assert _COUNTERS[: len(_WRITE_COUNTERS)] == _WRITE_COUNTERS, "Nvfp4Counts starts
 
 class Nvfp4PagedKVCache(PagedKVCache):
     """`PagedKVCache`'s pages, allocator and counters over NVFP4 storage (the module's docstring). `four_over_six`
-    picks vLLM's 4over6 write, `read` what the attention reads ("float32" or "fp8"). Every head_dim must be a
-    multiple of 16; shadow engines do not apply (their writes are fp8)."""
+    picks vLLM's 4over6 write, `fp8_keys` an fp8 e4m3 K (its values clamped at ±448 counted in `clamped`, its NVFP4
+    counters 0), `read` what the attention reads ("float32" or "fp8"). Every head_dim must be a multiple of 16;
+    shadow engines do not apply (their writes are fp8)."""
 
     def __init__(
         self,
@@ -67,6 +70,7 @@ class Nvfp4PagedKVCache(PagedKVCache):
         head_dim: int | Sequence[int],
         device: torch.device,
         four_over_six: bool = False,
+        fp8_keys: bool = False,
         read: str = "float32",
         head_dim_multiple: int = 1,
         k_scales: Mapping[int, Scale] | None = None,
@@ -84,13 +88,16 @@ class Nvfp4PagedKVCache(PagedKVCache):
         if odd:
             raise Fp8kvError(f"an NVFP4 cache stores blocks of {NVFP4_BLOCK_SIZE} head_dim values: head_dim {odd} is not "
                              "a multiple; serve this model with an fp8 cache")
-        self.four_over_six, self.read = four_over_six, read
+        self.four_over_six, self.fp8_keys, self.read = four_over_six, fp8_keys, read
         # vLLM 0.32.0's FlashInfer backend (v1/attention/backends/flashinfer.py) gives sm100's NVFP4 attention an fp8
         # output buffer and copies it into the model's dtype: the output is rounded to e4m3 at scale 1
         self.fp8_attention_output = read == "fp8"
-        shapes = [(num_pages, page_size, 2 * heads, d) for heads, d in zip(self._kv_heads, self._head_dims)]
+        sides = 1 if fp8_keys else 2  # the sides stored as NVFP4
+        shapes = [(num_pages, page_size, sides * heads, d) for heads, d in zip(self._kv_heads, self._head_dims)]
         self.codes = [torch.zeros(*s[:3], s[3] // 2, dtype=torch.uint8, device=device) for s in shapes]
         self.block_scales = [torch.zeros(*s[:3], s[3] // NVFP4_BLOCK_SIZE, dtype=torch.uint8, device=device) for s in shapes]
+        self.keys = [torch.zeros(num_pages, page_size, heads, d, dtype=torch.uint8, device=device)
+                     for heads, d in zip(self._kv_heads, self._head_dims)] if fp8_keys else []
         self.nvfp4_counters = torch.zeros(len(self.kv_layers), 2, len(_COUNTERS), dtype=torch.int64, device=device)
 
     @property
@@ -98,26 +105,40 @@ class Nvfp4PagedKVCache(PagedKVCache):
         return False
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
-        """Quantize K/V `[tokens, kv_heads, head_dim]` to NVFP4 and store them at flat `slots` `[tokens]`; padding
-        tokens (`valid` False) go to the scratch page as zeros, so they count nothing."""
+        """Quantize K/V `[tokens, kv_heads, head_dim]` to NVFP4 (K to fp8 e4m3 with `fp8_keys`) and store them at flat
+        `slots` `[tokens]`; padding tokens (`valid` False) go to the scratch page as zeros, so they count nothing."""
         row = self._row[layer]
         heads = self._kv_heads[row]
         real = valid[:, None, None]
-        sides = [quantize(torch.where(real, x, 0.0), self.scales[row, i, :heads, None], four_over_six=self.four_over_six)
-                 for i, x in enumerate((k, v))]
+        k, v = torch.where(real, k, 0.0), torch.where(real, v, 0.0)
+        scale = self.scales[row, :, :heads, None]  # [2 (K, V), kv_heads, 1]
+        nvfp4 = [(side, *quantize(x, scale[side], four_over_six=self.four_over_six))
+                 for side, x in enumerate((k, v)) if side or not self.fp8_keys]
 
         def interleaved(parts: list[torch.Tensor]) -> torch.Tensor:
-            return torch.stack(parts, dim=2).flatten(1, 2)  # [T, 2*kv_heads, ...]: K0, V0, K1, V1, ...
+            return torch.stack(parts, dim=2).flatten(1, 2)  # [T, sides * kv_heads, ...]: K0, V0, K1, V1, ...
 
-        store_rows(self.codes[row].flatten(0, 1), slots, interleaved([s.codes for s, _ in sides]))
+        store_rows(self.codes[row].flatten(0, 1), slots, interleaved([s.codes for _, s, _ in nvfp4]))
         store_rows(self.block_scales[row].flatten(0, 1), slots,
-                   interleaved([s.block_scales.view(torch.uint8) for s, _ in sides]))
-        read = interleaved([self._read_back(stored) for stored, _ in sides])
-        read = torch.nn.functional.pad(read, (0, self._padded[row] - self._head_dims[row]))
-        counts = [[*(getattr(c, name) for name in _WRITE_COUNTERS), _fp8_read_over(stored)] for stored, c in sides]
-        self.nvfp4_counters[row] += torch.stack([torch.stack(side) for side in counts])
+                   interleaved([s.block_scales.view(torch.uint8) for _, s, _ in nvfp4]))
+        reads = [self._read_back(stored) for _, stored, _ in nvfp4]
+        counts = torch.zeros(2, len(_COUNTERS), dtype=torch.int64, device=k.device)
+        for side, stored, c in nvfp4:
+            counts[side] = torch.stack([*(getattr(c, name) for name in _WRITE_COUNTERS), _fp8_read_over(stored)])
+        if self.fp8_keys:
+            reads.insert(0, self._fp8_key(row, k, scale[0], slots))
+        self.nvfp4_counters[row] += counts
+        read = torch.nn.functional.pad(interleaved(reads), (0, self._padded[row] - self._head_dims[row]))
         self._count(row, interleaved([k, v]), read, valid)
         self._store(row, slots, read)
+
+    def _fp8_key(self, row: int, k: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """K `[T, kv_heads, head_dim]` written as the fp8 cache writes it at `scale` `[kv_heads, 1]`, stored in
+        `keys` at `slots`, its clamped values counted; what the attention reads of it."""
+        stored = self.engine.write(k, scale, E4M3)
+        store_rows(self.keys[row].flatten(0, 1), slots, stored.view(torch.uint8))
+        self.clamped[row, 0] += (to_float32(k).abs() / scale > torch.finfo(E4M3).max).sum()
+        return stored if self.read == "fp8" else to_float32(stored) * scale
 
     def _read_back(self, stored: Nvfp4Tensor) -> torch.Tensor:
         if self.read == "float32":
@@ -129,6 +150,8 @@ class Nvfp4PagedKVCache(PagedKVCache):
         V codes | V block scales], codes `[kv_heads, page_size, head_dim/2]` and block scales `[kv_heads, page_size,
         head_dim/16]` per side (vLLM 0.32.0 `nvfp4_kv_cache_kernels.cu`). `swizzle_v`: V's block scales in the
         4-token swizzle sm100's attention reads (vLLM swizzles below compute capability 12; K's stay linear)."""
+        if self.fp8_keys:
+            raise Fp8kvError("vllm_page lays out vLLM's nvfp4 page, NVFP4 K and V; this cache holds an fp8 K")
         row = self._row[layer]
         parts = []
         for side in (0, 1):
@@ -138,9 +161,9 @@ class Nvfp4PagedKVCache(PagedKVCache):
         return torch.cat(parts)
 
     def bytes_per_token(self) -> float:
-        """Bytes the stored codes and block scales take per token across all layers (the read-back pages are
-        fp8kv's model of the attention's input, not storage)."""
-        return float(sum(c[0, 0].numel() + b[0, 0].numel() for c, b in zip(self.codes, self.block_scales)))
+        """Bytes the stored codes, block scales and fp8 keys take per token across all layers (the read-back pages
+        are fp8kv's model of the attention's input, not storage)."""
+        return float(sum(stored[0, 0].numel() for stored in (*self.codes, *self.block_scales, *self.keys)))
 
     def nvfp4_counts(self) -> Nvfp4Counts:
         """The NVFP4 write counters, read from the device once."""

@@ -32,7 +32,7 @@ from fp8kv.fp8 import cache_dtype as _cache_dtype
 from fp8kv.fp8 import FP8_DTYPES, canonical_cache_dtype, quantize, to_float32, to_fp8
 from fp8kv.geometry import AttentionGeometry
 from fp8kv.kvdtypes import NVFP4_WRITES
-from fp8kv.options import DEFAULT_KV_DTYPE, FOUR_OVER_SIX_WRITE
+from fp8kv.options import DEFAULT_KV_DTYPE, FOUR_OVER_SIX_WRITE, FP8_K_NVFP4_V
 from fp8kv.runtime.attention import NUMERICS, AttentionNumerics, kernel_supported, ragged_paged_attention
 from fp8kv.runtime.cache import SCRATCH_PAGE, CacheCounts, ForwardCounts, PageAllocator, PagedKVCache, Scale
 from fp8kv.runtime.nvfp4_cache import Nvfp4PagedKVCache
@@ -172,8 +172,9 @@ class PagedModelRunner:
         model_dir: a local checkpoint folder.
         device: "auto", "tpu", "xla-cpu", "cuda" or "cpu".
         cache_dtype: "fp8_e4m3" (or vLLM's "fp8"), "fp8_e5m2", "bf16" or "fp32"; or vLLM's NVFP4 writes,
-            "nvfp4" and "nvfp4_4over6" (`runtime.nvfp4_cache`), read back as `nvfp4_read` says ("float32", or
-            "fp8": sm100's attention in fp8, with `q_scales` for the query).
+            "nvfp4" and "nvfp4_4over6", or "fp8_k_nvfp4_v" (K written as this runner's fp8 e4m3 cache writes it, V as
+            "nvfp4"; `runtime.nvfp4_cache`), read back as `nvfp4_read` says ("float32", or "fp8": sm100's attention
+            in fp8, with `q_scales` for the query).
         k_scales, v_scales: {kv layer index: float or per-KV-head list}; None = 1.0 (fp8 only).
         engine: the engine model the cache reproduces (`fp8kv.engine_models`): its fp8 write, the scales it
             runs with and the fp8 format it allocates; the default is vLLM TPU's (divide in float32, clamp).
@@ -238,7 +239,7 @@ class PagedModelRunner:
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.backend = _resolve_backend(attention_backend, self.runtime_device)
         g = self.geometry
-        nvfp4 = cache_dtype in NVFP4_WRITES
+        nvfp4 = cache_dtype in (*NVFP4_WRITES, FP8_K_NVFP4_V)
         if nvfp4 and (g.latent is not None or shadow_engines):
             raise Fp8kvError("an NVFP4 cache is modelled for K/V attention without shadow engines, not for "
                              "multi-head latent attention (MLA) or shadow engines' fp8 writes")
@@ -247,7 +248,8 @@ class PagedModelRunner:
                 g.kv_layers, num_pages=num_pages or max_num_seqs * self.pages_per_seq + 1, page_size=page_size,
                 num_kv_heads=[g.layer_kv_heads(layer) for layer in g.kv_layers],
                 head_dim=[g.layer_head_dim(layer) for layer in g.kv_layers], device=self.runtime_device.device,
-                four_over_six=cache_dtype == FOUR_OVER_SIX_WRITE, read=nvfp4_read, head_dim_multiple=self.runtime_device.head_dim_multiple,
+                four_over_six=cache_dtype == FOUR_OVER_SIX_WRITE, fp8_keys=cache_dtype == FP8_K_NVFP4_V, read=nvfp4_read,
+                head_dim_multiple=self.runtime_device.head_dim_multiple,
                 k_scales=k_scales, v_scales=v_scales, engine=engine, shared_layers=dict(g.shared_kv_sources))
         elif g.latent is not None:
             dtype_of_cache = _cache_dtype(as_engine_model(engine).cache_dtype(canonical_cache_dtype(cache_dtype)))

@@ -12,7 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp8kv.engine_models import NVFP4_LOADERS, RELEASE_MODELS, activation_divide, engine_model
+from fp8kv.engine_models import (
+    FP8_K_NVFP4_V_RELEASES, NVFP4_LOADERS, RELEASE_MODELS, activation_divide, engine_model,
+)
 from fp8kv.fp8 import to_fp8
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -162,3 +164,10 @@ def test_sglangs_nvfp4_rows_serve_with_the_kv_cache_dtype_whose_method_ran():
     for loader in SGLANG_NVFP4_ROWS.values():
         words = shlex.split(loader.serve)
         assert words[words.index("--kv-cache-dtype") + 1] == SGLANG_NVFP4["kv_cache_dtype"], loader.name
+
+
+def test_sglangs_fp8_k_nvfp4_v_row_matches_the_kv_cache_dtypes_its_command_line_took():
+    """Its row says SGLang has no fp8 K / nvfp4 V cache: none of the choices its probe recorded is one."""
+    (row,) = [r for r in FP8_K_NVFP4_V_RELEASES if (r.engine, r.release) == ("sglang", SGLANG_NVFP4["meta"]["sglang"])]
+    assert "tests/golden/nvfp4-sglang-0.5.23.json" in row.source
+    assert not [c for c in SGLANG_NVFP4["kv_cache_dtype_choices"] if "fp8" in c and "fp4" in c]

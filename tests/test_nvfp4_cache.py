@@ -12,8 +12,9 @@ import torch
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 from fp8kv.errors import Fp8kvError  # noqa: E402
-from fp8kv.fp8 import to_fp8  # noqa: E402
+from fp8kv.fp8 import to_float32, to_fp8  # noqa: E402
 from fp8kv.nvfp4 import E4M3, Nvfp4Tensor, block_values, dequantize, quantize  # noqa: E402
+from fp8kv.runtime.cache import PagedKVCache  # noqa: E402
 from fp8kv.runtime.nvfp4_cache import Nvfp4PagedKVCache  # noqa: E402
 from fp8kv.runtime.runner import PagedModelRunner  # noqa: E402
 from fp8kv.tools.factory import make_checkpoint  # noqa: E402
@@ -22,10 +23,10 @@ CPU = torch.device("cpu")
 K_SCALES, V_SCALES = {0: 0.01, 3: [0.02, 0.005]}, {0: 0.03, 3: 0.004}
 
 
-def _cache(read="float32", four_over_six=False, multiple=1):
+def _cache(read="float32", four_over_six=False, multiple=1, fp8_keys=False):
     return Nvfp4PagedKVCache([0, 3], num_pages=4, page_size=4, num_kv_heads=2, head_dim=32, device=CPU, read=read,
                              four_over_six=four_over_six, k_scales=K_SCALES, v_scales=V_SCALES,
-                             head_dim_multiple=multiple)
+                             head_dim_multiple=multiple, fp8_keys=fp8_keys)
 
 
 def _kv(tokens=3, seed=0):
@@ -46,6 +47,38 @@ def test_a_write_stores_the_codes_and_block_scales_quantize_gives_at_its_slots(f
         pages = cache.pages[1].flatten(0, 1)[slots][:, side::2]
         assert torch.equal(pages, dequantize(stored))  # the float32 read is the read-back of those bytes
     assert cache.scale_args(3) == (None, None)  # already applied
+
+
+@pytest.mark.parametrize("read", ["float32", "fp8"])
+def test_fp8_keys_store_the_fp8_caches_k_bytes_and_v_as_nvfp4(read):
+    """fp8_k_nvfp4_v: K's bytes are the fp8 e4m3 cache's write (the default engine's: float32 division, clamped at
+    448), read as that cache reads them; V's codes and block scales are the nvfp4 write's; K counts clamps, not
+    NVFP4 counters."""
+    cache, (k, v) = _cache(read=read, fp8_keys=True), _kv()
+    k[0, 1, :4] = 0.005 * 500  # past 448 x its k_scale: clamped (and any other past it)
+    slots, k_scale = torch.tensor([5, 6, 9]), torch.tensor([[0.02], [0.005]])
+    cache.write(3, k, v, slots, torch.ones(3, dtype=torch.bool))
+    fp8 = PagedKVCache([3], num_pages=4, page_size=4, num_kv_heads=2, head_dim=32, dtype=E4M3, device=CPU,
+                       k_scales={3: K_SCALES[3]}, v_scales={3: 1.0})
+    fp8.write(3, k, v, slots, torch.ones(3, dtype=torch.bool))
+    fp8_k = fp8.pages[0].view(torch.uint8).flatten(0, 1)[slots][:, 0::2]  # CPU torch indexes fp8 as bytes only
+    assert torch.equal(cache.keys[1].flatten(0, 1)[slots], fp8_k)
+    stored, _ = quantize(v, torch.tensor(0.004))
+    assert torch.equal(cache.codes[1].flatten(0, 1)[slots], stored.codes)  # V alone: [slots, kv_heads, 16]
+    assert torch.equal(cache.block_scales[1].flatten(0, 1)[slots], stored.block_scales.view(torch.uint8))
+    if read == "float32":
+        pages = cache.pages[1].flatten(0, 1)[slots]
+        assert torch.equal(pages[:, 0::2], to_float32(fp8_k.view(E4M3)) * k_scale)
+        assert cache.scale_args(3) == (None, None)
+    else:
+        assert torch.equal(cache.pages[1].view(torch.uint8).flatten(0, 1)[slots][:, 0::2], fp8_k)
+        assert cache.scale_args(3)[1] == pytest.approx(0.004)
+    clamped = cache.counts().clamped[3]
+    assert clamped == (fp8.counts().clamped[3][0], 0) and clamped[0] >= 4
+    assert all(k == 0 for k, _ in cache.nvfp4_counts().clipped_values.values())
+    assert cache.bytes_per_token() == 2 * 2 * (32 + 16 + 2)  # 2 layers x 2 heads: fp8 K, V's codes and scales
+    with pytest.raises(Fp8kvError, match="this cache holds an fp8 K"):
+        cache.vllm_page(3, 1, swizzle_v=False)
 
 
 def test_the_fp8_read_holds_e2m1_times_block_scale_in_e4m3_and_leaves_the_global_scale_to_attention():
@@ -108,7 +141,8 @@ def _logits(model_dir, prompt, **kwargs):
 
 def test_the_runner_attends_over_the_nvfp4_read_back_coarser_than_fp8(llama):
     """At ModelOpt's scales (amax / 448) on this random model: the largest logit error relative to a float32 cache's
-    logits was 0.030 with fp8 e4m3, 0.093 with nvfp4, 0.103 with nvfp4_4over6 and 0.093 with its fp8 read."""
+    logits was 0.030 with fp8 e4m3, 0.093 with nvfp4, 0.103 with nvfp4_4over6, 0.093 with its fp8 read, and 0.093
+    with fp8_k_nvfp4_v (the largest error is the first token's, whose attention reads its V alone)."""
     prompt = [(7 * i + 11) % 500 + 4 for i in range(23)]
     plain, reference = _logits(llama, prompt, cache_dtype="fp32")
     amax = plain.counts().amax  # per layer (K, V) per head
@@ -119,7 +153,7 @@ def test_the_runner_attends_over_the_nvfp4_read_back_coarser_than_fp8(llama):
         runner, logits = _logits(llama, prompt, k_scales=k_scales, v_scales=v_scales, **kwargs)
         if isinstance(runner.cache, Nvfp4PagedKVCache):  # the pages attention read are the stored bytes read back
             assert all(k == v == 0 for k, v in runner.cache.nvfp4_counts().fp8_read_over.values())
-            if runner.cache.read == "float32":
+            if runner.cache.read == "float32" and not runner.cache.fp8_keys:
                 for row, pages in enumerate(runner.cache.pages):
                     scales = runner.cache.scales[row].T.reshape(-1, 1)  # [2*kv_heads, 1]: K0, V0, K1, V1
                     stored = Nvfp4Tensor(runner.cache.codes[row], runner.cache.block_scales[row].view(E4M3), scales)
@@ -128,7 +162,8 @@ def test_the_runner_attends_over_the_nvfp4_read_back_coarser_than_fp8(llama):
 
     fp8 = error(cache_dtype="fp8_e4m3")
     for kwargs in ({"cache_dtype": "nvfp4"}, {"cache_dtype": "nvfp4_4over6"},
-                   {"cache_dtype": "nvfp4", "nvfp4_read": "fp8", "q_scales": dict.fromkeys(k_scales, 0.05)}):
+                   {"cache_dtype": "nvfp4", "nvfp4_read": "fp8", "q_scales": dict.fromkeys(k_scales, 0.05)},
+                   {"cache_dtype": "fp8_k_nvfp4_v"}):
         assert fp8 < error(**kwargs) < 0.2, kwargs
 
 

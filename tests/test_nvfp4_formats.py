@@ -112,7 +112,8 @@ def test_calibrate_says_what_each_release_runs_and_how_to_serve(calibrated):
     assert SGLANG_SM100.format(h="1.25", div="448", ran="74.67") in stdout
     assert "fp8kv convert --to modelopt-pre-0.42 gives it amax / 448" in stdout
     assert "sglang 0.5.23 on sm120: as stored -> runs amax x 1.25 / 448" in stdout
-    assert f"  vllm serve {out} --kv-cache-dtype nvfp4\n" in stdout
+    assert f"  vllm serve {out} --kv-cache-dtype nvfp4\n  vllm serve {out} --kv-cache-dtype nvfp4_4over6\n" in stdout
+    assert "vllm-cuda 0.32.0 on sm100 with --kv-cache-dtype nvfp4_4over6: as stored -> runs amax x 1.25 / 448" in stdout
     assert f"  python -m sglang.launch_server --model-path {out} --kv-cache-dtype nvfp4\n" in stdout
     assert stdout.endswith(f"next: fp8kv verify {out} --dataset generated\n")
 
@@ -134,10 +135,15 @@ def test_modelopt_files_read_by_the_producers_version(base, tmp_path, version, c
     assert [m.convention for m in report.nvfp4_meanings] == list(conventions)
     runs = {m.convention: m.runs for m in report.nvfp4_meanings}
     if "modelopt" in runs:  # the factor each reading gives SGLang on sm100
-        assert runs["modelopt"][1].startswith(SGLANG_SM100.format(h="h", div="448", ran="74.67"))
+        assert _sglang_sm100(runs["modelopt"]).startswith(SGLANG_SM100.format(h="h", div="448", ran="74.67"))
     if "modelopt-pre-0.42" in runs:
         expected = SGLANG_SM100.format(h="h", div="2688", ran="448") + "; block scales up"
-        assert runs["modelopt-pre-0.42"][1].startswith(expected)
+        assert _sglang_sm100(runs["modelopt-pre-0.42"]).startswith(expected)
+
+
+def _sglang_sm100(lines: tuple[str, ...]) -> str:
+    (line,) = [line for line in lines if line.startswith("sglang 0.5.23 on sm100:")]
+    return line
 
 
 def test_auto_round_reads_as_amax_over_2688(base, tmp_path):
@@ -255,10 +261,14 @@ def test_fp8_k_nvfp4_v_is_modelopts_mixed_algo(base, tmp_path):
     assert (readout.kv_dtype, readout.nvfp4.conventions) == ("fp8_k_nvfp4_v", ("modelopt",))
     with pytest.raises(Fp8kvError, match=r"fp8_k_nvfp4_v \(fp8 K, nvfp4 V\) is written as modelopt only"):
         convert_checkpoint(out, tmp_path / "o", "auto-round")
-    (meaning,) = inspect_checkpoint(out).nvfp4_meanings  # SGLang's x6 on sm100, with no convert to name
-    assert meaning.runs[1] == (SGLANG_SM100.format(h="h", div="448", ran="74.67") + "; block scales only up to "
-                               "12.44/h, 6x below what amax / 448 intends: small blocks reach e4m3's subnormals "
-                               "sooner, nothing overflows (its own code run here)")
+    (meaning,) = inspect_checkpoint(out).nvfp4_meanings  # no release read has the mixed cache: what each runs
+    assert meaning.runs == (
+        "vllm-cuda 0.32.0: no fp8 K / nvfp4 V cache; runs a cache in the model's dtype: its ModelOpt reader knows "
+        "kv_cache_quant_algo FP8 and NVFP4 only and takes any other as --kv-cache-dtype auto, and --kv-cache-dtype "
+        "offers no fp8 K with nvfp4 V (read from its published package)",
+        "sglang 0.5.23: no fp8 K / nvfp4 V cache; runs a cache in the model's dtype under --kv-cache-dtype auto (only "
+        "kv_cache_quant_algo FP8 picks an fp8 cache), and --kv-cache-dtype offers no fp8 K with nvfp4 V (read from its "
+        "published package)")
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -276,17 +286,23 @@ def test_calibrate_refuses_what_nvfp4_cannot_carry_before_any_work(tmp_path, ext
 
 
 def test_the_nvfp4_loader_rows_are_the_releases_read_and_run():
-    rows = {loader.name: (loader.loads, loader.factor, loader.keeps_unit, loader.fp8_dequant, loader.evidence)
-            for loader in NVFP4_LOADERS}
+    rows = {loader.name: (loader.loads, loader.factor, loader.keeps_unit, loader.fp8_dequant, loader.evidence,
+                          loader.write) for loader in NVFP4_LOADERS}
     assert rows == {
-        "vllm-cuda 0.32.0 on sm100": (True, 1.0, False, True, "read"),
-        "sglang 0.5.23 on sm100": (True, 6.0, True, True, "run"),
-        "sglang 0.5.23 on sm120": (True, 1.0, False, False, "run"),
-        "tensorrt-llm main (late 2026) on sm100": (True, 1.0, False, True, "read"),
-        "tensorrt-llm main before TRTLLM_LOAD_KV_SCALES defaulted to 1 on sm100": (False, 1.0, False, True, "read"),
+        "vllm-cuda 0.32.0 on sm100": (True, 1.0, False, True, "read", "nvfp4"),
+        "vllm-cuda 0.32.0 on sm100 with --kv-cache-dtype nvfp4_4over6": (True, 1.0, False, True, "read", "nvfp4_4over6"),
+        "sglang 0.5.23 on sm100": (True, 6.0, True, True, "run", "nvfp4"),
+        "sglang 0.5.23 on sm120": (True, 1.0, False, False, "run", "nvfp4"),
+        "tensorrt-llm main (late 2026) on sm100": (True, 1.0, False, True, "read", "nvfp4"),
+        "tensorrt-llm main before TRTLLM_LOAD_KV_SCALES defaulted to 1 on sm100":
+            (False, 1.0, False, True, "read", "nvfp4"),
         "tensorrt-llm main before TRTLLM_LOAD_KV_SCALES defaulted to 1 on sm100 with TRTLLM_LOAD_KV_SCALES=1":
-            (True, 6.0, False, True, "read"),
+            (True, 6.0, False, True, "read", "nvfp4"),
     }
+    for loader in NVFP4_LOADERS:  # vLLM names its cache write on the command line
+        if loader.engine == "vllm-cuda":
+            words = loader.serve.split()
+            assert words[words.index("--kv-cache-dtype") + 1] == loader.write, loader.name
 
 
 def test_the_card_states_the_nvfp4_meaning(calibrated):
@@ -298,8 +314,9 @@ def test_the_card_states_the_nvfp4_meaning(calibrated):
     assert "fp8(clamp(" not in card  # the fp8 cast does not describe this cache
 
 
-def test_verify_refuses_in_one_line_a_modelopt_folder_without_its_divisor_and_fp8_k_nvfp4_v(base, tmp_path):
-    """Before any model runs: each path's global scale depends on the divisor, and a mixed cache is not modelled."""
+def test_verify_refuses_in_one_line_a_modelopt_folder_without_its_divisor_but_takes_fp8_k_nvfp4_v(base, tmp_path):
+    """Before any model runs: each path's global scale depends on the divisor. A mixed cache is modelled now: such a
+    folder goes on to the held-out text verify needs (tests/test_verify_nvfp4.py runs it)."""
     unknown = modelopt(base, tmp_path / "m", None)
     result = CliRunner().invoke(app, ["verify", str(unknown), "--quiet", "--report", str(tmp_path / "r")])
     assert result.exit_code != 0
@@ -309,8 +326,8 @@ def test_verify_refuses_in_one_line_a_modelopt_folder_without_its_divisor_and_fp
                              "both readings\n")
     mixed = modelopt(base, tmp_path / "x", "0.45.0", algo="FP8_K_NVFP4_V")
     result = CliRunner().invoke(app, ["verify", str(mixed), "--quiet", "--report", str(tmp_path / "r")])
-    assert result.output == (f"fp8kv: error: {mixed}: holds fp8_k_nvfp4_v scales (fp8 K, nvfp4 V), whose cache verify "
-                             "does not model; fp8kv inspect says what each engine release runs with them\n")
+    assert result.output.startswith(f"fp8kv: error: {mixed}: verify's default held-out text is the bundled model's "
+                                    "corpus, which says nothing about this model; pass --dataset")
 
 
 def test_load_check_refuses_nvfp4_before_running_an_engine(base, tmp_path):

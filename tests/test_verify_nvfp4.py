@@ -1,5 +1,6 @@
 """verify of NVFP4 folders, per engine path: each runs the global scale its release's loader really holds, a path
-whose scale is 6x off is a finding naming it, and its fix, typed in, gives a folder that path passes."""
+whose scale is 6x off is a finding naming it, and its fix, typed in, gives a folder that path passes; an
+fp8_k_nvfp4_v folder, which no release read serves, is judged on fp8kv's own arithmetic and says so."""
 
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ from typer.testing import CliRunner
 from fp8kv.checkpoint.kvscales import float32
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.cli import app
-from fp8kv.engine_models import NVFP4_LOADERS
+from fp8kv.engine_models import FP8_K_NVFP4_V_RELEASES, NVFP4_LOADERS
 from fp8kv.hub.card import render_card
+from fp8kv.serving import NO_FP8_K_NVFP4_V_RELEASE
+from fp8kv.verify.nvfp4 import OWN_FP8_K_NVFP4_V
 from fp8kv.verify.nvfp4_report import nvfp4_lines, unit_family
 from fp8kv.verify.report import HeldOut, VerifyReport, render_markdown
 from fp8kv.verify.results import Nvfp4PathResult
 
 VLLM_SM100, SGLANG_SM100, SGLANG_SM120 = "vllm-cuda 0.32.0 on sm100", "sglang 0.5.23 on sm100", "sglang 0.5.23 on sm120"
+VLLM_4OVER6 = "vllm-cuda 0.32.0 on sm100 with --kv-cache-dtype nvfp4_4over6"
 NOT_LOADED = "tensorrt-llm main before TRTLLM_LOAD_KV_SCALES defaulted to 1 on sm100"
 
 
@@ -95,6 +99,8 @@ def test_a_folder_fp8kv_wrote_passes_on_every_path_that_runs_it_as_stored(own, c
         if loader.loads and loader.factor == 1.0:
             assert path.verdict == "PASS" and path.writes.fp8_read_over == 0, path
     assert by_path[VLLM_SM100].accuracy.kl_mean > own.held_out.nvfp4.fp8.kl_mean  # NVFP4 is coarser than fp8
+    # vLLM's 4over6 write is a cache of its own: other block scales than nvfp4's, so other logits
+    assert by_path[VLLM_4OVER6].accuracy.kl_mean != by_path[VLLM_SM100].accuracy.kl_mean
     # every held-out token written once per path: K and V, 2 layers x 2 KV heads x head_dim 16
     assert {p.writes.values for p in by_path.values()} == {2 * 2 * 2 * 16 * own.held_out.num_tokens}
 
@@ -111,14 +117,16 @@ def test_an_uncalibrated_cache_runs_global_scale_one_the_unit_figure_of_its_read
 
 def test_paths_sharing_a_cache_are_one_test_of_the_family_and_too_few_sequences_are_said(own):
     """The calibrated-vs-unit family under Holm's procedure, as for fp8 engines: one test per distinct cache (read,
-    global scales), the unloaded path none; 4 sequences cannot reach Holm's first bound over 3 tests (2^-4 > 5 % / 3),
-    and the report says how many would."""
-    names = [loader.name for loader in NVFP4_LOADERS]
+    global scales, write), the unloaded path none; 4 sequences cannot reach Holm's first bound over 4 tests (2^-4 >
+    5 % / 4), and the report says how many would."""
+    by_name = {loader.name: loader for loader in NVFP4_LOADERS}
+    trt, trt_x6 = [name for name, loader in by_name.items() if loader.engine == "tensorrt-llm" and loader.loads]
     family = unit_family(list(paths(own).values()))
-    assert sorted(c.engines for c in family) == sorted([(names[0], names[3]), (names[1], names[5]), (names[2],)])
+    assert sorted(c.engines for c in family) == sorted([(VLLM_SM100, trt), (VLLM_4OVER6,), (SGLANG_SM100, trt_x6),
+                                                        (SGLANG_SM120,)])
     notes = [line for line in nvfp4_lines(own.held_out.nvfp4, own.thresholds) if line.startswith("note: ")]
-    assert len(notes) == 3 and all("4 held-out sequences are too few to compare these scales with unit scales (this "
-                                   "many comparisons at this false-alarm rate need at least 6" in n for n in notes)
+    assert len(notes) == 4 and all("4 held-out sequences are too few to compare these scales with unit scales (this "
+                                   "many comparisons at this false-alarm rate need at least 7" in n for n in notes)
 
 
 def test_sglang_sm100_x6_on_amax_448_is_a_finding_whose_convert_passes_that_path(own, calibrated, heldout, tmp_path):
@@ -144,21 +152,24 @@ def test_an_auto_round_folder_overflows_vllms_sm100_read_and_its_convert_passes_
     by_path = paths(report)
     assert report.verdict == "FAIL" and by_path[VLLM_SM100].verdict == "FAIL"
     assert by_path[VLLM_SM100].writes.fp8_read_over > 0
+    # vLLM's 4over6 write picks each block's scale from two targets, neither of which keeps 6 x 448 in range
+    assert by_path[VLLM_4OVER6].verdict == "FAIL" and by_path[VLLM_4OVER6].writes.fp8_read_over > 0
     assert by_path[SGLANG_SM100].verdict == "PASS" and by_path[SGLANG_SM100].writes.fp8_read_over == 0  # x6: 448
     # read in float32, block scales up to 448 are in range: the same products an fp8 read could not hold are held
     assert by_path[SGLANG_SM120].verdict == "PASS" and by_path[SGLANG_SM120].writes.fp8_read_over > 0
     assert f"| {SGLANG_SM120} | PASS | float32 |" in render_markdown(report)
     assert "(read in float32: held)" in render_markdown(report)
-    (finding,) = [r for r in report.reasons if r.engines == (VLLM_SM100,) and r.level == "FAIL"]
-    assert finding.message.startswith(f"{VLLM_SM100} runs the stored auto-round global scale as stored = amax / "
-                                      "2688: its e4m3 dequantization overflows wherever a block's max passes amax x "
-                                      f"headroom / 6, {by_path[VLLM_SM100].writes.fp8_read_over} values past 448 on "
-                                      "the held-out text")
-    fix = fix_of(report, VLLM_SM100)
-    assert fix == f"fp8kv convert {auto_round} --to modelopt --out {auto_round}-modelopt"
-    typed_in(fix)
+    for path in (VLLM_SM100, VLLM_4OVER6):
+        (finding,) = [r for r in report.reasons if r.engines == (path,) and r.level == "FAIL"]
+        assert finding.message.startswith(f"{path} runs the stored auto-round global scale as stored = amax / 2688: "
+                                          "its e4m3 dequantization overflows wherever a block's max passes amax x "
+                                          f"headroom / 6, {by_path[path].writes.fp8_read_over} values past 448 on the "
+                                          "held-out text")
+        assert fix_of(report, path) == f"fp8kv convert {auto_round} --to modelopt --out {auto_round}-modelopt"
+    typed_in(fix_of(report, VLLM_4OVER6))
     fixed = paths(verify(Path(f"{auto_round}-modelopt"), heldout, tmp_path / "fixed"))
-    assert fixed[VLLM_SM100].verdict == "PASS" and fixed[VLLM_SM100].writes.fp8_read_over == 0
+    for path in (VLLM_SM100, VLLM_4OVER6):
+        assert fixed[path].verdict == "PASS" and fixed[path].writes.fp8_read_over == 0
 
 
 def test_a_modelopt_041_export_is_read_as_amax_2688_and_judged_like_auto_round(calibrated, factory_checkpoint, heldout,
@@ -205,6 +216,12 @@ def test_the_report_and_the_card_show_each_path_and_an_fp8_report_has_no_nvfp4_k
     # the per-layer fp8 plot would show nothing of an NVFP4 cache: its figures are each path's
     assert (calibrated / "verify" / "report.md").is_file() and not (calibrated / "verify" / "scales.png").exists()
     assert "nvfp4" in own.to_dict() and "nvfp4" not in replace(own, held_out=HeldOut()).to_dict()
+    # a report written before fp8_k_nvfp4_v was judged has neither key: nvfp4 K and V, no fp8 K clamped
+    earlier = own.to_dict()
+    del earlier["nvfp4"]["kv_dtype"]
+    for path in earlier["nvfp4"]["paths"]:
+        del path["writes"]["fp8_k_clamped"]
+    assert VerifyReport.from_json(json.dumps(earlier)) == own
 
 
 def test_an_xla_device_is_refused_in_one_line_before_any_model_runs(calibrated, heldout, tmp_path):
@@ -213,3 +230,63 @@ def test_an_xla_device_is_refused_in_one_line_before_any_model_runs(calibrated, 
     assert result.exit_code == 4
     assert result.output == ("fp8kv: error: --device xla-cpu: an NVFP4 cache runs on cpu or cuda here (no TPU engine "
                              "has one); pass --device cpu or --device cuda\n")
+
+
+@pytest.fixture(scope="module")
+def mixed_calibration(factory_checkpoint, corpus, tmp_path_factory) -> tuple[Path, str]:
+    """The qwen3 checkpoint calibrated with --kv-dtype fp8_k_nvfp4_v, and what calibrate printed."""
+    out = tmp_path_factory.mktemp("mixed") / "out"
+    result = CliRunner().invoke(app, ["calibrate", str(factory_checkpoint("qwen3")), "--out", str(out), "--dataset", corpus,
+                                      "--num-samples", "6", "--seq-len", "32", "--kv-dtype", "fp8_k_nvfp4_v", "--quiet"])
+    assert result.exit_code == 0, result.output
+    return out, result.stdout
+
+
+def test_an_fp8_k_nvfp4_v_folder_is_judged_on_fp8kvs_own_arithmetic_naming_no_release(mixed_calibration, heldout):
+    folder, printed = mixed_calibration
+    report = verify(folder, heldout)
+    stored = read_kv_scales(folder).scales
+    (path,) = report.held_out.nvfp4.paths
+    assert (report.held_out.nvfp4.kv_dtype, path.path, path.read) == ("fp8_k_nvfp4_v", OWN_FP8_K_NVFP4_V.name, "float32")
+    assert list(path.k_scales) == [stored.k[i][0] for i in sorted(stored.k)]  # the stored scales, as they are
+    assert path.verdict == report.verdict == "PASS" and path.writes.values == 2 * 2 * 2 * 16 * report.held_out.num_tokens
+    assert path.writes.fp8_read_over == 0  # K is fp8, V is read in float32
+    assert path.versus_fp8.kl_mean > 0  # V is NVFP4, K the fp8 cache's own bytes
+    (info,) = [r for r in report.reasons if r.engines == (path.path,)]
+    assert info.level == "INFO" and info.message.startswith(
+        f"{NO_FP8_K_NVFP4_V_RELEASE}: vllm-cuda 0.32.0 and sglang 0.5.23 run another cache with this folder")
+    assert [release.name for release in FP8_K_NVFP4_V_RELEASES] == ["vllm-cuda 0.32.0", "sglang 0.5.23"]
+    row = f"| {path.path} | PASS | float32 | as stored: "
+    assert row in render_markdown(report) and f"{path.writes.clipped_values} V, 0 K at ±448 |" in render_markdown(report)
+    card = render_card(folder)
+    assert row in card and f"## How to serve\n\n{NO_FP8_K_NVFP4_V_RELEASE}: each release above" in card
+    # calibrate's closing lines say what each release read runs instead, and point at this verify
+    assert "the stored V global scale is amax x 1.25 / 448; what each release read does with it" in printed
+    assert "  sglang 0.5.23: no fp8 K / nvfp4 V cache; runs a cache in the model's dtype" in printed
+    assert f"{NO_FP8_K_NVFP4_V_RELEASE}: verify judges this folder on fp8kv's own arithmetic\n" in printed
+    assert "serve it with" not in printed and printed.endswith(f"next: fp8kv verify {folder} --dataset generated\n")
+
+
+def test_a_modelopt_fp8_k_nvfp4_v_export_6x_too_small_is_found_by_its_fp8_k(mixed_calibration, factory_checkpoint,
+                                                                            heldout, tmp_path):
+    """A ModelOpt FP8_K_NVFP4_V export (no fp8kv record) storing amax / 2688: V's NVFP4 holds it (block scales up to
+    448, read in float32), but the fp8 K clamps every value past a sixth of amax x headroom."""
+    folder = tmp_path / "modelopt-mixed"
+    shutil.copytree(factory_checkpoint("qwen3"), folder)
+    stored = read_kv_scales(mixed_calibration[0]).scales
+    weights = load_file(folder / "model.safetensors")
+    for layer in stored.k:
+        for name, side in (("k_proj.k_scale", stored.k), ("v_proj.v_scale", stored.v)):
+            weights[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(float32(side[layer][0] / 6))
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "hf_quant_config.json").write_text(json.dumps({
+        "producer": {"name": "modelopt", "version": "0.45.0"},
+        "quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8_K_NVFP4_V"}}))
+    report = verify(folder, heldout, tmp_path / "r")
+    (path,) = report.held_out.nvfp4.paths
+    assert path.path == OWN_FP8_K_NVFP4_V.name and path.verdict != "PASS" and report.verdict != "PASS"
+    share = path.writes.fp8_k_clamped / (path.writes.values // 2)
+    (finding,) = [r for r in report.reasons if r.engines == (path.path,) and r.level == "WARN"]
+    assert finding.message.startswith(f"{path.path}: {share:.3%} of K values clamped at ±448 in its fp8 K (WARN above")
+    # V's block scales stay within e4m3 (amax / 2688 was ModelOpt's NVFP4 scale); K's fp8 is what clamps
+    assert share > 0.1 and path.writes.saturated_scales == 0

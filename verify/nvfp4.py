@@ -1,11 +1,12 @@
 """verify of an NVFP4 folder, per engine path: each `[[nvfp4]]` row of configs/engines.toml (release, GPU
-generation) runs the NVFP4 cache (`runtime.nvfp4_cache`, vLLM's `nvfp4` write) with the global scale that path
-really holds, the stored value times its loader's factor, and the read its attention takes (sm100 dequantizes the
-blocks into e4m3: the "fp8" read; sm120 reads them dequantized, "float32"). Each is scored on the held-out text
-against the bf16 cache and against the fp8 cache at fp8kv's fp8 scales of the same observation, and its scales
-against the same path at global scale 1.0 (what an uncalibrated NVFP4 cache runs), judged as one family with the
-fp8 rows' false-alarm control. A path whose global scale is 6x off is a finding naming it, with the convert that
-gives it amax / 448.
+generation, cache write) runs the NVFP4 cache (`runtime.nvfp4_cache`: vLLM's `nvfp4` or `nvfp4_4over6` write) with
+the global scale that path really holds, the stored value times its loader's factor, and the read its attention
+takes (sm100 dequantizes the blocks into e4m3: the "fp8" read; sm120 reads them dequantized, "float32"). An
+fp8_k_nvfp4_v folder, which no release read serves (`[[fp8_k_nvfp4_v]]`), runs one path of fp8kv's own arithmetic.
+Each is scored on the held-out text against the bf16 cache and against the fp8 cache at fp8kv's fp8 scales of the
+same observation, and its scales against the same path at global scale 1.0 (what an uncalibrated NVFP4 cache
+runs), judged as one family with the fp8 rows' false-alarm control. A path whose global scale is 6x off is a finding
+naming it, with the convert that gives it amax / 448 where one does.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ from fp8kv.checkpoint.kvscales import KVScales, float32
 from fp8kv.checkpoint.nvfp4 import MODELOPT, Nvfp4Convention, convention_for_factor, converted
 from fp8kv.checks import FAIL, INFO, WARN, Finding
 from fp8kv.data import CalibrationData, repeated_prefixes
-from fp8kv.engine_models import NVFP4_LOADERS, Nvfp4Loader
+from fp8kv.engine_models import FP8_K_NVFP4_V_RELEASES, NVFP4_LOADERS, Nvfp4Loader
 from fp8kv.errors import Fp8kvError
 from fp8kv.kvdtypes import E2M1_MAX, SCALE_BOUND
-from fp8kv.options import DEFAULT_KV_DTYPE, DEFAULT_NVFP4_WRITE
+from fp8kv.options import DEFAULT_KV_DTYPE, FP8_K_NVFP4_V
 from fp8kv.progress import StageProgress, announce
 from fp8kv.runtime.device import RuntimeDevice, resolve_device
-from fp8kv.runtime.nvfp4_cache import Nvfp4PagedKVCache
+from fp8kv.runtime.nvfp4_cache import Nvfp4Counts, Nvfp4PagedKVCache
 from fp8kv.runtime.runner import PagedModelRunner, load_model
+from fp8kv.serving import NO_FP8_K_NVFP4_V_RELEASE
 from fp8kv.verify import fidelity, heldout
 from fp8kv.verify.accuracy import ScoredSample, SequenceScore, Totals, prefill
 from fp8kv.verify.report import HeldOut
@@ -43,14 +45,11 @@ BOUND = SCALE_BOUND["nvfp4"]
 
 
 def known_convention(static: StaticResult) -> Nvfp4Convention:
-    """The one NVFP4 convention of the folder; an error where its files do not tell or it is not nvfp4 K and V."""
+    """The one NVFP4 convention of the folder; an error where its files do not tell."""
     readout = static.readout
     reading = readout.nvfp4
     assert reading is not None  # an NVFP4 folder
     where = readout.source.path
-    if reading.kv_dtype != "nvfp4":
-        raise Fp8kvError(f"{where}: holds {reading.kv_dtype} scales (fp8 K, nvfp4 V), whose cache verify does not "
-                         "model; fp8kv inspect says what each engine release runs with them")
     if reading.known is None:
         raise Fp8kvError(f"{where}: its files do not say whether the global scales are stored as "
                          f"{' or '.join(reading.conventions)} ({reading.why}), and each path's scale depends on it; "
@@ -65,23 +64,57 @@ def check_device(device: RuntimeDevice) -> None:
                          "one); pass --device cpu or --device cuda")
 
 
-def global_scales(loader: Nvfp4Loader, stored: tuple[float, ...]) -> tuple[float, ...]:
-    """The global scale `loader`'s release holds per layer for the `stored` values: each times its factor in
-    float32, a stored 1.0 kept where the loader keeps it; 1.0 where it does not load them."""
-    if not loader.loads:
+@dataclass(frozen=True)
+class Nvfp4Path:
+    """One path verify runs: its name, how fp8kv knows it, the cache it writes (`runtime.nvfp4_cache`), the read
+    its attention takes ("fp8" or "float32"), and the global scale it holds: the stored one where it `loads` them,
+    times `factor` (a stored 1.0 kept where `keeps_unit`), else 1.0."""
+
+    name: str
+    known_by: str
+    cache: str
+    read: str
+    loads: bool
+    factor: float
+    keeps_unit: bool
+
+    @classmethod
+    def of(cls, loader: Nvfp4Loader) -> Nvfp4Path:
+        """The path of one `[[nvfp4]]` row."""
+        return cls(loader.name, loader.known_by, loader.write, "fp8" if loader.fp8_dequant else "float32",
+                   loader.loads, loader.factor, loader.keeps_unit)
+
+
+# fp8_k_nvfp4_v's one path, no release's: the stored scales as they are, K written as the fp8 cache verify compares
+# with writes it, V as vLLM's nvfp4 write, both read back in float32, as fp8kv's own fp8 cache is
+OWN_FP8_K_NVFP4_V = Nvfp4Path("fp8kv's own fp8 K / nvfp4 V (no release)", "fp8kv's own arithmetic", FP8_K_NVFP4_V,
+                              "float32", True, 1.0, False)
+
+
+def nvfp4_paths(kv_dtype: str) -> tuple[Nvfp4Path, ...]:
+    """The paths verify runs for a folder of `kv_dtype`: each `[[nvfp4]]` row, or fp8kv's own for fp8_k_nvfp4_v."""
+    if kv_dtype == FP8_K_NVFP4_V:
+        return (OWN_FP8_K_NVFP4_V,)
+    return tuple(Nvfp4Path.of(loader) for loader in NVFP4_LOADERS)
+
+
+def global_scales(path: Nvfp4Path, stored: tuple[float, ...]) -> tuple[float, ...]:
+    """The global scale `path` holds per layer for the `stored` values: each times its factor in float32, a stored
+    1.0 kept where its loader keeps it; 1.0 where it does not load them."""
+    if not path.loads:
         return tuple(1.0 for _ in stored)
-    return tuple(s if loader.keeps_unit and s == 1.0 else float32(s * loader.factor) for s in stored)
+    return tuple(s if path.keeps_unit and s == 1.0 else float32(s * path.factor) for s in stored)
 
 
-def runs_divisor(loader: Nvfp4Loader, convention: Nvfp4Convention) -> float:
+def runs_divisor(path: Nvfp4Path, convention: Nvfp4Convention) -> float:
     """The path's global scale as amax x headroom / this; 0.0 where it does not load the scales."""
-    return convention.divisor / loader.factor if loader.loads else 0.0
+    return convention.divisor / path.factor if path.loads else 0.0
 
 
-def fix_command(folder: Path, loader: Nvfp4Loader) -> str | None:
-    """The convert that stores the scales so that `loader` runs amax / 448, as a command to type; None where no
+def fix_command(folder: Path, path: Nvfp4Path) -> str | None:
+    """The convert that stores the scales so that `path` runs amax / 448, as a command to type; None where no
     convention does."""
-    row = convention_for_factor(loader.factor)
+    row = convention_for_factor(path.factor)
     if row is None:
         return None
     return f"fp8kv convert {shlex.quote(str(folder))} --to {row.name} --out {shlex.quote(f'{folder}-{row.name}')}"
@@ -107,7 +140,8 @@ def heldout_checks(request: VerifyRequest, static: StaticResult, data: Calibrati
     fp8 = PagedModelRunner(source.path, cache_dtype=DEFAULT_KV_DTYPE, k_scales=_per_layer(fp8_scales.k),
                            v_scales=_per_layer(fp8_scales.v), **common)
     fp8_unit = PagedModelRunner(source.path, cache_dtype=DEFAULT_KV_DTYPE, **common)
-    runs = path_runs(source.path, scales, layers, common)
+    judged = nvfp4_paths(static.readout.kv_dtype)
+    runs = path_runs(judged, source.path, scales, layers, common)
     timings["load_runners"] = time.perf_counter() - clock
     reference = fidelity.measure_fidelity(bf16, data.samples)
     if reference.refuses:  # NVFP4 against a runtime that is not the model would judge the runtime
@@ -120,51 +154,50 @@ def heldout_checks(request: VerifyRequest, static: StaticResult, data: Calibrati
                        f"({len(data.samples)} samples)")
     references, scores = score(bf16, fp8, fp8_unit, caches, data.samples, request.batch_size)
     timings["accuracy"] = time.perf_counter() - clock
-    results = [Nvfp4PathResult(run.loader.name, run.loader.known_by, run.read, run.loader.loads, run.loader.factor,
+    results = [Nvfp4PathResult(run.path.name, run.path.known_by, run.path.read, run.path.loads, run.path.factor,
                                run.k, run.v, _writes(run.cache),
                                references.accuracy(scores[id(run.cache)], scores[id(run.unit)],
                                                    paired=run.cache is not run.unit),
                                references.versus_fp8(scores[id(run.cache)]), "PASS")
                for run in runs]
-    found = path_reasons(results, convention, source.path, thresholds, references.fp8)
+    found = path_reasons(judged, results, convention, source.path, thresholds, references.fp8)
     paths = tuple(replace(r, verdict=verdict([f for f in found if r.path in f.engines])) for r in results)
-    check = Nvfp4Check(convention.name, convention.divisor, references.fp8, paths)
+    check = Nvfp4Check(convention.name, convention.divisor, references.fp8, paths, static.readout.kv_dtype)
     return replace(text, fidelity=reference, nvfp4=check), reasons + found, timings
 
 
 @dataclass(frozen=True)
 class PathRun:
-    """One engine path: its loader's row, the read its attention takes, the global scales it holds per KV layer,
-    its NVFP4 cache and the same cache at global scale 1.0."""
+    """One path, the global scales it holds per KV layer, its NVFP4 cache and the same cache at global scale 1.0."""
 
-    loader: Nvfp4Loader
-    read: str
+    path: Nvfp4Path
     k: tuple[float, ...]
     v: tuple[float, ...]
     cache: PagedModelRunner
     unit: PagedModelRunner
 
 
-def path_runs(model_dir: Path, scales: KVScales, layers: tuple[int, ...], common: dict[str, Any]) -> list[PathRun]:
-    """A run per `[[nvfp4]]` row; rows holding the same scales with the same read share one cache. The fp8 read
+def path_runs(judged: tuple[Nvfp4Path, ...], model_dir: Path, scales: KVScales, layers: tuple[int, ...],
+              common: dict[str, Any]) -> list[PathRun]:
+    """A run per path; paths holding the same scales with the same cache and read share one runner. The fp8 read
     quantizes Q with q_scale (1.0 where the folder has none, as an engine without one holds)."""
     q = {layer: scales.q_value(layer) for layer in layers} if scales.q is not None else dict.fromkeys(layers, 1.0)
-    caches: dict[tuple[str, tuple[float, ...], tuple[float, ...]], PagedModelRunner] = {}
+    caches: dict[tuple[str, str, tuple[float, ...], tuple[float, ...]], PagedModelRunner] = {}
 
-    def cache(read: str, k: tuple[float, ...], v: tuple[float, ...]) -> PagedModelRunner:
-        if (read, k, v) not in caches:
-            caches[read, k, v] = PagedModelRunner(
-                model_dir, cache_dtype=DEFAULT_NVFP4_WRITE, nvfp4_read=read, k_scales=dict(zip(layers, k)),
-                v_scales=dict(zip(layers, v)), q_scales=q if read == "fp8" else None, **common)
-        return caches[read, k, v]
+    def cache(path: Nvfp4Path, k: tuple[float, ...], v: tuple[float, ...]) -> PagedModelRunner:
+        key = (path.cache, path.read, k, v)
+        if key not in caches:
+            caches[key] = PagedModelRunner(
+                model_dir, cache_dtype=path.cache, nvfp4_read=path.read, k_scales=dict(zip(layers, k)),
+                v_scales=dict(zip(layers, v)), q_scales=q if path.read == "fp8" else None, **common)
+        return caches[key]
 
     stored_k, stored_v = tuple(scales.k[i][0] for i in layers), tuple(scales.v[i][0] for i in layers)
     unit = tuple(1.0 for _ in layers)
     runs = []
-    for loader in NVFP4_LOADERS:
-        read = "fp8" if loader.fp8_dequant else "float32"
-        k, v = global_scales(loader, stored_k), global_scales(loader, stored_v)
-        runs.append(PathRun(loader, read, k, v, cache(read, k, v), cache(read, unit, unit)))
+    for path in judged:
+        k, v = global_scales(path, stored_k), global_scales(path, stored_v)
+        runs.append(PathRun(path, k, v, cache(path, k, v), cache(path, unit, unit)))
     return runs
 
 
@@ -243,53 +276,73 @@ def _per_layer(table: dict[int, tuple[float, ...]]) -> dict[int, float]:
 def _writes(runner: PagedModelRunner) -> Nvfp4Writes:
     cache = runner.cache
     assert isinstance(cache, Nvfp4PagedKVCache)
-    counts = cache.nvfp4_counts()
+    counts, held = cache.nvfp4_counts(), runner.counts()
     # the cache's counters per layer and side, summed (it prefilled the held-out text once): the whole cache's
-    summed = [sum(k + v for k, v in getattr(counts, f.name).values()) for f in fields(Nvfp4Writes)[:-1]]
-    return Nvfp4Writes(*summed, values=2 * sum(runner.counts().written.values()))  # as many V values as K
+    summed = {f.name: sum(k + v for k, v in getattr(counts, f.name).values()) for f in fields(Nvfp4Counts)}
+    return Nvfp4Writes(**summed, values=2 * sum(held.written.values()),  # as many V values as K
+                       fp8_k_clamped=sum(k for k, _ in held.clamped.values()))
 
 
-def path_reasons(paths: list[Nvfp4PathResult], convention: Nvfp4Convention, folder: Path, thresholds: Thresholds,
-                 fp8: Accuracy) -> list[Finding]:
+def path_reasons(judged: tuple[Nvfp4Path, ...], paths: list[Nvfp4PathResult], convention: Nvfp4Convention,
+                 folder: Path, thresholds: Thresholds, fp8: Accuracy) -> list[Finding]:
     """Per path: a global scale off from amax / 448 (FAIL where its fp8 read overflows, WARN where the block scales
-    sit 6x low) with the fix; an fp8 read past 448 at the right scale for more values than the saturation bound
-    allows; non-finite logits and the KL bound (FAIL); INFO where it does not load the scales. Then its scales
-    against global scale 1.0, every path one family."""
+    sit 6x low) with the fix; an fp8 read past 448, or an fp8 K clamped, at the right scale for more values than the
+    saturation bound allows; non-finite logits and the KL bound (FAIL); INFO where it does not load the scales, or is
+    no release's. Then its scales against global scale 1.0, every path one family."""
     reasons = []
-    loaders = {loader.name: loader for loader in NVFP4_LOADERS}
+    by_name = {path.name: path for path in judged}
     for path in paths:
-        loader, name = loaders[path.path], (path.path,)
-        ran = runs_divisor(loader, convention)
-        fix = fix_command(folder, loader)
+        run, name = by_name[path.path], (path.path,)
+        ran = runs_divisor(run, convention)
+        fix = fix_command(folder, run)
         # one stored value cannot suit loaders that disagree by 6x: the converted folder is this path's alone
         fixed = (f" Fix: {fix} (it then runs amax / {BOUND:g}; serve that folder on {path.path} alone: the paths that "
                  "keep the stored value run it 6x off)." if fix else " No convention fixes it by convert.")
         figures = _figures(path, fp8)
-        if not loader.loads:
+        if run.cache == FP8_K_NVFP4_V:
+            reasons += _fp8_k_reasons(path, figures, thresholds)
+        if not run.loads:
             reasons.append(Finding(INFO, f"{path.path} does not load the scales: its NVFP4 cache runs global scale "
-                                         f"1.0, the unit-scale figure ({figures}; {loader.known_by})", name))
-        elif loader.fp8_dequant and ran > BOUND:
+                                         f"1.0, the unit-scale figure ({figures}; {run.known_by})", name))
+        elif run.read == "fp8" and ran > BOUND:
             reasons.append(Finding(FAIL, f"{path.path} runs the stored {convention.name} global scale "
-                                         f"{_times(loader)}= amax / {ran:g}: its e4m3 dequantization overflows wherever "
+                                         f"{_times(run)}= amax / {ran:g}: its e4m3 dequantization overflows wherever "
                                          f"a block's max passes amax x headroom / {ran / BOUND:g}, "
                                          f"{path.writes.fp8_read_over} values past {BOUND:g} on the held-out text "
                                          f"({figures}).{fixed}", name))
         elif ran < BOUND:
             reasons.append(Finding(WARN, f"{path.path} runs the stored {convention.name} global scale "
-                                         f"{_times(loader)}= amax / {ran:g}, {BOUND / ran:g}x larger than amax / "
+                                         f"{_times(run)}= amax / {ran:g}, {BOUND / ran:g}x larger than amax / "
                                          f"{BOUND:g}: block scales top out at {ran / E2M1_MAX:.3g} / headroom, not "
                                          f"{BOUND / E2M1_MAX:.3g} / headroom; "
                                          f"{path.writes.subnormal_scales} subnormal and {path.writes.zeroed_blocks} "
                                          f"zeroed on the held-out text ({figures}).{fixed}", name))
-        elif path.read == "fp8" and path.writes.fp8_read_over > thresholds.saturation * path.writes.values:
+        elif run.read == "fp8" and path.writes.fp8_read_over > thresholds.saturation * path.writes.values:
             share = path.writes.fp8_read_over / path.writes.values
             reasons.append(Finding(WARN, f"{path.path}: {share:.3%} of K and V values past {BOUND:g} in its fp8 read "
                                          f"(WARN above {thresholds.saturation:.3%}, the saturation bound): the "
                                          "held-out text passes the calibrated amax x headroom. Fix: recalibrate "
                                          "with a larger --headroom, or on text like this", name))
-        if loader.loads:
+        if run.loads:
             reasons += _accuracy_reasons(path, thresholds)
     return reasons + unit_scale_reasons(unit_family(paths), thresholds)
+
+
+def _fp8_k_reasons(path: Nvfp4PathResult, figures: str, thresholds: Thresholds) -> list[Finding]:
+    """fp8_k_nvfp4_v's path: INFO that no release read serves it, and a WARN where its fp8 K clamped more values
+    than the saturation bound allows (a k_scale 6x too small, amax / 2688, clamps all past amax x headroom / 6)."""
+    releases = " and ".join(release.name for release in FP8_K_NVFP4_V_RELEASES)
+    found = [Finding(INFO, f"{NO_FP8_K_NVFP4_V_RELEASE}: {releases} run another cache with this folder (fp8kv "
+                           f"inspect says which). {path.path}: K written as the fp8 cache here writes it, V as "
+                           f"vLLM's nvfp4 write, both read in float32, at the stored scales ({figures})", (path.path,))]
+    share = path.writes.fp8_k_clamped / (path.writes.values // 2)
+    if share > thresholds.saturation:
+        found.append(Finding(WARN, f"{path.path}: {share:.3%} of K values clamped at ±{BOUND:g} in its fp8 K (WARN "
+                                   f"above {thresholds.saturation:.3%}, the saturation bound): the held-out K passes "
+                                   "the stored k_scale x 448; amax x headroom / 448 keeps it in range, amax / 2688 "
+                                   "clamps every value past amax x headroom / 6. Fix: fp8kv calibrate --kv-dtype "
+                                   "fp8_k_nvfp4_v, with a larger --headroom or on text like this", (path.path,)))
+    return found
 
 
 def _accuracy_reasons(path: Nvfp4PathResult, thresholds: Thresholds) -> list[Finding]:
@@ -303,8 +356,8 @@ def _accuracy_reasons(path: Nvfp4PathResult, thresholds: Thresholds) -> list[Fin
     return []
 
 
-def _times(loader: Nvfp4Loader) -> str:
-    return "as stored " if loader.factor == 1.0 else f"x{loader.factor:g} "
+def _times(path: Nvfp4Path) -> str:
+    return "as stored " if path.factor == 1.0 else f"x{path.factor:g} "
 
 
 def _figures(path: Nvfp4PathResult, fp8: Accuracy) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fp8kv.console import fmt_number, markdown_table
+from fp8kv.options import FP8_K_NVFP4_V
+from fp8kv.serving import NO_FP8_K_NVFP4_V_RELEASE
 from fp8kv.verify.results import Nvfp4Check, Nvfp4PathResult, PairedDifference
 from fp8kv.verify.verdict import Thresholds, UnitComparison, unit_scale_notes
 
@@ -41,6 +43,23 @@ def _past_448(path: Nvfp4PathResult) -> str:
     return str(over) if path.read == "fp8" or not over else f"{over} (read in float32: held)"
 
 
+def _clipped(check: Nvfp4Check, path: Nvfp4PathResult) -> str:
+    """Values clipped at ±6 block scales, and an fp8 K's values clamped at ±448 where the folder has one."""
+    clipped = path.writes.clipped_values
+    return f"{clipped} V, {path.writes.fp8_k_clamped} K at ±448" if check.kv_dtype == FP8_K_NVFP4_V else str(clipped)
+
+
+def _runs(check: Nvfp4Check) -> str:
+    """What the paths run, for report.md's section."""
+    if check.kv_dtype == FP8_K_NVFP4_V:
+        return (f"{NO_FP8_K_NVFP4_V_RELEASE} (the INFO finding says what each runs instead): its one path is fp8kv's "
+                "own arithmetic, K in the fp8 e4m3 cache below at the stored k_scale, V as vLLM's nvfp4 write at the "
+                "stored v_scale, both read in float32. ")
+    return ("Each path runs vLLM's nvfp4 write (or its nvfp4_4over6 write, where the path names it) with the global "
+            "scale its release's loader holds (configs/engines.toml, [[nvfp4]]) and its attention's read: fp8 (sm100: "
+            "blocks dequantized into e4m3, Q and the output in e4m3), float32 (sm120). ")
+
+
 def nvfp4_section(check: Nvfp4Check, thresholds: Thresholds) -> str:
     """report.md's NVFP4 section: one row per engine path, how each comparison with global scale 1.0 came out where
     the verdict found nothing worse, then the fp8 cache it is compared with."""
@@ -49,15 +68,13 @@ def nvfp4_section(check: Nvfp4Check, thresholds: Thresholds) -> str:
             "mean KL to fp8", "top-1 vs fp8", "KL vs global scale 1.0 (95 %)"]
     rows = [[p.path, p.verdict, p.read, runs(p),
              f"{p.writes.saturated_scales} / {p.writes.subnormal_scales} / {p.writes.zeroed_blocks}",
-             str(p.writes.clipped_values), _past_448(p), fmt_number(p.accuracy.kl_mean),
+             _clipped(check, p), _past_448(p), fmt_number(p.accuracy.kl_mean),
              fmt_number(p.accuracy.top1_agreement, percent=True), fmt_number(p.accuracy.ppl_fp8),
              fmt_number(p.versus_fp8.kl_mean), fmt_number(p.versus_fp8.top1_agreement, percent=True), _kl_vs_unit(p)]
             for p in check.paths]
     fp8 = check.fp8
     return (f"## NVFP4 cache per engine path\n\nThe stored global scales are {check.convention}'s, amax x headroom / "
-            f"{check.divisor:g}. Each path runs vLLM's nvfp4 write with the global scale its release's loader holds "
-            "(configs/engines.toml, [[nvfp4]]) and its attention's read: fp8 (sm100: blocks dequantized into e4m3, "
-            "Q and the output in e4m3), float32 (sm120). Its scales are compared with the same path at global "
+            f"{check.divisor:g}. " + _runs(check) + "Its scales are compared with the same path at global "
             "scale 1.0, sequence by sequence (sign-flip test, one family with Holm's procedure).\n\n"
             + markdown_table(head, rows) + "".join(f"\n\n- {note}" for note in nvfp4_notes(check, thresholds))
             + f"\n\nThe fp8 e4m3 cache at fp8kv's fp8 scales of the same observation (amax x headroom / 448): "
@@ -75,7 +92,8 @@ def nvfp4_lines(check: Nvfp4Check, thresholds: Thresholds) -> list[str]:
     lines = [f"nvfp4 {p.path} ({p.verdict}, {p.read} read): global scale {runs(p)}, kl_mean "
              f"{fmt_number(p.accuracy.kl_mean)}, top1 {fmt_number(p.accuracy.top1_agreement, True)}, ppl "
              f"{fmt_number(p.accuracy.ppl_fp8)}; vs fp8 kl_mean {fmt_number(p.versus_fp8.kl_mean)}; fp8-read over "
-             f"{p.writes.fp8_read_over}, block scales subnormal {p.writes.subnormal_scales}" for p in check.paths]
+             f"{p.writes.fp8_read_over}, block scales subnormal {p.writes.subnormal_scales}, clipped {_clipped(check, p)}"
+             for p in check.paths]
     return lines + [f"fp8 e4m3 at amax x headroom / 448: kl_mean {fmt_number(check.fp8.kl_mean)}, top1 "
                     f"{fmt_number(check.fp8.top1_agreement, True)}, ppl {fmt_number(check.fp8.ppl_fp8)}"] + [
         f"note: {note}" for note in nvfp4_notes(check, thresholds)]

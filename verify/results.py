@@ -229,7 +229,9 @@ class Fidelity:
 class Nvfp4Writes:
     """What one NVFP4 cache wrote on the held-out text, every layer's K and V together: blocks whose e4m3 scale
     saturated at 448, fell in e4m3's subnormals, or rounded to 0 over a nonzero value; values clipped at ±6 block
-    scales; values whose e2m1 x block scale passed 448, which an fp8 read cannot hold; values written."""
+    scales; values whose e2m1 x block scale passed 448, which an fp8 read cannot hold; values written; and, where K
+    is an fp8 e4m3 cache (fp8_k_nvfp4_v), the K values clamped at ±448 (0 where K is NVFP4, as in reports before
+    fp8_k_nvfp4_v was judged)."""
 
     saturated_scales: int
     subnormal_scales: int
@@ -237,6 +239,7 @@ class Nvfp4Writes:
     clipped_values: int
     fp8_read_over: int
     values: int
+    fp8_k_clamped: int = 0
 
 
 @dataclass(frozen=True)
@@ -252,11 +255,11 @@ class VersusFp8:
 
 @dataclass(frozen=True)
 class Nvfp4PathResult:
-    """One engine release's NVFP4 path (`engine_models.Nvfp4Loader`) run on the held-out text: the global scales it
-    runs per KV layer (the stored value times its loader's `factor`; 1.0 where it does not load them), the read
-    its attention takes ("fp8": blocks dequantized into e4m3, sm100; "float32": sm120), what its cache wrote, its
-    logits against the bf16 cache (`accuracy`, whose unit scales are the same path at global scale 1.0) and
-    against the fp8 cache, and its verdict."""
+    """One NVFP4 path (`verify.nvfp4.Nvfp4Path`: an engine release's, or fp8kv's own for fp8_k_nvfp4_v) run on the
+    held-out text: the global scales it runs per KV layer (the stored value times its loader's `factor`; 1.0 where
+    it does not load them), the read its attention takes ("fp8": blocks dequantized into e4m3, sm100; "float32":
+    sm120, and fp8kv's own), what its cache wrote, its logits against the bf16 cache (`accuracy`, whose unit scales
+    are the same path at global scale 1.0) and against the fp8 cache, and its verdict."""
 
     path: str
     known_by: str
@@ -275,9 +278,11 @@ class Nvfp4PathResult:
 class Nvfp4Check:
     """verify of an NVFP4 folder: the convention its global scales are stored in (`stored = amax x headroom /
     divisor`), the fp8 cache at fp8kv's fp8 scales of the same observation (amax x headroom / 448) against the
-    bf16 cache, and one result per engine path."""
+    bf16 cache, one result per engine path, and the folder's kv dtype (nvfp4 in reports written before
+    fp8_k_nvfp4_v was judged)."""
 
     convention: str
     divisor: float
     fp8: Accuracy
     paths: tuple[Nvfp4PathResult, ...]
+    kv_dtype: str = "nvfp4"
