@@ -55,7 +55,10 @@ def evaluate(request: EvalRequest, progress: Callable[[str, int, int], None] | N
     model_dir = resolve_model(str(request.model_dir))
     specs = cache_specs(model_dir, request.engines)
     include = [str(TASKS_DIR)] + ([str(request.include_path)] if request.include_path else [])
-    manager = TaskManager(include_path=include)
+    # lm_eval's own tasks (thousands of files, seconds to index) only when one of them is asked for
+    manager = TaskManager(include_path=include, include_defaults=False)
+    if not set(request.tasks) <= set(manager.all_tasks):
+        manager = TaskManager(include_path=include)
     unknown = sorted(set(request.tasks) - set(manager.all_tasks))
     if unknown:
         raise Fp8kvError(f"unknown lm_eval task(s) {', '.join(unknown)}; see `lm_eval ls tasks` or pass --include-path")
