@@ -74,11 +74,12 @@ AS_AVX2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 # spinning against each other, which made a pass 2.4x slower on 2 cores.
 PYTEST = OMP_NUM_THREADS=1 $(1)/bin/python -m pytest -q -p no:cacheprovider -n auto --dist loadgroup
 
-# First, side by side (each mostly one core; -O shows each one's output whole when it ends): the two venvs where they
-# are missing or stale, ruff and mypy, and what must agree across the venvs. Then every test, the slow ones included (`pytest -m "not slow"` for a quick run), in
+# The two venvs where they are missing or stale, one after the other (side by side, their bytecode compilations
+# fight over the cores: slower). Then side by side (each mostly one core; -O shows each one's output whole when it
+# ends): ruff and mypy, and what must agree across the venvs. Then every test, the slow ones included (`pytest -m "not slow"` for a quick run), in
 # .venv on this CPU's own arithmetic; then, in .venv-newest, every test but those only .venv can run, computing as a
 # CPU without AVX-512 (one run of the suite covers both kinds).
-test:
+test: $(STAMP) $(NEWEST_STAMP)
 	@$(MAKE) --no-print-directory -j3 -O lint versions-agree
 	$(call PYTEST,$(VENV)) tests
 	$(AS_AVX2) $(call PYTEST,$(NEWEST)) -m "not oldest_only" tests

@@ -94,13 +94,28 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                                 f"oneDNN bf16 GEMMs: {'yes' if kernels['onednn_bf16_gemm'] else 'no'}")
 
 
+def _without_group(node_id: str) -> str:
+    """`node_id` less the "@group" pytest-xdist's loadgroup appends (an "@" after the last "]": engine names in
+    parameter ids have one too)."""
+    return node_id[: node_id.rfind("@")] if node_id.rfind("@") > node_id.rfind("]") else node_id
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        node_id = item.nodeid.removeprefix("tests/")
+        node_id = _without_group(item.nodeid).removeprefix("tests/")
         if node_id in SLOW:
             item.add_marker(pytest.mark.slow)
         if node_id.partition("[")[0] in OLDEST_ONLY:
             item.add_marker(pytest.mark.oldest_only)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under `--dist loadgroup` a test marked `xdist_group` must carry its group: tests that share a costly cached
+    result (a recorded engine path's runs) otherwise compute it on every worker, silently."""
+    if (item.config.getoption("loadgroup", default=False) and item.get_closest_marker("xdist_group")
+            and _without_group(item.nodeid) == item.nodeid):
+        pytest.fail("pytest-xdist's loadgroup did not group this test marked xdist_group: this pytest and "
+                    "pytest-xdist do not work together (see the dev extra in pyproject.toml)", pytrace=False)
 
 
 @pytest.fixture(scope="session")
