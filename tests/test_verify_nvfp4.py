@@ -172,11 +172,10 @@ def test_an_auto_round_folder_overflows_vllms_sm100_read_and_its_convert_passes_
         assert fixed[path].verdict == "PASS" and fixed[path].writes.fp8_read_over == 0
 
 
-def test_a_modelopt_041_export_is_read_as_amax_2688_and_judged_like_auto_round(calibrated, factory_checkpoint, heldout,
-                                                                                tmp_path):
-    """ModelOpt's own KV-only export before 0.42: its producer's version says amax / 2688."""
-    folder = tmp_path / "modelopt-041"
-    shutil.copytree(factory_checkpoint("qwen3"), folder)
+def _modelopt_export(folder: Path, base: Path, calibrated: Path, version: str, algo: str) -> Path:
+    """`base` with `calibrated`'s scales over 6 under ModelOpt's names (amax / 2688, as ModelOpt before 0.42 and
+    auto-round store them) and an `hf_quant_config.json` naming ModelOpt `version` and kv_cache_quant_algo `algo`."""
+    shutil.copytree(base, folder)
     stored = read_kv_scales(calibrated).scales
     weights = load_file(folder / "model.safetensors")
     for layer in stored.k:
@@ -184,8 +183,15 @@ def test_a_modelopt_041_export_is_read_as_amax_2688_and_judged_like_auto_round(c
             weights[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(float32(side[layer][0] / 6))
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "hf_quant_config.json").write_text(json.dumps({
-        "producer": {"name": "modelopt", "version": "0.41.0"},
-        "quantization": {"quant_algo": None, "kv_cache_quant_algo": "NVFP4"}}))
+        "producer": {"name": "modelopt", "version": version},
+        "quantization": {"quant_algo": None, "kv_cache_quant_algo": algo}}))
+    return folder
+
+
+def test_a_modelopt_041_export_is_read_as_amax_2688_and_judged_like_auto_round(calibrated, factory_checkpoint, heldout,
+                                                                                tmp_path):
+    """ModelOpt's own KV-only export before 0.42: its producer's version says amax / 2688."""
+    folder = _modelopt_export(tmp_path / "modelopt-041", factory_checkpoint("qwen3"), calibrated, "0.41.0", "NVFP4")
     report = verify(folder, heldout, tmp_path / "r")
     assert (report.held_out.nvfp4.convention, report.held_out.nvfp4.divisor) == ("modelopt-pre-0.42", 2688.0)
     by_path = paths(report)
@@ -271,17 +277,8 @@ def test_a_modelopt_fp8_k_nvfp4_v_export_6x_too_small_is_found_by_its_fp8_k(mixe
                                                                             heldout, tmp_path):
     """A ModelOpt FP8_K_NVFP4_V export (no fp8kv record) storing amax / 2688: V's NVFP4 holds it (block scales up to
     448, read in float32), but the fp8 K clamps every value past a sixth of amax x headroom."""
-    folder = tmp_path / "modelopt-mixed"
-    shutil.copytree(factory_checkpoint("qwen3"), folder)
-    stored = read_kv_scales(mixed_calibration[0]).scales
-    weights = load_file(folder / "model.safetensors")
-    for layer in stored.k:
-        for name, side in (("k_proj.k_scale", stored.k), ("v_proj.v_scale", stored.v)):
-            weights[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(float32(side[layer][0] / 6))
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    (folder / "hf_quant_config.json").write_text(json.dumps({
-        "producer": {"name": "modelopt", "version": "0.45.0"},
-        "quantization": {"quant_algo": None, "kv_cache_quant_algo": "FP8_K_NVFP4_V"}}))
+    folder = _modelopt_export(tmp_path / "modelopt-mixed", factory_checkpoint("qwen3"), mixed_calibration[0],
+                              "0.45.0", "FP8_K_NVFP4_V")
     report = verify(folder, heldout, tmp_path / "r")
     (path,) = report.held_out.nvfp4.paths
     assert path.path == OWN_FP8_K_NVFP4_V.name and path.verdict != "PASS" and report.verdict != "PASS"
