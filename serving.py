@@ -119,10 +119,10 @@ def serving_heading(traits: CheckpointTraits) -> str:
     return f"what each engine release does with these scales ({asked(traits)}):"
 
 
-def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None, convertible: bool) -> str:
+def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None) -> str:
     """What `loader`'s release runs as the global scale of a file storing `amax x headroom / divisor` (headroom None:
-    unknown, written h), and what that makes of the block scales: each is the block's max / (6 x global scale);
-    `convertible`: the scales can be stored the other way (nvfp4 K and V), so a loss names the convert."""
+    unknown, written h), and what that makes of the block scales: each is the block's max / (6 x global scale); a
+    loss names the convert that stores the scales the other way."""
     if not loader.loads:
         return f"{loader.name}: does not load the scales: the global scale stays 1.0 ({loader.known_by})"
     ran = divisor / loader.factor  # the global scale it runs is amax x headroom / ran
@@ -145,7 +145,7 @@ def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None, conv
     else:
         effect = f"block scales up to {per_h(peak)}, within e4m3's {bound:g}"
     h = "h" if headroom is None else f"{headroom:g}"
-    fixable = convertible and (ran < bound or overflows)  # another ModelOpt convention gives it amax / 448
+    fixable = ran < bound or overflows  # another ModelOpt convention gives it amax / 448
     target = convention_for_factor(loader.factor) if fixable else None
     route = f"; fp8kv convert --to {target.name} gives it amax / {bound:g}" if target else ""
     runs = f"amax x {h} / {ran:.6g}" if loader.factor == 1.0 else \
@@ -163,7 +163,7 @@ def nvfp4_lines(divisor: float, headroom: float | None, kv_dtype: str) -> list[s
     per release read and what it runs instead ([[fp8_k_nvfp4_v]])."""
     if kv_dtype == FP8_K_NVFP4_V:
         return [fp8_k_nvfp4_v_line(release) for release in FP8_K_NVFP4_V_RELEASES]
-    return [nvfp4_line(loader, divisor, headroom, convertible=True) for loader in NVFP4_LOADERS]
+    return [nvfp4_line(loader, divisor, headroom) for loader in NVFP4_LOADERS]
 
 
 def nvfp4_serve_commands(folder: str, kv_dtype: str) -> list[str]:
