@@ -7,8 +7,10 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${FLASHINFER_VENV:-$REPO/bench/.flashinfer-venv}"
 FLASHINFER_VERSION="${FLASHINFER_VERSION:-0.7.0.post1}"
 PY="$VENV/bin/python"
+# shellcheck source=probes/uv.sh
+source "$REPO/probes/uv.sh"
 
 # uv, as for fp8kv's own venv: torch 2.9.0 comes from its cache in seconds.
-test -x "$PY" || uv venv --quiet --python "${PYTHON:-python3}" "$VENV"
-uv pip install --quiet --python "$PY" "flashinfer-python==$FLASHINFER_VERSION" torch==2.9.0
+test -x "$PY" || "$UV" venv --quiet --python "${PYTHON:-python3}" "$VENV"
+"$UV" pip install --quiet --python "$PY" "flashinfer-python==$FLASHINFER_VERSION" torch==2.9.0
 "$PY" -c "from flashinfer.quantization import fp4_quantization; import flashinfer; print('flashinfer', flashinfer.__version__)"

