@@ -1,6 +1,6 @@
 """What SGLang's own NVFP4 KV-cache method holds as each layer's global scale, run on a CPU with its one GPU question
 answered for each GPU generation: the factor and the kept 1.0 of configs/engines.toml's [[nvfp4]] rows for SGLang,
-recorded for tests/test_nvfp4_golden.py.
+recorded for tests/test_engine_releases.py.
 
 A standalone script for SGLang's python (the venv probes/sglang_venv.sh builds; stdlib, torch, safetensors, sglang):
 

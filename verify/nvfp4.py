@@ -150,8 +150,8 @@ def heldout_checks(request: VerifyRequest, static: StaticResult, data: Calibrati
 
     clock = time.perf_counter()
     caches = list({id(cache): cache for run in runs for cache in (run.cache, run.unit)}.values())
-    announce(progress, f"bf16 / fp8 / {len(caches)} NVFP4 caches for {len(runs)} engine paths "
-                       f"({len(data.samples)} samples)")
+    path_count = "1 path" if len(runs) == 1 else f"{len(runs)} paths"
+    announce(progress, f"bf16 / fp8 / {len(caches)} NVFP4 caches for {path_count} ({len(data.samples)} samples)")
     references, scores = score(bf16, fp8, fp8_unit, caches, data.samples, request.batch_size)
     timings["accuracy"] = time.perf_counter() - clock
     results = [Nvfp4PathResult(run.path.name, run.path.known_by, run.path.read, run.path.loads, run.path.factor,
