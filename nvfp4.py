@@ -72,17 +72,29 @@ def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     CUDA's `__nv_cvt_float_to_fp4(y, __NV_E2M1, cudaRoundNearest)` (and `cvt.rn.satfinite.e2m1x2.f32`). The sign
     is y's sign bit, so -0 and a negative value that rounds to 0 store code 8; NaN stores +6, as cuda_fp4.hpp's
     host conversion does."""
-    # NaN as +inf (code 7, no sign); ±inf kept
+    y, magnitude_code = _rounded(y)
+    sign = (y.view(torch.int32) >> 28) & SIGN_BIT  # float32's sign bit, moved to bit 3
+    return (magnitude_code.to(torch.int32) | sign).to(torch.uint8)
+
+
+def e2m1_rounded(y: torch.Tensor) -> torch.Tensor:
+    """`e2m1_values(e2m1_codes(y))` in float32, without the codes: 2c - 8, c - 2 and c / 2 of magnitude code c are
+    its value (6, 4, 3, 2, 1.5, 1, 0.5, 0) where each is largest, with y's sign."""
+    y, code = _rounded(y)
+    return torch.copysign(torch.maximum(torch.maximum(code * 0.5, code - 2), code * 2 - 8), y)
+
+
+def _rounded(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`y` in float32 with NaN as +inf (code 7, no sign; ±inf kept), and its e2m1 magnitude code (0..7) as float32.
+
+    e2m1's magnitudes step by 0.5 below 2, by 1 up to 4, by 2 above, and a tie goes to the even code (0.25, 1.25,
+    2.5, 5 down; 0.75, 1.75, 3.5 up). Rounding 2|y|, |y| + 2 and |y|/2 + 4 to nearest even gives the code within
+    each range, and |y|'s own range gives the smallest of the three. Each is exact but for its one rounding: a few
+    float32 passes, where comparisons with the seven bounds cost several times as much on a CPU."""
     y = torch.nan_to_num(y.float(), nan=math.inf, posinf=math.inf, neginf=-math.inf)
     magnitude = y.abs()
-    # e2m1's magnitudes step by 0.5 below 2, by 1 up to 4, by 2 above, and a tie goes to the even code (0.25, 1.25,
-    # 2.5, 5 down; 0.75, 1.75, 3.5 up). Rounding 2|y|, |y| + 2 and |y|/2 + 4 to nearest even gives the code within
-    # each range, and |y|'s own range gives the smallest of the three. Each is exact but for its one rounding: a few
-    # float32 passes, where comparisons with the seven bounds cost several times as much on a CPU
     code = torch.minimum(torch.round(magnitude * 2), torch.round(magnitude) + 2)
-    code = torch.minimum(code, (torch.round(magnitude * 0.5) + 4).clamp_(max=_MAX_CODE))
-    sign = (y.view(torch.int32) >> 28) & SIGN_BIT  # float32's sign bit, moved to bit 3
-    return (code.to(torch.int32) | sign).to(torch.uint8)
+    return y, torch.minimum(code, (torch.round(magnitude * 0.5) + 4).clamp_(max=_MAX_CODE))
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -168,7 +180,7 @@ def _squared_error(blocks: torch.Tensor, output_scale: torch.Tensor) -> torch.Te
     the GPU's only for blocks whose two errors agree to within a few float32 roundings."""
     multiplier = output_scale[..., None]
     read_back = torch.where(multiplier == 0, 0.0, _reciprocal(multiplier))
-    error = (e2m1_values(e2m1_codes(blocks * multiplier)) * read_back - blocks) ** 2
+    error = (e2m1_rounded(blocks * multiplier) * read_back - blocks) ** 2
     pairs = error[..., 0::2] + error[..., 1::2]
     total = pairs[..., 0]
     for i in range(1, pairs.shape[-1]):
