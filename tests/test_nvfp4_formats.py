@@ -293,11 +293,9 @@ def test_the_nvfp4_loader_rows_are_the_releases_read_and_run():
         "vllm-cuda 0.32.0 on sm100 with --kv-cache-dtype nvfp4_4over6": (True, 1.0, False, True, "read", "nvfp4_4over6"),
         "sglang 0.5.23 on sm100": (True, 6.0, True, True, "run", "nvfp4"),
         "sglang 0.5.23 on sm120": (True, 1.0, False, False, "run", "nvfp4"),
-        "tensorrt-llm main (late 2026) on sm100": (True, 1.0, False, True, "read", "nvfp4"),
-        "tensorrt-llm main before TRTLLM_LOAD_KV_SCALES defaulted to 1 on sm100":
-            (False, 1.0, False, True, "read", "nvfp4"),
-        "tensorrt-llm main before TRTLLM_LOAD_KV_SCALES defaulted to 1 on sm100 with TRTLLM_LOAD_KV_SCALES=1":
-            (True, 6.0, False, True, "read", "nvfp4"),
+        "tensorrt-llm commit 00bbf71 on sm100": (True, 1.0, False, True, "read", "nvfp4"),
+        "tensorrt-llm commit ed53795 on sm100": (False, 1.0, False, True, "read", "nvfp4"),
+        "tensorrt-llm commit ed53795 on sm100 with TRTLLM_LOAD_KV_SCALES=1": (True, 6.0, False, True, "read", "nvfp4"),
     }
     for loader in NVFP4_LOADERS:  # vLLM names its cache write on the command line
         if loader.engine == "vllm-cuda":

@@ -28,7 +28,7 @@ from fp8kv.verify.results import Nvfp4PathResult
 
 VLLM_SM100, SGLANG_SM100, SGLANG_SM120 = "vllm-cuda 0.32.0 on sm100", "sglang 0.5.23 on sm100", "sglang 0.5.23 on sm120"
 VLLM_4OVER6 = "vllm-cuda 0.32.0 on sm100 with --kv-cache-dtype nvfp4_4over6"
-NOT_LOADED = "tensorrt-llm main before TRTLLM_LOAD_KV_SCALES defaulted to 1 on sm100"
+NOT_LOADED = "tensorrt-llm commit ed53795 on sm100"
 
 
 @pytest.fixture(scope="module")
