@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8kv.nvfp4 import E4M3, Nvfp4Tensor, block_values, dequantize
+from fp8kv.fp8 import to_float32, to_fp8
+from fp8kv.nvfp4 import E4M3, Nvfp4Tensor, block_values, dequantize, e2m1_codes, pack, quantize, unpack
 from fp8kv.runtime.nvfp4_cache import Nvfp4PagedKVCache
 
 RECORDED = json.loads((Path(__file__).parent / "golden" / "nvfp4-sglang-write-0.5.23.json").read_text())
@@ -71,3 +72,44 @@ def test_fp8kvs_float32_read_rounded_to_bf16_is_sglangs_read_bit_for_bit(read):
 def test_sglangs_pure_torch_read_refused_more_than_one_head():
     """Its block scales `[b, m, n/16, 1]` broadcast against values `[b, m*n/16, 16]` only where b = m = 1."""
     assert RECORDED["dequantize"]["two_heads_refused"].startswith("RuntimeError: The size of tensor a (254) must match")
+
+
+def _flashinfer_write(x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer 0.7.2's `nvfp4_kv_quantize` (data/csrc/fp4_kv_quantization.cu, read), which SGLang 0.5.23 calls
+    with its held global scale s on sm100 and sm120, its `rcp.approx.ftz` rounded to nearest as fp8kv rounds vLLM's:
+    SF = e4m3(rcp(s) * (bmax * rcp(6))), codes e2m1(x * rcp(SF * s)), the multiplier 0 where bmax is 0. vLLM's
+    (fp8kv's `quantize`): g = 1/s, the multiplier rcp(SF * rcp(g)), 0 where SF is 0. Packed codes and block scales."""
+    blocks = x.float().unflatten(-1, (-1, 16))
+    bmax = blocks.abs().amax(dim=-1)
+    sf = to_fp8(torch.reciprocal(s) * (bmax * torch.reciprocal(torch.tensor(6.0))), E4M3, saturate=True)
+    multiplier = torch.where(bmax != 0, torch.reciprocal(to_float32(sf) * s), 0.0)
+    return pack(e2m1_codes(blocks * multiplier[..., None]).flatten(-2)), sf
+
+
+def _hard_blocks(s: float) -> torch.Tensor:
+    """Blocks of 16 bf16 values at global scale s: all zero; the e2m1 rounding ties at block scale 1 (max 6); a max on
+    the e4m3 midpoint 1.0625 (6.375); past 448 block scales; a subnormal block scale; a block scale that rounds to 0;
+    then Gaussian blocks of many magnitudes."""
+    ties = torch.tensor([6.0, 5.0, 3.5, 2.5, 1.75, 1.25, 0.75, 0.25, -5.0, -3.5, -2.5, -1.75, -1.25, -0.75, -0.25, 0.0])
+    maxima = torch.tensor([6.375, 448 * 6 * 4, 0.01, 0.005])
+    shaped = torch.cat([torch.zeros(1, 16), ties[None], maxima[:, None] * torch.linspace(-1, 1, 16)])
+    generator = torch.Generator().manual_seed(3)
+    gaussian = torch.randn(2002, 16, generator=generator) * torch.exp2(torch.randint(-12, 10, (2002, 1), generator=generator))
+    return (torch.cat([shaped, gaussian]) * s).to(torch.bfloat16).view(-1, 128)  # [tokens, head_dim 128]
+
+
+@pytest.mark.parametrize("scale", [1.0, 1 / 448, 0.0123, 0.0738, 0.12])
+def test_sglangs_write_as_read_is_fp8kvs_nvfp4_write_but_for_the_codes_of_blocks_whose_scale_rounds_to_0(scale):
+    """Block scales agree everywhere, codes wherever the block scale is not 0, and so every read-back value. Where the
+    block scale rounds to 0 under a nonzero max, FlashInfer multiplies by rcp(0) (its codes: ±6, or what the GPU makes
+    of 0 * inf, not read) and vLLM by 0; both read back 0. 0.0123 and 0.12 are scales whose float32 1/(1/s) is not s,
+    so the two multipliers' inputs differ by one float32 step there; the codes do not, on these values."""
+    x = _hard_blocks(scale)
+    s = torch.tensor(scale, dtype=torch.float32)
+    ours, counts = quantize(x, s)
+    codes, block_scales = _flashinfer_write(x, s)
+    assert torch.equal(block_scales.view(torch.uint8), ours.block_scales.view(torch.uint8))
+    nonzero = (to_float32(block_scales) != 0).repeat_interleave(16, dim=-1)
+    assert torch.equal(unpack(codes)[nonzero], unpack(ours.codes)[nonzero])
+    assert torch.equal(dequantize(Nvfp4Tensor(codes, block_scales, s)), dequantize(ours))
+    assert min(int(counts.zeroed_blocks), int(counts.saturated_scales), int(counts.subnormal_scales)) > 0
