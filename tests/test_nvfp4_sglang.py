@@ -101,8 +101,8 @@ def _hard_blocks(s: float) -> torch.Tensor:
 @pytest.mark.parametrize("scale", [1.0, 1 / 448, 0.0123, 0.0738, 0.12])
 def test_sglangs_write_as_read_is_fp8kvs_nvfp4_write_but_for_the_codes_of_blocks_whose_scale_rounds_to_0(scale):
     """Block scales agree everywhere, codes wherever the block scale is not 0, and so every read-back value. Where the
-    block scale rounds to 0 under a nonzero max, FlashInfer multiplies by rcp(0) (its codes: ±6, or what the GPU makes
-    of 0 * inf, not read) and vLLM by 0; both read back 0. 0.0123 and 0.12 are scales whose float32 1/(1/s) is not s,
+    block scale rounds to 0 under a nonzero max, FlashInfer multiplies by rcp(0) (what the GPU stores for ±inf and
+    0 * inf was not read) and vLLM by 0; both read back 0. 0.0123 and 0.12 are scales whose float32 1/(1/s) is not s,
     so the two multipliers' inputs differ by one float32 step there; the codes do not, on these values."""
     x = _hard_blocks(scale)
     s = torch.tensor(scale, dtype=torch.float32)
