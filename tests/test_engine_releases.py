@@ -32,9 +32,10 @@ def test_every_golden_file_named_by_a_row_exists_and_every_record_has_a_row():
     assert named <= records
     # each record backs a row (a probe's extra files, like the tpu-inference bytes, sit beside its JSON), or rows of
     # many releases read from their wheels, or vLLM's CUDA wheel's Python against the CPU wheel's, or the sm100 page
-    # layout of FlashInfer, the library vLLM's NVFP4 attention runs (test_nvfp4_cache.py checks the cache against it)
+    # layout of FlashInfer, the library vLLM's NVFP4 attention runs (test_nvfp4_cache.py checks the cache against it),
+    # or what of SGLang's NVFP4 write and read runs on a CPU (test_nvfp4_sglang.py)
     assert records - named <= {"sglang-releases.json", "vllm-cuda-python-0.32.0.json",
-                               "nvfp4-flashinfer-0.7.0.post1.json"}
+                               "nvfp4-flashinfer-0.7.0.post1.json", "nvfp4-sglang-write-0.5.23.json"}
 
 
 def _all_bf16() -> torch.Tensor:
