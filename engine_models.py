@@ -454,9 +454,9 @@ NVFP4_GPUS = {"sm80": "8.x: A100, A10, L4, L40, RTX 30 and 40", "sm90": "9.0: H1
 @dataclass(frozen=True)
 class Nvfp4Loader:
     """What one release's loader makes of a checkpoint's NVFP4 global scale on the GPU generations `gpus` (NVFP4_GPUS)
-    where it runs one arithmetic (a row of configs/engines.toml's [[nvfp4]]): whether it loads it, the factor it applies (a stored 1.0 kept where
-    `keeps_unit`), whether its attention dequantizes blocks into e4m3 (`fp8_dequant`), how it is served, and the cache
-    write it runs (`write`, an `options.Nvfp4Write`)."""
+    where it runs one arithmetic (a row of configs/engines.toml's [[nvfp4]]): whether it loads it, the factor it
+    applies (a stored 1.0 kept where `keeps_unit`), whether its attention dequantizes blocks into e4m3
+    (`fp8_dequant`), how it is served, and the cache write it runs (`write`, an `options.Nvfp4Write`)."""
 
     engine: str
     release: str

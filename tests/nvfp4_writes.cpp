@@ -173,6 +173,8 @@ int main(int argc, char** argv) {
     }
     return emit(argv[3], bytes);
   }
-  std::fprintf(stderr, "usage: nvfp4_writes convert INPUTS OUTPUT | decode OUTPUT | write INPUTS OUTPUT SCALE 6|4over6|flashinfer\n");
+  std::fprintf(stderr,
+               "usage: nvfp4_writes convert INPUTS OUTPUT | decode OUTPUT | write INPUTS OUTPUT SCALE "
+               "6|4over6|flashinfer\n");
   return 2;
 }

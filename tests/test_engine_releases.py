@@ -134,8 +134,8 @@ def test_sglang_holds_what_its_own_loader_held_for_each_fp8kv_output():
 
 
 SGLANG_NVFP4 = golden("nvfp4-sglang-0.5.23.json")
-SGLANG_NVFP4_ROWS = {gpu: loader for loader in NVFP4_LOADERS for gpu in loader.gpus if (loader.engine, loader.release) ==
-                     ("sglang", SGLANG_NVFP4["meta"]["sglang"])}
+SGLANG_NVFP4_ROWS = {gpu: loader for loader in NVFP4_LOADERS for gpu in loader.gpus
+                     if (loader.engine, loader.release) == ("sglang", SGLANG_NVFP4["meta"]["sglang"])}
 
 
 def test_sglangs_nvfp4_rows_are_the_gpu_generations_its_method_ran_for():
@@ -169,7 +169,8 @@ def test_sglangs_nvfp4_rows_serve_with_the_kv_cache_dtype_whose_method_ran():
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("gpus", ["sm90", "sm89"], r"names GPU generations \['sm90', 'sm89'\]; each must be one of sm80, sm90, sm100, sm120"),
+    ("gpus", ["sm90", "sm89"], r"names GPU generations \['sm90', 'sm89'\]; each must be one of sm80, sm90, "
+                               r"sm100, sm120$"),
     ("gpus", [], r"names GPU generations \[\]; each must be one of sm80"),
     ("write", "nvfp4_8over6", r"names write 'nvfp4_8over6'; each must be one of nvfp4, nvfp4_4over6"),
 ])

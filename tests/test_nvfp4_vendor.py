@@ -2,7 +2,8 @@
 the venv's nvidia-cuda-runtime-cu12), compiled for the host by tests/nvfp4_writes.cpp.
 
 Every bf16 and every fp16 bit pattern (65,536 each, NaN and ±inf included) is converted by both sides; the e2m1
-codes and the e4m3 bytes must agree on every pattern (NaN: +6 and 0x7F on both sides). The whole cache write (block scales and packed codes: vLLM's two variants and FlashInfer's writer, transcribed from its source) is compared on
+codes and the e4m3 bytes must agree on every pattern (NaN: +6 and 0x7F on both sides). The whole cache write (block
+scales and packed codes: vLLM's two variants, and FlashInfer's writer transcribed from its source) is compared on
 random blocks that reach every block-scale regime, and on blocks built to land on e2m1's ties.
 """
 
