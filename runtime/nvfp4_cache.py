@@ -152,7 +152,9 @@ class Nvfp4PagedKVCache(PagedKVCache):
         """Page `page` of `layer` laid out as vLLM's kernel writes an HND page, uint8: [K codes | K block scales |
         V codes | V block scales], codes `[kv_heads, page_size, head_dim/2]` and block scales `[kv_heads, page_size,
         head_dim/16]` per side (vLLM 0.32.0 `nvfp4_kv_cache_kernels.cu`). `swizzle_v`: V's block scales in the
-        4-token swizzle sm100's attention reads (vLLM swizzles below compute capability 12; K's stay linear)."""
+        4-token swizzle sm100's attention reads (vLLM's kernel swizzles below compute capability 12; K's stay
+        linear). On 8.x, 9.x and 12.x vLLM 0.32.0 writes the same page with FlashInfer's writer instead, every block
+        scale linear, as fa2 reads them: `swizzle_v=False`."""
         if self.fp8_keys:
             raise Fp8kvError("vllm_page lays out vLLM's nvfp4 page, NVFP4 K and V; this cache holds an fp8 K")
         row = self._row[layer]
