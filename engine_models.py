@@ -445,10 +445,9 @@ def _lent_loader(model: EngineModel, row: dict[str, Any], by_name: dict[str, Eng
 RELEASE_MODELS = _read_releases()
 
 
-# The GPU generations an [[nvfp4]] row may name: compute capability families (major version), as vLLM's
-# is_device_capability_family tells them apart, with cards of each
-NVFP4_GPUS = {"sm80": "8.x: A100, A10, L4, L40, RTX 30 and 40", "sm90": "9.0: H100, H200",
-              "sm100": "10.x: B200, GB200, B300", "sm120": "12.x: RTX PRO 6000, RTX 50"}
+# The GPU generations an [[nvfp4]] row may name: compute capability families 8.x, 9.x, 10.x and 12.x, as vLLM's
+# is_device_capability_family tells them apart
+NVFP4_GPUS = ("sm80", "sm90", "sm100", "sm120")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ FlashInfer's slot-mapping writer, which vLLM 0.32.0 runs for nvfp4 on sm80, sm90
 (6 * s)), y = x * (1 / (SF * s)), e2m1 by its own table of midpoints (to nearest even, ±6 past the range), under
 nvcc's `-use_fast_math`. Rounded to nearest, it stores the bytes this write does on every block
 tests/test_nvfp4_vendor.py compares; the two could part only where a quotient lands within float32 roundings of an
-e4m3 or e2m1 midpoint, nearer than either GPU's approximate division and reciprocals come to these.
+e4m3 or e2m1 midpoint.
 """
 
 from __future__ import annotations
