@@ -12,9 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fp8kv import engine_models
 from fp8kv.engine_models import (
     FP8_K_NVFP4_V_RELEASES, NVFP4_LOADERS, RELEASE_MODELS, activation_divide, engine_model,
 )
+from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import to_fp8
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -133,8 +135,8 @@ def test_sglang_holds_what_its_own_loader_held_for_each_fp8kv_output():
 
 
 SGLANG_NVFP4 = golden("nvfp4-sglang-0.5.23.json")
-SGLANG_NVFP4_ROWS = {loader.gpu: loader for loader in NVFP4_LOADERS if (loader.engine, loader.release) ==
-                     ("sglang", SGLANG_NVFP4["meta"]["sglang"])}
+SGLANG_NVFP4_ROWS = {gpu: loader for loader in NVFP4_LOADERS for gpu in loader.gpus
+                     if (loader.engine, loader.release) == ("sglang", SGLANG_NVFP4["meta"]["sglang"])}
 
 
 def test_sglangs_nvfp4_rows_are_the_gpu_generations_its_method_ran_for():
@@ -165,6 +167,21 @@ def test_sglangs_nvfp4_rows_serve_with_the_kv_cache_dtype_whose_method_ran():
     for loader in SGLANG_NVFP4_ROWS.values():
         words = shlex.split(loader.serve)
         assert words[words.index("--kv-cache-dtype") + 1] == SGLANG_NVFP4["kv_cache_dtype"], loader.name
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("gpus", ["sm90", "sm89"], r"names GPU generations \['sm90', 'sm89'\]; each must be one of sm80, sm90, "
+                               r"sm100, sm120$"),
+    ("gpus", [], r"names GPU generations \[\]; each must be one of sm80"),
+    ("write", "nvfp4_8over6", r"names write 'nvfp4_8over6'; each must be one of nvfp4, nvfp4_4over6"),
+])
+def test_an_nvfp4_row_naming_an_unknown_gpu_generation_or_write_is_refused(monkeypatch, field, value, message):
+    """The GPU generations and writes a row may name live in engine_models.NVFP4_GPUS and options.Nvfp4Write alone."""
+    rows = [dict(row) for row in engine_models._rows("nvfp4")]
+    rows[0][field] = value
+    monkeypatch.setattr(engine_models, "_rows", lambda section: rows)
+    with pytest.raises(Fp8kvError, match=r"engines.toml: the \[\[nvfp4\]\] row of vllm-cuda 0.32.0 " + message):
+        engine_models._read_nvfp4_loaders()
 
 
 def test_sglangs_fp8_k_nvfp4_v_row_matches_the_kv_cache_dtypes_its_command_line_took():

@@ -291,6 +291,7 @@ def test_the_nvfp4_loader_rows_are_the_releases_read_and_run():
     assert rows == {
         "vllm-cuda 0.32.0 on sm100": (True, 1.0, False, True, "read", "nvfp4"),
         "vllm-cuda 0.32.0 on sm100 with --kv-cache-dtype nvfp4_4over6": (True, 1.0, False, True, "read", "nvfp4_4over6"),
+        "vllm-cuda 0.32.0 on sm80/sm90/sm120": (True, 1.0, False, False, "read", "nvfp4"),
         "sglang 0.5.23 on sm100": (True, 6.0, True, True, "run", "nvfp4"),
         "sglang 0.5.23 on sm120": (True, 1.0, False, False, "run", "nvfp4"),
         "tensorrt-llm commit 00bbf71 on sm100": (True, 1.0, False, True, "read", "nvfp4"),

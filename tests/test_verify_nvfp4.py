@@ -28,6 +28,7 @@ from fp8kv.verify.results import Nvfp4PathResult
 
 VLLM_SM100, SGLANG_SM100, SGLANG_SM120 = "vllm-cuda 0.32.0 on sm100", "sglang 0.5.23 on sm100", "sglang 0.5.23 on sm120"
 VLLM_4OVER6 = "vllm-cuda 0.32.0 on sm100 with --kv-cache-dtype nvfp4_4over6"
+VLLM_FA2 = "vllm-cuda 0.32.0 on sm80/sm90/sm120"
 NOT_LOADED = "tensorrt-llm commit ed53795 on sm100"
 
 
@@ -123,7 +124,7 @@ def test_paths_sharing_a_cache_are_one_test_of_the_family_and_too_few_sequences_
     trt, trt_x6 = [name for name, loader in by_name.items() if loader.engine == "tensorrt-llm" and loader.loads]
     family = unit_family(list(paths(own).values()))
     assert sorted(c.engines for c in family) == sorted([(VLLM_SM100, trt), (VLLM_4OVER6,), (SGLANG_SM100, trt_x6),
-                                                        (SGLANG_SM120,)])
+                                                        (VLLM_FA2, SGLANG_SM120)])
     notes = [line for line in nvfp4_lines(own.held_out.nvfp4, own.thresholds) if line.startswith("note: ")]
     assert len(notes) == 4 and all("4 held-out sequences are too few to compare these scales with unit scales (this "
                                    "many comparisons at this false-alarm rate need at least 7" in n for n in notes)
@@ -155,9 +156,12 @@ def test_an_auto_round_folder_overflows_vllms_sm100_read_and_its_convert_passes_
     # vLLM's 4over6 write picks each block's scale from two targets, neither of which keeps 6 x 448 in range
     assert by_path[VLLM_4OVER6].verdict == "FAIL" and by_path[VLLM_4OVER6].writes.fp8_read_over > 0
     assert by_path[SGLANG_SM100].verdict == "PASS" and by_path[SGLANG_SM100].writes.fp8_read_over == 0  # x6: 448
-    # read in float32, block scales up to 448 are in range: the same products an fp8 read could not hold are held
-    assert by_path[SGLANG_SM120].verdict == "PASS" and by_path[SGLANG_SM120].writes.fp8_read_over > 0
-    assert f"| {SGLANG_SM120} | PASS | float32 |" in render_markdown(report)
+    # read in float32 (vLLM's fa2 path reads blocks in bf16, exactly), block scales up to 448 are in range: the same
+    # products an fp8 read could not hold are held
+    for path in (SGLANG_SM120, VLLM_FA2):
+        assert by_path[path].verdict == "PASS" and by_path[path].writes.fp8_read_over > 0
+        assert f"| {path} | PASS | float32 |" in render_markdown(report)
+    assert by_path[VLLM_FA2].writes == by_path[SGLANG_SM120].writes  # one cache: the same write at the same scale
     assert "(read in float32: held)" in render_markdown(report)
     for path in (VLLM_SM100, VLLM_4OVER6):
         (finding,) = [r for r in report.reasons if r.engines == (path,) and r.level == "FAIL"]

@@ -1,12 +1,12 @@
 """verify of an NVFP4 folder, per engine path: each `[[nvfp4]]` row of configs/engines.toml (release, GPU
-generation, cache write) runs the NVFP4 cache (`runtime.nvfp4_cache`: vLLM's `nvfp4` or `nvfp4_4over6` write) with
+generations, cache write) runs the NVFP4 cache (`runtime.nvfp4_cache`: vLLM's `nvfp4` or `nvfp4_4over6` write) with
 the global scale that path really holds, the stored value times its loader's factor, and the read its attention
-takes (sm100 dequantizes the blocks into e4m3: the "fp8" read; sm120 reads them dequantized, "float32"). An
-fp8_k_nvfp4_v folder, which no release read serves (`[[fp8_k_nvfp4_v]]`), runs one path of fp8kv's own arithmetic.
-Each is scored on the held-out text against the bf16 cache and against the fp8 cache at fp8kv's fp8 scales of the
-same observation, and its scales against the same path at global scale 1.0 (what an uncalibrated NVFP4 cache
-runs), judged as one family with the fp8 rows' false-alarm control. A path whose global scale is 6x off is a finding
-naming it, with the convert that gives it amax / 448 where one does.
+takes (sm100 dequantizes the blocks into e4m3: the "fp8" read; sm80, sm90 and sm120 read them dequantized,
+"float32"). An fp8_k_nvfp4_v folder, which no release read serves (`[[fp8_k_nvfp4_v]]`), runs one path of fp8kv's
+own arithmetic. Each is scored on the held-out text against the bf16 cache and against the fp8 cache at fp8kv's fp8
+scales of the same observation, and its scales against the same path at global scale 1.0 (what an uncalibrated
+NVFP4 cache runs), judged as one family with the fp8 rows' false-alarm control. A path whose global scale is 6x off
+is a finding naming it, with the convert that gives it amax / 448 where one does.
 """
 
 from __future__ import annotations
