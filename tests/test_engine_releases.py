@@ -174,6 +174,7 @@ def test_sglangs_nvfp4_rows_serve_with_the_kv_cache_dtype_whose_method_ran():
                                r"sm100, sm120$"),
     ("gpus", [], r"names GPU generations \[\]; each must be one of sm80"),
     ("write", "nvfp4_8over6", r"names write 'nvfp4_8over6'; each must be one of nvfp4, nvfp4_4over6"),
+    ("refuses_head_dims", [64], r"gives refuses_head_dims or refusal without the other; a refusal needs both"),
 ])
 def test_an_nvfp4_row_naming_an_unknown_gpu_generation_or_write_is_refused(monkeypatch, field, value, message):
     """The GPU generations and writes a row may name live in engine_models.NVFP4_GPUS and options.Nvfp4Write alone."""

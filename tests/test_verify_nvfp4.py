@@ -20,7 +20,9 @@ from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.cli import app
 from fp8kv.engine_models import FP8_K_NVFP4_V_RELEASES, NVFP4_LOADERS
 from fp8kv.hub.card import render_card
+from fp8kv.inspection import inspect_checkpoint
 from fp8kv.serving import NO_FP8_K_NVFP4_V_RELEASE
+from fp8kv.tools.factory import make_checkpoint
 from fp8kv.verify.nvfp4 import OWN_FP8_K_NVFP4_V
 from fp8kv.verify.nvfp4_report import nvfp4_lines, unit_family
 from fp8kv.verify.report import HeldOut, VerifyReport, render_markdown
@@ -291,3 +293,26 @@ def test_a_modelopt_fp8_k_nvfp4_v_export_6x_too_small_is_found_by_its_fp8_k(mixe
     assert finding.message.startswith(f"{path.path}: {share:.3%} of K values clamped at ±448 in its fp8 K (WARN above")
     # V's block scales stay within e4m3 (amax / 2688 was ModelOpt's NVFP4 scale); K's fp8 is what clamps
     assert share > 0.1 and path.writes.saturated_scales == 0
+
+
+def test_a_release_that_refuses_the_models_head_dim_is_named_and_not_judged(tmp_path, corpus, heldout):
+    """vLLM 0.32.0 will not start its fa2 NVFP4 cache at head_size 64: calibrate, inspect and the card say so for such
+    a model, and verify judges every other path but not that one."""
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["calibrate", str(make_checkpoint("qwen3", tmp_path / "src", head_dim=64)),
+                                      "--out", str(out), "--dataset", corpus, "--num-samples", "4", "--seq-len", "16",
+                                      "--kv-dtype", "nvfp4"])
+    assert result.exit_code == 0, result.output
+    refused = (f"{VLLM_FA2}: does not start this model's NVFP4 cache: fa2 prefill misreads an NVFP4 KV cache at "
+               "head_size 64 (this model's head_dim: 64)")
+    assert f"  {refused} (" in result.stdout
+    assert f"  {SGLANG_SM120}: as stored -> runs" in result.stdout  # the other rows as for any model
+    (meaning,) = inspect_checkpoint(out).nvfp4_meanings
+    assert [line for line in meaning.runs if line.startswith(VLLM_FA2)] == [line for line in result.stdout.split("\n  ")
+                                                                           if line.startswith(VLLM_FA2)]
+    assert f"- {refused} (" in render_card(out)
+
+    report = verify(out, heldout)
+    assert VLLM_FA2 not in paths(report) and {SGLANG_SM120, VLLM_SM100} <= set(paths(report))
+    (note,) = [r for r in report.reasons if VLLM_FA2 in r.engines]
+    assert note.level == "INFO" and "head_size 64" in note.message and "not judged" in note.message
