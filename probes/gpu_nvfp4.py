@@ -92,7 +92,7 @@ def fa2_views(pages: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], t
 
 
 def fp8kv_pages(k: torch.Tensor, v: torch.Tensor, k_scale: float, v_scale: float, *, swizzle_v: bool) -> torch.Tensor:
-    """fp8kv's write of `inputs()` at the slots, laid out as vLLM's pages: uint8 `[NUM_PAGES - 1, page bytes]`."""
+    """fp8kv's write of `k`, `v` at `slots()`, laid out as vLLM's pages: uint8 `[NUM_PAGES - 1, page bytes]`."""
     cache = Nvfp4PagedKVCache([0], num_pages=NUM_PAGES, page_size=PAGE_SIZE, num_kv_heads=KV_HEADS,
                               head_dim=HEAD_DIM, device=torch.device("cpu"), k_scales={0: k_scale},
                               v_scales={0: v_scale})

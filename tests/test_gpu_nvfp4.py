@@ -100,3 +100,18 @@ def test_the_unit_scale_inputs_hold_e2m1_and_e4m3_ties():
     e4m3 = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     midpoints = (e4m3[1:] + e4m3[:-1]) / 2
     assert int(torch.isin(bmax.flatten() / 6, midpoints).sum()) >= 20
+
+
+def test_the_fa2_views_read_fp8kvs_vllm_page_as_stored():
+    """The views FlashInfer writes through are the page vLLM's split views read (`vllm_page`, which
+    tests/test_nvfp4_cache.py holds to vLLM 0.32.0's `nvfp4_split_data_scale`): each reads back the codes and block
+    scales fp8kv stored, per side, head and token."""
+    cache = Nvfp4PagedKVCache([0], num_pages=PROBE.NUM_PAGES, page_size=PROBE.PAGE_SIZE, num_kv_heads=PROBE.KV_HEADS,
+                              head_dim=PROBE.HEAD_DIM, device=torch.device("cpu"), k_scales={0: 0.0123},
+                              v_scales={0: 0.04321})
+    cache.write(0, K, V, PROBE.slots(), torch.ones(PROBE.TOKENS, dtype=torch.bool))
+    pages = torch.stack([cache.vllm_page(0, page, swizzle_v=False) for page in range(PROBE.NUM_PAGES)])
+    codes, scales = PROBE.fa2_views(pages)
+    for side in (0, 1):
+        assert torch.equal(codes[side], cache.codes[0][:, :, side::2].transpose(1, 2))
+        assert torch.equal(scales[side].view(torch.uint8), cache.block_scales[0][:, :, side::2].transpose(1, 2))
