@@ -20,7 +20,7 @@ from importlib.resources import files
 from typing import TYPE_CHECKING, Any
 
 from fp8kv.errors import Fp8kvError
-from fp8kv.kvdtypes import KV_DTYPES
+from fp8kv.kvdtypes import KV_DTYPES, NVFP4_WRITES
 from fp8kv.options import DEFAULT_NVFP4_WRITE, FP8_K_NVFP4_V
 
 if sys.version_info >= (3, 11):
@@ -445,16 +445,22 @@ def _lent_loader(model: EngineModel, row: dict[str, Any], by_name: dict[str, Eng
 RELEASE_MODELS = _read_releases()
 
 
+# The GPU generations an [[nvfp4]] row may name: compute capability families 8.x, 9.x, 10.x and 12.x, as vLLM's
+# is_device_capability_family tells them apart
+NVFP4_GPUS = ("sm80", "sm90", "sm100", "sm120")
+
+
 @dataclass(frozen=True)
 class Nvfp4Loader:
-    """What one release's loader makes of a checkpoint's NVFP4 global scale on one GPU generation (a row of
-    configs/engines.toml's [[nvfp4]]): whether it loads it, the factor it applies (a stored 1.0 kept where
-    `keeps_unit`), whether its attention dequantizes blocks into e4m3 (`fp8_dequant`), how it is served, and the cache
-    write it runs (`write`, an `options.Nvfp4Write`)."""
+    """What one release's loader makes of a checkpoint's NVFP4 global scale on the GPU generations `gpus` (NVFP4_GPUS)
+    where it runs one arithmetic (a row of configs/engines.toml's [[nvfp4]]): whether it loads it, the factor it
+    applies (a stored 1.0 kept where `keeps_unit`), whether its attention dequantizes blocks into e4m3
+    (`fp8_dequant`), how it is served, the cache write it runs (`write`, an `options.Nvfp4Write`), and the head_dims
+    it will not start the cache at (`refuses_head_dims`, for the reason `refusal`)."""
 
     engine: str
     release: str
-    gpu: str
+    gpus: tuple[str, ...]
     setting: str
     loads: bool
     factor: float
@@ -465,10 +471,17 @@ class Nvfp4Loader:
     source: str
     golden: str = ""
     write: str = DEFAULT_NVFP4_WRITE
+    refuses_head_dims: tuple[int, ...] = ()
+    refusal: str = ""
+
+    def refused(self, head_dims: frozenset[int]) -> str:
+        """Why the release does not start this cache for a model caching K/V of `head_dims`; "" where it does."""
+        refused = sorted(head_dims.intersection(self.refuses_head_dims))
+        return f"{self.refusal} (this model's head_dim: {', '.join(map(str, refused))})" if refused else ""
 
     @property
     def name(self) -> str:
-        where = f"{self.engine} {self.release} on {self.gpu}"
+        where = f"{self.engine} {self.release} on {'/'.join(self.gpus)}"
         return f"{where} with {self.setting}" if self.setting else where
 
     @property
@@ -478,10 +491,22 @@ class Nvfp4Loader:
 
 def _read_nvfp4_loaders() -> tuple[Nvfp4Loader, ...]:
     rows = _rows("nvfp4")
-    return tuple(Nvfp4Loader(row["engine"], row["release"], row["gpu"], row.get("setting", ""), row["loads"],
+    for row in rows:
+        unknown = [gpu for gpu in row["gpus"] if gpu not in NVFP4_GPUS]
+        if unknown or not row["gpus"]:
+            raise Fp8kvError(f"{RELEASES_FILE}: the [[nvfp4]] row of {row['engine']} {row['release']} names GPU "
+                             f"generations {row['gpus']}; each must be one of {', '.join(NVFP4_GPUS)}")
+        if row.get("write", DEFAULT_NVFP4_WRITE) not in NVFP4_WRITES:
+            raise Fp8kvError(f"{RELEASES_FILE}: the [[nvfp4]] row of {row['engine']} {row['release']} names write "
+                             f"{row['write']!r}; each must be one of {', '.join(NVFP4_WRITES)}")
+        if bool(row.get("refuses_head_dims")) != bool(row.get("refusal")):
+            raise Fp8kvError(f"{RELEASES_FILE}: the [[nvfp4]] row of {row['engine']} {row['release']} gives "
+                             "refuses_head_dims or refusal without the other; a refusal needs both")
+    return tuple(Nvfp4Loader(row["engine"], row["release"], tuple(row["gpus"]), row.get("setting", ""), row["loads"],
                              row["factor"], row.get("keeps_unit", False), row["fp8_dequant"], row["serve"],
                              row["evidence"], row["source"], row.get("golden", ""),
-                             row.get("write", DEFAULT_NVFP4_WRITE)) for row in rows)
+                             row.get("write", DEFAULT_NVFP4_WRITE), tuple(row.get("refuses_head_dims", ())),
+                             row.get("refusal", "")) for row in rows)
 
 
 NVFP4_LOADERS = _read_nvfp4_loaders()

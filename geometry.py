@@ -82,6 +82,11 @@ class AttentionGeometry:
     v_head_dim: int | None = None
 
     @property
+    def head_dims(self) -> frozenset[int]:
+        """The head_dims the K/V cache layers store."""
+        return frozenset(self.layer_head_dim(layer) for layer in self.kv_layers)
+
+    @property
     def skipped_layers(self) -> tuple[int, ...]:
         """Layers that own no K/V cache (linear attention, Mamba, KV sharing)."""
         return tuple(i for i in range(self.num_layers) if i not in self.kv_layers)

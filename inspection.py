@@ -130,16 +130,17 @@ def inspect_checkpoint(model_dir: str | Path) -> InspectReport:
         layers=tuple(_layer_row(scales, layer, recorded.get(layer)) for layer in scales.layers) if scales else (),
         warnings=tuple(finding.message for finding in check_readout(readout, provenance)),
         nvfp4=readout.nvfp4,
-        nvfp4_meanings=_nvfp4_meanings(readout.nvfp4, headroom),
+        nvfp4_meanings=_nvfp4_meanings(readout.nvfp4, headroom, source.geometry.head_dims),
     )
 
 
-def _nvfp4_meanings(reading: Nvfp4Reading | None, headroom: float | None) -> tuple[Nvfp4Meaning, ...]:
+def _nvfp4_meanings(reading: Nvfp4Reading | None, headroom: float | None,
+                    head_dims: frozenset[int]) -> tuple[Nvfp4Meaning, ...]:
     if reading is None:
         return ()
     rows = [nvfp4_convention(name) for name in reading.conventions]
     return tuple(Nvfp4Meaning(row.name, row.divisor, row.producer,
-                              tuple(nvfp4_lines(row.divisor, headroom, reading.kv_dtype))) for row in rows)
+                              tuple(nvfp4_lines(row.divisor, headroom, reading.kv_dtype, head_dims))) for row in rows)
 
 
 def scale_rows(scales: KVScales | None) -> tuple[ScaleRow, ...]:

@@ -16,6 +16,13 @@ a few float32 ulps of an e2m1 or e4m3 rounding boundary (tests/test_nvfp4.py mea
 value is one step off at most). Flushing subnormals changes nothing for scales between 2**-117 and 2**117: no
 operand or result of those reciprocals is subnormal there. A block holding NaN is not modelled: the kernel's
 half-precision max passes over a NaN, torch's amax keeps it.
+
+FlashInfer's slot-mapping writer, which vLLM 0.32.0 runs for nvfp4 on sm80, sm90 and sm120 (0.7.0.post1
+`include/flashinfer/page.cuh` `nvfp4_append_quantize_block`), orders the same arithmetic otherwise: SF = e4m3(bmax /
+(6 * s)), y = x * (1 / (SF * s)), e2m1 by its own table of midpoints (to nearest even, ±6 past the range), under
+nvcc's `-use_fast_math`. Rounded to nearest, it stores the bytes this write does on every block
+tests/test_nvfp4_vendor.py compares; the two could part only where a quotient lands within float32 roundings of an
+e4m3 or e2m1 midpoint.
 """
 
 from __future__ import annotations

@@ -119,10 +119,13 @@ def serving_heading(traits: CheckpointTraits) -> str:
     return f"what each engine release does with these scales ({asked(traits)}):"
 
 
-def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None) -> str:
+def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None, head_dims: frozenset[int]) -> str:
     """What `loader`'s release runs as the global scale of a file storing `amax x headroom / divisor` (headroom None:
-    unknown, written h), and what that makes of the block scales: each is the block's max / (6 x global scale); a
-    loss names the convert that stores the scales the other way."""
+    unknown, written h) for a model caching K/V of `head_dims`, and what that makes of the block scales: each is the
+    block's max / (6 x global scale); a loss names the convert that stores the scales the other way."""
+    refused = loader.refused(head_dims)
+    if refused:
+        return f"{loader.name}: does not start this model's NVFP4 cache: {refused} ({loader.known_by})"
     if not loader.loads:
         return f"{loader.name}: does not load the scales: the global scale stays 1.0 ({loader.known_by})"
     ran = divisor / loader.factor  # the global scale it runs is amax x headroom / ran
@@ -158,12 +161,12 @@ def fp8_k_nvfp4_v_line(release: Fp8KNvfp4VRelease) -> str:
     return f"{release.name}: no fp8 K / nvfp4 V cache; runs {release.instead} ({release.known_by})"
 
 
-def nvfp4_lines(divisor: float, headroom: float | None, kv_dtype: str) -> list[str]:
-    """One line per release and GPU generation fp8kv read (configs/engines.toml's [[nvfp4]]); for fp8_k_nvfp4_v, one
-    per release read and what it runs instead ([[fp8_k_nvfp4_v]])."""
+def nvfp4_lines(divisor: float, headroom: float | None, kv_dtype: str, head_dims: frozenset[int]) -> list[str]:
+    """One line per release and GPU generation fp8kv read (configs/engines.toml's [[nvfp4]]), for a model caching
+    K/V of `head_dims`; for fp8_k_nvfp4_v, one per release read and what it runs instead ([[fp8_k_nvfp4_v]])."""
     if kv_dtype == FP8_K_NVFP4_V:
         return [fp8_k_nvfp4_v_line(release) for release in FP8_K_NVFP4_V_RELEASES]
-    return [nvfp4_line(loader, divisor, headroom) for loader in NVFP4_LOADERS]
+    return [nvfp4_line(loader, divisor, headroom, head_dims) for loader in NVFP4_LOADERS]
 
 
 def nvfp4_serve_commands(folder: str, kv_dtype: str) -> list[str]:

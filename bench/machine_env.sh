@@ -1,5 +1,5 @@
 # Sourced by the lent-machine scripts (bench/gpu_8b.sh, bench/tpu_8b.sh, probes/gpu_writes.sh,
-# probes/gpu_conformance.sh, probes/cpu_conformance.sh) with NAME set: sets REPO, PY, OUT and a
+# probes/gpu_conformance.sh, probes/gpu_nvfp4.sh, probes/cpu_conformance.sh) with NAME set: sets REPO, PY, OUT and a
 # temporary WORK folder (removed on exit), and exposes the repository root, which is the fp8kv
 # package, under that name without installing it.
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -130,7 +130,7 @@ def render_card(out_dir: str | Path, *, repo_id: str | None = None, base_model: 
     sections = [
         _intro(out, prov, base_model, repo_id),
         _what_was_done(prov, base_model),
-        nvfp4_scales(prov) if nvfp4 else _scales(out, prov, report),
+        nvfp4_scales(out, prov) if nvfp4 else _scales(out, prov, report),
         _verify(out, report),
         _task_scores(out),
         nvfp4_serve(model, prov.kv_dtype or "") if nvfp4 else _serve(model, out, prov,

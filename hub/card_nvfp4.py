@@ -4,16 +4,20 @@ verify section is the one fp8 folders have, with its NVFP4 engine paths."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fp8kv.checkpoint.nvfp4 import nvfp4_convention
 from fp8kv.checkpoint.provenance import Provenance
 from fp8kv.console import fmt_number
+from fp8kv.geometry import AttentionGeometry
 from fp8kv.kvdtypes import E2M1_MAX, NVFP4_BLOCK_SIZE
 from fp8kv.options import FP8_K_NVFP4_V
 from fp8kv.serving import NO_FP8_K_NVFP4_V_RELEASE, nvfp4_lines, nvfp4_serve_commands
 
 
-def nvfp4_scales(prov: Provenance) -> str:
-    """The card's scale section: the stored value's meaning and each release's reading of it."""
+def nvfp4_scales(out: Path, prov: Provenance) -> str:
+    """The card's scale section: the stored value's meaning and each release's reading of it (for the model in
+    `out`)."""
     row = nvfp4_convention(prov.format)
     headroom = f" × {fmt_number(prov.headroom)}" if prov.headroom is not None else ""
     side = "V (K is an fp8 e4m3 cache with the fp8 scale amax / 448)" if prov.kv_dtype == FP8_K_NVFP4_V else "K and V"
@@ -24,7 +28,8 @@ def nvfp4_scales(prov: Provenance) -> str:
         f"this checkpoint, `amax{headroom} / {row.divisor:g}` ({row.name}, as {row.producer} store it), amax being "
         "the largest |value| of that layer's cached K (or V, after RoPE and any k_norm) over all calibration tokens.",
         "What each engine release makes of it (read from their sources; nothing here ran on a GPU):\n\n"
-        + "\n".join(f"- {line}" for line in nvfp4_lines(row.divisor, prov.headroom, prov.kv_dtype or "")),
+        + "\n".join(f"- {line}" for line in nvfp4_lines(row.divisor, prov.headroom, prov.kv_dtype or "",
+                                                        AttentionGeometry.from_dir(out).head_dims)),
     ])
 
 

@@ -32,6 +32,9 @@ trap 'rm -rf "$NVFP4"' EXIT
 bench/.sglang-venv/bin/python probes/sglang_nvfp4_loader.py "$NVFP4/nvfp4" --unit-layer 1 \
     --out tests/golden/nvfp4-sglang-0.5.23.json
 
+# SGLang: what of its NVFP4 cache write and read runs on a CPU (its V-scale swizzle, its pure-torch read)
+bench/.sglang-venv/bin/python probes/sglang_nvfp4_write.py --out tests/golden/nvfp4-sglang-write-0.5.23.json
+
 # vLLM's CPU build: its own loader through fp8kv load-check
 test -x bench/.vllm-venv/bin/python || bash probes/vllm_venv.sh
 "$PY" probes/load_check_golden.py

@@ -1,5 +1,6 @@
 """The paged KV cache stored as NVFP4 (vLLM's `--kv-cache-dtype nvfp4` and `nvfp4_4over6` writes, and ModelOpt's
-fp8_k_nvfp4_v: K in fp8 e4m3, V in NVFP4), and what the attention reads back from it.
+fp8_k_nvfp4_v: K in fp8 e4m3, V in NVFP4), and what the attention reads back from it. FlashInfer's slot-mapping
+writer, vLLM's nvfp4 on sm80, sm90 and sm120, stores what the nvfp4 write does (`fp8kv.nvfp4`).
 
 Per KV layer the cache stores what vLLM's does, K and V interleaved on the head axis as in the fp8 cache (vLLM
 orders a page's bytes [K codes | K scales | V codes | V scales]; the values are the same): packed e2m1 codes
@@ -10,7 +11,9 @@ bytes `[num_pages, page_size, kv_heads, head_dim]`, written as the fp8 cache wri
 `pages` holds what attention reads, made from the stored bytes at each write, so every attention function reads it
 as it reads any cache (an fp8 K reads as the fp8 cache's: its e4m3 value, times k_scale in the float32 read):
 
-- read "float32": e2m1 * (SF * s) in float32, the plain dequantized read (vLLM's `dequantize_to_dtype`);
+- read "float32": e2m1 * (SF * s) in float32, the plain dequantized read (vLLM's `dequantize_to_dtype`). FlashInfer's
+  fa2 attention (sm80, sm90, sm120) reads so: e2m1 * SF in the model's 16-bit dtype, which holds every such product
+  exactly (6 x 448 at most), with s folded into the softmax scale for K and multiplied into the output for V;
 - read "fp8": e2m1 * SF rounded to e4m3, with s left to the attention as its k_scale / v_scale: the sm100 path,
   where the attention kernel dequantizes K and V to fp8 (with the runner's `q_scales`, Q is fp8 too, as vLLM's
   `scaled_fp8_quant` of the query makes it) and writes its output in fp8 e4m3 (`fp8_attention_output`). The kernel's
@@ -155,7 +158,9 @@ class Nvfp4PagedKVCache(PagedKVCache):
         """Page `page` of `layer` laid out as vLLM's kernel writes an HND page, uint8: [K codes | K block scales |
         V codes | V block scales], codes `[kv_heads, page_size, head_dim/2]` and block scales `[kv_heads, page_size,
         head_dim/16]` per side (vLLM 0.32.0 `nvfp4_kv_cache_kernels.cu`). `swizzle_v`: V's block scales in the
-        4-token swizzle sm100's attention reads (vLLM swizzles below compute capability 12; K's stay linear)."""
+        4-token swizzle sm100's attention reads (vLLM's kernel swizzles below compute capability 12; K's stay
+        linear). On 8.x, 9.x and 12.x vLLM 0.32.0 writes the same page with FlashInfer's writer instead, every block
+        scale linear, as fa2 reads them: `swizzle_v=False`."""
         if self.fp8_keys:
             raise Fp8kvError("vllm_page lays out vLLM's nvfp4 page, NVFP4 K and V; this cache holds an fp8 K")
         row = self._row[layer]

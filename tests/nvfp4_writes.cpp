@@ -7,10 +7,11 @@
 //                                             __nv_cvt_float_to_fp4, __nv_fp4_e2m1(x), __nv_cvt_float_to_fp8
 //                                             (satfinite, e4m3), __nv_fp8_e4m3(x)
 //   nvfp4_writes decode OUTPUT                the 16 e2m1 codes as float32, by __nv_fp4_e2m1's float conversion
-//   nvfp4_writes write INPUTS OUTPUT SCALE 6|4over6
+//   nvfp4_writes write INPUTS OUTPUT SCALE 6|4over6|flashinfer
 //                                             vLLM's NVFP4 cache write of INPUTS (blocks of 16 float32 values) with
-//                                             global scale SCALE, its reciprocals rounded to nearest: one e4m3 block
-//                                             scale byte per block, then 8 packed bytes per block
+//                                             global scale SCALE, its reciprocals rounded to nearest, or FlashInfer's
+//                                             (its divisions rounded to nearest): one e4m3 block scale byte per block,
+//                                             then 8 packed bytes per block
 #include <cuda_fp4.h>
 #include <cuda_fp8.h>
 
@@ -71,6 +72,47 @@ void write_block(const float* x, float global, bool four_over_six, uint8_t* bloc
   }
 }
 
+// FlashInfer 0.7.0.post1's include/flashinfer/page.cuh, as read: nvfp4_append_quantize_e2m1, its own e2m1 rounding
+// (a table of the midpoints), and nvfp4_append_quantize_block without precise_rounding (the slot-mapping writer's),
+// the block scale by cuda_fp8.hpp's __nv_fp8_e4m3 constructor.
+uint8_t flashinfer_e2m1(float value) {
+  const uint8_t sign = std::signbit(value) ? 0x8 : 0x0;
+  const float mag = std::fabs(value);
+  uint8_t code;
+  if (!(mag > 0.25f)) {
+    code = 0;
+  } else if (mag < 0.75f) {
+    code = 1;
+  } else if (mag <= 1.25f) {
+    code = 2;
+  } else if (mag < 1.75f) {
+    code = 3;
+  } else if (mag <= 2.5f) {
+    code = 4;
+  } else if (mag < 3.5f) {
+    code = 5;
+  } else if (mag <= 5.0f) {
+    code = 6;
+  } else {
+    code = 7;
+  }
+  return sign | code;
+}
+
+void flashinfer_write_block(const float* x, float global_scale, uint8_t* block_scale, uint8_t* packed) {
+  float amax = 0.0f;
+  for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float sf_value = amax > 0.0f && global_scale > 0.0f ? amax / (6.0f * global_scale) : 0.0f;
+  const __nv_fp8_e4m3 sf_fp8(sf_value);
+  *block_scale = sf_fp8.__x;
+  const float sf_rounded = static_cast<float>(sf_fp8);
+  const float output_scale =
+      amax > 0.0f && sf_rounded > 0.0f && global_scale > 0.0f ? 1.0f / (sf_rounded * global_scale) : 0.0f;
+  for (int i = 0; i < kBlock; i += 2) {
+    packed[i / 2] = flashinfer_e2m1(x[i] * output_scale) | (flashinfer_e2m1(x[i + 1] * output_scale) << 4);
+  }
+}
+
 std::vector<float> read_floats(const char* path) {
   std::vector<float> values;
   std::FILE* in = std::fopen(path, "rb");
@@ -117,14 +159,22 @@ int main(int argc, char** argv) {
   if (std::strcmp(mode, "write") == 0 && argc == 6) {
     const std::vector<float> inputs = read_floats(argv[2]);
     const size_t blocks = inputs.size() / kBlock;
-    const float global = reciprocal(std::strtof(argv[4], nullptr));  // the kernel's 1.0f / k_scale
+    const float scale = std::strtof(argv[4], nullptr);
+    const float global = reciprocal(scale);  // vLLM's kernel: 1.0f / k_scale; FlashInfer's takes k_scale
     const bool four_over_six = std::strcmp(argv[5], "4over6") == 0;
+    const bool flashinfer = std::strcmp(argv[5], "flashinfer") == 0;
     std::vector<uint8_t> bytes(blocks * (1 + kBlock / 2));
     for (size_t b = 0; b < blocks; ++b) {
-      write_block(&inputs[b * kBlock], global, four_over_six, &bytes[b], &bytes[blocks + b * kBlock / 2]);
+      if (flashinfer) {
+        flashinfer_write_block(&inputs[b * kBlock], scale, &bytes[b], &bytes[blocks + b * kBlock / 2]);
+      } else {
+        write_block(&inputs[b * kBlock], global, four_over_six, &bytes[b], &bytes[blocks + b * kBlock / 2]);
+      }
     }
     return emit(argv[3], bytes);
   }
-  std::fprintf(stderr, "usage: nvfp4_writes convert INPUTS OUTPUT | decode OUTPUT | write INPUTS OUTPUT SCALE 6|4over6\n");
+  std::fprintf(stderr,
+               "usage: nvfp4_writes convert INPUTS OUTPUT | decode OUTPUT | write INPUTS OUTPUT SCALE "
+               "6|4over6|flashinfer\n");
   return 2;
 }

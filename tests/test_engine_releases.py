@@ -12,9 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fp8kv import engine_models
 from fp8kv.engine_models import (
     FP8_K_NVFP4_V_RELEASES, NVFP4_LOADERS, RELEASE_MODELS, activation_divide, engine_model,
 )
+from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import to_fp8
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -32,9 +34,10 @@ def test_every_golden_file_named_by_a_row_exists_and_every_record_has_a_row():
     assert named <= records
     # each record backs a row (a probe's extra files, like the tpu-inference bytes, sit beside its JSON), or rows of
     # many releases read from their wheels, or vLLM's CUDA wheel's Python against the CPU wheel's, or the sm100 page
-    # layout of FlashInfer, the library vLLM's NVFP4 attention runs (test_nvfp4_cache.py checks the cache against it)
+    # layout of FlashInfer, the library vLLM's NVFP4 attention runs (test_nvfp4_cache.py checks the cache against it),
+    # or what of SGLang's NVFP4 write and read runs on a CPU (test_nvfp4_sglang.py)
     assert records - named <= {"sglang-releases.json", "vllm-cuda-python-0.32.0.json",
-                               "nvfp4-flashinfer-0.7.0.post1.json"}
+                               "nvfp4-flashinfer-0.7.0.post1.json", "nvfp4-sglang-write-0.5.23.json"}
 
 
 def _all_bf16() -> torch.Tensor:
@@ -132,8 +135,8 @@ def test_sglang_holds_what_its_own_loader_held_for_each_fp8kv_output():
 
 
 SGLANG_NVFP4 = golden("nvfp4-sglang-0.5.23.json")
-SGLANG_NVFP4_ROWS = {loader.gpu: loader for loader in NVFP4_LOADERS if (loader.engine, loader.release) ==
-                     ("sglang", SGLANG_NVFP4["meta"]["sglang"])}
+SGLANG_NVFP4_ROWS = {gpu: loader for loader in NVFP4_LOADERS for gpu in loader.gpus
+                     if (loader.engine, loader.release) == ("sglang", SGLANG_NVFP4["meta"]["sglang"])}
 
 
 def test_sglangs_nvfp4_rows_are_the_gpu_generations_its_method_ran_for():
@@ -164,6 +167,22 @@ def test_sglangs_nvfp4_rows_serve_with_the_kv_cache_dtype_whose_method_ran():
     for loader in SGLANG_NVFP4_ROWS.values():
         words = shlex.split(loader.serve)
         assert words[words.index("--kv-cache-dtype") + 1] == SGLANG_NVFP4["kv_cache_dtype"], loader.name
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("gpus", ["sm90", "sm89"], r"names GPU generations \['sm90', 'sm89'\]; each must be one of sm80, sm90, "
+                               r"sm100, sm120$"),
+    ("gpus", [], r"names GPU generations \[\]; each must be one of sm80"),
+    ("write", "nvfp4_8over6", r"names write 'nvfp4_8over6'; each must be one of nvfp4, nvfp4_4over6"),
+    ("refuses_head_dims", [64], r"gives refuses_head_dims or refusal without the other; a refusal needs both"),
+])
+def test_an_nvfp4_row_naming_an_unknown_gpu_generation_or_write_is_refused(monkeypatch, field, value, message):
+    """The GPU generations and writes a row may name live in engine_models.NVFP4_GPUS and options.Nvfp4Write alone."""
+    rows = [dict(row) for row in engine_models._rows("nvfp4")]
+    rows[0][field] = value
+    monkeypatch.setattr(engine_models, "_rows", lambda section: rows)
+    with pytest.raises(Fp8kvError, match=r"engines.toml: the \[\[nvfp4\]\] row of vllm-cuda 0.32.0 " + message):
+        engine_models._read_nvfp4_loaders()
 
 
 def test_sglangs_fp8_k_nvfp4_v_row_matches_the_kv_cache_dtypes_its_command_line_took():

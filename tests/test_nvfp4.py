@@ -9,7 +9,7 @@ import torch
 from fp8kv import nvfp4
 from fp8kv.errors import Fp8kvError
 from fp8kv.kvdtypes import E2M1_MAGNITUDES
-from fp8kv.nvfp4 import dequantize, e2m1_codes, pack, quantize, unpack
+from fp8kv.nvfp4 import E4M3, dequantize, e2m1_codes, pack, quantize, unpack
 
 
 def test_two_codes_a_byte_the_even_index_in_the_low_nibble():
@@ -62,6 +62,19 @@ def test_four_over_six_keeps_the_lower_error_and_six_on_a_tie():
     assert six.block_scales.float().flatten().tolist() == [0.6875, 0.0]
     assert best.block_scales.float().flatten().tolist() == [1.0, 0.0]
     assert torch.equal(dequantize(best), blocks)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_e2m1_code_times_every_e4m3_block_scale_is_exact_in_16_bits(dtype):
+    """FlashInfer's fa2 attention (vLLM 0.32.0 on sm80, sm90, sm120) converts codes and block scales to the model's
+    fp16 or bf16 and multiplies them there: every product (6 x 448 = 2688 at most, 2**-10 at least) is exact in both,
+    so that read is the float32 read up to where the global scale enters, and no block overflows as an e4m3 read can."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    patterns = torch.arange(256, dtype=torch.uint8)
+    scales = patterns[patterns & 0x7F != 0x7F].view(E4M3)  # every finite e4m3, subnormals and -0 included
+    exact = nvfp4.e2m1_values(codes)[:, None] * scales.float()[None, :]
+    assert torch.equal((nvfp4.e2m1_values(codes).to(dtype)[:, None] * scales.to(dtype)[None, :]).float(), exact)
+    assert exact.abs().max() == 2688.0 and exact.abs()[exact != 0].min() == 2.0**-10
 
 
 def _activations() -> torch.Tensor:

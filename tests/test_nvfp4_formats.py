@@ -112,6 +112,7 @@ def test_calibrate_says_what_each_release_runs_and_how_to_serve(calibrated):
     assert SGLANG_SM100.format(h="1.25", div="448", ran="74.67") in stdout
     assert "fp8kv convert --to modelopt-pre-0.42 gives it amax / 448" in stdout
     assert "sglang 0.5.23 on sm120: as stored -> runs amax x 1.25 / 448" in stdout
+    assert "vllm-cuda 0.32.0 on sm80/sm90/sm120: as stored -> runs amax x 1.25 / 448" in stdout  # head_dim 16: starts
     assert f"  vllm serve {out} --kv-cache-dtype nvfp4\n  vllm serve {out} --kv-cache-dtype nvfp4_4over6\n" in stdout
     assert "vllm-cuda 0.32.0 on sm100 with --kv-cache-dtype nvfp4_4over6: as stored -> runs amax x 1.25 / 448" in stdout
     assert f"  python -m sglang.launch_server --model-path {out} --kv-cache-dtype nvfp4\n" in stdout
@@ -291,13 +292,12 @@ def test_the_nvfp4_loader_rows_are_the_releases_read_and_run():
     assert rows == {
         "vllm-cuda 0.32.0 on sm100": (True, 1.0, False, True, "read", "nvfp4"),
         "vllm-cuda 0.32.0 on sm100 with --kv-cache-dtype nvfp4_4over6": (True, 1.0, False, True, "read", "nvfp4_4over6"),
+        "vllm-cuda 0.32.0 on sm80/sm90/sm120": (True, 1.0, False, False, "read", "nvfp4"),
         "sglang 0.5.23 on sm100": (True, 6.0, True, True, "run", "nvfp4"),
         "sglang 0.5.23 on sm120": (True, 1.0, False, False, "run", "nvfp4"),
-        "tensorrt-llm main (late 2026) on sm100": (True, 1.0, False, True, "read", "nvfp4"),
-        "tensorrt-llm main before TRTLLM_LOAD_KV_SCALES defaulted to 1 on sm100":
-            (False, 1.0, False, True, "read", "nvfp4"),
-        "tensorrt-llm main before TRTLLM_LOAD_KV_SCALES defaulted to 1 on sm100 with TRTLLM_LOAD_KV_SCALES=1":
-            (True, 6.0, False, True, "read", "nvfp4"),
+        "tensorrt-llm commit 00bbf71 on sm100": (True, 1.0, False, True, "read", "nvfp4"),
+        "tensorrt-llm commit ed53795 on sm100": (False, 1.0, False, True, "read", "nvfp4"),
+        "tensorrt-llm commit ed53795 on sm100 with TRTLLM_LOAD_KV_SCALES=1": (True, 6.0, False, True, "read", "nvfp4"),
     }
     for loader in NVFP4_LOADERS:  # vLLM names its cache write on the command line
         if loader.engine == "vllm-cuda":

@@ -2,7 +2,8 @@
 the venv's nvidia-cuda-runtime-cu12), compiled for the host by tests/nvfp4_writes.cpp.
 
 Every bf16 and every fp16 bit pattern (65,536 each, NaN and ±inf included) is converted by both sides; the e2m1
-codes and the e4m3 bytes must agree on every pattern (NaN: +6 and 0x7F on both sides). The whole cache write (block scales and packed codes, both of vLLM's variants) is compared on
+codes and the e4m3 bytes must agree on every pattern (NaN: +6 and 0x7F on both sides). The whole cache write (block
+scales and packed codes: vLLM's two variants, and FlashInfer's writer transcribed from its source) is compared on
 random blocks that reach every block-scale regime, and on blocks built to land on e2m1's ties.
 """
 
@@ -90,8 +91,10 @@ def _tie_blocks() -> torch.Tensor:
     return torch.cat([torch.full((len(rows), 1), 6.0), rows], dim=1)
 
 
-@pytest.mark.parametrize("variant", ["6", "4over6"])
+@pytest.mark.parametrize("variant", ["6", "4over6", "flashinfer"])
 def test_the_cache_write_stores_the_bytes_cudas_conversions_give(nvfp4_writes, variant, tmp_path):
+    """vLLM's write, its 4over6 write, and FlashInfer's slot-mapping writer (vLLM's nvfp4 on sm80, sm90 and sm120),
+    which fp8kv models by vLLM's: the same bytes on every block, at every scale."""
     four_over_six = variant == "4over6"
     random, ties = _random_blocks(), _tie_blocks()
     regimes = set()

@@ -20,7 +20,9 @@ from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.cli import app
 from fp8kv.engine_models import FP8_K_NVFP4_V_RELEASES, NVFP4_LOADERS
 from fp8kv.hub.card import render_card
+from fp8kv.inspection import inspect_checkpoint
 from fp8kv.serving import NO_FP8_K_NVFP4_V_RELEASE
+from fp8kv.tools.factory import make_checkpoint
 from fp8kv.verify.nvfp4 import OWN_FP8_K_NVFP4_V
 from fp8kv.verify.nvfp4_report import nvfp4_lines, unit_family
 from fp8kv.verify.report import HeldOut, VerifyReport, render_markdown
@@ -28,7 +30,8 @@ from fp8kv.verify.results import Nvfp4PathResult
 
 VLLM_SM100, SGLANG_SM100, SGLANG_SM120 = "vllm-cuda 0.32.0 on sm100", "sglang 0.5.23 on sm100", "sglang 0.5.23 on sm120"
 VLLM_4OVER6 = "vllm-cuda 0.32.0 on sm100 with --kv-cache-dtype nvfp4_4over6"
-NOT_LOADED = "tensorrt-llm main before TRTLLM_LOAD_KV_SCALES defaulted to 1 on sm100"
+VLLM_FA2 = "vllm-cuda 0.32.0 on sm80/sm90/sm120"
+NOT_LOADED = "tensorrt-llm commit ed53795 on sm100"
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +141,7 @@ def test_paths_sharing_a_cache_are_one_test_of_the_family_and_too_few_sequences_
     trt, trt_x6 = [name for name, loader in by_name.items() if loader.engine == "tensorrt-llm" and loader.loads]
     family = unit_family(list(paths(own).values()))
     assert sorted(c.engines for c in family) == sorted([(VLLM_SM100, trt), (VLLM_4OVER6,), (SGLANG_SM100, trt_x6),
-                                                        (SGLANG_SM120,)])
+                                                        (VLLM_FA2, SGLANG_SM120)])
     notes = [line for line in nvfp4_lines(own.held_out.nvfp4, own.thresholds) if line.startswith("note: ")]
     assert len(notes) == 4 and all("4 held-out sequences are too few to compare these scales with unit scales (this "
                                    "many comparisons at this false-alarm rate need at least 7" in n for n in notes)
@@ -170,9 +173,12 @@ def test_an_auto_round_folder_overflows_vllms_sm100_read_and_its_convert_passes_
     # vLLM's 4over6 write picks each block's scale from two targets, neither of which keeps 6 x 448 in range
     assert by_path[VLLM_4OVER6].verdict == "FAIL" and by_path[VLLM_4OVER6].writes.fp8_read_over > 0
     assert by_path[SGLANG_SM100].verdict == "PASS" and by_path[SGLANG_SM100].writes.fp8_read_over == 0  # x6: 448
-    # read in float32, block scales up to 448 are in range: the same products an fp8 read could not hold are held
-    assert by_path[SGLANG_SM120].verdict == "PASS" and by_path[SGLANG_SM120].writes.fp8_read_over > 0
-    assert f"| {SGLANG_SM120} | PASS | float32 |" in render_markdown(report)
+    # read in float32 (vLLM's fa2 path reads blocks in bf16, exactly), block scales up to 448 are in range: the same
+    # products an fp8 read could not hold are held
+    for path in (SGLANG_SM120, VLLM_FA2):
+        assert by_path[path].verdict == "PASS" and by_path[path].writes.fp8_read_over > 0
+        assert f"| {path} | PASS | float32 |" in render_markdown(report)
+    assert by_path[VLLM_FA2].writes == by_path[SGLANG_SM120].writes  # one cache: the same write at the same scale
     assert "(read in float32: held)" in render_markdown(report)
     for path in (VLLM_SM100, VLLM_4OVER6):
         (finding,) = [r for r in report.reasons if r.engines == (path,) and r.level == "FAIL"]
@@ -302,3 +308,26 @@ def test_a_modelopt_fp8_k_nvfp4_v_export_6x_too_small_is_found_by_its_fp8_k(mixe
     assert finding.message.startswith(f"{path.path}: {share:.3%} of K values clamped at ±448 in its fp8 K (WARN above")
     # V's block scales stay within e4m3 (amax / 2688 was ModelOpt's NVFP4 scale); K's fp8 is what clamps
     assert share > 0.1 and path.writes.saturated_scales == 0
+
+
+def test_a_release_that_refuses_the_models_head_dim_is_named_and_not_judged(tmp_path, corpus, heldout):
+    """vLLM 0.32.0 will not start its fa2 NVFP4 cache at head_size 64: calibrate, inspect and the card say so for such
+    a model, and verify judges every other path but not that one."""
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["calibrate", str(make_checkpoint("qwen3", tmp_path / "src", head_dim=64)),
+                                      "--out", str(out), "--dataset", corpus, "--num-samples", "4", "--seq-len", "16",
+                                      "--kv-dtype", "nvfp4"])
+    assert result.exit_code == 0, result.output
+    refused = (f"{VLLM_FA2}: does not start this model's NVFP4 cache: fa2 prefill misreads an NVFP4 KV cache at "
+               "head_size 64 (this model's head_dim: 64)")
+    assert f"  {refused} (" in result.stdout
+    assert f"  {SGLANG_SM120}: as stored -> runs" in result.stdout  # the other rows as for any model
+    (meaning,) = inspect_checkpoint(out).nvfp4_meanings
+    assert [line for line in meaning.runs if line.startswith(VLLM_FA2)] == [line for line in result.stdout.split("\n  ")
+                                                                           if line.startswith(VLLM_FA2)]
+    assert f"- {refused} (" in render_card(out)
+
+    report = verify(out, heldout)
+    assert VLLM_FA2 not in paths(report) and {SGLANG_SM120, VLLM_SM100} <= set(paths(report))
+    (note,) = [r for r in report.reasons if VLLM_FA2 in r.engines]
+    assert note.level == "INFO" and "head_size 64" in note.message and "not judged" in note.message

@@ -1,12 +1,12 @@
 """verify of an NVFP4 folder, per engine path: each `[[nvfp4]]` row of configs/engines.toml (release, GPU
-generation, cache write) runs the NVFP4 cache (`runtime.nvfp4_cache`: vLLM's `nvfp4` or `nvfp4_4over6` write) with
+generations, cache write) runs the NVFP4 cache (`runtime.nvfp4_cache`: vLLM's `nvfp4` or `nvfp4_4over6` write) with
 the global scale that path really holds, the stored value times its loader's factor, and the read its attention
-takes (sm100 dequantizes the blocks into e4m3: the "fp8" read; sm120 reads them dequantized, "float32"). An
-fp8_k_nvfp4_v folder, which no release read serves (`[[fp8_k_nvfp4_v]]`), runs one path of fp8kv's own arithmetic.
-Each is scored on the held-out text against the bf16 cache and against the fp8 cache at fp8kv's fp8 scales of the
-same observation, and its scales against the same path at global scale 1.0 (what an uncalibrated NVFP4 cache
-runs), judged as one family with the fp8 rows' false-alarm control. A path whose global scale is 6x off is a finding
-naming it, with the convert that gives it amax / 448 where one does.
+takes (sm100 dequantizes the blocks into e4m3: the "fp8" read; sm80, sm90 and sm120 read them dequantized,
+"float32"). An fp8_k_nvfp4_v folder, which no release read serves (`[[fp8_k_nvfp4_v]]`), runs one path of fp8kv's
+own arithmetic. Each is scored on the held-out text against the bf16 cache and against the fp8 cache at fp8kv's fp8
+scales of the same observation, and its scales against the same path at global scale 1.0 (what an uncalibrated
+NVFP4 cache runs), judged as one family with the fp8 rows' false-alarm control. A path whose global scale is 6x off
+is a finding naming it, with the convert that gives it amax / 448 where one does.
 """
 
 from __future__ import annotations
@@ -91,11 +91,21 @@ OWN_FP8_K_NVFP4_V = Nvfp4Path("fp8kv's own fp8 K / nvfp4 V (no release)", "fp8kv
                               "float32", True, 1.0, False)
 
 
-def nvfp4_paths(kv_dtype: str) -> tuple[Nvfp4Path, ...]:
-    """The paths verify runs for a folder of `kv_dtype`: each `[[nvfp4]]` row, or fp8kv's own for fp8_k_nvfp4_v."""
+def nvfp4_paths(kv_dtype: str, head_dims: frozenset[int]) -> tuple[Nvfp4Path, ...]:
+    """The paths verify runs for a folder of `kv_dtype` whose model caches K/V of `head_dims`: each `[[nvfp4]]` row
+    whose release starts that cache, or fp8kv's own for fp8_k_nvfp4_v."""
     if kv_dtype == FP8_K_NVFP4_V:
         return (OWN_FP8_K_NVFP4_V,)
-    return tuple(Nvfp4Path.of(loader) for loader in NVFP4_LOADERS)
+    return tuple(Nvfp4Path.of(loader) for loader in NVFP4_LOADERS if not loader.refused(head_dims))
+
+
+def refused_paths(kv_dtype: str, head_dims: frozenset[int]) -> list[Finding]:
+    """An INFO per `[[nvfp4]]` row whose release does not start the cache for this model: no path to judge."""
+    if kv_dtype == FP8_K_NVFP4_V:
+        return []
+    return [Finding(INFO, f"{loader.name} does not start this model's NVFP4 cache: {why}; it is not judged",
+                    engines=(loader.name,))
+            for loader in NVFP4_LOADERS if (why := loader.refused(head_dims))]
 
 
 def global_scales(path: Nvfp4Path, stored: tuple[float, ...]) -> tuple[float, ...]:
@@ -140,7 +150,9 @@ def heldout_checks(request: VerifyRequest, static: StaticResult, data: Calibrati
     fp8 = PagedModelRunner(source.path, cache_dtype=DEFAULT_KV_DTYPE, k_scales=_per_layer(fp8_scales.k),
                            v_scales=_per_layer(fp8_scales.v), **common)
     fp8_unit = PagedModelRunner(source.path, cache_dtype=DEFAULT_KV_DTYPE, **common)
-    judged = nvfp4_paths(static.readout.kv_dtype)
+    head_dims = source.geometry.head_dims
+    judged = nvfp4_paths(static.readout.kv_dtype, head_dims)
+    reasons += refused_paths(static.readout.kv_dtype, head_dims)
     runs = path_runs(judged, source.path, scales, layers, common)
     timings["load_runners"] = time.perf_counter() - clock
     reference = fidelity.measure_fidelity(bf16, data.samples)

@@ -57,7 +57,8 @@ def _runs(check: Nvfp4Check) -> str:
                 "stored v_scale, both read in float32. ")
     return ("Each path runs vLLM's nvfp4 write (or its nvfp4_4over6 write, where the path names it) with the global "
             "scale its release's loader holds (configs/engines.toml, [[nvfp4]]) and its attention's read: fp8 (sm100: "
-            "blocks dequantized into e4m3, Q and the output in e4m3), float32 (sm120). ")
+            "blocks dequantized into e4m3, Q and the output in e4m3), float32 (sm80, sm90, sm120: blocks read in "
+            "16 bits, exactly). ")
 
 
 def nvfp4_section(check: Nvfp4Check, thresholds: Thresholds) -> str:

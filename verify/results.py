@@ -258,8 +258,8 @@ class Nvfp4PathResult:
     """One NVFP4 path (`verify.nvfp4.Nvfp4Path`: an engine release's, or fp8kv's own for fp8_k_nvfp4_v) run on the
     held-out text: the global scales it runs per KV layer (the stored value times its loader's `factor`; 1.0 where
     it does not load them), the read its attention takes ("fp8": blocks dequantized into e4m3, sm100; "float32":
-    sm120, and fp8kv's own), what its cache wrote, its logits against the bf16 cache (`accuracy`, whose unit scales
-    are the same path at global scale 1.0) and against the fp8 cache, and its verdict."""
+    sm80, sm90, sm120, and fp8kv's own), what its cache wrote, its logits against the bf16 cache (`accuracy`, whose
+    unit scales are the same path at global scale 1.0) and against the fp8 cache, and its verdict."""
 
     path: str
     known_by: str
