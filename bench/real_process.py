@@ -10,15 +10,21 @@ the child's resource usage) are reported with the load average (`uptime`) before
 machine others load, the CPU-time ratio is the steadier one; `--threads 1` makes it steadier still.
 The plain process also times its forward alone: each further forward at that speed (verify runs one prefill
 per distinct cache) adds that share of the plain process, a floor no saving elsewhere removes.
-Writes bench/results/real_process.json (another `--model`: real_process-NAME.json; `--engine E`: -E added).
+With `--kv-dtype nvfp4` (or nvfp4_4over6, fp8_k_nvfp4_v) calibrate writes that cache's scales and verify judges
+them per engine path: each distinct NVFP4 cache it runs (write, read, global scales) is one more prefill of the
+held-out text, and verify's report times each (`timings_s`, "prefill ..."); those are printed in units of the plain
+process's forward alone, one prefill of the same tokens.
+Writes bench/results/real_process.json (another `--model`: real_process-NAME.json; `--engine E`: -E added;
+`--kv-dtype D`: -D added).
 
     .venv/bin/python bench/real_process.py [--model smollm2 | gemma3-shape] [--samples 32] [--seq-len 256] [--repeats 3] [--threads N]
-        [--engine vllm-cuda]
+        [--engine vllm-cuda] [--kv-dtype nvfp4]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import statistics
@@ -30,6 +36,7 @@ from pathlib import Path
 
 from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT
+from fp8kv.options import DEFAULT_KV_DTYPE
 from fp8kv.runtime.linear import cpu_kernels
 
 import common  # bench/common.py
@@ -49,6 +56,7 @@ with torch.no_grad():
 print(f"forward_s={time.perf_counter() - start:.3f}")
 """
 FORWARD_LINE = "forward_s="  # the plain process's last line: seconds of its forward alone
+PREFILL = "prefill "  # how the keys of verify's timings_s of each runner's prefills of the held-out text start
 
 
 GEMMA3_SHAPE = "gemma3-shape"  # --model: common.gemma3_shape, built in the temporary folder
@@ -82,6 +90,7 @@ def main() -> int:
     options.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of every process (default: unset)")
     options.add_argument("--device", default="cpu", help="recorded only: every process runs on the CPU")
     options.add_argument("--engine", default=None, help="verify's --engine (default: every released engine)")
+    options.add_argument("--kv-dtype", default=DEFAULT_KV_DTYPE, help="calibrate's --kv-dtype")
     args = options.parse_args()
     work = Path(tempfile.mkdtemp(prefix="fp8kv-real-process-"))
     # a GGUF is converted once, and the Gemma shape built once, before anything is timed
@@ -93,7 +102,8 @@ def main() -> int:
         "plain forward (calibration tokens)": [*python, "-c", PLAIN, str(folder), str(BUNDLED_CALIBRATION_TEXT),
                                                str(args.samples), str(args.seq_len), str(args.batch_size)],
         "fp8kv calibrate": [*python, "-m", "fp8kv", "calibrate", str(folder), "--dataset", str(BUNDLED_CALIBRATION_TEXT),
-                            "--num-samples", str(args.samples), "--out", str(out), "--overwrite", *shape],
+                            "--num-samples", str(args.samples), "--out", str(out), "--overwrite",
+                            "--kv-dtype", args.kv_dtype, *shape],
         "plain forward (held-out tokens)": [*python, "-c", PLAIN, str(folder), str(BUNDLED_HELDOUT_TEXT),
                                             str(args.heldout_samples), str(args.seq_len), str(args.batch_size)],
         "fp8kv verify": [*python, "-m", "fp8kv", "verify", str(out), "--dataset", str(BUNDLED_HELDOUT_TEXT),
@@ -107,6 +117,7 @@ def main() -> int:
     wall: dict[str, list[float]] = {name: [] for name in commands}
     cpu: dict[str, list[float]] = {name: [] for name in commands}
     forward: dict[str, list[float]] = {name: [] for name in commands if name.startswith("plain")}
+    prefills: dict[str, list[float]] = {}  # verify's seconds per runner's prefill of the held-out text
     for _ in range(args.repeats):
         for name, command in commands.items():
             seconds, cpu_seconds, stdout = timed(command, env)
@@ -114,6 +125,11 @@ def main() -> int:
             cpu[name].append(cpu_seconds)
             if name in forward:
                 forward[name].append(float(stdout.strip().splitlines()[-1].removeprefix(FORWARD_LINE)))
+            if name == "fp8kv verify":
+                timings = json.loads((out / "verify" / "report.json").read_text())["timings_s"]
+                for phase, seconds in timings.items():
+                    if phase.startswith(PREFILL):
+                        prefills.setdefault(phase.removeprefix(PREFILL), []).append(seconds)
             print(f"  {name}: {seconds:.1f} s wall, {cpu_seconds:.1f} s CPU", file=sys.stderr)
     after = load()
     reference = {"fp8kv calibrate": "plain forward (calibration tokens)", "fp8kv verify": "plain forward (held-out tokens)"}
@@ -140,12 +156,21 @@ def main() -> int:
     alone = statistics.median(forward[plain])
     print(f"\n{plain}: its forward alone {alone:.1f} s of {statistics.median(wall[plain]):.1f} s; each further "
           f"forward at that speed adds {alone / statistics.median(wall[plain]):.2f}x")
+    if prefills:
+        print(f"\nverify's prefills of the held-out text, each in units of the plain forward alone ({alone:.1f} s):\n"
+              "| runner | s (median) | x one prefill |\n|---|---|---|")
+        for runner, seconds in prefills.items():
+            print(f"| {runner} | {statistics.median(seconds):.1f} | {statistics.median(seconds) / alone:.2f} |")
     rows = [{"process": name, "wall_s": wall[name], "cpu_s": cpu[name], "wall_ratio": wall_ratio.get(name),
              "cpu_ratio": cpu_ratio.get(name), "goal": goals.get(name), "forward_s": forward.get(name)}
             for name in commands]
+    rows += [{"verify_prefill": runner, "seconds": seconds, "per_prefill": statistics.median(seconds) / alone}
+             for runner, seconds in prefills.items()]
     results = "real_process" if args.model == options.get_default("model") else f"real_process-{Path(args.model).name}"
     if args.engine:
         results += f"-{args.engine.replace(',', '+').replace('/', '-')}"
+    if args.kv_dtype != DEFAULT_KV_DTYPE:
+        results += f"-{args.kv_dtype}"
     common.write_results(results, rows, args, load_before=before, load_after=after)
     return 0
 

@@ -124,10 +124,12 @@ class Nvfp4PagedKVCache(PagedKVCache):
         store_rows(self.codes[row].flatten(0, 1), slots, interleaved([s.codes for _, s, _ in nvfp4]))
         store_rows(self.block_scales[row].flatten(0, 1), slots,
                    interleaved([s.block_scales.view(torch.uint8) for _, s, _ in nvfp4]))
-        reads = [self._read_back(stored) for _, stored, _ in nvfp4]
+        reads = []
         counts = torch.zeros(2, len(_COUNTERS), dtype=torch.int64, device=k.device)
         for side, stored, c in nvfp4:
-            counts[side] = torch.stack([*(getattr(c, name) for name in _WRITE_COUNTERS), _fp8_read_over(stored)])
+            read, over = self._read_back(stored)
+            reads.append(read)
+            counts[side] = torch.stack([*(getattr(c, name) for name in _WRITE_COUNTERS), over])
         if self.fp8_keys:
             reads.insert(0, self._fp8_key(row, k, scale[0], slots))
         self.nvfp4_counters[row] += counts
@@ -143,10 +145,14 @@ class Nvfp4PagedKVCache(PagedKVCache):
         self.clamped[row, 0] += (to_float32(k).abs() / scale > torch.finfo(E4M3).max).sum()
         return stored if self.read == "fp8" else to_float32(stored) * scale
 
-    def _read_back(self, stored: Nvfp4Tensor) -> torch.Tensor:
+    def _read_back(self, stored: Nvfp4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the attention reads of `stored`, and how many of its e2m1 x block scale pass e4m3's 448, which the
+        fp8 read cannot hold."""
+        values = block_values(stored)
+        over = (values.abs() > FP8_MAX[NVFP4_BLOCK_SCALE_DTYPE]).sum()
         if self.read == "float32":
-            return dequantize(stored)
-        return to_fp8(block_values(stored), E4M3, saturate=True)
+            return dequantize(stored), over
+        return to_fp8(values, E4M3, saturate=True), over
 
     def vllm_page(self, layer: int, page: int, *, swizzle_v: bool) -> torch.Tensor:
         """Page `page` of `layer` laid out as vLLM's kernel writes an HND page, uint8: [K codes | K block scales |
@@ -176,10 +182,6 @@ class Nvfp4PagedKVCache(PagedKVCache):
         return Nvfp4Counts(**{name: {layer: (counters[i][0][j], counters[i][1][j])
                                      for i, layer in enumerate(self.kv_layers)}
                               for j, name in enumerate(_COUNTERS)})
-
-
-def _fp8_read_over(stored: Nvfp4Tensor) -> torch.Tensor:
-    return (block_values(stored).abs() > FP8_MAX[NVFP4_BLOCK_SCALE_DTYPE]).sum()
 
 
 def _swizzled(scales: torch.Tensor) -> torch.Tensor:

@@ -108,6 +108,21 @@ def test_a_folder_fp8kv_wrote_passes_on_every_path_that_runs_it_as_stored(own, c
     assert {p.writes.values for p in by_path.values()} == {2 * 2 * 2 * 16 * own.held_out.num_tokens}
 
 
+def test_the_report_times_each_distinct_nvfp4_cache_once_naming_the_paths_it_runs(own):
+    """One prefill timing per runner (bench/real_process.py prices each against a plain forward): the bf16 and fp8
+    references together, then each NVFP4 cache (write, read, global scales) under the paths that run it."""
+    prefills = [phase.removeprefix("prefill ") for phase in own.timings_s if phase.startswith("prefill ")]
+    assert prefills[0] == "bf16 / fp8 / fp8 at 1.0"
+    # 4 caches at the scales the paths hold (the unit family's tests) and 3 at 1.0: nvfp4 and 4over6 read in fp8,
+    # nvfp4 read in float32; the path that loads no scales runs the first of those
+    caches = prefills[1:]
+    assert len(caches) == 7 and len({label.split(": ")[0] for label in caches}) == 3
+    uses = [use for label in caches for use in label.split(": ", 1)[1].split("; ")]
+    assert sorted(use for use in uses if not use.endswith(" at 1.0")) == sorted(loader.name for loader in NVFP4_LOADERS)
+    assert sorted(use.removesuffix(" at 1.0") for use in uses if use.endswith(" at 1.0")) == sorted(
+        loader.name for loader in NVFP4_LOADERS if loader.loads)
+
+
 def test_an_uncalibrated_cache_runs_global_scale_one_the_unit_figure_of_its_read(own):
     by_path = paths(own)
     unloaded, sm100 = by_path[NOT_LOADED], by_path[VLLM_SM100]
