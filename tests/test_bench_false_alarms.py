@@ -1,5 +1,5 @@
 """bench/verify_false_alarms.py's damaged NVFP4 folders: each stores the calibrated global scales times what its case
-names, and reads as ModelOpt 0.42's export (amax / 448, no fp8kv.json), the label another tool would give it."""
+names, and reads as ModelOpt 0.42's export (amax / 448), the label another tool would give it."""
 
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ def test_each_rewrite_stores_its_multiple_and_reads_as_modelopt_042(calibrated, 
     assert meta["quantization"]["kv_cache_quant_algo"] == "NVFP4"
     reading = read_kv_scales(folder).nvfp4
     assert reading is not None and reading.known == MODELOPT, reading  # what the folder says: amax / 448
+    assert reading.why == "hf_quant_config.json producer ModelOpt 0.42.0"  # told by ModelOpt's label, not fp8kv's
 
 
 def test_the_swap_exchanges_one_layers_k_and_v_under_either_naming(calibrated, tmp_path):
