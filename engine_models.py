@@ -451,12 +451,23 @@ NVFP4_GPUS = ("sm80", "sm90", "sm100", "sm120")
 
 
 @dataclass(frozen=True)
+class Nvfp4Traits:
+    """What of a checkpoint decides whether an NVFP4 release starts its cache and loads its global scales: the
+    head_dims its K/V layers cache, and whether only its KV cache is quantized (no weight quantization, as fp8kv's
+    own folders)."""
+
+    head_dims: frozenset[int]
+    kv_only: bool
+
+
+@dataclass(frozen=True)
 class Nvfp4Loader:
     """What one release's loader makes of a checkpoint's NVFP4 global scale on the GPU generations `gpus` (NVFP4_GPUS)
     where it runs one arithmetic (a row of configs/engines.toml's [[nvfp4]]): whether it loads it, the factor it
     applies (a stored 1.0 kept where `keeps_unit`), whether its attention dequantizes blocks into e4m3
-    (`fp8_dequant`), how it is served, the cache write it runs (`write`, an `options.Nvfp4Write`), and the head_dims
-    it will not start the cache at (`refuses_head_dims`, for the reason `refusal`)."""
+    (`fp8_dequant`), how it is served, the cache write it runs (`write`, an `options.Nvfp4Write`), the head_dims
+    it will not start the cache at (`refuses_head_dims`, for the reason `refusal`), and whether it loads the scales
+    of a KV-only checkpoint too (`loads_kv_only`)."""
 
     engine: str
     release: str
@@ -473,11 +484,16 @@ class Nvfp4Loader:
     write: str = DEFAULT_NVFP4_WRITE
     refuses_head_dims: tuple[int, ...] = ()
     refusal: str = ""
+    loads_kv_only: bool = True
 
-    def refused(self, head_dims: frozenset[int]) -> str:
-        """Why the release does not start this cache for a model caching K/V of `head_dims`; "" where it does."""
-        refused = sorted(head_dims.intersection(self.refuses_head_dims))
+    def refused(self, traits: Nvfp4Traits) -> str:
+        """Why the release does not start this cache for a checkpoint of `traits`; "" where it does."""
+        refused = sorted(traits.head_dims.intersection(self.refuses_head_dims))
         return f"{self.refusal} (this model's head_dim: {', '.join(map(str, refused))})" if refused else ""
+
+    def loads_for(self, traits: Nvfp4Traits) -> bool:
+        """Whether the release loads the global scales of a checkpoint of `traits`."""
+        return self.loads and (self.loads_kv_only or not traits.kv_only)
 
     @property
     def name(self) -> str:
@@ -506,7 +522,7 @@ def _read_nvfp4_loaders() -> tuple[Nvfp4Loader, ...]:
                              row["factor"], row.get("keeps_unit", False), row["fp8_dequant"], row["serve"],
                              row["evidence"], row["source"], row.get("golden", ""),
                              row.get("write", DEFAULT_NVFP4_WRITE), tuple(row.get("refuses_head_dims", ())),
-                             row.get("refusal", "")) for row in rows)
+                             row.get("refusal", ""), row.get("loads_kv_only", True)) for row in rows)
 
 
 NVFP4_LOADERS = _read_nvfp4_loaders()

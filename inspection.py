@@ -16,10 +16,11 @@ from fp8kv.checkpoint.provenance import LayerRecord, read_provenance
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checks import check_readout
 from fp8kv.console import layer_table, rich_table, text_console
+from fp8kv.engine_models import Nvfp4Traits
 from fp8kv.geometry import LatentCache
 from fp8kv.json_fields import to_json_value
 from fp8kv.options import FP8_K_NVFP4_V
-from fp8kv.serving import nvfp4_lines
+from fp8kv.serving import nvfp4_lines, nvfp4_traits_of
 
 Scale = float | tuple[float, ...]  # one per tensor, or one per KV head (--per-head)
 
@@ -130,17 +131,17 @@ def inspect_checkpoint(model_dir: str | Path) -> InspectReport:
         layers=tuple(_layer_row(scales, layer, recorded.get(layer)) for layer in scales.layers) if scales else (),
         warnings=tuple(finding.message for finding in check_readout(readout, provenance)),
         nvfp4=readout.nvfp4,
-        nvfp4_meanings=_nvfp4_meanings(readout.nvfp4, headroom, source.geometry.head_dims),
+        nvfp4_meanings=_nvfp4_meanings(readout.nvfp4, headroom, nvfp4_traits_of(source.path)),
     )
 
 
 def _nvfp4_meanings(reading: Nvfp4Reading | None, headroom: float | None,
-                    head_dims: frozenset[int]) -> tuple[Nvfp4Meaning, ...]:
+                    traits: Nvfp4Traits) -> tuple[Nvfp4Meaning, ...]:
     if reading is None:
         return ()
     rows = [nvfp4_convention(name) for name in reading.conventions]
     return tuple(Nvfp4Meaning(row.name, row.divisor, row.producer,
-                              tuple(nvfp4_lines(row.divisor, headroom, reading.kv_dtype, head_dims))) for row in rows)
+                              tuple(nvfp4_lines(row.divisor, headroom, reading.kv_dtype, traits))) for row in rows)
 
 
 def scale_rows(scales: KVScales | None) -> tuple[ScaleRow, ...]:

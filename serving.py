@@ -12,11 +12,12 @@ from pathlib import Path
 
 from fp8kv.engine_models import (
     FP8_K_NVFP4_V_RELEASES, HOLDS_ROUNDED, NVFP4_LOADERS, RELEASED, REACHES_CACHE, CheckpointTraits, EngineModel,
-    Fp8KNvfp4VRelease, Nvfp4Loader, engine_model, engine_of,
+    Fp8KNvfp4VRelease, Nvfp4Loader, Nvfp4Traits, engine_model, engine_of,
 )
+from fp8kv.checkpoint.conventions import HF_QUANT_CONFIG, weight_method
 from fp8kv.checkpoint.nvfp4 import convention_for_factor
 from fp8kv.errors import Fp8kvError
-from fp8kv.geometry import read_json
+from fp8kv.geometry import AttentionGeometry, read_json
 from fp8kv.kvdtypes import E2M1_MAX, FP8_MAX
 from fp8kv.options import FP8_K_NVFP4_V
 
@@ -119,15 +120,16 @@ def serving_heading(traits: CheckpointTraits) -> str:
     return f"what each engine release does with these scales ({asked(traits)}):"
 
 
-def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None, head_dims: frozenset[int]) -> str:
+def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None, traits: Nvfp4Traits) -> str:
     """What `loader`'s release runs as the global scale of a file storing `amax x headroom / divisor` (headroom None:
-    unknown, written h) for a model caching K/V of `head_dims`, and what that makes of the block scales: each is the
-    block's max / (6 x global scale); a loss names the convert that stores the scales the other way."""
-    refused = loader.refused(head_dims)
+    unknown, written h) in a checkpoint of `traits`, and what that makes of the block scales: each is the block's max /
+    (6 x global scale); a loss names the convert that stores the scales the other way."""
+    refused = loader.refused(traits)
     if refused:
         return f"{loader.name}: does not start this model's NVFP4 cache: {refused} ({loader.known_by})"
-    if not loader.loads:
-        return f"{loader.name}: does not load the scales: the global scale stays 1.0 ({loader.known_by})"
+    if not loader.loads_for(traits):
+        beside = " of a KV-only folder (only beside quantized weights)" if loader.loads else ""
+        return f"{loader.name}: does not load the scales{beside}: the global scale stays 1.0 ({loader.known_by})"
     ran = divisor / loader.factor  # the global scale it runs is amax x headroom / ran
     how = "as stored" if loader.factor == 1.0 else f"x{loader.factor:g}" + (" (a stored 1.0 stays 1.0)"
                                                                              if loader.keeps_unit else "")
@@ -161,12 +163,21 @@ def fp8_k_nvfp4_v_line(release: Fp8KNvfp4VRelease) -> str:
     return f"{release.name}: no fp8 K / nvfp4 V cache; runs {release.instead} ({release.known_by})"
 
 
-def nvfp4_lines(divisor: float, headroom: float | None, kv_dtype: str, head_dims: frozenset[int]) -> list[str]:
-    """One line per release and GPU generation fp8kv read (configs/engines.toml's [[nvfp4]]), for a model caching
-    K/V of `head_dims`; for fp8_k_nvfp4_v, one per release read and what it runs instead ([[fp8_k_nvfp4_v]])."""
+def nvfp4_lines(divisor: float, headroom: float | None, kv_dtype: str, traits: Nvfp4Traits) -> list[str]:
+    """One line per release and GPU generation fp8kv read (configs/engines.toml's [[nvfp4]]), for a checkpoint of
+    `traits`; for fp8_k_nvfp4_v, one per release read and what it runs instead ([[fp8_k_nvfp4_v]])."""
     if kv_dtype == FP8_K_NVFP4_V:
         return [fp8_k_nvfp4_v_line(release) for release in FP8_K_NVFP4_V_RELEASES]
-    return [nvfp4_line(loader, divisor, headroom, head_dims) for loader in NVFP4_LOADERS]
+    return [nvfp4_line(loader, divisor, headroom, traits) for loader in NVFP4_LOADERS]
+
+
+def nvfp4_traits_of(folder: str | Path) -> Nvfp4Traits:
+    """The traits of `folder` an NVFP4 release's start and loader depend on: its K/V head_dims (config.json), and
+    whether only its KV cache is quantized (config.json and hf_quant_config.json name no weight quantization)."""
+    path = Path(folder)
+    hf_quant = read_json(path / HF_QUANT_CONFIG) if (path / HF_QUANT_CONFIG).is_file() else None
+    return Nvfp4Traits(AttentionGeometry.from_dir(path).head_dims,
+                       weight_method(read_json(path / "config.json"), hf_quant) is None)
 
 
 def nvfp4_serve_commands(folder: str, kv_dtype: str) -> list[str]:

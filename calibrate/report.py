@@ -9,11 +9,10 @@ from fp8kv.calibrate.pipeline import CalibrationResult
 from fp8kv.checkpoint.locate import verify_command
 from fp8kv.console import fmt_number, layer_table, rich_table, text_console
 from fp8kv.checkpoint.nvfp4 import nvfp4_convention
-from fp8kv.geometry import AttentionGeometry
 from fp8kv.kvdtypes import NVFP4_KV_DTYPES
 from fp8kv.options import FP8_K_NVFP4_V
 from fp8kv.serving import (
-    NO_FP8_K_NVFP4_V_RELEASE, NOT_STARTED, Serving, nvfp4_lines, nvfp4_serve_commands, serving, serving_heading,
+    NO_FP8_K_NVFP4_V_RELEASE, NOT_STARTED, Serving, nvfp4_lines, nvfp4_serve_commands, nvfp4_traits_of, serving, serving_heading,
     serving_lines, traits_of,
 )
 
@@ -63,7 +62,7 @@ def show_nvfp4(out: str, kv_dtype: str, convention: str, headroom: float | None)
     side, what = ("V", "what each release read does with it") if mixed else \
         ("K and V", "what each release runs on each GPU generation")
     print(f"the stored {side} global scale is amax x {headroom:g} / {divisor:g}; {what} (docs/nvfp4.md):")
-    for line in nvfp4_lines(divisor, headroom, kv_dtype, AttentionGeometry.from_dir(out).head_dims):
+    for line in nvfp4_lines(divisor, headroom, kv_dtype, nvfp4_traits_of(out)):
         print(f"  {line}")
     if mixed:
         print(f"K is an fp8 e4m3 cache scaled as with --kv-dtype fp8_e4m3. {NO_FP8_K_NVFP4_V_RELEASE}: verify "

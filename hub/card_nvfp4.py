@@ -9,10 +9,9 @@ from pathlib import Path
 from fp8kv.checkpoint.nvfp4 import nvfp4_convention
 from fp8kv.checkpoint.provenance import Provenance
 from fp8kv.console import fmt_number
-from fp8kv.geometry import AttentionGeometry
 from fp8kv.kvdtypes import E2M1_MAX, NVFP4_BLOCK_SIZE
 from fp8kv.options import FP8_K_NVFP4_V
-from fp8kv.serving import NO_FP8_K_NVFP4_V_RELEASE, nvfp4_lines, nvfp4_serve_commands
+from fp8kv.serving import NO_FP8_K_NVFP4_V_RELEASE, nvfp4_lines, nvfp4_serve_commands, nvfp4_traits_of
 
 
 def nvfp4_scales(out: Path, prov: Provenance) -> str:
@@ -28,8 +27,7 @@ def nvfp4_scales(out: Path, prov: Provenance) -> str:
         f"this checkpoint, `amax{headroom} / {row.divisor:g}` ({row.name}, as {row.producer} store it), amax being "
         "the largest |value| of that layer's cached K (or V, after RoPE and any k_norm) over all calibration tokens.",
         "What each engine release makes of it (read from their sources; nothing here ran on a GPU):\n\n"
-        + "\n".join(f"- {line}" for line in nvfp4_lines(row.divisor, prov.headroom, prov.kv_dtype or "",
-                                                        AttentionGeometry.from_dir(out).head_dims)),
+        + "\n".join(f"- {line}" for line in nvfp4_lines(row.divisor, prov.headroom, prov.kv_dtype or "", nvfp4_traits_of(out))),
     ])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from fp8kv.engine_models import NVFP4_LOADERS
 from fp8kv.errors import Fp8kvError
 from fp8kv.hub.card import render_card
 from fp8kv.inspection import inspect_checkpoint
+from fp8kv.serving import nvfp4_lines, nvfp4_traits_of
 from fp8kv.tools.factory import make_checkpoint
 
 ATTN = "model.layers.{}.self_attn."
@@ -356,3 +358,21 @@ def test_a_modelopt_block_in_config_json_reads_like_hf_quant_config(base, tmp_pa
     readout = read_kv_scales(_with(base, tmp_path / "m", tensors, qc=qc))
     assert readout.nvfp4.conventions == ("modelopt-pre-0.42",)
     assert readout.nvfp4.why == "config.json producer ModelOpt 0.41.0"
+
+
+def test_a_loader_that_reads_nvfp4_scales_only_beside_quantized_weights_runs_one_for_a_kv_only_folder(calibrated):
+    """TensorRT-LLM at ed53795 with TRTLLM_LOAD_KV_SCALES=1 multiplies the scales by 6 in its FP8 and NVFP4 weight
+    loaders; its unquantized one holds none, so a KV-only folder (fp8kv's) runs global scale 1.0 there."""
+    out, stdout = calibrated
+    (row,) = [loader for loader in NVFP4_LOADERS if not loader.loads_kv_only]
+    assert (row.engine, row.release, row.setting, row.factor) == ("tensorrt-llm", "commit ed53795",
+                                                                  "TRTLLM_LOAD_KV_SCALES=1", 6.0)
+    kv_only = nvfp4_traits_of(out)
+    assert kv_only.kv_only and not row.loads_for(kv_only) and row.loads_for(replace(kv_only, kv_only=False))
+    (line,) = [line for line in nvfp4_lines(448.0, 1.25, "nvfp4", kv_only) if line.startswith(row.name)]
+    assert line.startswith(f"{row.name}: does not load the scales of a KV-only folder (only beside quantized "
+                           "weights): the global scale stays 1.0")
+    assert f"  {line}\n" in stdout
+    (quantized,) = [line for line in nvfp4_lines(448.0, 1.25, "nvfp4", replace(kv_only, kv_only=False))
+                    if line.startswith(row.name)]
+    assert quantized.startswith(f"{row.name}: x6 -> runs 6 x amax x 1.25 / 448 = amax x 1.25 / 74.67")

@@ -21,7 +21,7 @@ from fp8kv.cli import app
 from fp8kv.engine_models import FP8_K_NVFP4_V_RELEASES, NVFP4_LOADERS
 from fp8kv.hub.card import render_card
 from fp8kv.inspection import inspect_checkpoint
-from fp8kv.serving import NO_FP8_K_NVFP4_V_RELEASE
+from fp8kv.serving import NO_FP8_K_NVFP4_V_RELEASE, nvfp4_traits_of
 from fp8kv.tools.factory import make_checkpoint
 from fp8kv.verify.nvfp4 import OWN_FP8_K_NVFP4_V
 from fp8kv.verify.nvfp4_report import nvfp4_lines, unit_family
@@ -93,13 +93,17 @@ def test_a_folder_fp8kv_wrote_passes_on_every_path_that_runs_it_as_stored(own, c
     assert not [r for r in own.reasons if "TPU" in r.message]  # no TPU engine has an NVFP4 cache
     by_path = paths(own)
     assert list(by_path) == [loader.name for loader in NVFP4_LOADERS]
+    traits = nvfp4_traits_of(own.checkpoint)
+    assert traits.kv_only  # fp8kv quantizes no weights
     for loader in NVFP4_LOADERS:
         path = by_path[loader.name]
         assert path.read == ("fp8" if loader.fp8_dequant else "float32")
-        # the global scale each path holds: the file's float32 value times its loader's factor, 1.0 unloaded
-        expected = [float32(stored.k[i][0] * loader.factor) if loader.loads else 1.0 for i in sorted(stored.k)]
+        # the global scale each path holds: the file's float32 value times its loader's factor, 1.0 unloaded (the
+        # loader that reads them only beside quantized weights included)
+        loads = loader.loads_for(traits)
+        expected = [float32(stored.k[i][0] * loader.factor) if loads else 1.0 for i in sorted(stored.k)]
         assert list(path.k_scales) == expected
-        if loader.loads and loader.factor == 1.0:
+        if loads and loader.factor == 1.0:
             assert path.verdict == "PASS" and path.writes.fp8_read_over == 0, path
     assert by_path[VLLM_SM100].accuracy.kl_mean > own.held_out.nvfp4.fp8.kl_mean  # NVFP4 is coarser than fp8
     # vLLM's 4over6 write is a cache of its own: other block scales than nvfp4's, so other logits
@@ -119,8 +123,9 @@ def test_the_report_times_each_distinct_nvfp4_cache_once_naming_the_paths_it_run
     assert len(caches) == 7 and len({label.split(": ")[0] for label in caches}) == 3
     uses = [use for label in caches for use in label.split(": ", 1)[1].split("; ")]
     assert sorted(use for use in uses if not use.endswith(" at 1.0")) == sorted(loader.name for loader in NVFP4_LOADERS)
+    traits = nvfp4_traits_of(own.checkpoint)
     assert sorted(use.removesuffix(" at 1.0") for use in uses if use.endswith(" at 1.0")) == sorted(
-        loader.name for loader in NVFP4_LOADERS if loader.loads)
+        loader.name for loader in NVFP4_LOADERS if loader.loads_for(traits))
 
 
 def test_an_uncalibrated_cache_runs_global_scale_one_the_unit_figure_of_its_read(own):
@@ -137,10 +142,10 @@ def test_paths_sharing_a_cache_are_one_test_of_the_family_and_too_few_sequences_
     """The calibrated-vs-unit family under Holm's procedure, as for fp8 engines: one test per distinct cache (read,
     global scales, write), the unloaded path none; 4 sequences cannot reach Holm's first bound over 4 tests (2^-4 >
     5 % / 4), and the report says how many would."""
-    by_name = {loader.name: loader for loader in NVFP4_LOADERS}
-    trt, trt_x6 = [name for name, loader in by_name.items() if loader.engine == "tensorrt-llm" and loader.loads]
+    traits = nvfp4_traits_of(own.checkpoint)
+    (trt,) = [loader.name for loader in NVFP4_LOADERS if loader.engine == "tensorrt-llm" and loader.loads_for(traits)]
     family = unit_family(list(paths(own).values()))
-    assert sorted(c.engines for c in family) == sorted([(VLLM_SM100, trt), (VLLM_4OVER6,), (SGLANG_SM100, trt_x6),
+    assert sorted(c.engines for c in family) == sorted([(VLLM_SM100, trt), (VLLM_4OVER6,), (SGLANG_SM100,),
                                                         (VLLM_FA2, SGLANG_SM120)])
     notes = [line for line in nvfp4_lines(own.held_out.nvfp4, own.thresholds) if line.startswith("note: ")]
     assert len(notes) == 4 and all("4 held-out sequences are too few to compare these scales with unit scales (this "

@@ -22,7 +22,7 @@ from fp8kv.checkpoint.kvscales import KVScales, float32
 from fp8kv.checkpoint.nvfp4 import MODELOPT, Nvfp4Convention, convention_for_factor, converted
 from fp8kv.checks import FAIL, INFO, WARN, Finding
 from fp8kv.data import CalibrationData, repeated_prefixes
-from fp8kv.engine_models import FP8_K_NVFP4_V_RELEASES, NVFP4_LOADERS, Nvfp4Loader
+from fp8kv.engine_models import FP8_K_NVFP4_V_RELEASES, NVFP4_LOADERS, Nvfp4Loader, Nvfp4Traits
 from fp8kv.errors import Fp8kvError
 from fp8kv.kvdtypes import E2M1_MAX, SCALE_BOUND
 from fp8kv.options import DEFAULT_KV_DTYPE, FP8_K_NVFP4_V
@@ -30,7 +30,7 @@ from fp8kv.progress import StageProgress, announce
 from fp8kv.runtime.device import RuntimeDevice, resolve_device
 from fp8kv.runtime.nvfp4_cache import Nvfp4Counts, Nvfp4PagedKVCache
 from fp8kv.runtime.runner import PagedModelRunner, load_model
-from fp8kv.serving import NO_FP8_K_NVFP4_V_RELEASE
+from fp8kv.serving import NO_FP8_K_NVFP4_V_RELEASE, nvfp4_traits_of
 from fp8kv.verify import fidelity, heldout
 from fp8kv.verify.accuracy import ScoredSample, SequenceScore, Totals, prefill
 from fp8kv.verify.report import HeldOut
@@ -79,10 +79,10 @@ class Nvfp4Path:
     keeps_unit: bool
 
     @classmethod
-    def of(cls, loader: Nvfp4Loader) -> Nvfp4Path:
-        """The path of one `[[nvfp4]]` row."""
+    def of(cls, loader: Nvfp4Loader, traits: Nvfp4Traits) -> Nvfp4Path:
+        """The path of one `[[nvfp4]]` row for a checkpoint of `traits`."""
         return cls(loader.name, loader.known_by, loader.write, "fp8" if loader.fp8_dequant else "float32",
-                   loader.loads, loader.factor, loader.keeps_unit)
+                   loader.loads_for(traits), loader.factor, loader.keeps_unit)
 
 
 # fp8_k_nvfp4_v's one path, no release's: the stored scales as they are, K written as the fp8 cache verify compares
@@ -91,21 +91,21 @@ OWN_FP8_K_NVFP4_V = Nvfp4Path("fp8kv's own fp8 K / nvfp4 V (no release)", "fp8kv
                               "float32", True, 1.0, False)
 
 
-def nvfp4_paths(kv_dtype: str, head_dims: frozenset[int]) -> tuple[Nvfp4Path, ...]:
-    """The paths verify runs for a folder of `kv_dtype` whose model caches K/V of `head_dims`: each `[[nvfp4]]` row
-    whose release starts that cache, or fp8kv's own for fp8_k_nvfp4_v."""
+def nvfp4_paths(kv_dtype: str, traits: Nvfp4Traits) -> tuple[Nvfp4Path, ...]:
+    """The paths verify runs for a folder of `kv_dtype` and `traits`: each `[[nvfp4]]` row whose release starts that
+    cache, or fp8kv's own for fp8_k_nvfp4_v."""
     if kv_dtype == FP8_K_NVFP4_V:
         return (OWN_FP8_K_NVFP4_V,)
-    return tuple(Nvfp4Path.of(loader) for loader in NVFP4_LOADERS if not loader.refused(head_dims))
+    return tuple(Nvfp4Path.of(loader, traits) for loader in NVFP4_LOADERS if not loader.refused(traits))
 
 
-def refused_paths(kv_dtype: str, head_dims: frozenset[int]) -> list[Finding]:
+def refused_paths(kv_dtype: str, traits: Nvfp4Traits) -> list[Finding]:
     """An INFO per `[[nvfp4]]` row whose release does not start the cache for this model: no path to judge."""
     if kv_dtype == FP8_K_NVFP4_V:
         return []
     return [Finding(INFO, f"{loader.name} does not start this model's NVFP4 cache: {why}; it is not judged",
                     engines=(loader.name,))
-            for loader in NVFP4_LOADERS if (why := loader.refused(head_dims))]
+            for loader in NVFP4_LOADERS if (why := loader.refused(traits))]
 
 
 def global_scales(path: Nvfp4Path, stored: tuple[float, ...]) -> tuple[float, ...]:
@@ -150,9 +150,9 @@ def heldout_checks(request: VerifyRequest, static: StaticResult, data: Calibrati
     fp8 = PagedModelRunner(source.path, cache_dtype=DEFAULT_KV_DTYPE, k_scales=_per_layer(fp8_scales.k),
                            v_scales=_per_layer(fp8_scales.v), **common)
     fp8_unit = PagedModelRunner(source.path, cache_dtype=DEFAULT_KV_DTYPE, **common)
-    head_dims = source.geometry.head_dims
-    judged = nvfp4_paths(static.readout.kv_dtype, head_dims)
-    reasons += refused_paths(static.readout.kv_dtype, head_dims)
+    traits = nvfp4_traits_of(source.path)
+    judged = nvfp4_paths(static.readout.kv_dtype, traits)
+    reasons += refused_paths(static.readout.kv_dtype, traits)
     runs = path_runs(judged, source.path, scales, layers, common)
     timings["load_runners"] = time.perf_counter() - clock
     reference = fidelity.measure_fidelity(bf16, data.samples)
