@@ -33,7 +33,7 @@ from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel
 from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import to_float32, to_fp8
 from fp8kv.kvdtypes import FP8_MAX, NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SCALE_DTYPE
-from fp8kv.nvfp4 import E4M3, Nvfp4Tensor, WriteCounts, block_values, dequantize, quantize
+from fp8kv.nvfp4 import E4M3, Nvfp4Tensor, WriteCounts, block_values, quantize_read_back
 from fp8kv.runtime.cache import PagedKVCache, Scale, store_rows
 
 NVFP4_READS = {"float32": torch.float32, "fp8": E4M3}
@@ -115,19 +115,21 @@ class Nvfp4PagedKVCache(PagedKVCache):
         real = valid[:, None, None]
         k, v = torch.where(real, k, 0.0), torch.where(real, v, 0.0)
         scale = self.scales[row, :, :heads, None]  # [2 (K, V), kv_heads, 1]
-        nvfp4 = [(side, *quantize(x, scale[side], four_over_six=self.four_over_six))
+        # the fp8 read starts from e2m1 * SF, the float32 read is the dequantized value
+        read_back = "dequantize" if self.read == "float32" else "block_values"
+        nvfp4 = [(side, *quantize_read_back(x, scale[side], four_over_six=self.four_over_six, read_back=read_back))
                  for side, x in enumerate((k, v)) if side or not self.fp8_keys]
 
         def interleaved(parts: list[torch.Tensor]) -> torch.Tensor:
             return torch.stack(parts, dim=2).flatten(1, 2)  # [T, sides * kv_heads, ...]: K0, V0, K1, V1, ...
 
-        store_rows(self.codes[row].flatten(0, 1), slots, interleaved([s.codes for _, s, _ in nvfp4]))
+        store_rows(self.codes[row].flatten(0, 1), slots, interleaved([s.codes for _, s, _, _ in nvfp4]))
         store_rows(self.block_scales[row].flatten(0, 1), slots,
-                   interleaved([s.block_scales.view(torch.uint8) for _, s, _ in nvfp4]))
+                   interleaved([s.block_scales.view(torch.uint8) for _, s, _, _ in nvfp4]))
         reads = []
         counts = torch.zeros(2, len(_COUNTERS), dtype=torch.int64, device=k.device)
-        for side, stored, c in nvfp4:
-            read, over = self._read_back(stored)
+        for side, stored, c, values in nvfp4:
+            read, over = self._read_back(stored, values)
             reads.append(read)
             counts[side] = torch.stack([*(getattr(c, name) for name in _WRITE_COUNTERS), over])
         if self.fp8_keys:
@@ -145,14 +147,13 @@ class Nvfp4PagedKVCache(PagedKVCache):
         self.clamped[row, 0] += (to_float32(k).abs() / scale > torch.finfo(E4M3).max).sum()
         return stored if self.read == "fp8" else to_float32(stored) * scale
 
-    def _read_back(self, stored: Nvfp4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the attention reads of `stored`, and how many of its e2m1 x block scale pass e4m3's 448, which the
-        fp8 read cannot hold."""
-        values = block_values(stored)
-        over = (values.abs() > FP8_MAX[NVFP4_BLOCK_SCALE_DTYPE]).sum()
+    def _read_back(self, stored: Nvfp4Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the attention reads of `stored` given the write's `values` (`dequantize`'s for the float32 read,
+        `block_values`' for the fp8 read), and how many of its e2m1 x block scale pass e4m3's 448, which the fp8
+        read cannot hold."""
         if self.read == "float32":
-            return dequantize(stored), over
-        return to_fp8(values, E4M3, saturate=True), over
+            return values, (block_values(stored).abs() > FP8_MAX[NVFP4_BLOCK_SCALE_DTYPE]).sum()
+        return to_fp8(values, E4M3, saturate=True), (values.abs() > FP8_MAX[NVFP4_BLOCK_SCALE_DTYPE]).sum()
 
     def vllm_page(self, layer: int, page: int, *, swizzle_v: bool) -> torch.Tensor:
         """Page `page` of `layer` laid out as vLLM's kernel writes an HND page, uint8: [K codes | K block scales |
