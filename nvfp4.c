@@ -105,7 +105,8 @@ static inline float block_max(vf x) {
 
 /* x [rows, blocks * 16]; g = 1/s per row; four_over_six: also the block scale mapping bmax to 4, kept where its
    squared error is strictly lower. Out: codes [rows, blocks * 8] (even value in the low nibble), block-scale bytes
-   [rows, blocks], counts {saturated scales, subnormal scales, zeroed blocks, clipped values} added to, and where
+   [rows, blocks], counts {saturated scales, subnormal scales, zeroed blocks, clipped values, values whose e2m1 *
+   block scale passes 448} added to, and where
    `values` is not NULL each value's e2m1 * block scale, or e2m1 * (block scale * s[row]) where `s` is not NULL.
    e4m3_values: the 256 e4m3 bytes as float32. */
 void nvfp4_write(const float *x, const float *g, const float *s, long rows, long blocks, int four_over_six,
@@ -132,6 +133,10 @@ void nvfp4_write(const float *x, const float *g, const float *s, long rows, long
             clipped -= (vf)((vi)y & ~SIGN) > E2M1_MAX;
             y = finite_or_inf(y);
             vi magnitude = magnitude_code(y);
+            if (c.scale > E4M3_MAX / E2M1_MAX) { /* below, no e2m1 value times the scale passes 448 */
+                vf block = e2m1_value(magnitude, y) * c.scale;
+                for (int i = 0; i < BLOCK; i++) counts[4] += __builtin_fabsf(block[i]) > E4M3_MAX;
+            }
             vi code = magnitude | (vi)(((uint32_t __attribute__((vector_size(sizeof(vi)))))y >> 28) & 0x8);
             vb8 packed = __builtin_convertvector(EVEN(code) | (ODD(code) << 4), vb8);
             memcpy(codes + at * (BLOCK / 2), &packed, sizeof packed);
@@ -140,6 +145,6 @@ void nvfp4_write(const float *x, const float *g, const float *s, long rows, long
                 memcpy(values + at * BLOCK, &v, sizeof v);
             }
         }
-        for (int i = 0; i < BLOCK; i++) counts[3] += clipped[i];
+        for (int i = 0; i < BLOCK; i++) counts[3] += clipped[i]; /* one a block: no lane overflows */
     }
 }

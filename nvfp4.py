@@ -64,6 +64,13 @@ class Nvfp4Tensor:
     scale: torch.Tensor
 
 
+class Decoded(NamedTuple):
+    """What a write's stored values read back as, from the same pass (`quantize_read_back`)."""
+
+    values: torch.Tensor  # [..., n] float32: `block_values(stored)` or `dequantize(stored)`, as asked
+    past_e4m3: torch.Tensor  # int64 0-dim: values whose e2m1 * block scale is past e4m3's 448
+
+
 @dataclass(frozen=True)
 class WriteCounts:
     """What one NVFP4 write did, as int64 0-dim tensors on the tensor's device (no host sync)."""
@@ -148,22 +155,32 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | float, *,
     small C kernel (nvfp4.c) writes each block in one pass, the bits `torch_quantize` gives; where it does not
     build, or the tensors are elsewhere, torch writes them (`quantize_route` says which).
     """
-    stored, counts, _ = quantize_read_back(x, scale, four_over_six=four_over_six, read_back=None)
+    stored, counts, _ = _write(x, scale, four_over_six, None)
     return stored, counts
 
 
 def quantize_read_back(x: torch.Tensor, scale: torch.Tensor | float, *, four_over_six: bool = False,
-                       read_back: ReadBack | None) -> tuple[Nvfp4Tensor, WriteCounts, torch.Tensor | None]:
-    """`quantize`, and what the stored values read back as, `[..., n]` float32: `block_values(stored)` or
-    `dequantize(stored)` as `read_back` names (None: none), from the kernel's one pass where it runs."""
+                       read_back: ReadBack) -> tuple[Nvfp4Tensor, WriteCounts, Decoded]:
+    """`quantize`, and what the stored values read back as: `block_values(stored)` or `dequantize(stored)` as
+    `read_back` names, from the kernel's one pass where it runs."""
+    stored, counts, decoded = _write(x, scale, four_over_six, read_back)
+    assert decoded is not None, "asked for"
+    return stored, counts, decoded
+
+
+def _write(x: torch.Tensor, scale: torch.Tensor | float, four_over_six: bool,
+           read_back: ReadBack | None) -> tuple[Nvfp4Tensor, WriteCounts, Decoded | None]:
     _check_blocks(x)
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     rows = (*x.shape[:-1], 1)
     kernel, _ = _kernel() if x.device.type == "cpu" and torch.broadcast_shapes(s.shape, rows) == rows else (None, "")
     if kernel is None:
         stored, counts = torch_quantize(x, s, four_over_six=four_over_six)
-        decode = {None: None, "block_values": block_values, "dequantize": dequantize}[read_back]
-        return stored, counts, None if decode is None else decode(stored)
+        if read_back is None:
+            return stored, counts, None
+        products = block_values(stored)
+        past_e4m3 = (products.abs() > FP8_MAX[NVFP4_BLOCK_SCALE_DTYPE]).sum()
+        return stored, counts, Decoded(products if read_back == "block_values" else dequantize(stored), past_e4m3)
     n = x.shape[-1]
     blocks = x.float().contiguous()
     g = torch.broadcast_to(_reciprocal(s), rows).contiguous()
@@ -171,11 +188,13 @@ def quantize_read_back(x: torch.Tensor, scale: torch.Tensor | float, *, four_ove
     codes = torch.empty(*x.shape[:-1], n // 2, dtype=torch.uint8)
     block_scales = torch.empty(*x.shape[:-1], n // NVFP4_BLOCK_SIZE, dtype=torch.uint8)
     values = torch.empty(x.shape, dtype=torch.float32) if read_back else None
-    tally = torch.zeros(len(fields(WriteCounts)), dtype=torch.int64)
+    tally = torch.zeros(len(fields(WriteCounts)) + 1, dtype=torch.int64)  # and the values past e4m3's 448
     kernel(blocks.data_ptr(), g.data_ptr(), s_rows.data_ptr() if read_back == "dequantize" else None, g.numel(),
            n // NVFP4_BLOCK_SIZE, four_over_six, _e4m3_values().data_ptr(), codes.data_ptr(), block_scales.data_ptr(),
            None if values is None else values.data_ptr(), tally.data_ptr())
-    return Nvfp4Tensor(codes, block_scales.view(E4M3), s), WriteCounts(*tally.unbind()), values
+    *written, past_e4m3 = tally.unbind()
+    return (Nvfp4Tensor(codes, block_scales.view(E4M3), s), WriteCounts(*written),
+            None if values is None else Decoded(values, past_e4m3))
 
 
 def torch_quantize(x: torch.Tensor, scale: torch.Tensor | float, *,

@@ -32,8 +32,8 @@ import torch
 from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel
 from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import to_float32, to_fp8
-from fp8kv.kvdtypes import FP8_MAX, NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SCALE_DTYPE
-from fp8kv.nvfp4 import E4M3, Nvfp4Tensor, WriteCounts, block_values, quantize_read_back
+from fp8kv.kvdtypes import NVFP4_BLOCK_SIZE
+from fp8kv.nvfp4 import E4M3, Decoded, WriteCounts, quantize_read_back
 from fp8kv.runtime.cache import PagedKVCache, Scale, store_rows
 
 NVFP4_READS = {"float32": torch.float32, "fp8": E4M3}
@@ -128,8 +128,8 @@ class Nvfp4PagedKVCache(PagedKVCache):
                    interleaved([s.block_scales.view(torch.uint8) for _, s, _, _ in nvfp4]))
         reads = []
         counts = torch.zeros(2, len(_COUNTERS), dtype=torch.int64, device=k.device)
-        for side, stored, c, values in nvfp4:
-            read, over = self._read_back(stored, values)
+        for side, _, c, decoded in nvfp4:
+            read, over = self._read_back(decoded)
             reads.append(read)
             counts[side] = torch.stack([*(getattr(c, name) for name in _WRITE_COUNTERS), over])
         if self.fp8_keys:
@@ -147,13 +147,13 @@ class Nvfp4PagedKVCache(PagedKVCache):
         self.clamped[row, 0] += (to_float32(k).abs() / scale > torch.finfo(E4M3).max).sum()
         return stored if self.read == "fp8" else to_float32(stored) * scale
 
-    def _read_back(self, stored: Nvfp4Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the attention reads of `stored` given the write's `values` (`dequantize`'s for the float32 read,
-        `block_values`' for the fp8 read), and how many of its e2m1 x block scale pass e4m3's 448, which the fp8
-        read cannot hold."""
+    def _read_back(self, decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the attention reads of what the write `decoded` (`dequantize`'s values for the float32 read,
+        `block_values`' for the fp8 read), and how many of its e2m1 x block scale pass e4m3's 448, which the fp8 read
+        cannot hold."""
         if self.read == "float32":
-            return values, (block_values(stored).abs() > FP8_MAX[NVFP4_BLOCK_SCALE_DTYPE]).sum()
-        return to_fp8(values, E4M3, saturate=True), (values.abs() > FP8_MAX[NVFP4_BLOCK_SCALE_DTYPE]).sum()
+            return decoded.values, decoded.past_e4m3
+        return to_fp8(decoded.values, E4M3, saturate=True), decoded.past_e4m3
 
     def vllm_page(self, layer: int, page: int, *, swizzle_v: bool) -> torch.Tensor:
         """Page `page` of `layer` laid out as vLLM's kernel writes an HND page, uint8: [K codes | K block scales |

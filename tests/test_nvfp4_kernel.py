@@ -49,8 +49,8 @@ def _same_as_torch(x: torch.Tensor, scale: torch.Tensor | float, four_over_six: 
         assert torch.equal(stored.codes, expected.codes)
         assert torch.equal(stored.block_scales.view(torch.uint8), expected.block_scales.view(torch.uint8))
         assert _counts(counts) == _counts(expected_counts)
-        assert values is not None
-        assert torch.equal(values.view(torch.int32), decode(expected).view(torch.int32))  # NaNs and -0 alike
+        assert torch.equal(values.values.view(torch.int32), decode(expected).view(torch.int32))  # NaN, -0 alike
+        assert int(values.past_e4m3) == int((block_values(expected).abs() > 448).sum())
     return expected_counts
 
 
@@ -67,6 +67,7 @@ def test_every_bf16_value_is_written_as_torch_writes_it(scale, four_over_six) ->
         assert int(counts.subnormal_scales) > 0 and int(counts.zeroed_blocks) > 0
     if scale == 1e-30:
         assert int(counts.saturated_scales) > 0
+        assert int(quantize_read_back(shuffled, scale, read_back="block_values")[2].past_e4m3) > 0
 
 
 @pytest.mark.parametrize("four_over_six", [False, True])
@@ -122,4 +123,4 @@ def test_without_a_compiler_torch_writes_and_says_why(fresh_build, monkeypatch) 
     stored, counts, values = quantize_read_back(x, 0.5, read_back="dequantize")
     expected, expected_counts = torch_quantize(x, 0.5)
     assert torch.equal(stored.codes, expected.codes) and _counts(counts) == _counts(expected_counts)
-    assert values is not None and torch.equal(values, dequantize(expected))
+    assert torch.equal(values.values, dequantize(expected)) and int(values.past_e4m3) == 0
