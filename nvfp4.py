@@ -17,6 +17,12 @@ value is one step off at most). Flushing subnormals changes nothing for scales b
 operand or result of those reciprocals is subnormal there. A block holding NaN is not modelled: the kernel's
 half-precision max passes over a NaN, torch's amax keeps it.
 
+On a CPU the write runs in a small C kernel (nvfp4.c), one pass per block of 16 where torch makes a few dozen
+passes over the values: each block's codes, block scale, counts and, for the cache, the values it reads back, the
+bits `torch_quantize` gives (every product and sum rounded on its own, as torch's elementwise operations round).
+Each process builds it with the system's C compiler (`$CC`, else `cc`) on first use (`ckernel.build`); where it
+does not build, or the tensors are not on the CPU, torch writes (`quantize_route` says which).
+
 FlashInfer's slot-mapping writer, which vLLM 0.32.0 runs for nvfp4 on sm80, sm90 and sm120 (0.7.0.post1
 `include/flashinfer/page.cuh` `nvfp4_append_quantize_block`), orders the same arithmetic otherwise: SF = e4m3(bmax /
 (6 * s)), y = x * (1 / (SF * s)), e2m1 by its own table of midpoints (to nearest even, ±6 past the range), under

@@ -8,7 +8,8 @@ orders a page's bytes [K codes | K scales | V codes | V scales]; the values are 
 uint8) `[num_pages, page_size, 2 * kv_heads, head_dim / 16]`, and the layer's global K and V scales in `scales`.
 With `fp8_keys` (fp8_k_nvfp4_v) `codes` and `block_scales` hold V alone (`kv_heads` on the head axis) and `keys` K's e4m3
 bytes `[num_pages, page_size, kv_heads, head_dim]`, written as the fp8 cache writes them (the cache's `engine`).
-`pages` holds what attention reads, made from the stored bytes at each write, so every attention function reads it
+`pages` holds what attention reads, made from the stored bytes at each write (by the write's own pass where
+`fp8kv.nvfp4`'s kernel runs), so every attention function reads it
 as it reads any cache (an fp8 K reads as the fp8 cache's: its e4m3 value, times k_scale in the float32 read):
 
 - read "float32": e2m1 * (SF * s) in float32, the plain dequantized read (vLLM's `dequantize_to_dtype`). FlashInfer's
