@@ -17,7 +17,7 @@ value is one step off at most). Flushing subnormals changes nothing for scales b
 operand or result of those reciprocals is subnormal there. A block holding NaN is not modelled: the kernel's
 half-precision max passes over a NaN, torch's amax keeps it.
 
-On a CPU the write runs in a small C kernel (nvfp4.c), one pass per block of 16 where torch makes a few dozen
+On a CPU the write runs in a small C kernel (nvfp4.c), one pass per block of 16 where torch makes many
 passes over the values: each block's codes, block scale, counts and, for the cache, the values it reads back, the
 bits `torch_quantize` gives (every product and sum rounded on its own, as torch's elementwise operations round).
 Each process builds it with the system's C compiler (`$CC`, else `cc`) on first use (`ckernel.build`); where it
