@@ -2,7 +2,8 @@
    (nvfp4.py states the arithmetic and calls this through ctypes). Every product, quotient and sum is one float32
    operation rounded to nearest, in torch's order: built without contraction into fused multiply-adds and without
    fast-math, which would round otherwise. A block is one vector of 16 floats (GCC's vector extension: one register
-   with AVX-512, two with AVX2). */
+   with AVX-512, two with AVX2); __builtin_shufflevector needs GCC 12 or clang, and an older compiler's failed build
+   leaves the write to torch. */
 
 #include <stdint.h>
 #include <string.h>
