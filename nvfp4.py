@@ -17,6 +17,12 @@ value is one step off at most). Flushing subnormals changes nothing for scales b
 operand or result of those reciprocals is subnormal there. A block holding NaN is not modelled: the kernel's
 half-precision max passes over a NaN, torch's amax keeps it.
 
+On a CPU the write runs in a small C kernel (nvfp4.c), one pass per block of 16 where torch makes many
+passes over the values: each block's codes, block scale, counts and, for the cache, the values it reads back, the
+bits `torch_quantize` gives (every product and sum rounded on its own, as torch's elementwise operations round).
+Each process builds it with the system's C compiler (`$CC`, else `cc`) on first use (`ckernel.build`); where it
+does not build, or the tensors are not on the CPU, torch writes (`quantize_route` says which).
+
 FlashInfer's slot-mapping writer, which vLLM 0.32.0 runs for nvfp4 on sm80, sm90 and sm120 (0.7.0.post1
 `include/flashinfer/page.cuh` `nvfp4_append_quantize_block`), orders the same arithmetic otherwise: SF = e4m3(bmax /
 (6 * s)), y = x * (1 / (SF * s)), e2m1 by its own table of midpoints (to nearest even, ±6 past the range), under
@@ -27,13 +33,16 @@ e4m3 or e2m1 midpoint.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Callable, Literal, NamedTuple
 
 import torch
 
+from fp8kv.ckernel import build
 from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import FP8_DTYPES, to_float32, to_fp8
 from fp8kv.kvdtypes import E2M1_MAGNITUDES, E2M1_MAX, FP8_MAX, NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SCALE_DTYPE
@@ -43,6 +52,11 @@ SIGN_BIT = 0x8
 _MAX_CODE = len(E2M1_MAGNITUDES) - 1
 # The 4over6 write's second block-scale target: 4 maps a block's max to e2m1's 4, where 6 maps it to 6
 FOUR_OVER_SIX_TARGET = 4.0
+KERNEL_SOURCE = Path(__file__).with_name("nvfp4.c")
+# torch rounds each product and sum on its own: no fused multiply-adds (GCC's default with -march=native), no fast-math
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math")
+# what a write also hands back: each value's e2m1 * block scale (`block_values`), or its read-back (`dequantize`)
+ReadBack = Literal["block_values", "dequantize"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,13 @@ class Nvfp4Tensor:
     codes: torch.Tensor
     block_scales: torch.Tensor
     scale: torch.Tensor
+
+
+class Decoded(NamedTuple):
+    """What a write's stored values read back as, from the same pass (`quantize_read_back`)."""
+
+    values: torch.Tensor  # [..., n] float32: `block_values(stored)` or `dequantize(stored)`, as asked
+    past_e4m3: torch.Tensor  # int64 0-dim: values whose e2m1 * block scale is past e4m3's 448
 
 
 @dataclass(frozen=True)
@@ -136,12 +157,60 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | float, *,
     """`x` `[..., n]` (n a multiple of 16) written as vLLM's NVFP4 KV cache stores it with global scale `scale`
     (float32 s, the checkpoint's k_scale or v_scale, broadcasting against `x.shape[:-1] + (1,)`), and the counts.
 
+    `four_over_six` is vLLM's 4over6 cache (`torch_quantize`, the reference, states the arithmetic). On a CPU a
+    small C kernel (nvfp4.c) writes each block in one pass, the bits `torch_quantize` gives; where it does not
+    build, or the tensors are elsewhere, torch writes them (`quantize_route` says which).
+    """
+    stored, counts, _ = _write(x, scale, four_over_six, None)
+    return stored, counts
+
+
+def quantize_read_back(x: torch.Tensor, scale: torch.Tensor | float, *, four_over_six: bool = False,
+                       read_back: ReadBack) -> tuple[Nvfp4Tensor, WriteCounts, Decoded]:
+    """`quantize`, and what the stored values read back as: `block_values(stored)` or `dequantize(stored)` as
+    `read_back` names, from the kernel's one pass where it runs."""
+    stored, counts, decoded = _write(x, scale, four_over_six, read_back)
+    assert decoded is not None, "asked for"
+    return stored, counts, decoded
+
+
+def _write(x: torch.Tensor, scale: torch.Tensor | float, four_over_six: bool,
+           read_back: ReadBack | None) -> tuple[Nvfp4Tensor, WriteCounts, Decoded | None]:
+    _check_blocks(x)
+    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    rows = (*x.shape[:-1], 1)
+    kernel, _ = _kernel() if x.device.type == "cpu" and torch.broadcast_shapes(s.shape, rows) == rows else (None, "")
+    if kernel is None:
+        stored, counts = torch_quantize(x, s, four_over_six=four_over_six)
+        if read_back is None:
+            return stored, counts, None
+        products = block_values(stored)
+        past_e4m3 = (products.abs() > FP8_MAX[NVFP4_BLOCK_SCALE_DTYPE]).sum()
+        return stored, counts, Decoded(products if read_back == "block_values" else dequantize(stored), past_e4m3)
+    n = x.shape[-1]
+    blocks = x.float().contiguous()
+    g = torch.broadcast_to(_reciprocal(s), rows).contiguous()
+    s_rows = torch.broadcast_to(s, rows).contiguous()
+    codes = torch.empty(*x.shape[:-1], n // 2, dtype=torch.uint8)
+    block_scales = torch.empty(*x.shape[:-1], n // NVFP4_BLOCK_SIZE, dtype=torch.uint8)
+    values = torch.empty(x.shape, dtype=torch.float32) if read_back else None
+    tally = torch.zeros(len(fields(WriteCounts)) + 1, dtype=torch.int64)  # and the values past e4m3's 448
+    kernel(blocks.data_ptr(), g.data_ptr(), s_rows.data_ptr() if read_back == "dequantize" else None, g.numel(),
+           n // NVFP4_BLOCK_SIZE, four_over_six, _e4m3_values().data_ptr(), codes.data_ptr(), block_scales.data_ptr(),
+           None if values is None else values.data_ptr(), tally.data_ptr())
+    *written, past_e4m3 = tally.unbind()
+    return (Nvfp4Tensor(codes, block_scales.view(E4M3), s), WriteCounts(*written),
+            None if values is None else Decoded(values, past_e4m3))
+
+
+def torch_quantize(x: torch.Tensor, scale: torch.Tensor | float, *,
+                   four_over_six: bool = False) -> tuple[Nvfp4Tensor, WriteCounts]:
+    """`quantize` in torch, a few passes over the values per step (the kernel's reference and fallback).
+
     `four_over_six` is vLLM's `nvfp4_4over6` cache: per block, the block scale that maps the block's max to 4 as well
     as the one mapping it to 6, keeping 4 where its squared read-back error is strictly lower.
     """
-    if x.shape[-1] % NVFP4_BLOCK_SIZE:
-        raise Fp8kvError(f"NVFP4 stores blocks of {NVFP4_BLOCK_SIZE} values: the last dimension of a {tuple(x.shape)} "
-                         f"tensor is not a multiple of {NVFP4_BLOCK_SIZE}; pad head_dim to one")
+    _check_blocks(x)
     blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK_SIZE))  # [..., blocks, 16]
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     g = _reciprocal(s)
@@ -152,6 +221,33 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | float, *,
     y = blocks * chosen.output_scale[..., None]
     stored = Nvfp4Tensor(pack(e2m1_codes(y).flatten(-2)), chosen.block_scale, s)
     return stored, _counts(bmax, chosen, y)
+
+
+def quantize_route() -> str:
+    """How `quantize` writes on this machine's CPU: the compiled kernel, or torch and why."""
+    kernel, how = _kernel()
+    return "compiled kernel" if kernel is not None else f"torch ({how})"
+
+
+@functools.cache
+def _kernel() -> tuple[Callable[..., None] | None, str]:
+    """The kernel's function (None where there is none) and how it came or why not (`ckernel.build`)."""
+    function, how = build(KERNEL_SOURCE, "nvfp4_write", COMPILE_FLAGS)
+    if function is not None:
+        function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 5
+    return function, how
+
+
+@functools.cache
+def _e4m3_values() -> torch.Tensor:
+    """Every e4m3 byte as float32, as `to_float32` reads it: the kernel's block scales."""
+    return to_float32(torch.arange(256, dtype=torch.uint8).view(E4M3))
+
+
+def _check_blocks(x: torch.Tensor) -> None:
+    if x.shape[-1] % NVFP4_BLOCK_SIZE:
+        raise Fp8kvError(f"NVFP4 stores blocks of {NVFP4_BLOCK_SIZE} values: the last dimension of a {tuple(x.shape)} "
+                         f"tensor is not a multiple of {NVFP4_BLOCK_SIZE}; pad head_dim to one")
 
 
 def _block_max(magnitude: torch.Tensor) -> torch.Tensor:

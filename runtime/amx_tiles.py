@@ -19,17 +19,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from fp8kv.ckernel import build
+
 AMX_TILE_DEPTH = 32  # terms one AMX tile instruction sums: 16 bf16 pairs, head dims for Q·K, keys for P·V
 KERNEL_SOURCE = Path(__file__).with_name("amx_tiles.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")  # the CPU's own vector width and fused multiply-add
+COMPILE_FLAGS = ("-O3", "-march=native")  # the CPU's own vector width and fused multiply-add
 
 
 def flush(x: torch.Tensor, floor: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,25 +88,8 @@ def tile_sums_route() -> str:
 
 @functools.cache
 def _kernel() -> tuple[Callable[..., None] | None, str]:
-    """The kernel's function (None where there is none) and how it came or why not. Each process builds its own
-    (0.3 s) in a private temporary folder, gone before the sums run: nothing is written anywhere else, and no
-    library another process could have replaced is ever loaded."""
-    compiler = os.environ.get("CC") or "cc"
-    with tempfile.TemporaryDirectory(prefix="fp8kv-amx-tiles-") as scratch:
-        library = Path(scratch) / "amx_tiles.so"
-        try:
-            subprocess.run([compiler, *COMPILE_FLAGS, "-o", str(library), str(KERNEL_SOURCE)], check=True,
-                           capture_output=True, timeout=120)
-            function = ctypes.CDLL(str(library)).tile_matmul  # stays mapped once its file is gone
-        except (OSError, AttributeError, subprocess.SubprocessError) as error:
-            return None, f"{compiler} {' '.join(COMPILE_FLAGS)}: {_reason(error)}"
-    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 7 + [ctypes.c_float]
-    function.restype = None
-    return function, "built"
-
-
-def _reason(error: OSError | AttributeError | subprocess.SubprocessError) -> str:
-    if isinstance(error, subprocess.CalledProcessError):
-        lines = (error.stderr or b"").decode(errors="replace").strip().splitlines()
-        return lines[-1] if lines else f"exit {error.returncode}"
-    return str(error)
+    """The kernel's function (None where there is none) and how it came or why not (`ckernel.build`: 0.3 s)."""
+    function, how = build(KERNEL_SOURCE, "tile_matmul", COMPILE_FLAGS)
+    if function is not None:
+        function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 7 + [ctypes.c_float]
+    return function, how

@@ -8,7 +8,8 @@ orders a page's bytes [K codes | K scales | V codes | V scales]; the values are 
 uint8) `[num_pages, page_size, 2 * kv_heads, head_dim / 16]`, and the layer's global K and V scales in `scales`.
 With `fp8_keys` (fp8_k_nvfp4_v) `codes` and `block_scales` hold V alone (`kv_heads` on the head axis) and `keys` K's e4m3
 bytes `[num_pages, page_size, kv_heads, head_dim]`, written as the fp8 cache writes them (the cache's `engine`).
-`pages` holds what attention reads, made from the stored bytes at each write, so every attention function reads it
+`pages` holds what attention reads, made from the stored bytes at each write (by the write's own pass where
+`fp8kv.nvfp4`'s kernel runs), so every attention function reads it
 as it reads any cache (an fp8 K reads as the fp8 cache's: its e4m3 value, times k_scale in the float32 read):
 
 - read "float32": e2m1 * (SF * s) in float32, the plain dequantized read (vLLM's `dequantize_to_dtype`). FlashInfer's
@@ -32,8 +33,8 @@ import torch
 from fp8kv.engine_models import DEFAULT_ENGINE, EngineModel
 from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import to_float32, to_fp8
-from fp8kv.kvdtypes import FP8_MAX, NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SCALE_DTYPE
-from fp8kv.nvfp4 import E4M3, Nvfp4Tensor, WriteCounts, block_values, dequantize, quantize
+from fp8kv.kvdtypes import NVFP4_BLOCK_SIZE
+from fp8kv.nvfp4 import E4M3, Decoded, WriteCounts, quantize_read_back
 from fp8kv.runtime.cache import PagedKVCache, Scale, store_rows
 
 NVFP4_READS = {"float32": torch.float32, "fp8": E4M3}
@@ -115,19 +116,21 @@ class Nvfp4PagedKVCache(PagedKVCache):
         real = valid[:, None, None]
         k, v = torch.where(real, k, 0.0), torch.where(real, v, 0.0)
         scale = self.scales[row, :, :heads, None]  # [2 (K, V), kv_heads, 1]
-        nvfp4 = [(side, *quantize(x, scale[side], four_over_six=self.four_over_six))
+        # the fp8 read starts from e2m1 * SF, the float32 read is the dequantized value
+        read_back = "dequantize" if self.read == "float32" else "block_values"
+        nvfp4 = [(side, *quantize_read_back(x, scale[side], four_over_six=self.four_over_six, read_back=read_back))
                  for side, x in enumerate((k, v)) if side or not self.fp8_keys]
 
         def interleaved(parts: list[torch.Tensor]) -> torch.Tensor:
             return torch.stack(parts, dim=2).flatten(1, 2)  # [T, sides * kv_heads, ...]: K0, V0, K1, V1, ...
 
-        store_rows(self.codes[row].flatten(0, 1), slots, interleaved([s.codes for _, s, _ in nvfp4]))
+        store_rows(self.codes[row].flatten(0, 1), slots, interleaved([s.codes for _, s, _, _ in nvfp4]))
         store_rows(self.block_scales[row].flatten(0, 1), slots,
-                   interleaved([s.block_scales.view(torch.uint8) for _, s, _ in nvfp4]))
+                   interleaved([s.block_scales.view(torch.uint8) for _, s, _, _ in nvfp4]))
         reads = []
         counts = torch.zeros(2, len(_COUNTERS), dtype=torch.int64, device=k.device)
-        for side, stored, c in nvfp4:
-            read, over = self._read_back(stored)
+        for side, _, c, decoded in nvfp4:
+            read, over = self._read_back(decoded)
             reads.append(read)
             counts[side] = torch.stack([*(getattr(c, name) for name in _WRITE_COUNTERS), over])
         if self.fp8_keys:
@@ -145,14 +148,13 @@ class Nvfp4PagedKVCache(PagedKVCache):
         self.clamped[row, 0] += (to_float32(k).abs() / scale > torch.finfo(E4M3).max).sum()
         return stored if self.read == "fp8" else to_float32(stored) * scale
 
-    def _read_back(self, stored: Nvfp4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the attention reads of `stored`, and how many of its e2m1 x block scale pass e4m3's 448, which the
-        fp8 read cannot hold."""
-        values = block_values(stored)
-        over = (values.abs() > FP8_MAX[NVFP4_BLOCK_SCALE_DTYPE]).sum()
+    def _read_back(self, decoded: Decoded) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the attention reads of what the write `decoded` (`dequantize`'s values for the float32 read,
+        `block_values`' for the fp8 read), and how many of its e2m1 x block scale pass e4m3's 448, which the fp8 read
+        cannot hold."""
         if self.read == "float32":
-            return dequantize(stored), over
-        return to_fp8(values, E4M3, saturate=True), over
+            return decoded.values, decoded.past_e4m3
+        return to_fp8(decoded.values, E4M3, saturate=True), decoded.past_e4m3
 
     def vllm_page(self, layer: int, page: int, *, swizzle_v: bool) -> torch.Tensor:
         """Page `page` of `layer` laid out as vLLM's kernel writes an HND page, uint8: [K codes | K block scales |

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # the last layer (entry points, and tools/: the builders of test and bundled models, not installed)
 # may import anything. A part is a top-level module or package of fp8kv.
 LAYERS: list[set[str]] = [
-    {"errors", "json_fields"},
+    {"errors", "json_fields", "ckernel"},
     {"options", "configs"},
     {"kvdtypes"},
     {"fp8", "geometry", "console", "progress", "models", "transformers_cache"},
