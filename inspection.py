@@ -16,7 +16,6 @@ from fp8kv.checkpoint.provenance import LayerRecord, read_provenance
 from fp8kv.checkpoint.reader import read_kv_scales
 from fp8kv.checks import check_readout
 from fp8kv.console import layer_table, rich_table, text_console
-from fp8kv.engine_models import Nvfp4Traits
 from fp8kv.geometry import LatentCache
 from fp8kv.json_fields import to_json_value
 from fp8kv.options import FP8_K_NVFP4_V
@@ -131,14 +130,15 @@ def inspect_checkpoint(model_dir: str | Path) -> InspectReport:
         layers=tuple(_layer_row(scales, layer, recorded.get(layer)) for layer in scales.layers) if scales else (),
         warnings=tuple(finding.message for finding in check_readout(readout, provenance)),
         nvfp4=readout.nvfp4,
-        nvfp4_meanings=_nvfp4_meanings(readout.nvfp4, headroom, nvfp4_traits_of(source.path)),
+        nvfp4_meanings=_nvfp4_meanings(readout.nvfp4, headroom, source.path),
     )
 
 
 def _nvfp4_meanings(reading: Nvfp4Reading | None, headroom: float | None,
-                    traits: Nvfp4Traits) -> tuple[Nvfp4Meaning, ...]:
+                    folder: Path) -> tuple[Nvfp4Meaning, ...]:
     if reading is None:
         return ()
+    traits = nvfp4_traits_of(folder)
     rows = [nvfp4_convention(name) for name in reading.conventions]
     return tuple(Nvfp4Meaning(row.name, row.divisor, row.producer,
                               tuple(nvfp4_lines(row.divisor, headroom, reading.kv_dtype, traits))) for row in rows)

@@ -16,8 +16,9 @@ from fp8kv.engine_models import (
 )
 from fp8kv.checkpoint.conventions import HF_QUANT_CONFIG, weight_method
 from fp8kv.checkpoint.nvfp4 import convention_for_factor
+from fp8kv.checkpoint.source import SourceCheckpoint
 from fp8kv.errors import Fp8kvError
-from fp8kv.geometry import AttentionGeometry, read_json
+from fp8kv.geometry import read_json
 from fp8kv.kvdtypes import E2M1_MAX, FP8_MAX
 from fp8kv.options import FP8_K_NVFP4_V
 
@@ -174,10 +175,9 @@ def nvfp4_lines(divisor: float, headroom: float | None, kv_dtype: str, traits: N
 def nvfp4_traits_of(folder: str | Path) -> Nvfp4Traits:
     """The traits of `folder` an NVFP4 release's start and loader depend on: its K/V head_dims (config.json), and
     whether only its KV cache is quantized (config.json and hf_quant_config.json name no weight quantization)."""
-    path = Path(folder)
-    hf_quant = read_json(path / HF_QUANT_CONFIG) if (path / HF_QUANT_CONFIG).is_file() else None
-    return Nvfp4Traits(AttentionGeometry.from_dir(path).head_dims,
-                       weight_method(read_json(path / "config.json"), hf_quant) is None)
+    source = SourceCheckpoint.open(folder)  # the geometry fp8kv.json records, where it does: no transformers
+    hf_quant = read_json(source.path / HF_QUANT_CONFIG) if HF_QUANT_CONFIG in source.files else None
+    return Nvfp4Traits(source.geometry.head_dims, weight_method(source.config, hf_quant) is None)
 
 
 def nvfp4_serve_commands(folder: str, kv_dtype: str) -> list[str]:
