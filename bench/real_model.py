@@ -159,7 +159,8 @@ def nvfp4_table(model: kvcompare.Model, calib: CalibrationData, held: list[list[
         print(f"  {cache} / {scales} / {engine}: done", file=sys.stderr)
         return {"table": "nvfp4", "cache": cache, "scales": scales, "engine": engine, "ppl": scores.ppl,
                 "kl_mean": scores.kl_mean, "top1": scores.top1, "sequences_lost": scores.sequences_lost,
-                "sequences": len(held), "task_accuracy": task}
+                "sequences": len(held), "task_accuracy": task,
+                "kl_per_sample": list(scores.kl_per_sample)}  # kvcompare.paired_se compares two rows from these
 
     def logits_of(scales: KVScales | None) -> Callable[[list[list[int]]], list[torch.Tensor]]:
         return lambda seqs: model.run(seqs, scales, DEFAULT_ENGINE).logits
