@@ -128,7 +128,7 @@ def nvfp4_table(model: kvcompare.Model, calib: CalibrationData, held: list[list[
     stored = replace(default, kv_dtype="nvfp4")
     sequences, _ = task_sequences(model, items)
     common = model.common(max(len(s) for s in held + sequences))
-    paths = nvfp4_paths("nvfp4")
+    paths = nvfp4_paths("nvfp4", model.source.geometry.head_dims)  # a release that refuses the model has none
     runs = path_runs(paths, model.source.path, stored, model.kv_layers, common)
     old = MODELOPT_PRE_042
     overflowing = tuple(p for p in paths if p.read == "fp8" and runs_divisor(p, old) > BOUND)

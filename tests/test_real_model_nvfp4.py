@@ -30,7 +30,7 @@ def test_the_nvfp4_table_has_a_row_per_engine_path(monkeypatch: pytest.MonkeyPat
 
     assert [(r["cache"], r["engine"]) for r in rows[:2]] == [("bf16", "-"), ("fp8_e4m3", real_model.DEFAULT_ENGINE)]
     assert rows[0]["kl_mean"] == 0.0
-    paths = nvfp4_paths("nvfp4")
+    paths = nvfp4_paths("nvfp4", model.source.geometry.head_dims)
     unit = [r for r in rows if r["scales"].startswith("global 1.0")]
     assert {r["cache"] for r in unit} == {f"{p.cache}, {p.read} read" for p in paths}
     calibrated = [r for r in rows if r["scales"].startswith("calibrated") and r["cache"] != "fp8_e4m3"]
