@@ -48,6 +48,7 @@ from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT
 from fp8kv.observe import KVStatistics
 from fp8kv.options import DEFAULT_HEADROOM
 from fp8kv.runtime.runner import PagedModelRunner
+from fp8kv.serving import nvfp4_traits_of
 from fp8kv.verify.nvfp4 import BOUND, nvfp4_paths, path_runs, runs_divisor
 
 import common  # bench/common.py
@@ -128,7 +129,8 @@ def nvfp4_table(model: kvcompare.Model, calib: CalibrationData, held: list[list[
     stored = replace(default, kv_dtype="nvfp4")
     sequences, _ = task_sequences(model, items)
     common = model.common(max(len(s) for s in held + sequences))
-    paths = nvfp4_paths("nvfp4", model.source.geometry.head_dims)  # a release that refuses the model has none
+    # the folder fp8kv writes from this model: its head dims, and no weight quantization (a KV-only folder)
+    paths = nvfp4_paths("nvfp4", nvfp4_traits_of(model.source.path))
     runs = path_runs(paths, model.source.path, stored, model.kv_layers, common)
     old = MODELOPT_PRE_042
     overflowing = tuple(p for p in paths if p.read == "fp8" and runs_divisor(p, old) > BOUND)

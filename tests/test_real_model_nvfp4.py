@@ -11,6 +11,7 @@ import pytest
 from fp8kv.checkpoint.nvfp4 import MODELOPT_PRE_042
 from fp8kv.data import DataRequest, load_calibration_data
 from fp8kv.evaluation.bundled_tasks import arithmetic_items
+from fp8kv.serving import nvfp4_traits_of
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT, BUNDLED_MODEL_DIR
 from fp8kv.verify.nvfp4 import BOUND, nvfp4_paths, runs_divisor
 
@@ -30,7 +31,7 @@ def test_the_nvfp4_table_has_a_row_per_engine_path(monkeypatch: pytest.MonkeyPat
 
     assert [(r["cache"], r["engine"]) for r in rows[:2]] == [("bf16", "-"), ("fp8_e4m3", real_model.DEFAULT_ENGINE)]
     assert rows[0]["kl_mean"] == 0.0
-    paths = nvfp4_paths("nvfp4", model.source.geometry.head_dims)
+    paths = nvfp4_paths("nvfp4", nvfp4_traits_of(BUNDLED_MODEL_DIR))
     unit = [r for r in rows if r["scales"].startswith("global 1.0")]
     assert {r["cache"] for r in unit} == {f"{p.cache}, {p.read} read" for p in paths}
     calibrated = [r for r in rows if r["scales"].startswith("calibrated") and r["cache"] != "fp8_e4m3"]
