@@ -63,25 +63,32 @@ class Model:
                                last_batch=last_batch)
         return table, KVScales.from_tensors(k=table.tensors(0), v=table.tensors(1))
 
+    def common(self, longest: int) -> dict[str, Any]:
+        """What every runner of this model shares: the CPU, the one copy of the weights, room for `longest` tokens."""
+        return dict(device="cpu", max_model_len=longest, max_num_seqs=BATCH, model=self.weights)
+
     def run(self, samples: list[list[int]], scales: KVScales | None, engine: str = "vllm-tpu") -> Run:
         """Prefill `samples` on a bf16 cache (`scales=None`) or an fp8 cache with `scales` and `engine`."""
-        longest = max(len(s) for s in samples)
-        common: dict[str, Any] = dict(device="cpu", max_model_len=longest, max_num_seqs=BATCH, model=self.weights)
+        common = self.common(max(len(s) for s in samples))
         if scales is None:
             runner = PagedModelRunner(self.source.path, cache_dtype="bf16", **common)
         else:
             k, v = runtime_scales(scales, self.kv_layers)
             runner = PagedModelRunner(self.source.path, cache_dtype=scales.kv_dtype, k_scales=k, v_scales=v,
                                       engine=engine, **common)
-        logits = []
-        for start in range(0, len(samples), BATCH):
-            batch = samples[start : start + BATCH]
-            seqs = [runner.start()[0] for _ in batch]
-            logits += runner.step(list(zip(seqs, batch)))
-            for seq in seqs:
-                runner.free(seq)
-        nonfinite = int(runner.cache.nonfinite.sum()) if scales is not None else 0
-        return Run(logits, nonfinite)
+        return run_on(runner, samples)
+
+
+def run_on(runner: PagedModelRunner, samples: list[list[int]]) -> Run:
+    """Prefill `samples` on `runner`, `BATCH` at a time."""
+    logits = []
+    for start in range(0, len(samples), BATCH):
+        batch = samples[start : start + BATCH]
+        seqs = [runner.start()[0] for _ in batch]
+        logits += runner.step(list(zip(seqs, batch)))
+        for seq in seqs:
+            runner.free(seq)
+    return Run(logits, int(runner.cache.nonfinite.sum()))
 
 
 def max_ratio(model: Model, held: KVStatistics, scales: KVScales) -> float:
@@ -92,7 +99,7 @@ def max_ratio(model: Model, held: KVStatistics, scales: KVScales) -> float:
 
 @dataclass
 class Run:
-    """Float32 logits [len(sample), vocab] per sample, and NaN/inf values the fp8 cache stored."""
+    """Float32 logits [len(sample), vocab] per sample, and NaN/inf values the cache stored."""
 
     logits: list[torch.Tensor]
     nonfinite_stored: int

@@ -12,11 +12,18 @@ perplexity, mean KL(bf16 || fp8), top-1 agreement, sequences lost (any NaN/inf l
 on `--task-items` items of the shipped task fp8kv_arith_mc (log-likelihood of each choice after its
 question, through the same cache: lm_eval's `acc`; chance 0.25).
 
+With `--kv-dtype nvfp4` the table is NVFP4's instead (no table 2): bf16; fp8 calibrated; each NVFP4 cache at
+global scale 1.0 (what it runs for a folder without scales); fp8kv's calibrated NVFP4 folder on each engine path
+verify runs (configs/engines.toml's [[nvfp4]]: the global scale its loader holds, its write and read); and the
+same observation stored as amax x headroom / 2688 (ModelOpt before 0.42, auto-round) on the paths whose fp8 read
+it overflows.
+
 Table 2: scales calibrated on the documentation against `--dataset generated` (the model's own answers
 through its chat template): the per-layer scale ratio, and both scales scored on both held-out texts.
 Prints both tables and writes bench/results/real_model.json.
 
     .venv/bin/python bench/real_model.py [--model smollm2] [--calib-samples 32] [--heldout-samples 16]
+                                         [--kv-dtype nvfp4]
 """
 
 from __future__ import annotations
@@ -25,10 +32,13 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
 from fp8kv.checkpoint.kvscales import KVScales
+from fp8kv.checkpoint.nvfp4 import MODELOPT, MODELOPT_PRE_042, converted
 from fp8kv.checkpoint.load import load_language_model
 from fp8kv.checkpoint.locate import resolve_model
 from fp8kv.engine_models import DEFAULT_ENGINE, RELEASED, engine_model
@@ -37,6 +47,9 @@ from fp8kv.evaluation.bundled_tasks import arithmetic_items
 from fp8kv.models import BUNDLED_CALIBRATION_TEXT, BUNDLED_HELDOUT_TEXT
 from fp8kv.observe import KVStatistics
 from fp8kv.options import DEFAULT_HEADROOM
+from fp8kv.runtime.runner import PagedModelRunner
+from fp8kv.serving import nvfp4_traits_of
+from fp8kv.verify.nvfp4 import BOUND, nvfp4_paths, path_runs, runs_divisor
 
 import common  # bench/common.py
 import kvcompare  # bench/kvcompare.py
@@ -45,17 +58,24 @@ BUGS = ("inverted-scale", "no-clamp", "scales-ignored")  # the conformance check
 UNCLAMPED = "sglang@0.5.17"  # the last released cast without a clamp
 
 
-def task_accuracy(model: kvcompare.Model, items: list[dict], scales: KVScales | None, engine: str) -> float:
-    """Share of items whose right choice has the highest summed log-likelihood after the question."""
+def task_sequences(model: kvcompare.Model, items: list[dict]) -> tuple[list[list[int]], list[int]]:
+    """Each item's question followed by each of its choices, as token ids, and where each choice starts."""
     encode = lambda text: model.tokenizer(text)["input_ids"]  # noqa: E731
     sequences, spans = [], []
     for item in items:
         context = encode(item["question"])
         for choice in item["choices"]:
-            ids = encode(item["question"] + choice)
-            sequences.append(ids)
+            sequences.append(encode(item["question"] + choice))
             spans.append(len(context))
-    logits = model.run(sequences, scales, engine).logits
+    return sequences, spans
+
+
+def task_accuracy(model: kvcompare.Model, items: list[dict],
+                  logits_of: Callable[[list[list[int]]], list[torch.Tensor]]) -> float:
+    """Share of items whose right choice has the highest summed log-likelihood after the question, the logits of
+    each sequence from `logits_of` (a cache)."""
+    sequences, spans = task_sequences(model, items)
+    logits = logits_of(sequences)
     scores = []
     for ids, start, row in zip(sequences, spans, logits):
         logp = torch.log_softmax(row[start - 1:-1].double(), -1)  # predicts tokens start .. end
@@ -92,10 +112,78 @@ def seed_table(model: kvcompare.Model, calib: CalibrationData, held: list[list[i
             scores = kvcompare.compare(held, run, reference)
             measured[key] = {"ppl": scores.ppl, "kl_mean": scores.kl_mean, "top1": scores.top1,
                              "sequences_lost": scores.sequences_lost, "sequences": len(held),
-                             "task_accuracy": task_accuracy(model, items, scales, engine)}
+                             "task_accuracy": task_accuracy(
+                                 model, items, lambda seqs, s=scales, e=engine: model.run(seqs, s, e).logits)}
         rows.append({"table": "seed", "cache": cache, "scales": label, "engine": engine, **measured[key]})
         print(f"  {label} / {engine}: done", file=sys.stderr)
     return rows
+
+
+def nvfp4_table(model: kvcompare.Model, calib: CalibrationData, held: list[list[int]], items: list[dict]) -> list[dict]:
+    """The NVFP4 rows: bf16; fp8 calibrated; each NVFP4 cache (write and read) at global scale 1.0, what it runs for a
+    folder without scales; fp8kv's calibrated folder (ModelOpt's amax x headroom / 448) on each engine path of
+    configs/engines.toml's [[nvfp4]], at the global scale its loader holds (verify's own paths); and the same
+    observation stored as amax x headroom / 2688 (ModelOpt before 0.42, auto-round) on the paths whose fp8 read it
+    overflows. Paths that run the same cache at the same scales share a row."""
+    default = scales_of(model, calib, DEFAULT_HEADROOM)  # amax x headroom / 448: fp8_e4m3's and fp8kv's NVFP4 value
+    stored = replace(default, kv_dtype="nvfp4")
+    sequences, _ = task_sequences(model, items)
+    common = model.common(max(len(s) for s in held + sequences))
+    # the folder fp8kv writes from this model: its head dims, and no weight quantization (a KV-only folder)
+    paths = nvfp4_paths("nvfp4", nvfp4_traits_of(model.source.path))
+    runs = path_runs(paths, model.source.path, stored, model.kv_layers, common)
+    old = MODELOPT_PRE_042
+    overflowing = tuple(p for p in paths if p.read == "fp8" and runs_divisor(p, old) > BOUND)
+    old_runs = path_runs(overflowing, model.source.path, converted(stored, MODELOPT.name, old.name), model.kv_layers,
+                         common)
+    margin = f"{DEFAULT_HEADROOM:g}"
+    units: dict[int, Nvfp4Row] = {}  # by runner: the paths that run it
+    calibrated: dict[int, Nvfp4Row] = {}
+    for run in runs:
+        cache = f"{run.path.cache}, {run.path.read} read"
+        unit = units.setdefault(id(run.unit), Nvfp4Row(cache, "global 1.0 (no scales)", ["any, uncalibrated"],
+                                                       run.unit))
+        if run.cache is run.unit:
+            unit.paths.append(f"{run.path.name} (does not load them)")
+            continue
+        ran = runs_divisor(run.path, MODELOPT)
+        factor = "" if run.path.factor == 1.0 else f" (x{run.path.factor:g})"
+        calibrated.setdefault(id(run.cache), Nvfp4Row(cache, f"calibrated, amax x {margin} / {ran:g}{factor}", [],
+                                                      run.cache)).paths.append(run.path.name)
+    for run in old_runs:
+        calibrated.setdefault(id(run.cache), Nvfp4Row(
+            f"{run.path.cache}, {run.path.read} read", f"stored amax x {margin} / {old.divisor:g}, run as stored", [],
+            run.cache)).paths.append(run.path.name)
+    reference = model.run(held, None)
+
+    def row(cache: str, scales: str, engine: str, run: kvcompare.Run, task: float) -> dict:
+        scores = kvcompare.compare(held, run, reference)
+        print(f"  {cache} / {scales} / {engine}: done", file=sys.stderr)
+        return {"table": "nvfp4", "cache": cache, "scales": scales, "engine": engine, "ppl": scores.ppl,
+                "kl_mean": scores.kl_mean, "top1": scores.top1, "sequences_lost": scores.sequences_lost,
+                "sequences": len(held), "task_accuracy": task,
+                "kl_per_sample": list(scores.kl_per_sample)}  # kvcompare.paired_se compares two rows from these
+
+    def logits_of(scales: KVScales | None) -> Callable[[list[list[int]]], list[torch.Tensor]]:
+        return lambda seqs: model.run(seqs, scales, DEFAULT_ENGINE).logits
+
+    rows = [row("bf16", "-", "-", reference, task_accuracy(model, items, logits_of(None))),
+            row(default.kv_dtype, f"calibrated, amax x {margin} / {BOUND:g}", DEFAULT_ENGINE,
+                model.run(held, default, DEFAULT_ENGINE), task_accuracy(model, items, logits_of(default)))]
+    for chosen in (*units.values(), *calibrated.values()):
+        rows.append(row(chosen.cache, chosen.scales, "; ".join(chosen.paths), kvcompare.run_on(chosen.runner, held),
+                        task_accuracy(model, items, lambda seqs, on=chosen.runner: kvcompare.run_on(on, seqs).logits)))
+    return rows
+
+
+@dataclass
+class Nvfp4Row:
+    """One NVFP4 row before it is run: its cache and read, its scales, the engine paths that run it, its runner."""
+
+    cache: str
+    scales: str
+    paths: list[str]
+    runner: PagedModelRunner
 
 
 def text_table(model: kvcompare.Model, texts: dict[str, CalibrationData], held: dict[str, list[list[int]]]) -> list[dict]:
@@ -116,13 +204,13 @@ def text_table(model: kvcompare.Model, texts: dict[str, CalibrationData], held: 
 
 
 def markdown(rows: list[dict]) -> str:
-    seed = [r for r in rows if r["table"] == "seed"]
+    seed = [r for r in rows if r["table"] in ("seed", "nvfp4")]
     lines = ["| cache | scales | engine | held-out PPL | KL vs bf16 | top-1 | sequences lost | task accuracy |",
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['cache']} | {r['scales']} | {r['engine']} | {r['ppl']:.3f} | {r['kl_mean']:.5f} | {r['top1']:.4f} "
               f"| {r['sequences_lost']} of {r['sequences']} | {r['task_accuracy']:.3f} |" for r in seed]
     ratio = next((r for r in rows if r["table"] == "ratio"), None)
-    if ratio is None:  # --seed-table-only
+    if ratio is None:  # --seed-table-only, --kv-dtype nvfp4
         return "\n".join(lines)
     lines += ["", f"generated / documentation scale per layer and K/V: min {ratio['min']:.3f}, median "
               f"{ratio['median']:.3f}, max {ratio['max']:.3f}", "",
@@ -143,6 +231,8 @@ def main() -> int:
     options.add_argument("--seed", type=int, default=42)
     options.add_argument("--seed-table-only", action="store_true",
                          help="skip table 2 (the model writing its own calibration text is the slow part)")
+    options.add_argument("--kv-dtype", choices=("fp8_e4m3", "nvfp4"), default="fp8_e4m3",
+                         help="nvfp4: the NVFP4 table instead, per engine path (bench/results/real_model_nvfp4.json)")
     options.add_argument("--device", default="cpu", help="recorded only: the runs are on the CPU")
     args = options.parse_args()
     clock = time.perf_counter()
@@ -153,8 +243,10 @@ def main() -> int:
     held = {"documentation": load_calibration_data(ask(str(BUNDLED_HELDOUT_TEXT), args.heldout_samples),
                                                    model.tokenizer).samples}
     items = arithmetic_items()[: args.task_items]
-    rows = seed_table(model, texts["documentation"], held["documentation"], items)
-    if not args.seed_table_only:
+    nvfp4 = args.kv_dtype == "nvfp4"
+    table = nvfp4_table if nvfp4 else seed_table
+    rows = table(model, texts["documentation"], held["documentation"], items)
+    if not (args.seed_table_only or nvfp4):
         writer = load_language_model(path, "cpu")  # plain attention: it writes the generated text
         texts["generated"] = load_calibration_data(ask(GENERATED_DATASET, args.calib_samples), model.tokenizer,
                                                    model=writer)
@@ -164,7 +256,7 @@ def main() -> int:
     print(f"\n{args.model}: calibrated on {args.calib_samples} x {args.seq_len} tokens, {args.heldout_samples} held-out "
           f"records, {len(items)} fp8kv_arith_mc items ({time.perf_counter() - clock:.0f} s)\n")
     print(markdown(rows))
-    common.write_results("real_model", rows, args)
+    common.write_results("real_model_nvfp4" if nvfp4 else "real_model", rows, args)
     return 0
 
 

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fp8kv.cli import app
-from fp8kv.engine_models import CheckpointTraits, engine_model
+from fp8kv.engine_models import NVFP4_LOADERS, CheckpointTraits, engine_model
 from fp8kv.hub.card import render_card
 from fp8kv.serving import HOLDS, NOT_RUN, NOT_STARTED, UNCHECKED, loss_line, serving, traits_of
 from fp8kv.tools.factory import make_checkpoint
@@ -143,6 +143,14 @@ def test_a_folder_without_a_model_class_is_unchecked(tmp_path):
     assert sglang.line == (f"sglang@0.5.23: sglang 0.5.23's loader has not been run on this model here "
                            f"({SGLANG_MATRIX}), so whether it holds these scales is unchecked: "
                            f"fp8kv load-check {tmp_path} --engine sglang --python ENGINE_VENV/bin/python")
+
+
+def test_readme_serves_an_nvfp4_folder_as_each_nvfp4_row_spells_it():
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    serve = readme[readme.index("## Serve the output"):]
+    serve = serve[:serve.index("\n## ", 1)]
+    missing = [loader.name for loader in NVFP4_LOADERS if f"`{loader.serve.format(model='DIR')}`" not in serve]
+    assert not missing
 
 
 def test_readme_serve_table_says_per_architecture_and_links_the_loader_matrix():
