@@ -491,9 +491,17 @@ class Nvfp4Loader:
         refused = sorted(traits.head_dims.intersection(self.refuses_head_dims))
         return f"{self.refusal} (this model's head_dim: {', '.join(map(str, refused))})" if refused else ""
 
+    def not_loaded(self, traits: Nvfp4Traits) -> str:
+        """How the release leaves the global scales of a checkpoint of `traits` out; "" where it loads them."""
+        if not self.loads:
+            return "does not load the scales"
+        if traits.kv_only and not self.loads_kv_only:
+            return "does not load the scales of a KV-only folder (only beside quantized weights)"
+        return ""
+
     def loads_for(self, traits: Nvfp4Traits) -> bool:
         """Whether the release loads the global scales of a checkpoint of `traits`."""
-        return self.loads and (self.loads_kv_only or not traits.kv_only)
+        return not self.not_loaded(traits)
 
     @property
     def name(self) -> str:

@@ -128,9 +128,9 @@ def nvfp4_line(loader: Nvfp4Loader, divisor: float, headroom: float | None, trai
     refused = loader.refused(traits)
     if refused:
         return f"{loader.name}: does not start this model's NVFP4 cache: {refused} ({loader.known_by})"
-    if not loader.loads_for(traits):
-        beside = " of a KV-only folder (only beside quantized weights)" if loader.loads else ""
-        return f"{loader.name}: does not load the scales{beside}: the global scale stays 1.0 ({loader.known_by})"
+    not_loaded = loader.not_loaded(traits)
+    if not_loaded:
+        return f"{loader.name}: {not_loaded}: the global scale stays 1.0 ({loader.known_by})"
     ran = divisor / loader.factor  # the global scale it runs is amax x headroom / ran
     how = "as stored" if loader.factor == 1.0 else f"x{loader.factor:g}" + (" (a stored 1.0 stays 1.0)"
                                                                              if loader.keeps_unit else "")

@@ -135,6 +135,11 @@ def test_an_uncalibrated_cache_runs_global_scale_one_the_unit_figure_of_its_read
     assert unloaded.accuracy.kl_mean == sm100.accuracy.kl_mean_unit  # the same fp8-read cache at 1.0
     (info,) = [r for r in own.reasons if r.engines == (NOT_LOADED,)]
     assert info.level == "INFO" and "does not load the scales: its NVFP4 cache runs global scale 1.0" in info.message
+    # the same commit with TRTLLM_LOAD_KV_SCALES=1 loads scales only beside quantized weights: not this KV-only folder's
+    (kv_only,) = [r for r in own.reasons if r.engines == (f"{NOT_LOADED} with TRTLLM_LOAD_KV_SCALES=1",)]
+    assert kv_only.level == "INFO" and kv_only.message.startswith(
+        f"{NOT_LOADED} with TRTLLM_LOAD_KV_SCALES=1 does not load the scales of a KV-only folder (only beside quantized "
+        "weights): its NVFP4 cache runs global scale 1.0")
     assert {d.measure for d in sm100.accuracy.versus_unit} == {"kl_mean", "top1_agreement", "nll"}
 
 

@@ -68,7 +68,7 @@ def check_device(device: RuntimeDevice) -> None:
 class Nvfp4Path:
     """One path verify runs: its name, how fp8kv knows it, the cache it writes (`runtime.nvfp4_cache`), the read
     its attention takes ("fp8" or "float32"), and the global scale it holds: the stored one where it `loads` them,
-    times `factor` (a stored 1.0 kept where `keeps_unit`), else 1.0."""
+    times `factor` (a stored 1.0 kept where `keeps_unit`), else 1.0 (`not_loaded` says how it leaves them out)."""
 
     name: str
     known_by: str
@@ -77,12 +77,14 @@ class Nvfp4Path:
     loads: bool
     factor: float
     keeps_unit: bool
+    not_loaded: str = ""
 
     @classmethod
     def of(cls, loader: Nvfp4Loader, traits: Nvfp4Traits) -> Nvfp4Path:
         """The path of one `[[nvfp4]]` row for a checkpoint of `traits`."""
+        not_loaded = loader.not_loaded(traits)
         return cls(loader.name, loader.known_by, loader.write, "fp8" if loader.fp8_dequant else "float32",
-                   loader.loads_for(traits), loader.factor, loader.keeps_unit)
+                   not not_loaded, loader.factor, loader.keeps_unit, not_loaded)
 
 
 # fp8_k_nvfp4_v's one path, no release's: the stored scales as they are, K written as the fp8 cache verify compares
@@ -334,8 +336,8 @@ def path_reasons(judged: tuple[Nvfp4Path, ...], paths: list[Nvfp4PathResult], co
         if run.cache == FP8_K_NVFP4_V:
             reasons += _fp8_k_reasons(path, figures, thresholds)
         if not run.loads:
-            reasons.append(Finding(INFO, f"{path.path} does not load the scales: its NVFP4 cache runs global scale "
-                                         f"1.0, the unit-scale figure ({figures}; {run.known_by})", name))
+            reasons.append(Finding(INFO, f"{path.path} {run.not_loaded}: its NVFP4 cache runs global scale 1.0, "
+                                         f"the unit-scale figure ({figures}; {run.known_by})", name))
         elif run.read == "fp8" and ran > BOUND:
             reasons.append(Finding(FAIL, f"{path.path} runs the stored {convention.name} global scale "
                                          f"{_times(run)}= amax / {ran:g}: its e4m3 dequantization overflows wherever "
