@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 
-def build(source: Path, function: str, flags: Sequence[str]) -> tuple[Any, str]:
-    """`function` of `source` compiled with `flags` (and -shared -fPIC), as a ctypes function to give argtypes to
-    (None where it did not build or load), and "built" or why not. Each process builds its own (a fraction of a
-    second) in a private temporary folder, gone before the function runs: nothing is written anywhere else, and no
-    library another process could have replaced is ever loaded."""
+def build(source: Path, function: str, flags: Sequence[str], argtypes: Sequence[Any]) -> tuple[Any, str]:
+    """`function` of `source` compiled with `flags` (and -shared -fPIC), as a ctypes function taking `argtypes` and
+    returning nothing (None where it did not build or load), and "built" or why not. Each process builds its own (a
+    fraction of a second) in a private temporary folder, gone before the function runs: nothing is written anywhere
+    else, and no library another process could have replaced is ever loaded."""
     compiler = os.environ.get("CC") or "cc"
     command = [compiler, *flags, "-shared", "-fPIC"]
     with tempfile.TemporaryDirectory(prefix=f"fp8kv-{source.stem.replace('_', '-')}-") as scratch:
@@ -26,8 +26,14 @@ def build(source: Path, function: str, flags: Sequence[str]) -> tuple[Any, str]:
             loaded = getattr(ctypes.CDLL(str(library)), function)  # stays mapped once its file is gone
         except (OSError, AttributeError, subprocess.SubprocessError) as error:
             return None, f"{' '.join(command)}: {_reason(error)}"
-    loaded.restype = None
+    loaded.argtypes, loaded.restype = list(argtypes), None
     return loaded, "built"
+
+
+def route(built: tuple[Any, str]) -> str:
+    """What runs where a caller takes `build`'s result: the compiled kernel, or torch and why."""
+    function, how = built
+    return "compiled kernel" if function is not None else f"torch ({how})"
 
 
 def _reason(error: OSError | AttributeError | subprocess.SubprocessError) -> str:

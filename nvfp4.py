@@ -42,7 +42,7 @@ from typing import Callable, Literal, NamedTuple
 
 import torch
 
-from fp8kv.ckernel import build
+from fp8kv.ckernel import build, route
 from fp8kv.errors import Fp8kvError
 from fp8kv.fp8 import FP8_DTYPES, to_float32, to_fp8
 from fp8kv.kvdtypes import E2M1_MAGNITUDES, E2M1_MAX, FP8_MAX, NVFP4_BLOCK_SIZE, NVFP4_BLOCK_SCALE_DTYPE
@@ -225,17 +225,14 @@ def torch_quantize(x: torch.Tensor, scale: torch.Tensor | float, *,
 
 def quantize_route() -> str:
     """How `quantize` writes on this machine's CPU: the compiled kernel, or torch and why."""
-    kernel, how = _kernel()
-    return "compiled kernel" if kernel is not None else f"torch ({how})"
+    return route(_kernel())
 
 
 @functools.cache
 def _kernel() -> tuple[Callable[..., None] | None, str]:
     """The kernel's function (None where there is none) and how it came or why not (`ckernel.build`)."""
-    function, how = build(KERNEL_SOURCE, "nvfp4_write", COMPILE_FLAGS)
-    if function is not None:
-        function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 5
-    return function, how
+    return build(KERNEL_SOURCE, "nvfp4_write", COMPILE_FLAGS,
+                 [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 5)
 
 
 @functools.cache

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from fp8kv.ckernel import build
+from fp8kv.ckernel import build, route
 
 AMX_TILE_DEPTH = 32  # terms one AMX tile instruction sums: 16 bf16 pairs, head dims for Q·K, keys for P·V
 KERNEL_SOURCE = Path(__file__).with_name("amx_tiles.c")
@@ -82,14 +82,11 @@ def torch_tile_matmul(a: torch.Tensor, w: torch.Tensor, floor: float) -> torch.T
 
 def tile_sums_route() -> str:
     """How `tile_matmul` sums on this machine: the compiled kernel, or torch and why."""
-    kernel, how = _kernel()
-    return "compiled kernel" if kernel is not None else f"torch ({how})"
+    return route(_kernel())
 
 
 @functools.cache
 def _kernel() -> tuple[Callable[..., None] | None, str]:
     """The kernel's function (None where there is none) and how it came or why not (`ckernel.build`: 0.3 s)."""
-    function, how = build(KERNEL_SOURCE, "tile_matmul", COMPILE_FLAGS)
-    if function is not None:
-        function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 7 + [ctypes.c_float]
-    return function, how
+    return build(KERNEL_SOURCE, "tile_matmul", COMPILE_FLAGS,
+                 [ctypes.c_void_p] * 3 + [ctypes.c_long] * 7 + [ctypes.c_float])
