@@ -15,3 +15,10 @@ def write_json(path: Path | None, result: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def emit_json(path: Path | None, result: dict[str, Any]) -> None:
+    """A script's whole result to `path` where given (its --out), else to stdout as one line of JSON."""
+    if path is None:
+        print(json.dumps(result))
+    write_json(path, result)

@@ -40,7 +40,7 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
 sys.path.insert(0, str(_HERE))
-from outputs import write_json  # noqa: E402  (probes/outputs.py, beside this script)
+from outputs import emit_json  # noqa: E402  (probes/outputs.py, beside this script)
 
 # is_sm100_supported() is compute capability 10.x: what each GPU generation of the rows answers
 GPUS = {"sm100": True, "sm120": False}
@@ -187,9 +187,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="sglang-nvfp4-") as scratch:
             copy = _unit_copy(args.checkpoint, args.unit_layer, Path(scratch))
             out["checkpoints"][f"layer {args.unit_layer} stores k_scale 1.0"] = _checkpoint(loader, copy, recipe)
-    if args.out is None:
-        print(json.dumps(out))
-    write_json(args.out, out)
+    emit_json(args.out, out)
     return 0
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
-from outputs import write_json  # noqa: E402  (probes/outputs.py, beside this script)
+from outputs import emit_json  # noqa: E402  (probes/outputs.py, beside this script)
 
 GPUS = {"sm100": {"is_sm100": True}, "sm120": {"is_sm100": False, "is_sm120": True}}
 SM90 = {"is_sm100": False, "is_sm120": False, "is_sm90": True}  # the platform the pure-torch dequantize needs
@@ -138,11 +138,7 @@ def main() -> int:
            "meta": {"sglang": sglang.__version__, "flashinfer": flashinfer.__version__, "torch": torch.__version__},
            "sources_sha256": _sources(), "quantize_on_cpu": _quantize_refusals(), "v_scale_swizzle": _swizzles(),
            "dequantize": _dequantize()}
-    if args.out is None:
-        import json
-
-        print(json.dumps(out))
-    write_json(args.out, out)
+    emit_json(args.out, out)
     return 0
 
 
