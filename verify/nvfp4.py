@@ -168,7 +168,7 @@ def heldout_checks(request: VerifyRequest, static: StaticResult, data: Calibrati
     announce(progress, f"bf16 / fp8 / {len(caches)} NVFP4 caches for {path_count} ({len(data.samples)} samples)")
     references, scores, seconds = score(bf16, fp8, fp8_unit, caches, data.samples, request.batch_size)
     timings["accuracy"] = time.perf_counter() - clock
-    timings["prefill bf16 / fp8 / fp8 at 1.0"] = seconds[REFERENCES]
+    timings["prefill bf16 / fp8 / fp8 at 1.0"] = seconds[id(bf16)]
     timings |= {f"prefill {_cache_label(runs, cache)}": seconds[id(cache)] for cache in caches}
     results = [Nvfp4PathResult(run.path.name, run.path.known_by, run.path.read, run.path.loads, run.path.factor,
                                run.k, run.v, _writes(run.cache),
@@ -259,19 +259,16 @@ def _cache_label(runs: list[PathRun], cache: PagedModelRunner) -> str:
     return f"{path.cache}, {path.read} read: {'; '.join(uses)}"
 
 
-REFERENCES = 0  # `score`'s seconds key of the bf16, fp8 and fp8-at-1.0 runners together (no runner's id is 0)
-
-
 def score(bf16: PagedModelRunner, fp8: PagedModelRunner, fp8_unit: PagedModelRunner, runners: list[PagedModelRunner],
           samples: list[list[int]], batch_size: int) -> tuple[References, dict[int, Scores], dict[int, float]]:
     """Prefill every held-out sample once on each runner (`batch_size` at a time), scoring each NVFP4 runner's
     logits against the bf16 and the fp8 cache's as they arrive; keyed by `id(runner)`, with the seconds each runner
-    took (prefills and scoring; the three references under `REFERENCES`). As in `measure_accuracy`, a row an earlier
-    sample predicts too is scored there alone, and a sample holding nothing new is left out."""
+    took (prefills and scoring; the three references together under `bf16`'s). As in `measure_accuracy`, a row an
+    earlier sample predicts too is scored there alone, and a sample holding nothing new is left out."""
     new = [(ids, repeated) for ids, repeated in zip(samples, repeated_prefixes(samples)) if repeated < len(ids)]
     fp8_totals, rows, bf16_nll, fp8_nll = Totals(), [], [], []
     scores = {id(runner): Scores([], []) for runner in runners}
-    seconds = dict.fromkeys([REFERENCES, *scores], 0.0)
+    seconds = dict.fromkeys([id(bf16), *scores], 0.0)
     for start in range(0, len(new), batch_size):
         clock = time.perf_counter()
         batch, skip = [ids for ids, _ in new[start:start + batch_size]], [n for _, n in new[start:start + batch_size]]
@@ -287,7 +284,7 @@ def score(bf16: PagedModelRunner, fp8: PagedModelRunner, fp8_unit: PagedModelRun
             rows.append(len(ids) - n)
             bf16_nll.append(to_bf16[i].nll)
             fp8_nll.append(to_fp8[i].nll)
-        seconds[REFERENCES] += time.perf_counter() - clock
+        seconds[id(bf16)] += time.perf_counter() - clock
         for runner in runners:
             clock = time.perf_counter()
             for ids, n, out, b, f in zip(batch, skip, prefill(runner, batch, None), to_bf16, to_fp8):
