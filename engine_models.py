@@ -13,6 +13,7 @@ explains the table.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -422,7 +423,13 @@ def _hardware_path(row: dict[str, Any]) -> HardwarePath:
 
 def _rows(section: str) -> list[dict[str, Any]]:
     """The rows of one section of configs/engines.toml."""
-    return tomllib.loads(files("fp8kv.configs").joinpath(RELEASES_FILE).read_text(encoding="utf-8"))[section]
+    return _sections()[section]
+
+
+@functools.cache
+def _sections() -> dict[str, Any]:
+    """configs/engines.toml, parsed once for all its sections (each parse takes milliseconds of every start)."""
+    return tomllib.loads(files("fp8kv.configs").joinpath(RELEASES_FILE).read_text(encoding="utf-8"))
 
 
 def _read_releases() -> tuple[EngineModel, ...]:
